@@ -1,0 +1,178 @@
+"""`posttrainllm` console script: subcommands dispatched to Hydra apps over conf/.
+
+    posttrainllm bench [--grid] [-m] [overrides...]   one point (or a Hydra multirun), printed as a table
+    posttrainllm bench-train [overrides...]           the end-to-end training step of one point
+    posttrainllm sweep [sweep=NAME] [overrides...]    plan a sweep into params.yaml for `dvc repro`
+
+Every subcommand keeps Hydra's full override syntax (`--cfg job`, `--help`, `-m`).
+Overrides are checked before anything runs or is written: a bad one prints one
+line naming the valid choices and exits with 2.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import hydra
+from omegaconf import DictConfig
+
+from posttrainllm.config import CONF_DIR, ConfigError, LabConfig, load, validate
+
+EXIT_CONTRACT, EXIT_CONFIG = 1, 2
+STAGE_FILES = ("reference.pt", "kernel.pt", "kernel.json", "parity.json", "microbench.json", "timings.csv",
+               "bench_train.json", "receipt.json", "metrics.json", "config.yaml")
+_broken: list[str] = []  # points whose contract broke in this invocation (a multirun keeps going)
+
+
+def _fail_config(exc: ConfigError) -> None:
+    print(f"posttrainllm: config error: {exc}", file=sys.stderr)
+    raise SystemExit(EXIT_CONFIG)
+
+
+def _point(cfg: DictConfig, default_name: str) -> LabConfig:
+    """Validate the composed config; name the point after its overrides unless run.name was set."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        lab = validate(cfg)
+    except ConfigError as exc:
+        _fail_config(exc)
+    if lab.run.name == "bench":
+        lab.run.name = HydraConfig.get().job.override_dirname or default_name
+        validate(lab)  # the derived name must be a valid folder name too
+    return lab
+
+
+def _fresh_point_dir(lab: LabConfig) -> Path:
+    """The point's folder, emptied of an earlier run's stage files so the receipt mixes no two runs."""
+    from posttrainllm.stages import point_dir
+
+    out = point_dir(lab)
+    for name in STAGE_FILES:
+        (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _record(lab: LabConfig) -> dict[str, Any]:
+    from posttrainllm import receipt
+
+    done, run_id = receipt.record(lab)
+    if run_id:
+        print(f"receipt: {receipt.point_dir(lab) / 'receipt.json'}  mlflow run {run_id} ({receipt.tracking_uri()})")
+    else:
+        print(f"receipt: {receipt.point_dir(lab) / 'receipt.json'}")
+    return done
+
+
+def bench_point(cfg: DictConfig) -> None:
+    """reference -> kernel -> parity -> microbench -> receipt, in this process, then a table."""
+    from posttrainllm import device as devices, report, stages
+
+    lab = _point(cfg, "bench")
+    devices.prepare(lab.device.name, lab.bench.threads)
+    out = _fresh_point_dir(lab)
+    stages.run_reference(lab, out)
+    stages.run_kernel(lab, out)
+    try:
+        stages.run_parity(lab, out)
+    except stages.ContractBroken as exc:
+        _broken.append(f"{lab.run.name}: {exc}")
+    stages.run_microbench(lab, out)  # paths that broke the contract get no timing
+    print(report.point_table(_record(lab)))
+
+
+def bench_train_point(cfg: DictConfig) -> None:
+    """The end-to-end training step of one point, then a table."""
+    from posttrainllm import device as devices, report, stages
+
+    lab = _point(cfg, "train")
+    devices.prepare(lab.device.name, lab.bench.threads)
+    out = _fresh_point_dir(lab)
+    try:
+        stages.run_bench_train(lab, out)
+    except stages.ContractBroken as exc:
+        _broken.append(f"{lab.run.name}: {exc}")
+    print(report.train_table(_record(lab)))
+
+
+def plan_sweep(cfg: DictConfig) -> None:
+    """Write the sweep's points to params.yaml and list them."""
+    from posttrainllm import sweep
+    from posttrainllm.pipeline import PARAMS
+
+    try:
+        lab = validate(cfg)
+        params = sweep.plan(lab.sweep)
+    except ConfigError as exc:
+        _fail_config(exc)
+    sweep.write_params(params, PARAMS)
+    print(f"{PARAMS}: sweep {params['sweep']['name']!r}, {len(params['points'])} points")
+    for name, point in params["points"].items():
+        changes = ", ".join(f"{k}={v}" for k, v in point["changes"].items()) or "(baseline)"
+        print(f"  {name:<24} {changes}")
+    print("run them with: dvc repro")
+
+
+COMMANDS: dict[str, Callable[[DictConfig], None]] = {
+    "bench": bench_point,
+    "bench-train": bench_train_point,
+    "sweep": plan_sweep,
+}
+
+
+def _overrides(args: list[str]) -> list[str]:
+    """The `key=value` arguments (Hydra's own flags start with '-')."""
+    return [a for a in args if "=" in a and not a.startswith("-")]
+
+
+def _check_before_running(args: list[str], grid: bool) -> None:
+    """Compose every value of every override once, so a bad one fails before anything is written."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from posttrainllm.config import check_group_choices
+    from posttrainllm.sweep import refuse_multi_dimension_multirun
+
+    overrides = _overrides(args)
+    check_group_choices(overrides)
+    refuse_multi_dimension_multirun(overrides, grid)
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    sweeps = {i: list(o.sweep_string_iterator()) for i, o in enumerate(parsed) if o.is_sweep_override()}
+    first = [f"{o.input_line.split('=')[0]}={sweeps[i][0]}" if i in sweeps else overrides[i]
+             for i, o in enumerate(parsed)]
+    load(first)
+    for i, values in sweeps.items():
+        for value in values[1:]:
+            load(first[:i] + [f"{parsed[i].input_line.split('=')[0]}={value}"] + first[i + 1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in COMMANDS:
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if args and args[0] in ("-h", "--help") else EXIT_CONFIG
+    command, rest = args[0], args[1:]
+    grid = "--grid" in rest
+    rest = [a for a in rest if a != "--grid"]
+    try:
+        _check_before_running(rest, grid)
+    except ConfigError as exc:
+        print(f"posttrainllm: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    _broken.clear()
+    app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(COMMANDS[command])
+    saved_argv = sys.argv
+    sys.argv = [f"posttrainllm {command}", *rest]
+    try:
+        app()
+    finally:
+        sys.argv = saved_argv
+    for line in _broken:
+        print(f"posttrainllm: contract broken: {line}", file=sys.stderr)
+    return EXIT_CONTRACT if _broken else 0
+
+
+__all__ = ["main", "shutil"]

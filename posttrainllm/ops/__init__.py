@@ -1,0 +1,40 @@
+"""Triton kernels, one op family per module (matmul, attention).
+
+Shared here: how a kernel learns that it runs under Triton's interpreter
+(`TRITON_INTERPRET=1`, the CPU path), and the one numerical emulation the kernels
+apply there, so that receipts can state it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+BF16_INTERPRETER_REASON = (
+    "bf16 tl.dot operands upcast to fp32 and output rounded to bf16 by PyTorch: "
+    "Triton's interpreter computes on raw bf16 bits (triton-lang/triton#11584)"
+)
+
+
+def is_interpreted() -> bool:
+    """True when Triton kernels run through the interpreter instead of a GPU compiler."""
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:
+        return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def interpreter_emulation(dtype: torch.dtype) -> str | None:
+    """Why the kernels compute differently from the GPU for `dtype` here, or None if they don't."""
+    if dtype == torch.bfloat16 and is_interpreted():
+        return BF16_INTERPRETER_REASON
+    return None
+
+
+def use_bf16_emulation(dtype: torch.dtype, emulate_bf16: bool | None) -> bool:
+    """Resolve a launcher's `emulate_bf16` switch: None = automatic, False/True force it (bf16 only)."""
+    if emulate_bf16 is None:
+        return interpreter_emulation(dtype) is not None
+    return emulate_bf16 and dtype == torch.bfloat16

@@ -1,0 +1,157 @@
+"""Tiled GEMM, C = A @ B, with grouped program ordering.
+
+Each program computes one (BLOCK_M, BLOCK_N) tile of C, walking K in BLOCK_K
+steps with an fp32 accumulator. Programs are numbered in groups of GROUP_M tile
+rows ("super-grouping", as in Triton's matmul tutorial): consecutive programs
+share the same columns of B while they are hot in L2, instead of sweeping a whole
+row of C and evicting B.
+
+bf16 under Triton's interpreter: loads of bf16 and `.to(tl.float32)` on them are
+exact, and storing a bf16 tile is exact, but `tl.dot` computes on the raw bf16
+bits (errors ~1e8 and more) and fp32 -> bf16 conversion truncates instead of
+rounding to nearest. With UPCAST_DOT the dot operands are upcast to fp32 (bf16
+products are exact in fp32, so this matches the GPU's bf16 MMA up to summation
+order) and the kernel stores fp32, which PyTorch rounds to bf16.
+
+Shapes: a (M, K), b (K, N) -> c (M, N).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from posttrainllm.ops import use_bf16_emulation
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INPUT_PRECISIONS = ("ieee", "tf32")
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, c_ptr,
+    M, N, K,
+    stride_am, stride_ak,
+    stride_bk, stride_bn,
+    stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    # -- grouped ordering: program id -> (pid_m, pid_n), GROUP_M tile rows at a time
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # -- pointers to the first K-slab of A (BLOCK_M, BLOCK_K) and B (BLOCK_K, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+
+    # -- walk K; masked lanes load 0 so a ragged last slab adds nothing
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # -- write the tile in C's dtype (fp32 when the launcher emulates bf16)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _check_block(name: str, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two >= 16")
+
+
+def matmul_launch(
+    M: int, N: int, K: int, *, block_m: int, block_n: int, block_k: int, group_m: int,
+    num_warps: int, num_stages: int,
+) -> dict:
+    """Dispatch geometry for an (M, K) @ (K, N) product: one program per C tile."""
+    for name, size in (("M", M), ("N", N), ("K", K)):
+        if size < 1:
+            raise ValueError(f"{name}={size} must be >= 1")
+    for name, block in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        _check_block(name, block)
+    if group_m < 1:
+        raise ValueError(f"group_m={group_m} must be >= 1")
+    if num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps={num_warps} must be a power of two")
+    if num_stages < 1:
+        raise ValueError(f"num_stages={num_stages} must be >= 1")
+    n_programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    return {
+        "grid": [n_programs],
+        "block_m": block_m, "block_n": block_n, "block_k": block_k, "group_m": group_m,
+        "num_warps": num_warps, "num_stages": num_stages,
+    }
+
+
+def triton_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    block_k: int = 32,
+    group_m: int = 8,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    input_precision: str = "ieee",
+    emulate_bf16: bool | None = None,
+) -> torch.Tensor:
+    """a (M, K) @ b (K, N) -> (M, N) in a's dtype; any strides.
+
+    input_precision is tl.dot's: "ieee" for true fp32, "tf32" for TF32 tensor cores
+    (16-bit inputs ignore it). emulate_bf16: None = upcast bf16 dot operands only
+    under the interpreter; False/True force it off/on.
+    """
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"expected 2-D a (M, K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"inner dims differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"dtype mismatch: a is {a.dtype}, b is {b.dtype}")
+    if a.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {a.dtype} not supported; choose one of {SUPPORTED_DTYPES}")
+    if a.device != b.device:
+        raise ValueError(f"device mismatch: a is on {a.device}, b is on {b.device}")
+    if input_precision not in INPUT_PRECISIONS:
+        raise ValueError(f"input_precision={input_precision!r}; choose one of {INPUT_PRECISIONS}")
+
+    (M, K), N = a.shape, b.shape[1]
+    launch = matmul_launch(
+        M, N, K, block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    upcast = use_bf16_emulation(a.dtype, emulate_bf16)
+    c = torch.empty((M, N), device=a.device, dtype=torch.float32 if upcast else a.dtype)
+    _matmul_kernel[tuple(launch["grid"])](
+        a, b, c,
+        M, N, K,
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1),
+        c.stride(0), c.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        INPUT_PRECISION=input_precision, UPCAST_DOT=upcast,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return c.to(a.dtype)

@@ -1,0 +1,66 @@
+"""Readable tables of receipts (pandas), for the terminal and for the README."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def point_table(receipt: dict[str, Any]) -> str:
+    """One row per path: parity verdict and worst error, then timing and throughput where valid."""
+    parity = (receipt.get("parity") or {}).get("paths", {})
+    bench = (receipt.get("microbench") or {}).get("paths", {})
+    rows = []
+    for name in dict.fromkeys([*bench, *parity]):
+        p, b = parity.get(name, {}), bench.get(name, {})
+        worst = p.get("worst", {}).get("out", {})
+        valid = b.get("valid", False)
+        note = "; ".join(filter(None, [
+            "bf16 emulated (see receipt)" if p.get("emulation") else "",
+            "interpreted: not speed" if b.get("reason", "").startswith("Triton ran through") else b.get("reason", ""),
+        ]))
+        rows.append({
+            "path": name,
+            "parity": p.get("verdict", "baseline" if name == "reference" else "-"),
+            "max_abs_err": _fmt(worst.get("max_abs_err"), ".2e"),
+            "allowed": _fmt(worst.get("allowed_abs_err"), ".2e"),
+            "median_ms": _fmt(b.get("median_ms") if valid else None, ".3f"),
+            "p20-p80_ms": f"{b['p20_ms']:.3f}-{b['p80_ms']:.3f}" if valid else "-",
+            "GFLOP/s": _fmt(b.get("gflops_per_s") if valid else None, ".2f"),
+            "GB/s": _fmt(b.get("gbytes_per_s") if valid else None, ".2f"),
+            "speedup": _fmt(b.get("speedup_vs_reference"), ".2f"),
+            "note": note,
+        })
+    machine = receipt["provenance"]["machine"]
+    head = (f"point {receipt['point']}: {(receipt.get('microbench') or {}).get('problem', '')} "
+            f"{receipt['config']['precision']['name']} on {machine['device_name']} ({machine['threads']} threads), "
+            f"parity {(receipt.get('parity') or {}).get('verdict', 'missing')}")
+    return head + "\n" + pd.DataFrame(rows).to_string(index=False)
+
+
+def train_table(receipt: dict[str, Any]) -> str:
+    """One row per attention implementation of bench-train."""
+    train = receipt.get("bench_train")
+    if not train:
+        return f"point {receipt['point']}: no bench-train result"
+    rows = []
+    for name, entry in train["impls"].items():
+        valid = entry.get("timing_valid", True)
+        rows.append({
+            "attention": name,
+            "warm_ms/step": _fmt(entry["warm_ms_per_step"] if valid else None, ".1f"),
+            "tokens/s": _fmt(entry["tokens_per_s"] if valid else None, ".0f"),
+            "loss[0]": f"{entry['losses'][0]:.4f}",
+            f"loss[{len(entry['losses']) - 1}]": f"{entry['losses'][-1]:.4f}",
+            "drift": _fmt(train["drift"].get(name), ".2e"),
+            "verdict": train.get("drift_verdict", {}).get(name, "reference"),
+        })
+    head = (f"point {receipt['point']}: bench-train {receipt['config']['architecture']['name']} "
+            f"{train['precision']} on {train['device']}, {train['tokens_per_step']} tokens/step, "
+            f"drift limit {train['drift_limit']:g}")
+    return head + "\n" + pd.DataFrame(rows).to_string(index=False)

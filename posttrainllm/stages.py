@@ -1,0 +1,232 @@
+"""The stages of one point, in order: reference -> kernel -> parity -> microbench -> bench-train -> receipt.
+
+Each stage reads the config and the files earlier stages wrote in the point's
+folder, and writes its own files there. None talks to MLflow but the receipt.
+DVC runs them one process per stage (pipelines/*.py); `posttrainllm bench` runs
+the same functions in one process.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrainllm import costs, device as devices, parity, paths
+from posttrainllm.config import LabConfig, itemsize
+from posttrainllm.paths import REFERENCE, Case
+from posttrainllm.timing import measure
+
+INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
+
+
+class ContractBroken(RuntimeError):
+    """A path broke its numerical contract; the stage's report is already written."""
+
+
+def point_dir(cfg: LabConfig) -> Path:
+    return Path(cfg.run.out_dir) / cfg.run.name
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _dtype(cfg: LabConfig) -> torch.dtype:
+    return getattr(torch, cfg.precision.dtype)
+
+
+def _to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in tensors.items()}
+
+
+def _emulation(impl: paths.Impl, cfg: LabConfig) -> str | None:
+    if impl.kind != "triton":
+        return None
+    from posttrainllm.ops import interpreter_emulation
+
+    return interpreter_emulation(_dtype(cfg))
+
+
+# --- reference ---------------------------------------------------------------------------
+
+
+def run_reference(cfg: LabConfig, out: Path) -> None:
+    """Inputs for every case, the fp64 oracle on them, and the same math in the point's precision."""
+    device = devices.prepare(cfg.device.name, cfg.bench.threads)
+    records = []
+    reference = paths.IMPLS[cfg.op.name][REFERENCE]
+    with paths.precision_context(cfg):
+        for case in paths.cases(cfg):
+            inputs = paths.make_inputs(case, cfg.op.name, _dtype(cfg), device)
+            oracle = reference.run({k: v.double() for k, v in inputs.items()}, cfg)
+            baseline = reference.run(inputs, cfg)
+            records.append({"case": asdict(case), "inputs": _to_cpu(inputs), "oracle": _to_cpu(oracle),
+                            "baseline": _to_cpu(baseline)})
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"op": cfg.op.name, "dtype": cfg.precision.dtype, "records": records}, out / "reference.pt")
+
+
+def _load_reference(out: Path) -> dict[str, Any]:
+    return torch.load(out / "reference.pt", weights_only=True)
+
+
+# --- kernel ------------------------------------------------------------------------------
+
+
+def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
+    """Every optimized path on the reference's inputs; records its dispatch geometry.
+
+    A path that raises is recorded with its error (parity then fails it) rather
+    than stopping the others.
+    """
+    device = devices.prepare(cfg.device.name, cfg.bench.threads)
+    ref = _load_reference(out)
+    main_case = Case(**ref["records"][0]["case"])
+    outputs: dict[str, list[dict[str, torch.Tensor]] | None] = {}
+    report: dict[str, Any] = {"device": device, "triton_interpreted": devices.triton_interpreted(), "paths": {}}
+    with paths.precision_context(cfg):
+        for impl in paths.optimized(cfg.op.name):
+            entry: dict[str, Any] = {"kind": impl.kind, "problem": paths.problem_dims(main_case, cfg.op.name),
+                                     "geometry": impl.geometry(main_case, cfg), "emulation": _emulation(impl, cfg)}
+            try:
+                outputs[impl.name] = [
+                    _to_cpu(impl.run({k: v.to(device) for k, v in rec["inputs"].items()}, cfg))
+                    for rec in ref["records"]
+                ]
+            except Exception as exc:  # a kernel that cannot run is a failed path, reported, not a crash
+                outputs[impl.name] = None
+                entry["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            report["paths"][impl.name] = entry
+    torch.save(outputs, out / "kernel.pt")
+    write_json(out / "kernel.json", report)
+    return report
+
+
+# --- parity ------------------------------------------------------------------------------
+
+
+def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
+    """Each path against the oracle under the point's contract. Raises ContractBroken after writing."""
+    ref = _load_reference(out)
+    kernel_outputs = torch.load(out / "kernel.pt", weights_only=True)
+    kernel_report = read_json(out / "kernel.json")
+    records = ref["records"]
+    case_names = [r["case"]["name"] for r in records]
+    contract = cfg.precision.contract
+    report: dict[str, Any] = {"precision": cfg.precision.name, "contract": asdict(contract),
+                              "rule": "max_abs_err <= error_multiple * baseline_max_abs_err + floor_rel * max|oracle|,"
+                                      " mismatch_frac <= max_mismatch, all finite",
+                              "cases": case_names, "paths": {}, "notes": []}
+    if cfg.precision.allow_tf32 and kernel_report["device"] != "cuda":
+        report["notes"].append("tf32 requested, but CPU torch and Triton's interpreter compute true fp32 here")
+    for name, outputs in kernel_outputs.items():
+        entry = kernel_report["paths"][name]
+        if outputs is None:
+            result = {"verdict": "fail", "failed_cases": [f"did not run: {entry['error']}"], "worst": {}, "cases": []}
+        else:
+            result = parity.check_path(outputs, [r["oracle"] for r in records], [r["baseline"] for r in records],
+                                       case_names, contract)
+        result["emulation"] = entry.get("emulation")
+        report["paths"][name] = result
+    report["verdict"] = "pass" if all(p["verdict"] == "pass" for p in report["paths"].values()) else "fail"
+    write_json(out / "parity.json", report)
+    broken = [name for name, p in report["paths"].items() if p["verdict"] != "pass"]
+    if broken:
+        first = report["paths"][broken[0]]["failed_cases"][0]
+        raise ContractBroken(f"{', '.join(broken)} broke the {cfg.precision.name} contract ({first})")
+    return report
+
+
+# --- microbench --------------------------------------------------------------------------
+
+
+def _flops_and_bytes(cfg: LabConfig, case: Case) -> tuple[int, int]:
+    d, size = case.dims, itemsize(cfg.precision.dtype)
+    if cfg.op.name == "attention":
+        return (costs.attention_flops(d["batch"], d["heads"], d["seq_len"], d["head_dim"], cfg.op.causal),
+                costs.attention_bytes(d["batch"], d["heads"], d["kv_heads"], d["seq_len"], d["head_dim"], size))
+    return costs.matmul_flops(d["m"], d["n"], d["k"]), costs.matmul_bytes(d["m"], d["n"], d["k"], size)
+
+
+def run_microbench(cfg: LabConfig, out: Path) -> dict[str, Any]:
+    """Warmed timing of the reference and every path that passed parity, on the point's own shape.
+
+    Achieved FLOP/s and GB/s use costs.py's formulas. Triton through its interpreter
+    is timed once and marked invalid: it never gets a throughput or a speedup.
+    """
+    device = devices.prepare(cfg.device.name, cfg.bench.threads)
+    verdicts = {name: p["verdict"] for name, p in read_json(out / "parity.json")["paths"].items()}
+    case = next(c for c in paths.cases(cfg) if c.main)
+    flops, nbytes = _flops_and_bytes(cfg, case)
+    inputs = paths.make_inputs(case, cfg.op.name, _dtype(cfg), device)
+    bench = cfg.bench
+    report: dict[str, Any] = {"device": device, "threads": torch.get_num_threads(), "case": case.name,
+                              "problem": paths.problem_dims(case, cfg.op.name), "flops": flops, "bytes": nbytes,
+                              "flops_formula": "attention: 4*B*H*S^2*D (x0.5 causal); matmul: 2*M*N*K",
+                              "bytes_formula": "inputs read once + outputs written once", "paths": {}}
+    rows = []
+    with paths.precision_context(cfg), torch.no_grad():
+        for name, impl in paths.IMPLS[cfg.op.name].items():
+            if name != REFERENCE and verdicts.get(name) != "pass":
+                report["paths"][name] = {"valid": False, "reason": "failed parity: no speed number"}
+                continue
+            interpreted = impl.kind == "triton" and devices.triton_interpreted()
+            reps = dict(warmup=0, reps=1, min_time_s=0.0, max_reps=1) if interpreted else dict(
+                warmup=bench.warmup, reps=bench.reps, min_time_s=bench.min_time_s, max_reps=bench.max_reps)
+            timing = measure(lambda: impl.run(inputs, cfg), device=device, **reps)
+            entry: dict[str, Any] = {"valid": not interpreted, **timing.summary()}
+            if interpreted:
+                entry["reason"] = INTERPRETER_NOT_SPEED
+            else:
+                seconds = timing.median_ms / 1e3
+                entry.update(gflops_per_s=flops / seconds / 1e9, gbytes_per_s=nbytes / seconds / 1e9)
+            report["paths"][name] = entry
+            rows += [{"impl": name, "rep": i, "ms": ms, "valid": not interpreted} for i, ms in enumerate(timing.samples_ms)]
+    ref_ms = report["paths"][REFERENCE]["median_ms"]
+    for name, entry in report["paths"].items():
+        if entry["valid"] and name != REFERENCE:
+            entry["speedup_vs_reference"] = ref_ms / entry["median_ms"]
+    write_json(out / "microbench.json", report)
+    with open(out / "timings.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["op", "impl", "rep", "ms", "valid", "device", "threads", "problem"])
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({"op": cfg.op.name, **row, "device": device, "threads": report["threads"],
+                             "problem": report["problem"]})
+    return report
+
+
+# --- bench-train -------------------------------------------------------------------------
+
+
+def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
+    """The model from `architecture`, trained with each attention impl; loss drift against the reference."""
+    from posttrainllm.model import ModelConfig
+    from posttrainllm.train import bench_train
+
+    device = devices.prepare(cfg.device.name, cfg.bench.threads)
+    arch, train = cfg.architecture, cfg.train
+    model_cfg = ModelConfig(vocab_size=256, d_model=arch.d_model, n_layers=arch.n_layers, n_heads=arch.n_heads,
+                            n_kv_heads=arch.n_kv_heads, head_dim=arch.head_dim, mlp_hidden=arch.mlp_hidden,
+                            max_seq_len=train.seq_len)
+    result = bench_train(model_cfg, impls=list(train.impls), steps=train.steps, warmup_steps=train.warmup_steps,
+                         batch_size=train.batch_size, seq_len=train.seq_len, lr=train.lr, seed=train.seed,
+                         precision=cfg.precision.name, device=device)
+    limit = cfg.precision.contract.train_loss_drift
+    result["drift_limit"] = limit
+    result["drift_verdict"] = {name: "pass" if drift <= limit else "fail" for name, drift in result["drift"].items()}
+    write_json(out / "bench_train.json", result)
+    broken = [name for name, verdict in result["drift_verdict"].items() if verdict != "pass"]
+    if broken:
+        raise ContractBroken(f"loss drift of {', '.join(broken)} exceeds train_loss_drift={limit:g}")
+    return result

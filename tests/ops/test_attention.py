@@ -1,0 +1,113 @@
+"""Triton flash-attention forward against the fp64 reference (runs under the interpreter on CPU)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from posttrainllm import reference
+from posttrainllm.ops import is_interpreted
+from posttrainllm.ops.attention import attention_launch, triton_attention
+
+# O: 16-bit outputs are off by their own rounding (and P's, on the GPU); L is fp32 throughout.
+DTYPE_TOL = [
+    (torch.float32, 1e-4, 1e-4),
+    (torch.float16, 2e-3, 2e-3),
+    (torch.bfloat16, 2e-2, 2e-2),
+]
+LSE_ATOL = 1e-4
+
+# (B, H, Hkv, S, D, block_q, block_kv): MHA, GQA, MQA; S ragged against both blocks.
+SHAPES = [
+    (2, 2, 2, 37, 16, 16, 32),
+    (1, 4, 2, 100, 64, 32, 16),
+    (1, 4, 1, 100, 128, 32, 32),
+    (1, 2, 2, 64, 32, 32, 32),
+]
+
+
+def _inputs(B, H, Hkv, S, D, dtype, device):
+    q = torch.randn(B, H, S, D, dtype=dtype, device=device)
+    k = torch.randn(B, Hkv, S, D, dtype=dtype, device=device)
+    v = torch.randn(B, Hkv, S, D, dtype=dtype, device=device)
+    return q, k, v
+
+
+def _oracle(q, k, v, **kw):
+    q, k, v = q.double(), k.double(), v.double()
+    return reference.attention(q, k, v, **kw), reference.attention_logsumexp(q, k, **kw)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPE_TOL)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("B, H, Hkv, S, D, block_q, block_kv", SHAPES)
+def test_matches_reference(B, H, Hkv, S, D, block_q, block_kv, causal, dtype, atol, rtol, device):
+    q, k, v = _inputs(B, H, Hkv, S, D, dtype, device)
+    o, lse = triton_attention(q, k, v, causal=causal, block_q=block_q, block_kv=block_kv)
+    ref_o, ref_lse = _oracle(q, k, v, causal=causal)
+    assert o.shape == q.shape and o.dtype == dtype
+    assert lse.shape == (B, H, S) and lse.dtype == torch.float32
+    torch.testing.assert_close(o.double(), ref_o, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_ATOL, rtol=0)
+
+
+def test_head_dim_not_power_of_two(device):
+    q, k, v = _inputs(1, 2, 1, 37, 24, torch.float32, device)
+    o, lse = triton_attention(q, k, v, block_q=16, block_kv=16)
+    ref_o, ref_lse = _oracle(q, k, v)
+    torch.testing.assert_close(o.double(), ref_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_ATOL, rtol=0)
+
+
+def test_strided_inputs_and_custom_scale(device):
+    # (B, S, H, D) buffers viewed as (B, H, S, D), as a fused QKV projection leaves them
+    q = torch.randn(1, 50, 4, 32, device=device).transpose(1, 2)
+    k = torch.randn(1, 50, 2, 32, device=device).transpose(1, 2)
+    v = torch.randn(1, 50, 2, 32, device=device).transpose(1, 2)
+    o, lse = triton_attention(q, k, v, sm_scale=0.3, block_q=32, block_kv=32)
+    ref_o, ref_lse = _oracle(q, k, v, sm_scale=0.3)
+    torch.testing.assert_close(o.double(), ref_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_ATOL, rtol=0)
+
+
+@pytest.mark.skipif(not is_interpreted(), reason="documents Triton's interpreter")
+def test_interpreter_bf16_is_wrong_without_emulation(device):
+    q, k, v = _inputs(1, 2, 2, 37, 32, torch.bfloat16, device)
+    o, lse = triton_attention(q, k, v, block_q=32, block_kv=32, emulate_bf16=False)
+    ref_o, ref_lse = _oracle(q, k, v)
+    o_err = (o.double() - ref_o).abs().nan_to_num(nan=math.inf).max().item()
+    lse_err = (lse.double() - ref_lse).abs().nan_to_num(nan=math.inf).max().item()
+    assert o_err > 1 and lse_err > 1e3, f"interpreter bf16 looks fixed (O err {o_err}, L err {lse_err})"
+
+
+def test_launch_geometry():
+    launch = attention_launch(2, 4, 100, 24, block_q=32, block_kv=16, num_warps=4, num_stages=2)
+    assert launch == {
+        "grid": [4, 8], "block_q": 32, "block_kv": 16, "block_d": 32, "num_warps": 4, "num_stages": 2,
+    }
+    json.dumps(launch)
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, kwargs, match",
+    [
+        ((1, 4, 16, 16), (1, 3, 16, 16), {}, "not a multiple of Hkv=3"),
+        ((1, 2, 16, 16), (1, 2, 16, 32), {}, "head dim mismatch"),
+        ((1, 2, 16, 16), (1, 2, 32, 16), {}, "sequence mismatch"),
+        ((1, 2, 16, 16), (2, 2, 16, 16), {}, "batch mismatch"),
+        ((2, 16, 16), (2, 16, 16), {}, "4-D"),
+        ((1, 2, 16, 16), (1, 2, 16, 16), {"block_q": 48}, "block_q=48 must be a power of two"),
+        ((1, 2, 16, 16), (1, 2, 16, 16), {"block_kv": 8}, "block_kv=8 must be a power of two >= 16"),
+    ],
+)
+def test_rejects_bad_input(q_shape, kv_shape, kwargs, match):
+    q, k = torch.randn(q_shape), torch.randn(kv_shape)
+    with pytest.raises(ValueError, match=match):
+        triton_attention(q, k, k.clone(), **kwargs)
+
+
+def test_rejects_mixed_dtypes():
+    q = torch.randn(1, 2, 16, 16)
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        triton_attention(q, q.half(), q)
