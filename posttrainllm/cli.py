@@ -11,7 +11,6 @@ line naming the valid choices and exits with 2.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -168,11 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = [f"posttrainllm {command}", *rest]
     try:
         app()
+    except SystemExit as exc:  # _fail_config inside a job, or Hydra's own exit
+        return exc.code if isinstance(exc.code, int) else EXIT_CONFIG
     finally:
         sys.argv = saved_argv
     for line in _broken:
         print(f"posttrainllm: contract broken: {line}", file=sys.stderr)
     return EXIT_CONTRACT if _broken else 0
 
-
-__all__ = ["main", "shutil"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -74,7 +75,9 @@ class Contract:
 
     def __post_init__(self) -> None:
         _positive("precision.contract", error_multiple=self.error_multiple, floor_rel=self.floor_rel,
-                  atol=self.atol, rtol=self.rtol, train_loss_drift=self.train_loss_drift)
+                  train_loss_drift=self.train_loss_drift)
+        _require(self.atol >= 0 and self.rtol >= 0,
+                 f"precision.contract: atol={self.atol} and rtol={self.rtol} must be >= 0")
         _require(0.0 <= self.max_mismatch < 1.0,
                  f"precision.contract.max_mismatch={self.max_mismatch}: must be in [0, 1)")
 
@@ -351,14 +354,17 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """Compose conf/config.yaml with Hydra overrides (no sweep syntax); errors are one line."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
     overrides = list(overrides)
     check_group_choices(overrides)
     try:
+        if GlobalHydra.instance().is_initialized():  # inside a @hydra.main app: same conf/ search path
+            return hydra_compose(config_name="config", overrides=overrides)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             return hydra_compose(config_name="config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as exc:
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
         unknown = re.match(r"Could not override '([^']+)'", str(exc))
         if unknown:
             raise ConfigError(_unknown_key_message(unknown.group(1))) from None

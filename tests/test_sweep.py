@@ -1,0 +1,94 @@
+"""The planner: one dimension at a time around a baseline, a grid only when asked, params.yaml in sync."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrainllm import cli, sweep
+from posttrainllm.config import PROJECT_ROOT, ConfigError, SweepConfig, load
+
+BASELINE = {"op": "attention", "precision": "fp32", "tile": "b32", "workgroup": "w4s2",
+            "architecture": "mha", "shape": "tiny", "device": "cpu"}
+
+
+def _sweep(**fields) -> SweepConfig:
+    return SweepConfig(**{"name": "t", "baseline": dict(BASELINE), **fields})
+
+
+def test_each_point_changes_exactly_one_dimension():
+    params = sweep.plan(load().sweep)
+    points = params["points"]
+    assert "baseline" in points and points["baseline"]["changes"] == {}
+    base = points["baseline"]["config"]
+    for name, point in points.items():
+        if name == "baseline":
+            continue
+        (dimension, option), = point["changes"].items()
+        assert name == f"{dimension}-{option}"
+        differing = {d for d in ("op", "precision", "tile", "workgroup", "architecture", "shape", "device")
+                     if point["config"][d] != base[d]}
+        assert differing == {dimension}
+
+
+def test_default_sweep_covers_every_dimension_the_user_named():
+    changed = {d for p in sweep.plan(load().sweep)["points"].values() for d in p["changes"]}
+    assert {"precision", "tile", "workgroup", "architecture"} <= changed
+
+
+def test_value_equal_to_baseline_is_not_a_new_point():
+    points = sweep.point_changes(_sweep(vary={"precision": ["fp32", "bf16"]}))
+    assert list(points) == ["baseline", "precision-bf16"]
+
+
+def test_point_changing_two_dimensions_is_refused():
+    with pytest.raises(ConfigError, match="changes precision and tile at once.*sweep.grid=true"):
+        sweep.point_changes(_sweep(points={"both": {"precision": "bf16", "tile": "b16"}}))
+
+
+def test_grid_must_be_asked_for():
+    points = sweep.point_changes(_sweep(grid=True, vary={"precision": ["bf16"], "tile": ["b16"]}))
+    assert points["precision-bf16_tile-b16"] == {"precision": "bf16", "tile": "b16"}
+    assert len(points) == 4
+    assert sweep.point_changes(_sweep(grid=True, points={"both": {"precision": "bf16", "tile": "b16"}}))["both"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"vary": {"colour": ["red"]}}, "unknown dimension 'colour': valid dimensions are op, precision"),
+    ({"vary": {"precision": ["fp8"]}}, "sweep.vary.precision: unknown precision 'fp8'"),
+    ({"baseline": {**BASELINE, "tile": "b7"}}, "sweep.baseline: unknown tile 'b7'"),
+])
+def test_bad_sweep_names_the_valid_choices(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        sweep.point_changes(_sweep(**fields))
+
+
+def test_point_whose_config_is_invalid_is_refused_by_name():
+    bad = _sweep(vary={"tile": ["b64"]}, overrides=["shape.seq_len=20"])
+    with pytest.raises(ConfigError, match="sweep point baseline: .*does not fit|sweep point tile-b64: .*does not fit"):
+        sweep.plan(bad)
+
+
+def test_committed_params_yaml_is_in_sync_with_conf():
+    committed = (PROJECT_ROOT / "params.yaml").read_text()
+    params = yaml.safe_load(committed)
+    cfg = load([f"sweep={params['sweep']['name']}"])
+    assert committed == sweep.render(sweep.plan(cfg.sweep)), (
+        "params.yaml is stale: run `posttrainllm sweep` and commit it")
+
+
+def test_sweep_command_writes_params(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["sweep", "sweep=smoke"]) == 0
+    params = yaml.safe_load(Path("params.yaml").read_text())
+    assert list(params["points"]) == ["baseline", "precision-fp16"]
+    assert "train.steps=4" in params["points"]["baseline"]["overrides"]
+    assert params["points"]["baseline"]["config"]["train"]["steps"] == 4
+    assert "2 points" in capsys.readouterr().out
+
+
+def test_multirun_over_two_dimensions_is_refused_without_grid(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "-m", "precision=fp32,fp16", "tile=b16,b32"]) == 2
+    assert "sweeps precision and tile at once" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
