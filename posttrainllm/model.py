@@ -1,0 +1,276 @@
+"""A small decoder-only transformer (Llama-shaped) whose attention is a switch.
+
+Pre-norm blocks: x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x)). RoPE on q and k,
+causal self-attention with n_kv_heads <= n_heads (MHA, GQA, MQA), SwiGLU MLP, untied
+head. The attention call is looked up by name in ATTENTION_IMPLS, so the same weights
+can be trained or evaluated with the readable reference, PyTorch SDPA, or a kernel
+registered later in one line:
+
+    register_attention("triton", lambda q, k, v: flash_attention(q, k, v, causal=True))
+
+Speed switches (torch.compile, precision) belong to the runner (train.py), not here.
+
+Shape legend
+    B   batch           T    sequence length      C    d_model
+    nh  query heads     nkv  key/value heads      hs   head_dim
+    V   vocab size      F    mlp_hidden
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posttrainllm import reference
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # byte-level: the corpus is raw UTF-8 bytes, no tokenizer to version
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4  # < n_heads is GQA (1 is MQA): smaller K/V, the case kernels must handle
+    # None means d_model // n_heads; may be set apart from it, because attention kernels
+    # care about head_dim (16, 64, 128...) independently of the model width.
+    head_dim: int | None = None
+    # None means the Llama rule: 8/3 * d_model (SwiGLU has 3 matrices, so this keeps the
+    # MLP's parameter count near a 4x GELU MLP), rounded up to a multiple of 32.
+    mlp_hidden: int | None = None
+    max_seq_len: int = 256  # size of the RoPE tables; longer inputs are refused, not extrapolated
+    rope_theta: float = 10000.0  # RoPE base: wavelengths from 2*pi up to ~theta*2*pi positions
+    norm_eps: float = 1e-5  # RMSNorm epsilon; keeps rsqrt finite on an all-zero row
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.n_kv_heads > self.n_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must be <= n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
+                "(each key/value head serves an equal group of query heads)"
+            )
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                    "set head_dim explicitly"
+                )
+            self.head_dim = self.d_model // self.n_heads
+        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), got {self.head_dim!r}")
+        if self.mlp_hidden is None:
+            self.mlp_hidden = 32 * math.ceil(8 * self.d_model / 3 / 32)
+        if not isinstance(self.mlp_hidden, int) or self.mlp_hidden <= 0:
+            raise ValueError(f"mlp_hidden must be a positive int, got {self.mlp_hidden!r}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
+
+
+# --------------------------------------------------------------------------- attention switch
+# Every implementation has the same contract as reference.attention with causal=True:
+#   q: (B, nh, T, hs), k and v: (B, nkv, T, hs) -> (B, nh, T, hs), scale 1/sqrt(hs).
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ATTENTION_IMPLS: dict[str, AttentionFn] = {}
+
+
+def register_attention(name: str, fn: AttentionFn) -> None:
+    """Make `fn` selectable as Transformer(..., attention_impl=name)."""
+    ATTENTION_IMPLS[name] = fn
+
+
+def get_attention(name: str) -> AttentionFn:
+    try:
+        return ATTENTION_IMPLS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention_impl {name!r}; valid choices: {sorted(ATTENTION_IMPLS)}"
+        ) from None
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The readable oracle: materialises the (T, T) scores."""
+    return reference.attention(q, k, v, causal=True)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """PyTorch's fused scaled_dot_product_attention, the same math as the reference.
+
+    GQA: in fp16/bf16 pass enable_gqa=True (the flash kernel reads the small K/V
+    directly). In fp32 repeat the K/V heads first instead: on CUDA, enable_gqa with fp32
+    inputs leaves only the unfused MATH backend (flash needs fp16/bf16, mem-efficient and
+    cuDNN refuse unequal head counts; pytorch/pytorch#181528), which is ~3x slower than
+    repeat + mem-efficient. Both routes give the same result.
+    """
+    n_heads, n_kv_heads = q.shape[1], k.shape[1]
+    if n_kv_heads != n_heads and q.dtype in (torch.float16, torch.bfloat16):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if n_kv_heads != n_heads:
+        k = reference.repeat_kv(k, n_heads)  # (B, nh, T, hs)
+        v = reference.repeat_kv(v, n_heads)  # (B, nh, T, hs)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+register_attention("reference", reference_attention)
+register_attention("sdpa", sdpa_attention)
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 so bf16/fp16 activations keep their scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight).type_as(x)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * frequency: (T, hs/2) each, fp32.
+
+    Pair i of a head rotates at frequency theta^(-2i/hs): fast near i=0, slow near hs/2.
+    """
+    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (hs/2,)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)  # (T, hs/2)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[..., i], x[..., i + hs/2]) by its position's angle.
+
+    x: (B, heads, T, hs); cos, sin: (T, hs/2). The "rotate half" layout of GPT-NeoX and
+    Hugging Face Llama. Rotating q and k by their positions makes q·k depend only on
+    the offset between them. Computed in fp32 and cast back to x's dtype.
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)  # (B, heads, T, hs/2) each
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, heads, T, hs)
+    return rotated.type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, attention_impl: str) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=False)
+        get_attention(attention_impl)  # fail at construction, not at the first forward
+        self.attention_impl = attention_impl
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = get_attention(self.attention_impl)(q, k, v)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh*hs)
+        return self.o_proj(y)  # (B, T, C)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): a gated MLP, C -> F -> C."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.mlp_hidden, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.mlp_hidden, bias=False)
+        self.down_proj = nn.Linear(config.mlp_hidden, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, F) -> (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, attention_impl: str) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = CausalSelfAttention(config, attention_impl)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, C)
+        return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, attention_impl: str = "reference", *, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        # Initialise under a private RNG state: the same seed gives the same weights
+        # whatever ran before, and the caller's global RNG is left as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+            self.blocks = nn.ModuleList(Block(config, attention_impl) for _ in range(config.n_layers))
+            self.norm = RMSNorm(config.d_model, config.norm_eps)
+            # Untied head: with a 256-byte vocab the embedding is <1% of the weights, so
+            # tying saves nothing, and untied matches the Llama models the kernels target.
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            self._init_weights()
+        cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
+        # Not persistent: derived from the config, so checkpoints hold only learned weights.
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hs/2)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, hs/2)
+
+    def _init_weights(self) -> None:
+        # GPT-2 init: N(0, 0.02), and the two projections that write into the residual
+        # stream scaled by 1/sqrt(2 * n_layers) so its variance does not grow with depth.
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(param, mean=0.0, std=residual_std)
+            elif param.dim() == 2:
+                nn.init.normal_(param, mean=0.0, std=0.02)
+            # 1-D parameters are RMSNorm weights: they stay at 1.
+
+    @property
+    def attention_impl(self) -> str:
+        return self.blocks[0].attn.attention_impl
+
+    def set_attention_impl(self, name: str) -> None:
+        """Run the same weights with another registered attention implementation."""
+        get_attention(name)  # raises ValueError listing the valid choices
+        for block in self.blocks:
+            block.attn.attention_impl = name
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx, targets: (B, T) int64 -> logits (B, T, V), mean cross-entropy (or None)."""
+        B, T = idx.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hs/2)
+        x = self.tok_emb(idx)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, cos, sin)  # (B, T, C)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        if targets is None:
+            return logits, None
+        # Loss in fp32 whatever the autocast dtype: log-softmax over V is precision-sensitive.
+        loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
+        return logits, loss

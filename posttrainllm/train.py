@@ -1,0 +1,260 @@
+"""bench-train: train the same model with each attention implementation, end to end.
+
+For every implementation: the same initial weights (same seed), the same batches
+(corpus.batch_at, a pure function of (seed, step)), AdamW, `steps` optimizer steps.
+What comes back is the loss at every step and the wall time of every step, so one
+table shows both parity (do the loss curves agree?) and speed (tokens/s).
+
+Units and formulas
+    step_ms           wall time of forward + backward + optimizer step, ms
+                      (batches are built and moved to the device before timing;
+                      on CUDA the clock stops after torch.cuda.synchronize())
+    warm_ms_per_step  median of step_ms[warmup_steps:]
+    tokens_per_s      batch_size * seq_len / (warm_ms_per_step / 1000)
+    drift[name]       |loss_name[N-1] - loss_reference[N-1]|, the last-step loss gap
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from typing import Iterator
+
+import torch
+
+from posttrainllm.corpus import Corpus, batch_at, load_corpus
+from posttrainllm.model import ModelConfig, Transformer, get_attention
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+REFERENCE_IMPL = "reference"
+
+# AdamW settings shared by every implementation (GPT-style; only lr is a knob here).
+ADAM_BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.1  # on matrices only; RMSNorm weights are not decayed
+
+
+def bench_train(
+    model_cfg: ModelConfig,
+    *,
+    impls: list[str],
+    steps: int,
+    warmup_steps: int,
+    batch_size: int,
+    seq_len: int,
+    lr: float,
+    seed: int,
+    precision: str,
+    device: str,
+    corpus: Corpus | None = None,
+) -> dict:
+    """Train once per attention implementation; return a JSON-serialisable result dict."""
+    _check_args(model_cfg, impls, steps, warmup_steps, batch_size, seq_len, precision)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} requested but CUDA is not available")
+    corpus = load_corpus() if corpus is None else corpus
+    notes = _notes(precision, dev)
+
+    # Same bytes for every implementation, built once and moved before any clock starts.
+    batches = [
+        tuple(t.to(dev) for t in batch_at(corpus, step, batch_size=batch_size, seq_len=seq_len, seed=seed))
+        for step in range(steps)
+    ]
+
+    results: dict[str, dict] = {}
+    n_params = 0
+    with _precision_mode(precision, dev):
+        for name in impls:
+            results[name], n_params = _train_one(model_cfg, name, batches, lr, seed, precision, dev, warmup_steps)
+
+    reference_losses = results[REFERENCE_IMPL]["losses"]
+    drift = {
+        name: abs(r["losses"][-1] - reference_losses[-1]) for name, r in results.items() if name != REFERENCE_IMPL
+    }
+    max_step_drift = {
+        name: max(abs(a - b) for a, b in zip(r["losses"], reference_losses))
+        for name, r in results.items()
+        if name != REFERENCE_IMPL
+    }
+    return {
+        "impls": results,
+        "drift": drift,
+        "max_step_drift": max_step_drift,  # largest |loss gap| at any step, not only the last
+        "reference_impl": REFERENCE_IMPL,
+        "tokens_per_step": batch_size * seq_len,
+        "n_params": n_params,
+        "corpus": {"source": corpus.source, "sha256": corpus.sha256, "n_bytes": corpus.n_bytes},
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "precision": precision,
+        "config": {
+            "model": dict(vars(model_cfg)),
+            "steps": steps,
+            "warmup_steps": warmup_steps,
+            "batch_size": batch_size,
+            "seq_len": seq_len,
+            "lr": lr,
+            "seed": seed,
+        },
+        "notes": notes,
+    }
+
+
+def _train_one(
+    model_cfg: ModelConfig,
+    impl: str,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    seed: int,
+    precision: str,
+    dev: torch.device,
+    warmup_steps: int,
+) -> tuple[dict, int]:
+    # Built on CPU then moved, so the initial weights are identical on every device.
+    model = Transformer(model_cfg, attention_impl=impl, seed=seed).to(dev)
+    model.train()
+    optimizer = _adamw(model, lr)
+    autocast_dtype = AUTOCAST_DTYPES.get(precision)
+    # fp16 has a narrow exponent range: scale the loss so small gradients do not flush
+    # to zero. CUDA only; bf16 has fp32's range and needs no scaler.
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16" and dev.type == "cuda")
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    losses: list[float] = []
+    step_ms: list[float] = []
+    for x, y in batches:
+        t0 = time.perf_counter()
+        with _autocast(dev, autocast_dtype):
+            _, loss = model(x, y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        losses.append(loss.item())
+
+    peak_mem = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    n_params = model.num_params()
+    del model, optimizer
+    warm = step_ms[warmup_steps:]
+    warm_ms = statistics.median(warm)
+    tokens_per_step = batches[0][0].numel()
+    return {
+        "losses": losses,
+        "step_ms": step_ms,
+        "warm_ms_per_step": warm_ms,
+        "step_ms_p20": _percentile(warm, 0.2),
+        "step_ms_p80": _percentile(warm, 0.8),
+        "tokens_per_s": tokens_per_step / (warm_ms / 1e3),
+        "peak_mem_bytes": peak_mem,
+        "final_loss_finite": math.isfinite(losses[-1]),
+    }, n_params
+
+
+def _autocast(dev: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if dtype is None else torch.autocast(dev.type, dtype=dtype)
+
+
+def _adamw(model: Transformer, lr: float) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices and embeddings
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # RMSNorm weights
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS)
+
+
+@contextlib.contextmanager
+def _precision_mode(precision: str, dev: torch.device) -> Iterator[None]:
+    """On CUDA, pin how fp32 matmuls run for the run, then restore the caller's setting.
+
+    "tf32" lets fp32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa);
+    "fp32" forces IEEE fp32, so a process-wide TF32 setting cannot leak into an fp32 run.
+    torch >= 2.9 spells this `fp32_precision` (the old `allow_tf32` flags warn there).
+    """
+    if precision not in ("fp32", "tf32") or dev.type != "cuda":
+        yield
+        return
+    use_tf32 = precision == "tf32"
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision"):
+        saved = (matmul.fp32_precision, conv.conv.fp32_precision)
+        matmul.fp32_precision = conv.conv.fp32_precision = "tf32" if use_tf32 else "ieee"
+    else:
+        saved = (matmul.allow_tf32, conv.allow_tf32)
+        matmul.allow_tf32 = conv.allow_tf32 = use_tf32
+    try:
+        yield
+    finally:
+        if hasattr(matmul, "fp32_precision"):
+            matmul.fp32_precision, conv.conv.fp32_precision = saved
+        else:
+            matmul.allow_tf32, conv.allow_tf32 = saved
+
+
+def _notes(precision: str, dev: torch.device) -> list[str]:
+    notes = []
+    if precision == "tf32" and dev.type != "cuda":
+        notes.append("tf32 requested on CPU: there are no TF32 units, so this run is identical to fp32")
+    if precision in ("fp32", "tf32") and dev.type == "cuda":
+        kind = "TF32 tensor cores" if precision == "tf32" else "IEEE fp32 (TF32 off)"
+        notes.append(f"{precision}: CUDA fp32 matmuls pinned to {kind} for this run, restored afterwards")
+    if precision in AUTOCAST_DTYPES:
+        notes.append(
+            f"{precision}: torch.autocast({dev.type!r}, {precision}) with fp32 master weights, "
+            "fp32 RMSNorm, RoPE and loss"
+        )
+    if precision == "fp16":
+        notes.append("fp16 loss scaling: " + ("GradScaler" if dev.type == "cuda" else "none (CPU has no GradScaler path)"))
+    if precision in AUTOCAST_DTYPES and dev.type == "cpu":
+        notes.append(
+            f"{precision} on CPU: speed depends on the CPU's instruction set (avx512_bf16/AMX make bf16 "
+            "matmuls faster than fp32; without AVX512-FP16, fp16 matmuls run ~100x slower than fp32). "
+            "Not a GPU speed signal"
+        )
+    if dev.type != "cuda":
+        notes.append(
+            "peak_mem_bytes is None on CPU: ru_maxrss is a process-lifetime high-water mark that "
+            "never resets, so it cannot be attributed to one implementation"
+        )
+    return notes
+
+
+def _check_args(
+    model_cfg: ModelConfig,
+    impls: list[str],
+    steps: int,
+    warmup_steps: int,
+    batch_size: int,
+    seq_len: int,
+    precision: str,
+) -> None:
+    if REFERENCE_IMPL not in impls:
+        raise ValueError(f"impls={impls!r} must include {REFERENCE_IMPL!r}: it is the drift baseline")
+    if len(set(impls)) != len(impls):
+        raise ValueError(f"impls={impls!r} has duplicates")
+    for name in impls:
+        get_attention(name)  # raises ValueError listing the valid choices
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}; valid choices: {list(PRECISIONS)}")
+    if steps < 1 or not 0 <= warmup_steps < steps:
+        raise ValueError(f"need steps >= 1 and 0 <= warmup_steps < steps, got steps={steps}, warmup_steps={warmup_steps}")
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+    if seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds model max_seq_len={model_cfg.max_seq_len}")
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated q-quantile (0 <= q <= 1), numpy's default method."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)

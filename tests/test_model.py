@@ -1,0 +1,174 @@
+import math
+
+import pytest
+import torch
+
+from posttrainllm import reference
+from posttrainllm.model import (
+    ATTENTION_IMPLS,
+    ModelConfig,
+    Transformer,
+    apply_rope,
+    register_attention,
+    rope_tables,
+    sdpa_attention,
+)
+
+# (name, config kwargs): MHA, GQA, MQA, and a head_dim that is not d_model // n_heads.
+SHAPES = [
+    ("mha", dict(n_heads=4, n_kv_heads=4)),
+    ("gqa", dict(n_heads=4, n_kv_heads=2)),
+    ("mqa", dict(n_heads=4, n_kv_heads=1)),
+    ("gqa_hd24", dict(n_heads=4, n_kv_heads=2, head_dim=24)),
+]
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    return ModelConfig(**{**base, **kw})
+
+
+def tokens(B=4, T=32, seed=0):
+    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name,kw", SHAPES, ids=[s[0] for s in SHAPES])
+def test_reference_and_sdpa_agree_in_fp32(name, kw):
+    model = Transformer(tiny(**kw), "reference", seed=1)
+    idx, targets = tokens(), tokens(seed=1)
+    logits_ref, loss_ref = model(idx, targets)
+    assert logits_ref.shape == (4, 32, 256) and loss_ref.shape == ()
+    loss_ref.backward()
+    grads_ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    model.set_attention_impl("sdpa")
+    assert model.attention_impl == "sdpa"
+    logits_sdpa, loss_sdpa = model(idx, targets)
+    loss_sdpa.backward()
+    torch.testing.assert_close(logits_sdpa, logits_ref, atol=1e-5, rtol=1e-5)
+    for g_sdpa, g_ref in zip((p.grad for p in model.parameters()), grads_ref):
+        torch.testing.assert_close(g_sdpa, g_ref, atol=1e-5, rtol=1e-4)
+
+
+def test_head_dim_sets_projection_shapes():
+    model = Transformer(tiny(head_dim=24), seed=0)
+    attn = model.blocks[0].attn
+    assert attn.q_proj.weight.shape == (4 * 24, 64)
+    assert attn.k_proj.weight.shape == (2 * 24, 64)
+    assert attn.o_proj.weight.shape == (64, 4 * 24)
+    assert model.rope_cos.shape == (64, 12)
+
+
+def test_sdpa_gqa_low_precision_branch_matches_reference():
+    # bf16 with n_kv_heads < n_heads takes the enable_gqa=True route.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 33, 16, generator=g).bfloat16()
+    k = torch.randn(2, 2, 33, 16, generator=g).bfloat16()
+    v = torch.randn(2, 2, 33, 16, generator=g).bfloat16()
+    want = reference.attention(q.double(), k.double(), v.double(), causal=True)
+    torch.testing.assert_close(sdpa_attention(q, k, v).double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_rope_score_depends_only_on_offset():
+    T, hs = 16, 8
+    cos, sin = rope_tables(T, hs, 10000.0)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(hs, generator=g, dtype=torch.float64).float()
+    k = torch.randn(hs, generator=g, dtype=torch.float64).float()
+    q_rot = apply_rope(q.expand(1, 1, T, hs), cos, sin)[0, 0]  # (T, hs): q placed at every position
+    k_rot = apply_rope(k.expand(1, 1, T, hs), cos, sin)[0, 0]  # (T, hs)
+    scores = q_rot @ k_rot.T  # (T, T): scores[m, n] = q at m · k at n
+    for offset in range(-3, 4):
+        diag = torch.diagonal(scores, offset)
+        torch.testing.assert_close(diag, diag[0].expand_as(diag), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(scores[5, 3], scores[5, 4])
+    torch.testing.assert_close(q_rot[0], q)  # position 0 is not rotated
+    torch.testing.assert_close(q_rot.norm(dim=-1), q.norm().expand(T))  # rotations keep length
+
+
+@pytest.mark.parametrize("impl", ["reference", "sdpa"])
+def test_causal_future_tokens_do_not_change_earlier_logits(impl):
+    model = Transformer(tiny(), impl, seed=0)
+    idx = tokens(B=2, T=20)
+    changed = idx.clone()
+    changed[:, 12] = (changed[:, 12] + 1) % 256
+    with torch.no_grad():
+        a, _ = model(idx)
+        b, _ = model(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12], atol=0, rtol=0)
+    assert (a[:, 12:] - b[:, 12:]).abs().amax() > 1e-4
+
+
+def test_init_is_deterministic_and_leaves_global_rng_alone():
+    state = torch.random.get_rng_state()
+    a, b, c = Transformer(tiny(), seed=3), Transformer(tiny(), seed=3), Transformer(tiny(), seed=4)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if pa.dim() == 2:
+            assert not torch.equal(pa, pc), name
+    assert "rope_cos" not in a.state_dict()
+
+
+def test_initial_loss_is_near_uniform():
+    _, loss = Transformer(tiny(), seed=0)(tokens(), tokens(seed=1))
+    assert abs(loss.item() - math.log(256)) < 0.1
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(n_heads=4, n_kv_heads=3), "multiple of n_kv_heads"),
+        (dict(n_heads=4, n_kv_heads=8), "n_kv_heads=8 must be <="),
+        (dict(n_heads=4, n_kv_heads=0), "n_kv_heads must be a positive int"),
+        (dict(d_model=60, n_heads=8, n_kv_heads=2), "set head_dim"),
+        (dict(head_dim=7), "even"),
+        (dict(norm_eps=0.0), "norm_eps"),
+        (dict(mlp_hidden=-1), "mlp_hidden"),
+    ],
+)
+def test_bad_config_raises(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**kw)
+
+
+def test_unknown_attention_impl_names_valid_choices():
+    with pytest.raises(ValueError, match=r"valid choices: \['reference', 'sdpa'"):
+        Transformer(tiny(), "flash")
+    model = Transformer(tiny())
+    with pytest.raises(ValueError, match="'reference'"):
+        model.set_attention_impl("nope")
+    assert model.attention_impl == "reference"
+
+
+def test_sequence_longer_than_max_seq_len_raises():
+    with pytest.raises(ValueError, match="max_seq_len"):
+        Transformer(tiny(max_seq_len=16))(tokens(T=17))
+
+
+def test_register_attention_adds_an_impl_in_one_line(monkeypatch):
+    monkeypatch.setitem(ATTENTION_IMPLS, "spy", None)  # restored after the test
+    calls = []
+
+    def spy(q, k, v):
+        calls.append(q.shape)
+        return reference.attention(q, k, v, causal=True)
+
+    register_attention("spy", spy)
+    model = Transformer(tiny(), "spy", seed=0)
+    logits, _ = model(tokens(T=8))
+    assert calls == [(4, 4, 8, 16)] * 2  # one call per layer, q: (B, nh, T, hs)
+    model.set_attention_impl("reference")
+    torch.testing.assert_close(model(tokens(T=8))[0], logits, atol=0, rtol=0)
+
+
+def test_bf16_autocast_forward_runs_and_tracks_fp32():
+    model = Transformer(tiny(), "sdpa", seed=0)
+    idx, targets = tokens(), tokens(seed=1)
+    with torch.no_grad():
+        _, loss32 = model(idx, targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits16, loss16 = model(idx, targets)
+    assert logits16.dtype == torch.bfloat16 and loss16.dtype == torch.float32
+    assert abs(loss16.item() - loss32.item()) < 2e-2

@@ -1,0 +1,140 @@
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posttrainllm import reference
+from posttrainllm.corpus import load_corpus
+from posttrainllm.model import ATTENTION_IMPLS, ModelConfig, register_attention
+from posttrainllm.train import _precision_mode, bench_train
+
+TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+RUN = dict(steps=30, warmup_steps=5, batch_size=4, seq_len=32, lr=3e-3, seed=0)
+
+
+def sdpa_repeat_kv(q, k, v):
+    """A third implementation, as a later kernel would be added: one register call."""
+    k, v = reference.repeat_kv(k, q.shape[1]), reference.repeat_kv(v, q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus()
+
+
+@pytest.fixture(scope="module")
+def fp32_result(corpus):
+    register_attention("sdpa_repeat_kv", sdpa_repeat_kv)
+    try:
+        yield bench_train(
+            TINY, impls=["reference", "sdpa", "sdpa_repeat_kv"], precision="fp32", device="cpu", corpus=corpus, **RUN
+        )
+    finally:
+        del ATTENTION_IMPLS["sdpa_repeat_kv"]
+
+
+def test_result_has_every_field_and_is_json(fp32_result, corpus):
+    r = json.loads(json.dumps(fp32_result))
+    assert set(r["impls"]) == {"reference", "sdpa", "sdpa_repeat_kv"}
+    for name, res in r["impls"].items():
+        assert len(res["losses"]) == len(res["step_ms"]) == RUN["steps"]
+        assert all(isinstance(x, float) and math.isfinite(x) for x in res["losses"])
+        assert all(ms > 0 for ms in res["step_ms"])
+        assert res["step_ms_p20"] <= res["warm_ms_per_step"] <= res["step_ms_p80"]
+        assert res["tokens_per_s"] == pytest.approx(4 * 32 / (res["warm_ms_per_step"] / 1e3))
+        assert res["peak_mem_bytes"] is None  # CPU: see notes
+    assert set(r["drift"]) == {"sdpa", "sdpa_repeat_kv"}
+    assert r["reference_impl"] == "reference"
+    assert r["tokens_per_step"] == 4 * 32
+    assert r["n_params"] > 0
+    assert r["corpus"] == {"source": corpus.source, "sha256": corpus.sha256, "n_bytes": corpus.n_bytes}
+    assert r["device"] == "cpu" and r["precision"] == "fp32"
+    assert r["threads"] == torch.get_num_threads()
+    assert any("peak_mem_bytes" in note for note in r["notes"])
+
+
+def test_fp32_drift_is_small(fp32_result):
+    for name, drift in fp32_result["drift"].items():
+        assert drift < 1e-4, name
+        assert fp32_result["max_step_drift"][name] < 1e-4, name
+
+
+def test_same_weights_and_batches_give_the_same_first_loss(fp32_result):
+    first = {name: res["losses"][0] for name, res in fp32_result["impls"].items()}
+    assert max(first.values()) - min(first.values()) < 1e-5
+    assert abs(first["reference"] - math.log(256)) < 0.1
+
+
+def test_loss_goes_down_on_the_real_corpus(fp32_result):
+    losses = fp32_result["impls"]["reference"]["losses"]
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.5  # ~5.5 (uniform over bytes) -> ~3.3
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_autocast_path_runs_and_stays_near_fp32(precision, fp32_result, corpus):
+    run = {**RUN, "steps": 6, "warmup_steps": 1}
+    r = bench_train(TINY, impls=["reference", "sdpa"], precision=precision, device="cpu", corpus=corpus, **run)
+    assert r["precision"] == precision
+    assert any("autocast" in note for note in r["notes"])
+    losses = r["impls"]["reference"]["losses"]
+    fp32_losses = fp32_result["impls"]["reference"]["losses"][:6]
+    assert max(abs(a - b) for a, b in zip(losses, fp32_losses)) < 5e-2
+    assert r["drift"]["sdpa"] < 5e-2
+
+
+def test_tf32_on_cpu_is_fp32_and_says_so(fp32_result, corpus):
+    run = {**RUN, "steps": 3, "warmup_steps": 1}
+    r = bench_train(TINY, impls=["reference"], precision="tf32", device="cpu", corpus=corpus, **run)
+    assert r["drift"] == {}
+    assert any("identical to fp32" in note for note in r["notes"])
+    torch.testing.assert_close(
+        r["impls"]["reference"]["losses"], fp32_result["impls"]["reference"]["losses"][:3], atol=1e-6, rtol=0
+    )
+
+
+@pytest.mark.parametrize("precision,inside", [("tf32", "tf32"), ("fp32", "ieee")])
+def test_cuda_precision_mode_pins_and_restores_the_matmul_flag(precision, inside):
+    # The flags are plain settings, so this runs without a GPU.
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("torch < 2.9 has only allow_tf32")
+    before = matmul.fp32_precision
+    with _precision_mode(precision, torch.device("cuda")):
+        assert matmul.fp32_precision == inside
+    assert matmul.fp32_precision == before
+    with _precision_mode(precision, torch.device("cpu")):
+        assert matmul.fp32_precision == before
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(impls=["sdpa"]), "must include 'reference'"),
+        (dict(impls=["reference", "flash"]), "valid choices"),
+        (dict(impls=["reference", "reference"]), "duplicates"),
+        (dict(precision="fp8"), "precision"),
+        (dict(warmup_steps=30), "warmup_steps"),
+        (dict(seq_len=65), "max_seq_len"),
+    ],
+)
+def test_bad_arguments_raise(kw, match, corpus):
+    args = {**RUN, "impls": ["reference", "sdpa"], "precision": "fp32", "device": "cpu", "corpus": corpus, **kw}
+    with pytest.raises(ValueError, match=match):
+        bench_train(TINY, **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
+def test_bench_train_on_cuda(precision, corpus):
+    flag = "fp32_precision" if hasattr(torch.backends.cuda.matmul, "fp32_precision") else "allow_tf32"
+    before = getattr(torch.backends.cuda.matmul, flag)
+    r = bench_train(TINY, impls=["reference", "sdpa"], precision=precision, device="cuda", corpus=corpus, **RUN)
+    assert getattr(torch.backends.cuda.matmul, flag) == before  # restored
+    for res in r["impls"].values():
+        assert res["peak_mem_bytes"] > 0
+        assert sum(res["losses"][-5:]) / 5 < res["losses"][0] - 1.5
+    assert r["drift"]["sdpa"] < (1e-3 if precision == "fp32" else 5e-2)
