@@ -21,3 +21,9 @@ def _seed():
 @pytest.fixture
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """One sqlite MLflow store for the session (a fresh store costs ~5 s of migrations)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"

@@ -1,0 +1,5 @@
+import sys
+
+from posttrainllm.cli import main
+
+sys.exit(main())

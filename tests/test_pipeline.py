@@ -1,0 +1,103 @@
+"""The whole pipeline: `dvc repro` of a small sweep in a copy of the project, receipts read back from MLflow."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrainllm.config import PROJECT_ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _run(args, cwd, env, check=True):
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    if check and done.returncode:
+        raise AssertionError(f"{' '.join(args)} exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, mlflow_uri):
+    """A committed copy of the project's tracked files, with the smoke sweep planned and reproduced."""
+    root = tmp_path_factory.mktemp("project")
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                             check=True).stdout.split("\0")
+    for name in filter(None, tracked):
+        if (PROJECT_ROOT / name).is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(PROJECT_ROOT / name, root / name)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri, "PYTHONPATH": str(root),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("DVC_ROOT", None)
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    _run(["git", "init", "-q"], root, env)
+    _run(["python", "-m", "posttrainllm", "sweep", "sweep=smoke"], root, env)
+    _run([*git, "add", "-A"], root, env)
+    _run([*git, "commit", "-qm", "smoke sweep"], root, env)
+    repro = _run(["dvc", "repro"], root, env)
+    return root, env, repro
+
+
+def test_every_stage_of_every_point_ran(project):
+    root, _, repro = project
+    for point in ("baseline", "precision-fp16"):
+        for stage in ("reference", "kernel", "parity", "microbench", "bench_train", "receipt"):
+            assert f"'{stage}@{point}'" in repro.stdout
+        receipt = json.loads((root / "runs" / point / "receipt.json").read_text())
+        assert receipt["parity"]["verdict"] == "pass"
+        assert receipt["sweep"]["name"] == "smoke"
+        assert receipt["bench_train"]["impls"]["sdpa"]["losses"]
+
+
+def test_receipts_are_in_mlflow_nested_under_one_sweep_run(project, mlflow_uri):
+    from mlflow.tracking import MlflowClient
+
+    root, env, _ = project
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    experiment = client.get_experiment_by_name("posttrainllm")
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.sweep = 'smoke'")
+    parents = [r for r in runs if r.data.tags.get("role") == "sweep"]
+    children = {r.data.tags["point"]: r for r in runs if r.data.tags.get("role") != "sweep"}
+    assert len(parents) == 1 and set(children) == {"baseline", "precision-fp16"}
+    head = _run(["git", "rev-parse", "HEAD"], root, env).stdout.strip()
+    for point, run in children.items():
+        tags, metrics, params = run.data.tags, run.data.metrics, run.data.params
+        assert tags["mlflow.parentRunId"] == parents[0].info.run_id
+        assert tags["git.revision"] == head and tags["git.dirty"] == "False"
+        assert tags["device"] == "cpu" and tags["triton.interpreted"] == "True"
+        assert params["precision.name"] == ("fp16" if point == "precision-fp16" else "fp32")
+        assert metrics["parity.triton.pass"] == 1.0 and metrics["parity.sdpa.pass"] == 1.0
+        assert metrics["bench.sdpa.median_ms"] > 0 and metrics["bench.sdpa.speedup_vs_reference"] > 0
+        assert not any(k.startswith("bench.triton.") for k in metrics), "interpreter timings are not speed"
+        assert "train.sdpa.loss_drift" in metrics
+        history = client.get_metric_history(run.info.run_id, "train.sdpa.loss")
+        assert len(history) == 4
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"receipt.json", "timings.csv", "parity.json", "config.yaml"} <= artifacts
+
+
+def test_editing_kernel_code_reruns_kernel_and_later_stages_but_not_reference(project):
+    root, env, _ = project
+    kernel_file = root / "posttrainllm" / "ops" / "attention.py"
+    original = kernel_file.read_text()
+    try:
+        kernel_file.write_text(original + "\n# edited\n")
+        dry = _run(["dvc", "repro", "--dry"], root, env).stdout
+    finally:
+        kernel_file.write_text(original)
+    for point in ("baseline", "precision-fp16"):
+        assert f"Running stage 'kernel@{point}'" in dry
+        assert f"Running stage 'reference@{point}'" not in dry
+    assert "Running stage 'device'" in dry  # always re-fingerprinted; unchanged output stops it there
+
+
+def test_unknown_point_is_refused(project):
+    root, env, _ = project
+    done = _run(["python", "pipelines/reference.py", "precision-fp8"], root, env, check=False)
+    assert done.returncode == 2
+    assert "unknown point 'precision-fp8': params.yaml has baseline, precision-fp16" in done.stderr
