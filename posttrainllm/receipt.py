@@ -36,6 +36,13 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root().resolve() / 'mlflow.db'}"
 
 
+def artifact_location(uri: str) -> str | None:
+    """Artifacts beside a sqlite store (mlartifacts/ next to mlflow.db), not in ./mlruns of whatever cwd."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
+    return None  # a tracking server decides
+
+
 def git_revision(root: Path) -> dict[str, Any]:
     """HEAD and whether the tree differs from it (dvc.lock excluded: `dvc repro` rewrites it as it goes)."""
     def git(*args: str) -> str | None:
@@ -178,9 +185,11 @@ def log_to_mlflow(receipt: dict[str, Any], folder: Path, uri: str | None = None)
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=uri or tracking_uri())
+    uri = uri or tracking_uri()
+    client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(EXPERIMENT)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(EXPERIMENT)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(
+        EXPERIMENT, artifact_location=artifact_location(uri))
     tags = _tags(receipt)
     if receipt["sweep"]:
         tags[mlflow.utils.mlflow_tags.MLFLOW_PARENT_RUN_ID] = _sweep_parent(client, experiment_id, receipt["sweep"])
