@@ -3,6 +3,7 @@
     posttrainllm bench [--grid] [-m] [overrides...]   one point (or a Hydra multirun), printed as a table
     posttrainllm bench-train [overrides...]           the end-to-end training step of one point
     posttrainllm sweep [sweep=NAME] [overrides...]    plan a sweep into params.yaml for `dvc repro`
+    posttrainllm report                               the receipts of params.yaml's points, one row each
 
 Every subcommand keeps Hydra's full override syntax (`--cfg job`, `--help`, `-m`).
 Overrides are checked before anything runs or is written: a bad one prints one
@@ -11,6 +12,7 @@ line naming the valid choices and exits with 2.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -39,9 +41,9 @@ def _point(cfg: DictConfig, default_name: str) -> LabConfig:
         lab = validate(cfg)
     except ConfigError as exc:
         _fail_config(exc)
-    if lab.run.name == "bench":
-        lab.run.name = HydraConfig.get().job.override_dirname or default_name
-        validate(lab)  # the derived name must be a valid folder name too
+    if lab.run.name == "bench":  # not set: name the point after its overrides (run.* excluded)
+        name = re.sub(r"[^A-Za-z0-9._=,-]", "_", HydraConfig.get().job.override_dirname)
+        lab.run.name = name or default_name
     return lab
 
 
@@ -123,6 +125,29 @@ COMMANDS: dict[str, Callable[[DictConfig], None]] = {
 }
 
 
+def report_sweep(args: list[str]) -> int:
+    """Print the sweep's receipts (runs/<point>/receipt.json for each point of params.yaml)."""
+    from posttrainllm import report
+    from posttrainllm.pipeline import PARAMS, RUNS
+    from posttrainllm.stages import read_json
+    from posttrainllm.sweep import read_points
+
+    if args:
+        print("usage: posttrainllm report   (reads params.yaml and runs/<point>/receipt.json)", file=sys.stderr)
+        return EXIT_CONFIG
+    points = read_points(PARAMS)["points"]
+    receipts = {name: read_json(Path(RUNS) / name / "receipt.json") for name in points
+                if (Path(RUNS) / name / "receipt.json").exists()}
+    missing = [name for name in points if name not in receipts]
+    if not receipts:
+        print("posttrainllm: no receipts yet: run `dvc repro`", file=sys.stderr)
+        return EXIT_CONTRACT
+    print(report.sweep_table(receipts))
+    if missing:
+        print(f"no receipt yet for: {', '.join(missing)}")
+    return 0
+
+
 def _overrides(args: list[str]) -> list[str]:
     """The `key=value` arguments (Hydra's own flags start with '-')."""
     return [a for a in args if "=" in a and not a.startswith("-")]
@@ -150,6 +175,8 @@ def _check_before_running(args: list[str], grid: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "report":
+        return report_sweep(args[1:])
     if not args or args[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
         return 0 if args and args[0] in ("-h", "--help") else EXIT_CONFIG

@@ -64,3 +64,43 @@ def train_table(receipt: dict[str, Any]) -> str:
             f"{train['precision']} on {train['device']}, {train['tokens_per_step']} tokens/step, "
             f"drift limit {train['drift_limit']:g}")
     return head + "\n" + pd.DataFrame(rows).to_string(index=False)
+
+
+def _peer(receipt: dict[str, Any]) -> str:
+    """PyTorch's own optimized path for the point's op: the one a user would otherwise pick."""
+    return "sdpa" if receipt["config"]["op"]["name"] == "attention" else "torch"
+
+
+def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """One row per point: what it changes, parity verdicts, valid timings and bench-train, vs the baseline."""
+    rows = []
+    for name, receipt in receipts.items():
+        parity = (receipt.get("parity") or {}).get("paths", {})
+        bench = (receipt.get("microbench") or {}).get("paths", {})
+        train = receipt.get("bench_train") or {"impls": {}, "drift": {}}
+        peer = _peer(receipt)
+        triton_out = parity.get("triton", {}).get("worst", {}).get("out", {})
+        rows.append({
+            "point": name,
+            "change": ",".join(f"{k}={v}" for k, v in (receipt["sweep"] or {}).get("changes", {}).items()) or "-",
+            "parity": ",".join(f"{p}:{v['verdict']}" for p, v in parity.items()),
+            "triton_err/allowed": (triton_out["max_abs_err"] / triton_out["allowed_abs_err"]
+                                   if triton_out.get("allowed_abs_err") else None),
+            "ref_ms": bench.get("reference", {}).get("median_ms"),
+            "peer": peer,
+            "peer_ms": bench.get(peer, {}).get("median_ms") if bench.get(peer, {}).get("valid") else None,
+            "peer_speedup": bench.get(peer, {}).get("speedup_vs_reference"),
+            "train_ref_ms": train["impls"].get("reference", {}).get("warm_ms_per_step"),
+            "train_sdpa_ms": train["impls"].get("sdpa", {}).get("warm_ms_per_step"),
+            "sdpa_drift": train["drift"].get("sdpa"),
+        })
+    return pd.DataFrame(rows)
+
+
+def sweep_table(receipts: dict[str, dict[str, Any]]) -> str:
+    frame = sweep_frame(receipts)
+    formats = {"triton_err/allowed": ".3f", "ref_ms": ".3f", "peer_ms": ".3f", "peer_speedup": ".2f",
+               "train_ref_ms": ".1f", "train_sdpa_ms": ".1f", "sdpa_drift": ".1e"}
+    for column, spec in formats.items():
+        frame[column] = frame[column].map(lambda v, s=spec: _fmt(None if pd.isna(v) else v, s))
+    return frame.to_string(index=False)

@@ -1,0 +1,76 @@
+"""`posttrainllm bench` and `bench-train` in-process: the table, the receipt, MLflow, exit codes."""
+
+import json
+
+import pytest
+
+from posttrainllm import cli, paths
+from posttrainllm.paths import Impl
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch, mlflow_uri):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    return tmp_path
+
+
+QUICK = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "bench.reps=3", "bench.min_time_s=0"]
+
+
+def test_bench_prints_table_and_logs_a_receipt(workdir, mlflow_uri, capsys):
+    from mlflow.tracking import MlflowClient
+
+    assert cli.main(["bench", *QUICK, "run.name=cli-bench"]) == 0
+    out = capsys.readouterr().out
+    assert "parity pass" in out and "interpreted: not speed" in out
+    receipt = json.loads((workdir / "runs/bench/cli-bench/receipt.json").read_text())
+    assert receipt["kernel"]["paths"]["triton"]["geometry"]["grid"] == [4, 4]  # ceil(128/32) x B*H
+    assert receipt["microbench"]["paths"]["triton"]["valid"] is False
+    assert "speedup_vs_reference" not in receipt["microbench"]["paths"]["triton"]
+    assert receipt["microbench"]["paths"]["sdpa"]["valid"] is True
+    runs = MlflowClient(tracking_uri=mlflow_uri).search_runs(
+        [MlflowClient(tracking_uri=mlflow_uri).get_experiment_by_name("posttrainllm").experiment_id],
+        filter_string="tags.point = 'cli-bench'")
+    assert len(runs) == 1 and runs[0].data.params["tile.block_q"] == "32"
+
+
+def test_broken_path_gets_no_speed_and_exit_1(workdir, monkeypatch, capsys):
+    halved = Impl("sdpa", "torch", lambda x, cfg: {"out": paths.IMPLS["attention"]["sdpa"].run(x, cfg)["out"] * 0.5},
+                  paths.IMPLS["attention"]["sdpa"].geometry)
+    monkeypatch.setitem(paths.IMPLS["attention"], "sdpa", halved)
+    assert cli.main(["bench", *QUICK, "run.name=broken", "run.log_mlflow=false"]) == 1
+    captured = capsys.readouterr()
+    assert "contract broken: broken: sdpa broke the fp32 contract" in captured.err
+    receipt = json.loads((workdir / "runs/bench/broken/receipt.json").read_text())
+    assert receipt["parity"]["paths"]["sdpa"]["verdict"] == "fail"
+    assert receipt["microbench"]["paths"]["sdpa"] == {"valid": False, "reason": "failed parity: no speed number"}
+    metrics = json.loads((workdir / "runs/bench/broken/metrics.json").read_text())
+    assert metrics["parity.sdpa.pass"] == 0.0 and not any(k.startswith("bench.sdpa.") for k in metrics)
+
+
+def test_multirun_over_one_dimension_names_each_point(workdir, capsys):
+    assert cli.main(["bench", "-m", *QUICK, "precision=fp32,fp16", "run.log_mlflow=false"]) == 0
+    names = sorted(p.name for p in (workdir / "runs/bench").iterdir())
+    assert len(names) == 2 and all("precision=" in n and "parity.seeds=_0_" in n for n in names)
+
+
+def test_bench_train_reports_drift_within_contract(workdir, capsys):
+    args = ["bench-train", "device=cpu", "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false",
+            "run.name=train"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "drift limit 0.0001" in out and "reference" in out and "sdpa" in out
+    result = json.loads((workdir / "runs/bench/train/bench_train.json").read_text())
+    assert result["drift_verdict"] == {"sdpa": "pass"}
+    assert len(result["impls"]["reference"]["losses"]) == 3
+
+
+def test_bench_train_drift_beyond_contract_fails(workdir, monkeypatch, capsys):
+    from posttrainllm import model
+
+    wrong_scale = lambda q, k, v: 1.5 * model.sdpa_attention(q, k, v)  # noqa: E731
+    monkeypatch.setitem(model.ATTENTION_IMPLS, "sdpa", wrong_scale)
+    args = ["bench-train", "device=cpu", "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false"]
+    assert cli.main(args) == 1
+    assert "loss drift of sdpa exceeds train_loss_drift=0.0001" in capsys.readouterr().err
