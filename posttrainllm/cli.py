@@ -4,6 +4,7 @@
     posttrainllm bench-train [overrides...]           the end-to-end training step of one point
     posttrainllm sweep [sweep=NAME] [overrides...]    plan a sweep into params.yaml for `dvc repro`
     posttrainllm report                               the receipts of params.yaml's points, one row each
+    posttrainllm receipt import FOLDER                log receipt JSON made elsewhere (a GPU node) into MLflow
 
 Every subcommand keeps Hydra's full override syntax (`--cfg job`, `--help`, `-m`).
 Overrides are checked before anything runs or is written: a bad one prints one
@@ -69,11 +70,11 @@ def _record(lab: LabConfig) -> dict[str, Any]:
     return done
 
 
-def bench_point(cfg: DictConfig) -> None:
-    """reference -> kernel -> parity -> microbench -> receipt, in this process, then a table."""
+def _run_point(cfg: DictConfig, *, train: bool) -> None:
+    """reference -> kernel -> parity -> microbench (-> bench-train) -> receipt, in this process."""
     from posttrainllm import device as devices, report, stages
 
-    lab = _point(cfg, "bench")
+    lab = _point(cfg, "train" if train else "bench")
     devices.prepare(lab.device.name, lab.bench.threads)
     out = _fresh_point_dir(lab)
     stages.run_reference(lab, out)
@@ -83,21 +84,25 @@ def bench_point(cfg: DictConfig) -> None:
     except stages.ContractBroken as exc:
         _broken.append(f"{lab.run.name}: {exc}")
     stages.run_microbench(lab, out)  # paths that broke the contract get no timing
-    print(report.point_table(_record(lab)))
+    if train:
+        try:
+            stages.run_bench_train(lab, out)  # Amdahl's check needs the microbench's speedups
+        except stages.ContractBroken as exc:
+            _broken.append(f"{lab.run.name}: {exc}")
+    receipt = _record(lab)
+    print(report.point_table(receipt))
+    if train:
+        print(report.train_table(receipt))
+
+
+def bench_point(cfg: DictConfig) -> None:
+    """One point: parity and microbench, then a table."""
+    _run_point(cfg, train=False)
 
 
 def bench_train_point(cfg: DictConfig) -> None:
-    """The end-to-end training step of one point, then a table."""
-    from posttrainllm import device as devices, report, stages
-
-    lab = _point(cfg, "train")
-    devices.prepare(lab.device.name, lab.bench.threads)
-    out = _fresh_point_dir(lab)
-    try:
-        stages.run_bench_train(lab, out)
-    except stages.ContractBroken as exc:
-        _broken.append(f"{lab.run.name}: {exc}")
-    print(report.train_table(_record(lab)))
+    """One point end to end: parity, microbench and the training step with each implementation swapped in."""
+    _run_point(cfg, train=True)
 
 
 def plan_sweep(cfg: DictConfig) -> None:
@@ -148,6 +153,25 @@ def report_sweep(args: list[str]) -> int:
     return 0
 
 
+def import_receipts(args: list[str]) -> int:
+    """`posttrainllm receipt import FOLDER`."""
+    from posttrainllm import receipt
+
+    if len(args) != 2 or args[0] != "import" or not Path(args[1]).is_dir():
+        print("usage: posttrainllm receipt import FOLDER   (a folder holding <point>/receipt.json files)",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        logged = receipt.import_folder(Path(args[1]))
+    except ValueError as exc:
+        print(f"posttrainllm: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    for path, run_id in logged:
+        print(f"{path}: mlflow run {run_id}")
+    print(f"{len(logged)} receipts in {receipt.tracking_uri()}")
+    return 0 if logged else EXIT_CONTRACT
+
+
 def _overrides(args: list[str]) -> list[str]:
     """The `key=value` arguments (Hydra's own flags start with '-')."""
     return [a for a in args if "=" in a and not a.startswith("-")]
@@ -177,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "report":
         return report_sweep(args[1:])
+    if args and args[0] == "receipt":
+        return import_receipts(args[1:])
     if not args or args[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
         return 0 if args and args[0] in ("-h", "--help") else EXIT_CONFIG

@@ -211,9 +211,14 @@ class BenchConfig:
         _require(self.threads >= 0, f"bench.threads={self.threads}: must be >= 0 (0 keeps torch's default)")
 
 
+ATTENTION_IMPLS = ("reference", "sdpa", "triton")  # model.ATTENTION_IMPLS (a test keeps them in step)
+MATMUL_IMPLS = ("torch", "triton")  # model.LINEAR_IMPLS
+
+
 @dataclass
 class TrainConfig:
-    impls: list[str] = field(default_factory=lambda: ["reference", "sdpa"])
+    attention_impls: list[str] = field(default_factory=lambda: ["reference", "sdpa", "triton"])
+    matmul_impls: list[str] = field(default_factory=lambda: ["torch", "triton"])
     steps: int = 12
     warmup_steps: int = 3
     batch_size: int = 4
@@ -225,8 +230,13 @@ class TrainConfig:
         _positive("train", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, lr=self.lr)
         _require(0 <= self.warmup_steps < self.steps,
                  f"train.warmup_steps={self.warmup_steps}: must be in [0, train.steps={self.steps})")
-        _require(len(self.impls) >= 1 and self.impls[0] == "reference",
-                 f"train.impls={list(self.impls)}: the first must be 'reference' (drift is measured against it)")
+        for key, valid, first in (("attention_impls", ATTENTION_IMPLS, "reference"),
+                                  ("matmul_impls", MATMUL_IMPLS, "torch")):
+            impls = list(getattr(self, key))
+            for impl in impls:
+                _require(impl in valid, f"train.{key}: unknown {impl!r}: valid choices are {', '.join(valid)}")
+            _require(impls[:1] == [first],
+                     f"train.{key}={impls}: the first must be {first!r} (drift is measured against it)")
 
 
 @dataclass

@@ -2,11 +2,14 @@
 
 Pre-norm blocks: x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x)). RoPE on q and k,
 causal self-attention with n_kv_heads <= n_heads (MHA, GQA, MQA), SwiGLU MLP, untied
-head. The attention call is looked up by name in ATTENTION_IMPLS, so the same weights
-can be trained or evaluated with the readable reference, PyTorch SDPA, or a kernel
-registered later in one line:
+head. Two calls are switches looked up by name, so the same weights can be trained
+with the readable reference, PyTorch's fast path, or our Triton kernels:
 
-    register_attention("triton", lambda q, k, v: flash_attention(q, k, v, causal=True))
+    ATTENTION_IMPLS   reference | sdpa | triton     (q, k, v) -> o, causal
+    LINEAR_IMPLS      torch | triton                (x, weight) -> x @ weightᵀ
+
+Each call runs inside a profiler range (posttrainllm::attention, posttrainllm::matmul),
+so train.py can measure the fraction of a step each op takes.
 
 Speed switches (torch.compile, precision) belong to the runner (train.py), not here.
 
@@ -20,11 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from posttrainllm import reference
 
@@ -122,8 +126,61 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kernel_options: Any) -> torch.Tensor:
+    """Our Triton flash attention (forward and backward); tile and workgroup in kernel_options."""
+    from posttrainllm.ops.attention import flash_attention
+
+    return flash_attention(q, k, v, causal=True, **kernel_options)
+
+
 register_attention("reference", reference_attention)
 register_attention("sdpa", sdpa_attention)
+register_attention("triton", triton_attention)
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LINEAR_IMPLS: dict[str, LinearFn] = {}
+
+
+def register_linear(name: str, fn: LinearFn) -> None:
+    """Make `fn(x, weight) -> x @ weightᵀ` selectable as Transformer(..., linear_impl=name)."""
+    LINEAR_IMPLS[name] = fn
+
+
+def get_linear(name: str) -> LinearFn:
+    try:
+        return LINEAR_IMPLS[name]
+    except KeyError:
+        raise ValueError(f"unknown linear_impl {name!r}; valid choices: {sorted(LINEAR_IMPLS)}") from None
+
+
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, **kernel_options: Any) -> torch.Tensor:
+    """x @ weightᵀ with our Triton matmul (forward and backward).
+
+    Autocast does not reach a custom autograd.Function, so cast to its dtype here, as
+    F.linear would be under autocast.
+    """
+    from posttrainllm.ops.matmul import linear
+
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+    return linear(x, weight, **kernel_options)
+
+
+register_linear("torch", F.linear)
+register_linear("triton", triton_linear)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (no bias) whose matmul is the switch `linear_impl`, inside a profiler range."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.linear_impl = "torch"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with record_function("posttrainllm::matmul"):
+            return get_linear(self.linear_impl)(x, self.weight)
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -169,10 +226,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, attention_impl: str) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.q_proj = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
-        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=False)
+        self.q_proj = Linear(config.d_model, config.n_heads * config.head_dim)
+        self.k_proj = Linear(config.d_model, config.n_kv_heads * config.head_dim)
+        self.v_proj = Linear(config.d_model, config.n_kv_heads * config.head_dim)
+        self.o_proj = Linear(config.n_heads * config.head_dim, config.d_model)
         get_attention(attention_impl)  # fail at construction, not at the first forward
         self.attention_impl = attention_impl
 
@@ -182,7 +239,8 @@ class CausalSelfAttention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = get_attention(self.attention_impl)(q, k, v)  # (B, nh, T, hs)
+        with record_function("posttrainllm::attention"):
+            y = get_attention(self.attention_impl)(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh*hs)
         return self.o_proj(y)  # (B, T, C)
 
@@ -192,9 +250,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.d_model, config.mlp_hidden, bias=False)
-        self.up_proj = nn.Linear(config.d_model, config.mlp_hidden, bias=False)
-        self.down_proj = nn.Linear(config.mlp_hidden, config.d_model, bias=False)
+        self.gate_proj = Linear(config.d_model, config.mlp_hidden)
+        self.up_proj = Linear(config.d_model, config.mlp_hidden)
+        self.down_proj = Linear(config.mlp_hidden, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, F) -> (B, T, C)
@@ -226,7 +284,7 @@ class Transformer(nn.Module):
             self.norm = RMSNorm(config.d_model, config.norm_eps)
             # Untied head: with a 256-byte vocab the embedding is <1% of the weights, so
             # tying saves nothing, and untied matches the Llama models the kernels target.
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.d_model, config.vocab_size)
             self._init_weights()
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
         # Not persistent: derived from the config, so checkpoints hold only learned weights.
@@ -253,6 +311,17 @@ class Transformer(nn.Module):
         get_attention(name)  # raises ValueError listing the valid choices
         for block in self.blocks:
             block.attn.attention_impl = name
+
+    @property
+    def linear_impl(self) -> str:
+        return self.lm_head.linear_impl
+
+    def set_linear_impl(self, name: str) -> None:
+        """Run every projection (q, k, v, o, MLP, head) with another registered matmul."""
+        get_linear(name)  # raises ValueError listing the valid choices
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.linear_impl = name
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -10,6 +10,8 @@ absent (a GPU node, say) can be imported later.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -161,6 +163,7 @@ def _tags(receipt: dict[str, Any]) -> dict[str, str]:
         "triton.interpreted": str(prov["triton_interpreted"]), "point": receipt["point"],
         "parity.verdict": (receipt["parity"] or {}).get("verdict", "missing"),
         "receipt.schema": receipt["schema"],
+        "receipt.id": hashlib.sha256(json.dumps(receipt, sort_keys=True).encode()).hexdigest()[:16],
     }
     if receipt["sweep"]:
         tags["sweep"] = receipt["sweep"]["name"]
@@ -191,6 +194,10 @@ def log_to_mlflow(receipt: dict[str, Any], folder: Path, uri: str | None = None)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(
         EXPERIMENT, artifact_location=artifact_location(uri))
     tags = _tags(receipt)
+    found = client.search_runs([experiment_id], filter_string=f"tags.`receipt.id` = '{tags['receipt.id']}'",
+                               max_results=1)
+    if found:  # the same receipt imported twice stays one run
+        return found[0].info.run_id
     if receipt["sweep"]:
         tags[mlflow.utils.mlflow_tags.MLFLOW_PARENT_RUN_ID] = _sweep_parent(client, experiment_id, receipt["sweep"])
     run = client.create_run(experiment_id, run_name=receipt["point"], tags=tags)
@@ -211,3 +218,19 @@ def log_to_mlflow(receipt: dict[str, Any], folder: Path, uri: str | None = None)
     client.set_tag(run_id, "receipt.logged", "true")
     client.set_terminated(run_id, "FINISHED" if tags["parity.verdict"] == "pass" else "FAILED")
     return run_id
+
+
+def import_folder(folder: Path, uri: str | None = None) -> list[tuple[Path, str]]:
+    """Log every receipt.json under `folder` (made where MLflow was absent) into the MLflow store.
+
+    Each receipt's sibling files (parity.json, timings.csv, ...) become its artifacts.
+    Receipts already in the store (same receipt.id) are not logged twice.
+    """
+    found = sorted(folder.rglob("receipt.json"))
+    logged = []
+    for path in found:
+        receipt = read_json(path)
+        if receipt.get("schema") != SCHEMA:
+            raise ValueError(f"{path}: schema {receipt.get('schema')!r}, expected {SCHEMA!r}")
+        logged.append((path, log_to_mlflow(receipt, path.parent, uri)))
+    return logged

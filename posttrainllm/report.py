@@ -44,25 +44,32 @@ def point_table(receipt: dict[str, Any]) -> str:
 
 
 def train_table(receipt: dict[str, Any]) -> str:
-    """One row per attention implementation of bench-train."""
+    """One row per bench-train variant: speed where valid, the loss curve's ends, drift, Amdahl."""
     train = receipt.get("bench_train")
     if not train:
         return f"point {receipt['point']}: no bench-train result"
+    amdahl = train.get("amdahl", {}).get("variants", {})
     rows = []
     for name, entry in train["impls"].items():
         valid = entry.get("timing_valid", True)
+        check = amdahl.get(name, {})
         rows.append({
-            "attention": name,
+            "variant": name,
             "warm_ms/step": _fmt(entry["warm_ms_per_step"] if valid else None, ".1f"),
             "tokens/s": _fmt(entry["tokens_per_s"] if valid else None, ".0f"),
             "loss[0]": f"{entry['losses'][0]:.4f}",
             f"loss[{len(entry['losses']) - 1}]": f"{entry['losses'][-1]:.4f}",
             "drift": _fmt(train["drift"].get(name), ".2e"),
-            "verdict": train.get("drift_verdict", {}).get(name, "reference"),
+            "verdict": train.get("drift_verdict", {}).get(name, "baseline"),
+            "predicted": _fmt(check.get("predicted_speedup"), ".2f"),
+            "measured": _fmt(check.get("measured_speedup"), ".2f"),
+            "note": check.get("reading") or ("" if valid else "interpreted: not speed"),
         })
+    fraction = train.get("amdahl", {}).get("fraction")
     head = (f"point {receipt['point']}: bench-train {receipt['config']['architecture']['name']} "
             f"{train['precision']} on {train['device']}, {train['tokens_per_step']} tokens/step, "
-            f"drift limit {train['drift_limit']:g}")
+            f"drift limit {train['drift_limit']:g}"
+            + (f", {train['amdahl']['op']} is {fraction:.0%} of the baseline step" if fraction is not None else ""))
     return head + "\n" + pd.DataFrame(rows).to_string(index=False)
 
 

@@ -210,21 +210,41 @@ def run_microbench(cfg: LabConfig, out: Path) -> dict[str, Any]:
 
 
 def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
-    """The model from `architecture`, trained with each attention impl; loss drift against the reference."""
+    """The model from `architecture`, trained with each implementation of the point's op swapped in.
+
+    Attention points swap the attention (train.attention_impls), matmul points every
+    projection's matmul (train.matmul_impls); the first is the baseline. Records the loss
+    drift against it (the contract's train_loss_drift) and Amdahl's predicted speedup
+    from the microbench next to the measured one.
+    """
+    from posttrainllm import amdahl
     from posttrainllm.model import ModelConfig
-    from posttrainllm.train import bench_train
+    from posttrainllm.train import attention_variants, bench_train, matmul_variants
 
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
-    arch, train = cfg.architecture, cfg.train
+    arch, train, op = cfg.architecture, cfg.train, cfg.op.name
     model_cfg = ModelConfig(vocab_size=256, d_model=arch.d_model, n_layers=arch.n_layers, n_heads=arch.n_heads,
                             n_kv_heads=arch.n_kv_heads, head_dim=arch.head_dim, mlp_hidden=arch.mlp_hidden,
                             max_seq_len=train.seq_len)
-    result = bench_train(model_cfg, impls=list(train.impls), steps=train.steps, warmup_steps=train.warmup_steps,
+    variants = attention_variants(list(train.attention_impls)) if op == "attention" else matmul_variants(
+        list(train.matmul_impls))
+    t, w = cfg.tile, cfg.workgroup
+    workgroup = dict(num_warps=w.num_warps, num_stages=w.num_stages, input_precision=cfg.precision.dot_precision)
+    result = bench_train(model_cfg, variants=variants, steps=train.steps, warmup_steps=train.warmup_steps,
                          batch_size=train.batch_size, seq_len=train.seq_len, lr=train.lr, seed=train.seed,
-                         precision=cfg.precision.name, device=device)
+                         precision=cfg.precision.name, device=device,
+                         attention_options=dict(block_q=t.block_q, block_kv=t.block_kv, **workgroup),
+                         matmul_options=dict(block_m=t.block_m, block_n=t.block_n, block_k=t.block_k,
+                                             group_m=w.group_m, **workgroup))
     limit = cfg.precision.contract.train_loss_drift
     result["drift_limit"] = limit
     result["drift_verdict"] = {name: "pass" if drift <= limit else "fail" for name, drift in result["drift"].items()}
+    if op == "attention":
+        model_problem = (f"B={train.batch_size} H={arch.n_heads} Hkv={arch.n_kv_heads} S={train.seq_len} "
+                         f"D={arch.head_dim}")
+    else:
+        model_problem = f"M={train.batch_size * train.seq_len} N={arch.mlp_hidden} K={arch.d_model} (MLP up)"
+    result["amdahl"] = amdahl.check(result, read_json(out / "microbench.json"), op=op, model_problem=model_problem)
     write_json(out / "bench_train.json", result)
     broken = [name for name, verdict in result["drift_verdict"].items() if verdict != "pass"]
     if broken:

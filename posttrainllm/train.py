@@ -1,9 +1,12 @@
-"""bench-train: train the same model with each attention implementation, end to end.
+"""bench-train: train the same model with each implementation of an op swapped in, end to end.
 
-For every implementation: the same initial weights (same seed), the same batches
+A variant picks the attention implementation and the matmul of every projection
+(model.ATTENTION_IMPLS, model.LINEAR_IMPLS); the first variant is the baseline.
+For every variant: the same initial weights (same seed), the same batches
 (corpus.batch_at, a pure function of (seed, step)), AdamW, `steps` optimizer steps.
 What comes back is the loss at every step and the wall time of every step, so one
-table shows both parity (do the loss curves agree?) and speed (tokens/s).
+table shows both parity (do the loss curves agree?) and speed (tokens/s), plus one
+extra, profiled step that says which fraction of a step each op takes.
 
 Units and formulas
     step_ms           wall time of forward + backward + optimizer step, ms
@@ -11,25 +14,51 @@ Units and formulas
                       on CUDA the clock stops after torch.cuda.synchronize())
     warm_ms_per_step  median of step_ms[warmup_steps:]
     tokens_per_s      batch_size * seq_len / (warm_ms_per_step / 1000)
-    drift[name]       |loss_name[N-1] - loss_reference[N-1]|, the last-step loss gap
+    drift[name]       |loss_name[N-1] - loss_baseline[N-1]|, the last-step loss gap
+    profile[op]       time inside the op's profiler ranges (forward) plus the autograd
+                      nodes those ranges created (backward), over the profiled step's time
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import statistics
 import time
-from typing import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
+from posttrainllm import model as models
+from posttrainllm.device import triton_interpreted
 from posttrainllm.corpus import Corpus, batch_at, load_corpus
-from posttrainllm.model import ModelConfig, Transformer, get_attention
+from posttrainllm.model import ModelConfig, Transformer, get_attention, get_linear
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-REFERENCE_IMPL = "reference"
+PROFILED_OPS = ("attention", "matmul")  # the model's record_function ranges: posttrainllm::<op>
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the model: which attention and which projection matmul."""
+
+    name: str
+    attention: str = "reference"
+    linear: str = "torch"
+
+
+def attention_variants(impls: list[str]) -> list[Variant]:
+    """Swap the attention implementation; projections stay on torch."""
+    return [Variant(name, attention=name) for name in impls]
+
+
+def matmul_variants(impls: list[str]) -> list[Variant]:
+    """Swap every projection's matmul; attention stays the reference."""
+    return [Variant(name, linear=name) for name in impls]
 
 # AdamW settings shared by every implementation (GPT-style; only lr is a knob here).
 ADAM_BETAS = (0.9, 0.95)
@@ -39,7 +68,7 @@ WEIGHT_DECAY = 0.1  # on matrices only; RMSNorm weights are not decayed
 def bench_train(
     model_cfg: ModelConfig,
     *,
-    impls: list[str],
+    variants: list[Variant],
     steps: int,
     warmup_steps: int,
     batch_size: int,
@@ -49,9 +78,17 @@ def bench_train(
     precision: str,
     device: str,
     corpus: Corpus | None = None,
+    attention_options: dict[str, Any] | None = None,
+    matmul_options: dict[str, Any] | None = None,
 ) -> dict:
-    """Train once per attention implementation; return a JSON-serialisable result dict."""
-    _check_args(model_cfg, impls, steps, warmup_steps, batch_size, seq_len, precision)
+    """Train once per variant; return a JSON-serialisable result dict.
+
+    attention_options / matmul_options (block sizes, num_warps, ...) configure the
+    Triton implementations, as the point's tile and workgroup say.
+    """
+    _check_args(model_cfg, variants, steps, warmup_steps, batch_size, seq_len, precision)
+    models.register_attention("triton", functools.partial(models.triton_attention, **(attention_options or {})))
+    models.register_linear("triton", functools.partial(models.triton_linear, **(matmul_options or {})))
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} requested but CUDA is not available")
@@ -67,23 +104,24 @@ def bench_train(
     results: dict[str, dict] = {}
     n_params = 0
     with _precision_mode(precision, dev):
-        for name in impls:
-            results[name], n_params = _train_one(model_cfg, name, batches, lr, seed, precision, dev, warmup_steps)
+        for variant in variants:
+            results[variant.name], n_params = _train_one(model_cfg, variant, batches, lr, seed, precision, dev,
+                                                         warmup_steps)
 
-    reference_losses = results[REFERENCE_IMPL]["losses"]
-    drift = {
-        name: abs(r["losses"][-1] - reference_losses[-1]) for name, r in results.items() if name != REFERENCE_IMPL
-    }
+    baseline = variants[0].name
+    baseline_losses = results[baseline]["losses"]
+    drift = {name: abs(r["losses"][-1] - baseline_losses[-1]) for name, r in results.items() if name != baseline}
     max_step_drift = {
-        name: max(abs(a - b) for a, b in zip(r["losses"], reference_losses))
+        name: max(abs(a - b) for a, b in zip(r["losses"], baseline_losses))
         for name, r in results.items()
-        if name != REFERENCE_IMPL
+        if name != baseline
     }
     return {
         "impls": results,
+        "variants": {v.name: asdict(v) for v in variants},
         "drift": drift,
         "max_step_drift": max_step_drift,  # largest |loss gap| at any step, not only the last
-        "reference_impl": REFERENCE_IMPL,
+        "baseline": baseline,
         "tokens_per_step": batch_size * seq_len,
         "n_params": n_params,
         "corpus": {"source": corpus.source, "sha256": corpus.sha256, "n_bytes": corpus.n_bytes},
@@ -107,7 +145,7 @@ def bench_train(
 
 def _train_one(
     model_cfg: ModelConfig,
-    impl: str,
+    variant: Variant,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     lr: float,
     seed: int,
@@ -116,7 +154,8 @@ def _train_one(
     warmup_steps: int,
 ) -> tuple[dict, int]:
     # Built on CPU then moved, so the initial weights are identical on every device.
-    model = Transformer(model_cfg, attention_impl=impl, seed=seed).to(dev)
+    model = Transformer(model_cfg, attention_impl=variant.attention, seed=seed).to(dev)
+    model.set_linear_impl(variant.linear)
     model.train()
     optimizer = _adamw(model, lr)
     autocast_dtype = AUTOCAST_DTYPES.get(precision)
@@ -127,10 +166,7 @@ def _train_one(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
 
-    losses: list[float] = []
-    step_ms: list[float] = []
-    for x, y in batches:
-        t0 = time.perf_counter()
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with _autocast(dev, autocast_dtype):
             _, loss = model(x, y)
         scaler.scale(loss).backward()
@@ -139,10 +175,19 @@ def _train_one(
         optimizer.zero_grad(set_to_none=True)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+        return loss
+
+    losses: list[float] = []
+    step_ms: list[float] = []
+    for x, y in batches:
+        t0 = time.perf_counter()
+        loss = step(x, y)
         step_ms.append((time.perf_counter() - t0) * 1e3)
         losses.append(loss.item())
 
     peak_mem = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    interpreted = "triton" in (variant.attention, variant.linear) and triton_interpreted()
+    profiled = profile_step(lambda: step(*batches[-1]), cuda=dev.type == "cuda")
     n_params = model.num_params()
     del model, optimizer
     warm = step_ms[warmup_steps:]
@@ -157,7 +202,43 @@ def _train_one(
         "tokens_per_s": tokens_per_step / (warm_ms / 1e3),
         "peak_mem_bytes": peak_mem,
         "final_loss_finite": math.isfinite(losses[-1]),
+        # Triton through its interpreter: the losses are real, the step times are not speed
+        "timing_valid": not interpreted,
+        "profile": profiled,
     }, n_params
+
+
+def profile_step(run_step: Any, *, cuda: bool) -> dict[str, Any]:
+    """One step under the PyTorch profiler: the fraction of its time each op takes.
+
+    Forward: the op's `posttrainllm::<op>` ranges. Backward: the autograd nodes whose
+    sequence number belongs to an op recorded inside those ranges (the profiler links a
+    backward node to the forward op that created it by that number). Times are CPU time
+    on CPU and GPU kernel time on CUDA.
+    """
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        with record_function("posttrainllm::step"):
+            run_step()
+    events = prof.events()
+
+    def spent(e: Any) -> float:
+        return e.device_time_total if cuda else e.cpu_time_total
+
+    step = next(e for e in events if e.name == "posttrainllm::step")
+    total_us = sum(e.self_device_time_total for e in events) if cuda else step.cpu_time_total
+    out: dict[str, Any] = {"step_us": total_us, "clock": "cuda kernel time" if cuda else "cpu time"}
+    for op in PROFILED_OPS:
+        ranges = [e for e in events if e.name == f"posttrainllm::{op}"]
+        forward_ops = {e.sequence_nr for e in events if e.sequence_nr >= 0 and any(
+            e.thread == r.thread and r.time_range.start <= e.time_range.start and e.time_range.end <= r.time_range.end
+            for r in ranges)}
+        backward = [e for e in events
+                    if e.name.startswith("autograd::engine::evaluate_function:") and e.sequence_nr in forward_ops]
+        forward_us, backward_us = sum(spent(r) for r in ranges), sum(spent(e) for e in backward)
+        out[op] = {"calls": len(ranges), "forward_us": forward_us, "backward_us": backward_us,
+                   "fraction": (forward_us + backward_us) / total_us if total_us else None}
+    return out
 
 
 def _autocast(dev: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
@@ -229,19 +310,21 @@ def _notes(precision: str, dev: torch.device) -> list[str]:
 
 def _check_args(
     model_cfg: ModelConfig,
-    impls: list[str],
+    variants: list[Variant],
     steps: int,
     warmup_steps: int,
     batch_size: int,
     seq_len: int,
     precision: str,
 ) -> None:
-    if REFERENCE_IMPL not in impls:
-        raise ValueError(f"impls={impls!r} must include {REFERENCE_IMPL!r}: it is the drift baseline")
-    if len(set(impls)) != len(impls):
-        raise ValueError(f"impls={impls!r} has duplicates")
-    for name in impls:
-        get_attention(name)  # raises ValueError listing the valid choices
+    names = [v.name for v in variants]
+    if not variants:
+        raise ValueError("give at least one variant: the first is the drift baseline")
+    if len(set(names)) != len(names):
+        raise ValueError(f"variants {names!r} have duplicate names")
+    for variant in variants:
+        get_attention(variant.attention)  # raises ValueError listing the valid choices
+        get_linear(variant.linear)
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}; valid choices: {list(PRECISIONS)}")
     if steps < 1 or not 0 <= warmup_steps < steps:

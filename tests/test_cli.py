@@ -62,7 +62,7 @@ def test_bench_train_reports_drift_within_contract(workdir, capsys):
     out = capsys.readouterr().out
     assert "drift limit 0.0001" in out and "reference" in out and "sdpa" in out
     result = json.loads((workdir / "runs/bench/train/bench_train.json").read_text())
-    assert result["drift_verdict"] == {"sdpa": "pass"}
+    assert result["drift_verdict"] == {"sdpa": "pass", "triton": "pass"}  # triton: through the interpreter on CPU
     assert len(result["impls"]["reference"]["losses"]) == 3
 
 
@@ -74,3 +74,22 @@ def test_bench_train_drift_beyond_contract_fails(workdir, monkeypatch, capsys):
     args = ["bench-train", "device=cpu", "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false"]
     assert cli.main(args) == 1
     assert "loss drift of sdpa exceeds train_loss_drift=0.0001" in capsys.readouterr().err
+
+
+def test_receipt_import_logs_json_made_without_mlflow_once(workdir, mlflow_uri, capsys):
+    from mlflow.tracking import MlflowClient
+
+    assert cli.main(["bench", *QUICK, "run.name=offline", "run.log_mlflow=false"]) == 0
+    folder = workdir / "runs" / "bench"
+    assert cli.main(["receipt", "import", str(folder)]) == 0
+    assert cli.main(["receipt", "import", str(folder)]) == 0  # a second import adds nothing
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("posttrainllm").experiment_id],
+                              filter_string="tags.point = 'offline'")
+    assert len(runs) == 1
+    assert "parity.json" in {a.path for a in client.list_artifacts(runs[0].info.run_id)}
+
+
+def test_receipt_import_refuses_a_missing_folder(workdir, capsys):
+    assert cli.main(["receipt", "import", str(workdir / "nope")]) == 2
+    assert "usage: posttrainllm receipt import FOLDER" in capsys.readouterr().err

@@ -172,3 +172,11 @@ def test_bf16_autocast_forward_runs_and_tracks_fp32():
             logits16, loss16 = model(idx, targets)
     assert logits16.dtype == torch.bfloat16 and loss16.dtype == torch.float32
     assert abs(loss16.item() - loss32.item()) < 2e-2
+
+
+def test_config_names_the_registered_implementations():
+    from posttrainllm import config
+    from posttrainllm.model import ATTENTION_IMPLS, LINEAR_IMPLS
+
+    assert set(config.ATTENTION_IMPLS) <= set(ATTENTION_IMPLS)
+    assert set(config.MATMUL_IMPLS) <= set(LINEAR_IMPLS)

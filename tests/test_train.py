@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from posttrainllm import reference
 from posttrainllm.corpus import load_corpus
 from posttrainllm.model import ATTENTION_IMPLS, ModelConfig, register_attention
-from posttrainllm.train import _precision_mode, bench_train
+from posttrainllm.train import Variant, _precision_mode, attention_variants, bench_train
 
 TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 RUN = dict(steps=30, warmup_steps=5, batch_size=4, seq_len=32, lr=3e-3, seed=0)
@@ -30,7 +30,7 @@ def fp32_result(corpus):
     register_attention("sdpa_repeat_kv", sdpa_repeat_kv)
     try:
         yield bench_train(
-            TINY, impls=["reference", "sdpa", "sdpa_repeat_kv"], precision="fp32", device="cpu", corpus=corpus, **RUN
+            TINY, variants=attention_variants(["reference", "sdpa", "sdpa_repeat_kv"]), precision="fp32", device="cpu", corpus=corpus, **RUN
         )
     finally:
         del ATTENTION_IMPLS["sdpa_repeat_kv"]
@@ -47,7 +47,8 @@ def test_result_has_every_field_and_is_json(fp32_result, corpus):
         assert res["tokens_per_s"] == pytest.approx(4 * 32 / (res["warm_ms_per_step"] / 1e3))
         assert res["peak_mem_bytes"] is None  # CPU: see notes
     assert set(r["drift"]) == {"sdpa", "sdpa_repeat_kv"}
-    assert r["reference_impl"] == "reference"
+    assert r["baseline"] == "reference"
+    assert r["variants"]["sdpa"] == {"name": "sdpa", "attention": "sdpa", "linear": "torch"}
     assert r["tokens_per_step"] == 4 * 32
     assert r["n_params"] > 0
     assert r["corpus"] == {"source": corpus.source, "sha256": corpus.sha256, "n_bytes": corpus.n_bytes}
@@ -76,7 +77,7 @@ def test_loss_goes_down_on_the_real_corpus(fp32_result):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_autocast_path_runs_and_stays_near_fp32(precision, fp32_result, corpus):
     run = {**RUN, "steps": 6, "warmup_steps": 1}
-    r = bench_train(TINY, impls=["reference", "sdpa"], precision=precision, device="cpu", corpus=corpus, **run)
+    r = bench_train(TINY, variants=attention_variants(["reference", "sdpa"]), precision=precision, device="cpu", corpus=corpus, **run)
     assert r["precision"] == precision
     assert any("autocast" in note for note in r["notes"])
     losses = r["impls"]["reference"]["losses"]
@@ -87,7 +88,7 @@ def test_autocast_path_runs_and_stays_near_fp32(precision, fp32_result, corpus):
 
 def test_tf32_on_cpu_is_fp32_and_says_so(fp32_result, corpus):
     run = {**RUN, "steps": 3, "warmup_steps": 1}
-    r = bench_train(TINY, impls=["reference"], precision="tf32", device="cpu", corpus=corpus, **run)
+    r = bench_train(TINY, variants=attention_variants(["reference"]), precision="tf32", device="cpu", corpus=corpus, **run)
     assert r["drift"] == {}
     assert any("identical to fp32" in note for note in r["notes"])
     torch.testing.assert_close(
@@ -112,16 +113,17 @@ def test_cuda_precision_mode_pins_and_restores_the_matmul_flag(precision, inside
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(impls=["sdpa"]), "must include 'reference'"),
-        (dict(impls=["reference", "flash"]), "valid choices"),
-        (dict(impls=["reference", "reference"]), "duplicates"),
+        (dict(variants=[]), "at least one variant"),
+        (dict(variants=[Variant("x", linear="cublas")]), "unknown linear_impl 'cublas'; valid choices"),
+        (dict(variants=attention_variants(["reference", "flash"])), "valid choices"),
+        (dict(variants=attention_variants(["reference", "reference"])), "duplicate names"),
         (dict(precision="fp8"), "precision"),
         (dict(warmup_steps=30), "warmup_steps"),
         (dict(seq_len=65), "max_seq_len"),
     ],
 )
 def test_bad_arguments_raise(kw, match, corpus):
-    args = {**RUN, "impls": ["reference", "sdpa"], "precision": "fp32", "device": "cpu", "corpus": corpus, **kw}
+    args = {**RUN, "variants": attention_variants(["reference", "sdpa"]), "precision": "fp32", "device": "cpu", "corpus": corpus, **kw}
     with pytest.raises(ValueError, match=match):
         bench_train(TINY, **args)
 
@@ -132,9 +134,19 @@ def test_bad_arguments_raise(kw, match, corpus):
 def test_bench_train_on_cuda(precision, corpus):
     flag = "fp32_precision" if hasattr(torch.backends.cuda.matmul, "fp32_precision") else "allow_tf32"
     before = getattr(torch.backends.cuda.matmul, flag)
-    r = bench_train(TINY, impls=["reference", "sdpa"], precision=precision, device="cuda", corpus=corpus, **RUN)
+    r = bench_train(TINY, variants=attention_variants(["reference", "sdpa"]), precision=precision, device="cuda", corpus=corpus, **RUN)
     assert getattr(torch.backends.cuda.matmul, flag) == before  # restored
     for res in r["impls"].values():
         assert res["peak_mem_bytes"] > 0
         assert sum(res["losses"][-5:]) / 5 < res["losses"][0] - 1.5
     assert r["drift"]["sdpa"] < (1e-3 if precision == "fp32" else 5e-2)
+
+
+def test_profiled_step_splits_time_between_attention_and_matmul(fp32_result):
+    for name, res in fp32_result["impls"].items():
+        prof = res["profile"]
+        assert prof["attention"]["calls"] == TINY.n_layers
+        assert prof["matmul"]["calls"] == 7 * TINY.n_layers + 1  # q, k, v, o, gate, up, down per layer + head
+        for op in ("attention", "matmul"):
+            assert prof[op]["forward_us"] > 0 and prof[op]["backward_us"] > 0, (name, op)
+        assert 0 < prof["attention"]["fraction"] + prof["matmul"]["fraction"] < 1

@@ -13,6 +13,9 @@ rounding to nearest. With UPCAST_DOT the dot operands are upcast to fp32 (bf16
 products are exact in fp32, so this matches the GPU's bf16 MMA up to summation
 order) and the kernel stores fp32, which PyTorch rounds to bf16.
 
+Backward (TritonMatmul): dA = dC @ Bᵀ and dB = Aᵀ @ dC, the same kernel on
+transposed views. `linear` is nn.Linear's x @ Wᵀ (no bias) on top of it.
+
 Shapes: a (M, K), b (K, N) -> c (M, N).
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from posttrainllm.ops import use_bf16_emulation
 
@@ -155,3 +159,60 @@ def triton_matmul(
         num_warps=num_warps, num_stages=num_stages,
     )
     return c.to(a.dtype)
+
+
+class TritonMatmul(torch.autograd.Function):
+    """C = A @ B with both gradients from the same kernel on transposed views.
+
+    dA = dC @ Bᵀ and dB = Aᵀ @ dC: `.t()` only swaps strides, and the kernel takes any
+    strides, so neither transpose is copied.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, tile):
+        ctx.save_for_backward(a, b)
+        ctx.tile = tile
+        return triton_matmul(a, b, **tile)  # (M, N)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dc):
+        a, b = ctx.saved_tensors
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = triton_matmul(dc, b.t(), **ctx.tile)  # (M, N) @ (N, K) -> (M, K)
+        if ctx.needs_input_grad[1]:
+            db = triton_matmul(a.t(), dc, **ctx.tile)  # (K, M) @ (M, N) -> (K, N)
+        return da, db, None
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    block_k: int = 32,
+    group_m: int = 8,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    input_precision: str = "ieee",
+) -> torch.Tensor:
+    """Differentiable a (M, K) @ b (K, N) -> (M, N) in a's dtype; forward and backward share the tiles."""
+    tile = dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m,
+                num_warps=num_warps, num_stages=num_stages, input_precision=input_precision)
+    return TritonMatmul.apply(a, b, tile)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, **tile) -> torch.Tensor:
+    """x @ weightᵀ as nn.Linear without bias: x (..., in), weight (out, in) -> (..., out).
+
+    Leading dims are flattened into rows for the 2-D kernel; `tile` takes matmul's keywords.
+    """
+    if weight.ndim != 2:
+        raise ValueError(f"expected 2-D weight (out, in), got {tuple(weight.shape)}")
+    if x.ndim < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} does not end in weight's in-features {weight.shape[1]}")
+    rows = x.reshape(-1, x.shape[-1])  # (N, in), a view when x allows it
+    out = matmul(rows, weight.t(), **tile)  # (N, in) @ (in, out) -> (N, out)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
