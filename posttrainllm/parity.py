@@ -43,13 +43,18 @@ def error_metrics(candidate: torch.Tensor, oracle: torch.Tensor, contract: Contr
 
 
 def check_output(candidate: torch.Tensor, oracle: torch.Tensor, baseline: torch.Tensor,
-                 contract: Contract) -> dict[str, Any]:
-    """One output of one path on one case, against the contract."""
+                 contract: Contract, *, fallback_scale: float = 0.0) -> dict[str, Any]:
+    """One output of one path on one case, against the contract.
+
+    An oracle that is exactly zero (dQ when every query sees a single key, say) has no
+    magnitude of its own: the floor then uses `fallback_scale`, the case's forward output's.
+    """
     if candidate.shape != oracle.shape:
         return {"verdict": "fail", "reason": f"shape {tuple(candidate.shape)} != oracle {tuple(oracle.shape)}"}
     got = error_metrics(candidate, oracle, contract)
     base = error_metrics(baseline, oracle, contract)
-    allowed = contract.error_multiple * base["max_abs_err"] + contract.floor_rel * got["oracle_max_abs"]
+    scale = got["oracle_max_abs"] or fallback_scale
+    allowed = contract.error_multiple * base["max_abs_err"] + contract.floor_rel * scale
     reasons = []
     if not got["finite"]:
         reasons.append("non-finite values")
@@ -75,8 +80,9 @@ def check_path(outputs: list[dict[str, torch.Tensor]], oracles: list[dict[str, t
     """
     results, worst = [], {}
     for name, got, oracle, baseline in zip(case_names, outputs, oracles, baselines):
+        fallback_scale = oracle["out"].abs().max().item() if oracle["out"].numel() else 0.0
         for key, tensor in got.items():
-            check = check_output(tensor, oracle[key], baseline[key], contract)
+            check = check_output(tensor, oracle[key], baseline[key], contract, fallback_scale=fallback_scale)
             results.append({"case": name, "output": key, **check})
             ratio = check.get("max_abs_err", float("inf")) / max(check.get("allowed_abs_err", 0.0), 1e-300)
             if key not in worst or ratio > worst[key][0]:

@@ -33,10 +33,31 @@ class Case:
 
 @dataclass(frozen=True)
 class Impl:
+    """One implementation of an op.
+
+    run: the forward outputs to check ("out", and "lse" where the path has one).
+    differentiable: the op as an autograd-able function of the inputs, for gradient parity.
+    """
+
     name: str
     kind: str  # reference | torch | triton
     run: Callable[[Tensors, LabConfig], Tensors]
     geometry: Callable[[Case, LabConfig], dict[str, Any]]
+    differentiable: Callable[[Tensors, LabConfig], torch.Tensor]
+
+
+def gradients(impl: Impl, inputs: Tensors, grad_out: torch.Tensor, cfg: LabConfig) -> Tensors:
+    """d(out · grad_out)/d(input) for every input: "grad_q", "grad_k", ... (the backward pass to check)."""
+    leaves = {name: x.detach().requires_grad_() for name, x in inputs.items()}
+    out = impl.differentiable(leaves, cfg)
+    grads = torch.autograd.grad(out, list(leaves.values()), grad_out)
+    return {f"grad_{name}": g for name, g in zip(leaves, grads)}
+
+
+def upstream_gradient(case: Case, out: torch.Tensor) -> torch.Tensor:
+    """The dO fed to every backward of a case: standard normal from the case's seed, in out's dtype."""
+    gen = torch.Generator().manual_seed(case.seed + 1_000_003)
+    return torch.randn(out.shape, generator=gen, dtype=torch.float32).to(device=out.device, dtype=out.dtype)
 
 
 def cases(cfg: LabConfig) -> list[Case]:
@@ -88,15 +109,21 @@ def precision_context(cfg: LabConfig) -> Iterator[None]:
 
 
 def _attention_reference(x: Tensors, cfg: LabConfig) -> Tensors:
-    causal = cfg.op.causal
-    return {"out": reference.attention(x["q"], x["k"], x["v"], causal=causal),
-            "lse": reference.attention_logsumexp(x["q"], x["k"], causal=causal)}
+    return {"out": _attention_reference_out(x, cfg),
+            "lse": reference.attention_logsumexp(x["q"], x["k"], causal=cfg.op.causal)}
+
+
+def _attention_reference_out(x: Tensors, cfg: LabConfig) -> torch.Tensor:
+    return reference.attention(x["q"], x["k"], x["v"], causal=cfg.op.causal)
+
+
+def _attention_sdpa_out(x: Tensors, cfg: LabConfig) -> torch.Tensor:
+    return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=cfg.op.causal,
+                                          enable_gqa=x["k"].shape[1] != x["q"].shape[1])
 
 
 def _attention_sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
-    out = F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=cfg.op.causal,
-                                         enable_gqa=x["k"].shape[1] != x["q"].shape[1])
-    return {"out": out}
+    return {"out": _attention_sdpa_out(x, cfg)}
 
 
 def _attention_triton(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -109,24 +136,53 @@ def _attention_triton(x: Tensors, cfg: LabConfig) -> Tensors:
     return {"out": out, "lse": lse}
 
 
+def _attention_triton_out(x: Tensors, cfg: LabConfig) -> torch.Tensor:
+    from posttrainllm.ops.attention import flash_attention
+
+    return flash_attention(x["q"], x["k"], x["v"], causal=cfg.op.causal, block_q=cfg.tile.block_q,
+                           block_kv=cfg.tile.block_kv, num_warps=cfg.workgroup.num_warps,
+                           num_stages=cfg.workgroup.num_stages, input_precision=cfg.precision.dot_precision)
+
+
 def _attention_triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
     from posttrainllm.ops.attention import attention_launch
 
-    d = case.dims
-    return attention_launch(d["batch"], d["heads"], d["seq_len"], d["head_dim"], block_q=cfg.tile.block_q,
-                            block_kv=cfg.tile.block_kv, num_warps=cfg.workgroup.num_warps,
-                            num_stages=cfg.workgroup.num_stages)
+    from posttrainllm.ops.attention import attention_backward_launch
+
+    d, t, w = case.dims, cfg.tile, cfg.workgroup
+    forward = attention_launch(d["batch"], d["heads"], d["seq_len"], d["head_dim"], block_q=t.block_q,
+                               block_kv=t.block_kv, num_warps=w.num_warps, num_stages=w.num_stages)
+    backward = attention_backward_launch(d["batch"], d["heads"], d["kv_heads"], d["seq_len"], d["head_dim"],
+                                         block_q=t.block_q, block_kv=t.block_kv, num_warps=w.num_warps,
+                                         num_stages=w.num_stages)
+    return {**forward, "backward": backward}
 
 
 # --- matmul ----------------------------------------------------------------------------
 
 
+def _matmul_reference_out(x: Tensors, cfg: LabConfig) -> torch.Tensor:
+    return reference.matmul(x["a"], x["b"])
+
+
+def _matmul_torch_out(x: Tensors, cfg: LabConfig) -> torch.Tensor:
+    return torch.matmul(x["a"], x["b"])
+
+
+def _matmul_triton_out(x: Tensors, cfg: LabConfig) -> torch.Tensor:
+    from posttrainllm.ops.matmul import matmul
+
+    t, w = cfg.tile, cfg.workgroup
+    return matmul(x["a"], x["b"], block_m=t.block_m, block_n=t.block_n, block_k=t.block_k, group_m=w.group_m,
+                  num_warps=w.num_warps, num_stages=w.num_stages, input_precision=cfg.precision.dot_precision)
+
+
 def _matmul_reference(x: Tensors, cfg: LabConfig) -> Tensors:
-    return {"out": reference.matmul(x["a"], x["b"])}
+    return {"out": _matmul_reference_out(x, cfg)}
 
 
 def _matmul_torch(x: Tensors, cfg: LabConfig) -> Tensors:
-    return {"out": torch.matmul(x["a"], x["b"])}
+    return {"out": _matmul_torch_out(x, cfg)}
 
 
 def _matmul_triton(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -153,14 +209,17 @@ def _backend(name: str) -> Callable[[Case, LabConfig], dict[str, Any]]:
 REFERENCE = "reference"
 IMPLS: dict[str, dict[str, Impl]] = {
     "attention": {
-        REFERENCE: Impl(REFERENCE, "reference", _attention_reference, _backend("posttrainllm.reference.attention")),
-        "sdpa": Impl("sdpa", "torch", _attention_sdpa, _backend("torch.nn.functional.scaled_dot_product_attention")),
-        "triton": Impl("triton", "triton", _attention_triton, _attention_triton_geometry),
+        REFERENCE: Impl(REFERENCE, "reference", _attention_reference, _backend("posttrainllm.reference.attention"),
+                        _attention_reference_out),
+        "sdpa": Impl("sdpa", "torch", _attention_sdpa, _backend("torch.nn.functional.scaled_dot_product_attention"),
+                     _attention_sdpa_out),
+        "triton": Impl("triton", "triton", _attention_triton, _attention_triton_geometry, _attention_triton_out),
     },
     "matmul": {
-        REFERENCE: Impl(REFERENCE, "reference", _matmul_reference, _backend("posttrainllm.reference.matmul")),
-        "torch": Impl("torch", "torch", _matmul_torch, _backend("torch.matmul")),
-        "triton": Impl("triton", "triton", _matmul_triton, _matmul_triton_geometry),
+        REFERENCE: Impl(REFERENCE, "reference", _matmul_reference, _backend("posttrainllm.reference.matmul"),
+                        _matmul_reference_out),
+        "torch": Impl("torch", "torch", _matmul_torch, _backend("torch.matmul"), _matmul_torch_out),
+        "triton": Impl("triton", "triton", _matmul_triton, _matmul_triton_geometry, _matmul_triton_out),
     },
 }
 

@@ -61,17 +61,25 @@ def _emulation(impl: paths.Impl, cfg: LabConfig) -> str | None:
 
 
 def run_reference(cfg: LabConfig, out: Path) -> None:
-    """Inputs for every case, the fp64 oracle on them, and the same math in the point's precision."""
+    """Inputs for every case, the fp64 oracle on them, and the same math in the point's precision.
+
+    Forward outputs and, for one upstream gradient dO per case, the input gradients
+    (float64 autograd through the reference math is the gradient oracle).
+    """
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     records = []
     reference = paths.IMPLS[cfg.op.name][REFERENCE]
     with paths.precision_context(cfg):
         for case in paths.cases(cfg):
             inputs = paths.make_inputs(case, cfg.op.name, _dtype(cfg), device)
-            oracle = reference.run({k: v.double() for k, v in inputs.items()}, cfg)
+            inputs64 = {k: v.double() for k, v in inputs.items()}
+            oracle = reference.run(inputs64, cfg)
             baseline = reference.run(inputs, cfg)
-            records.append({"case": asdict(case), "inputs": _to_cpu(inputs), "oracle": _to_cpu(oracle),
-                            "baseline": _to_cpu(baseline)})
+            grad_out = paths.upstream_gradient(case, baseline["out"])
+            oracle.update(paths.gradients(reference, inputs64, grad_out.double(), cfg))
+            baseline.update(paths.gradients(reference, inputs, grad_out, cfg))
+            records.append({"case": asdict(case), "inputs": _to_cpu(inputs), "grad_out": grad_out.cpu(),
+                            "oracle": _to_cpu(oracle), "baseline": _to_cpu(baseline)})
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"op": cfg.op.name, "dtype": cfg.precision.dtype, "records": records}, out / "reference.pt")
 
@@ -99,10 +107,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
             entry: dict[str, Any] = {"kind": impl.kind, "problem": paths.problem_dims(main_case, cfg.op.name),
                                      "geometry": impl.geometry(main_case, cfg), "emulation": _emulation(impl, cfg)}
             try:
-                outputs[impl.name] = [
-                    _to_cpu(impl.run({k: v.to(device) for k, v in rec["inputs"].items()}, cfg))
-                    for rec in ref["records"]
-                ]
+                outputs[impl.name] = [_run_case(impl, rec, cfg, device) for rec in ref["records"]]
             except Exception as exc:  # a kernel that cannot run is a failed path, reported, not a crash
                 outputs[impl.name] = None
                 entry["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -110,6 +115,14 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     torch.save(outputs, out / "kernel.pt")
     write_json(out / "kernel.json", report)
     return report
+
+
+def _run_case(impl: paths.Impl, record: dict[str, Any], cfg: LabConfig, device: str) -> dict[str, torch.Tensor]:
+    """Forward outputs and input gradients (for the reference's dO) of one path on one case."""
+    inputs = {k: v.to(device) for k, v in record["inputs"].items()}
+    outputs = impl.run(inputs, cfg)
+    outputs.update(paths.gradients(impl, inputs, record["grad_out"].to(device), cfg))
+    return _to_cpu(outputs)
 
 
 # --- parity ------------------------------------------------------------------------------

@@ -2,9 +2,12 @@
 
 CUDA: CUDA events around each call, with the L2 cache flushed before it (a write
 over a buffer larger than L2), so a small problem does not time a warm cache.
-CPU: `time.perf_counter` around each call, at a fixed thread count.
+CPU: `time.perf_counter` around each call, at a fixed thread count (recorded).
 Both: `warmup` untimed calls, then at least `reps` timed calls and more until
 `min_time_s` has been spent (at most `max_reps`).
+
+The flush and the clock are parameters, so a test can watch the method without a
+GPU: `flush` runs once before every timed call and outside the timed region.
 """
 
 from __future__ import annotations
@@ -18,6 +21,26 @@ import torch
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # larger than any current GPU's L2 (H100/H200: 50 MB)
 
+# A measurement is `noisy` (its median is not fit to compare with another's) when its
+# middle 60 % spreads wider than this fraction of the median: (p80 - p20) / median > 0.20,
+# or when there are too few samples to say anything about the spread.
+# The CV (std / mean) is recorded but is not part of the rule: one preempted call on a shared
+# core moves it a lot while the median does not move (measured here: a 4.6 us matmul with
+# (p80 - p20) / median = 0.017 had CV 0.70 in one run and 0.01 in the next).
+NOISY_SPREAD = 0.20
+NOISY_MIN_SAMPLES = 3
+NOISY_RULE = f"noisy = reps < {NOISY_MIN_SAMPLES} or (p80 - p20) / median > {NOISY_SPREAD}"
+
+
+class _Auto:
+    """Marker for "pick the device's default" (None means "no flush")."""
+
+    def __repr__(self) -> str:
+        return "AUTO"
+
+
+AUTO = _Auto()
+
 
 @dataclass
 class Timing:
@@ -27,8 +50,12 @@ class Timing:
     p80_ms: float
     min_ms: float
     cv: float  # standard deviation / mean of the samples
+    iqr_ms: float = 0.0  # p75 - p25
+    noisy: bool = False  # see NOISY_RULE
+    threads: int | None = None  # torch.get_num_threads() while measuring (CPU intra-op threads)
+    flushed: bool = False  # a cache flush ran before every timed call
 
-    def summary(self) -> dict[str, float | int]:
+    def summary(self) -> dict[str, float | int | bool | None]:
         out = asdict(self)
         out["reps"] = len(out.pop("samples_ms"))
         return out
@@ -42,38 +69,84 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def summarize(samples_ms: list[float]) -> Timing:
+def is_noisy(n: int, median: float, p20: float, p80: float) -> bool:
+    """NOISY_RULE on a summary's numbers."""
+    if n < NOISY_MIN_SAMPLES:
+        return True
+    return (p80 - p20) / median > NOISY_SPREAD if median > 0 else True
+
+
+def summarize(samples_ms: list[float], *, threads: int | None = None, flushed: bool = False) -> Timing:
     ordered = sorted(samples_ms)
     mean = statistics.fmean(ordered)
     cv = statistics.pstdev(ordered) / mean if len(ordered) > 1 and mean > 0 else 0.0
-    return Timing(samples_ms=list(samples_ms), median_ms=statistics.median(ordered), p20_ms=_quantile(ordered, 0.2),
-                  p80_ms=_quantile(ordered, 0.8), min_ms=ordered[0], cv=cv)
+    median, p20, p80 = statistics.median(ordered), _quantile(ordered, 0.2), _quantile(ordered, 0.8)
+    return Timing(samples_ms=list(samples_ms), median_ms=median, p20_ms=p20, p80_ms=p80, min_ms=ordered[0], cv=cv,
+                  iqr_ms=_quantile(ordered, 0.75) - _quantile(ordered, 0.25),
+                  noisy=is_noisy(len(ordered), median, p20, p80), threads=threads, flushed=flushed)
 
 
-def measure(fn: Callable[[], object], *, device: str, warmup: int, reps: int, min_time_s: float,
-            max_reps: int) -> Timing:
+def l2_flush(device: str) -> Callable[[], None] | None:
+    """CUDA: a callable that overwrites a buffer larger than L2 (the buffer is held by the closure).
+    Other devices: None (no flush)."""
+    if device != "cuda":
+        return None
+    buffer = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    return buffer.zero_
+
+
+def _cuda_event_ms(fn: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _clock_ms(clock: Callable[[], float], sync: Callable[[], None]) -> Callable[[Callable[[], object]], float]:
+    """Wall-clock timing of one call with a seconds clock; `sync` drains queued device work on both sides."""
+
+    def time_one(fn: Callable[[], object]) -> float:
+        sync()
+        t0 = clock()
+        fn()
+        sync()
+        return (clock() - t0) * 1e3
+
+    return time_one
+
+
+def _no_sync() -> None:
+    return None
+
+
+def measure(fn: Callable[[], object], *, device: str, warmup: int, reps: int, min_time_s: float, max_reps: int,
+            flush: Callable[[], object] | None | _Auto = AUTO, clock: Callable[[], float] | None = None,
+            sync: Callable[[], None] | None = None) -> Timing:
+    """Time `fn()`; samples in milliseconds.
+
+    flush: called once before every timed call, outside the timed region. AUTO: the L2
+        flush on CUDA, nothing elsewhere; None: no flush.
+    clock: a seconds clock. None: CUDA events on CUDA, `time.perf_counter` elsewhere.
+    sync:  waits for queued device work around a wall-clock timing. None: `torch.cuda.synchronize`
+        on CUDA, nothing elsewhere.
+    """
+    flush_fn = l2_flush(device) if isinstance(flush, _Auto) else flush
+    if sync is None:
+        sync = torch.cuda.synchronize if device == "cuda" else _no_sync
+    if clock is None and device == "cuda":
+        time_one = _cuda_event_ms
+    else:
+        time_one = _clock_ms(clock or time.perf_counter, sync)
     for _ in range(warmup):
         fn()
+    sync()
     samples: list[float] = []
-    if device == "cuda":
-        flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-        torch.cuda.synchronize()
-        spent = 0.0
-        while len(samples) < max_reps and (len(samples) < reps or spent < min_time_s):
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
-            spent += samples[-1] / 1e3
-    else:
-        spent = 0.0
-        while len(samples) < max_reps and (len(samples) < reps or spent < min_time_s):
-            t0 = time.perf_counter()
-            fn()
-            elapsed = time.perf_counter() - t0
-            samples.append(elapsed * 1e3)
-            spent += elapsed
-    return summarize(samples)
+    spent = 0.0
+    while len(samples) < max_reps and (len(samples) < reps or spent < min_time_s):
+        if flush_fn is not None:
+            flush_fn()
+        samples.append(time_one(fn))
+        spent += samples[-1] / 1e3
+    return summarize(samples, threads=torch.get_num_threads(), flushed=flush_fn is not None)

@@ -1,11 +1,11 @@
 """`posttrainllm bench` and `bench-train` in-process: the table, the receipt, MLflow, exit codes."""
 
+import dataclasses
 import json
 
 import pytest
 
 from posttrainllm import cli, paths
-from posttrainllm.paths import Impl
 
 
 @pytest.fixture
@@ -36,8 +36,8 @@ def test_bench_prints_table_and_logs_a_receipt(workdir, mlflow_uri, capsys):
 
 
 def test_broken_path_gets_no_speed_and_exit_1(workdir, monkeypatch, capsys):
-    halved = Impl("sdpa", "torch", lambda x, cfg: {"out": paths.IMPLS["attention"]["sdpa"].run(x, cfg)["out"] * 0.5},
-                  paths.IMPLS["attention"]["sdpa"].geometry)
+    sdpa = paths.IMPLS["attention"]["sdpa"]
+    halved = dataclasses.replace(sdpa, run=lambda x, cfg: {"out": sdpa.run(x, cfg)["out"] * 0.5})
     monkeypatch.setitem(paths.IMPLS["attention"], "sdpa", halved)
     assert cli.main(["bench", *QUICK, "run.name=broken", "run.log_mlflow=false"]) == 1
     captured = capsys.readouterr()

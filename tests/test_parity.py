@@ -5,6 +5,7 @@ from a copy; the test first checks the line it mutates exists exactly once, so a
 refactor cannot turn a planted bug into a silent no-op.
 """
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from posttrainllm import parity, paths, stages
-from posttrainllm.config import PROJECT_ROOT, Contract, load
 from posttrainllm.paths import Impl
+from posttrainllm.config import PROJECT_ROOT, Contract, load
 
 OPS = PROJECT_ROOT / "posttrainllm" / "ops"
 
@@ -48,7 +49,7 @@ def _attention_impl(fn) -> Impl:
         out, lse = fn(x["q"], x["k"], x["v"], causal=cfg.op.causal, block_q=cfg.tile.block_q,
                       block_kv=cfg.tile.block_kv)
         return {"out": out, "lse": lse}
-    return Impl("triton", "triton", run, paths.IMPLS["attention"]["triton"].geometry)
+    return dataclasses.replace(paths.IMPLS["attention"]["triton"], run=run)
 
 
 ATTENTION = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]"]
@@ -87,8 +88,7 @@ def test_planted_attention_bug_is_caught(bug, tmp_path, monkeypatch):
 
 
 def test_all_zero_output_is_caught(tmp_path, monkeypatch):
-    zeros = Impl("triton", "triton", lambda x, cfg: {"out": torch.zeros_like(x["q"])},
-                 paths.IMPLS["attention"]["triton"].geometry)
+    zeros = dataclasses.replace(paths.IMPLS["attention"]["triton"], run=lambda x, cfg: {"out": torch.zeros_like(x["q"])})
     report = _run_stages(load(ATTENTION), tmp_path, monkeypatch, "attention", zeros)
     assert report["paths"]["triton"]["verdict"] == "fail"
 
@@ -97,7 +97,7 @@ def test_kernel_that_raises_fails_parity_without_stopping_others(tmp_path, monke
     def boom(x, cfg):
         raise RuntimeError("out of shared memory")
     report = _run_stages(load(ATTENTION), tmp_path, monkeypatch, "attention",
-                         Impl("triton", "triton", boom, paths.IMPLS["attention"]["triton"].geometry))
+                         dataclasses.replace(paths.IMPLS["attention"]["triton"], run=boom))
     assert report["paths"]["triton"]["verdict"] == "fail"
     assert "did not run: RuntimeError: out of shared memory" in report["paths"]["triton"]["failed_cases"][0]
     assert report["paths"]["sdpa"]["verdict"] == "pass"
@@ -108,7 +108,7 @@ def test_matmul_dropping_the_ragged_k_slab_is_caught_only_by_the_edge_shape(tmp_
 
     def run(x, cfg):
         return {"out": mutant.triton_matmul(x["a"], x["b"], block_m=32, block_n=32, block_k=32)}
-    impl = Impl("triton", "triton", run, paths.IMPLS["matmul"]["triton"].geometry)
+    impl = dataclasses.replace(paths.IMPLS["matmul"]["triton"], run=run)
     cfg = load(["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.m=64", "shape.n=64", "shape.k=64",
                 "shape.edge_mnk=[[41,77,33]]"])
     report = _run_stages(cfg, tmp_path, monkeypatch, "matmul", impl)
@@ -169,3 +169,57 @@ def test_non_finite_and_wrong_shape_fail():
     oracle = torch.ones(3, dtype=torch.float64)
     assert parity.check_output(torch.tensor([1.0, float("nan"), 1.0]), oracle, oracle, CONTRACT)["verdict"] == "fail"
     assert "shape" in parity.check_output(torch.ones(4), oracle, oracle, CONTRACT)["reason"]
+
+
+# --- gradients: dQ, dK, dV and the matmul's dA, dB against float64 autograd -------------------
+
+def _flash_impl(fn) -> Impl:
+    """The Triton path with a (mutant) differentiable flash attention."""
+    def differentiable(x, cfg):
+        return fn(x["q"], x["k"], x["v"], causal=cfg.op.causal, block_q=cfg.tile.block_q, block_kv=cfg.tile.block_kv)
+    return dataclasses.replace(paths.IMPLS["attention"]["triton"], differentiable=differentiable)
+
+
+GQA = [*ATTENTION, "architecture=gqa", "tile=b16", "shape.seq_len=64"]
+
+PLANTED_BACKWARD_BUGS = {
+    "missing D = rowsum(dO∘O) in dK/dV": ("dsT = pT * (dpT - Di[None, :])", "dsT = pT * dpT", "grad_k"),
+    "missing D = rowsum(dO∘O) in dQ": ("ds = p * (dp - Di[:, None])", "ds = p * dp", "grad_q"),
+    "dK/dV accumulated for the wrong query heads": ("off_h = off_hkv * KV_GROUP + g", "off_h = off_hkv * KV_GROUP",
+                                                    "grad_k"),
+    "diagonal causal block skipped in dK/dV": ("lo = start_kv * BLOCK_KV", "lo = (start_kv + 1) * BLOCK_KV", "grad_k"),
+}
+
+
+def test_gradients_are_checked_for_every_path(tmp_path, monkeypatch):
+    report = _run_stages(load(GQA), tmp_path, monkeypatch, "attention")
+    assert report["verdict"] == "pass"
+    for path in ("sdpa", "triton"):
+        assert {"grad_q", "grad_k", "grad_v"} <= set(report["paths"][path]["worst"])
+
+
+@pytest.mark.parametrize("bug", PLANTED_BACKWARD_BUGS)
+def test_planted_backward_bug_is_caught(bug, tmp_path, monkeypatch):
+    original, planted, gradient = PLANTED_BACKWARD_BUGS[bug]
+    mutant = _mutant(tmp_path, "attention", original, planted)
+    report = _run_stages(load(GQA), tmp_path, monkeypatch, "attention", _flash_impl(mutant.flash_attention))
+    triton = report["paths"]["triton"]
+    assert triton["verdict"] == "fail"
+    assert any(f"/{gradient}:" in failure for failure in triton["failed_cases"])
+    assert not any("/out:" in failure for failure in triton["failed_cases"])  # the forward is untouched
+
+
+def test_matmul_gradients_are_checked(tmp_path, monkeypatch):
+    cfg = load(["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]"])
+    report = _run_stages(cfg, tmp_path, monkeypatch, "matmul")
+    assert report["verdict"] == "pass"
+    assert {"out", "grad_a", "grad_b"} <= set(report["paths"]["triton"]["worst"])
+
+
+def test_exactly_zero_oracle_gradient_uses_the_forward_scale():
+    oracle = {"out": torch.full((2,), 3.0, dtype=torch.float64), "grad_q": torch.zeros(2, dtype=torch.float64)}
+    got = {"grad_q": torch.tensor([2e-7, 0.0])}
+    contract = Contract(error_multiple=8.0, floor_rel=1e-6)
+    result = parity.check_path([got], [oracle], [{"grad_q": torch.zeros(2)}], ["S1"], contract)
+    assert result["verdict"] == "pass"
+    assert result["worst"]["grad_q"]["allowed_abs_err"] == pytest.approx(3e-6)

@@ -1,0 +1,107 @@
+"""PNG plots of curves and rooflines (matplotlib's Agg canvas: no display, no pyplot state).
+
+PNG, not HTML: `dvc plots show` renders its vega charts from a CDN, blank offline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import NullLocator
+
+DPI = 120
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fig.savefig(path, format="png", dpi=DPI, bbox_inches="tight")
+    return path
+
+
+def time_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = None) -> Path:
+    """Median time against x on log-log axes, one line per impl, the p20-p80 band shaded.
+
+    Only valid rows are drawn; noisy points (timing.NOISY_RULE) are hollow markers.
+    """
+    valid = df[df["valid"].astype(bool)] if "valid" in df else df
+    if valid.empty:
+        raise ValueError("time_vs_size: no valid rows to plot")
+    fig = Figure(figsize=(6.4, 4.4))
+    ax = fig.add_subplot()
+    for impl, rows in valid.sort_values("x_value").groupby("impl", sort=False):
+        x, median = rows["x_value"].to_numpy(), rows["median"].to_numpy()
+        (line,) = ax.plot(x, median, marker="o", label=str(impl))
+        ax.fill_between(x, rows["p20"].to_numpy(), rows["p80"].to_numpy(), color=line.get_color(), alpha=0.2,
+                        linewidth=0)
+        if "noisy" in rows:
+            noisy = rows["noisy"].astype(bool).to_numpy()
+            ax.plot(x[noisy], median[noisy], linestyle="none", marker="o", markersize=9, markerfacecolor="white",
+                    color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    xs = sorted(valid["x_value"].unique())
+    ax.set_xticks(xs, [str(int(x)) for x in xs])
+    ax.xaxis.set_minor_locator(NullLocator())
+    unit = valid["unit"].iloc[0] if "unit" in valid else "ms"
+    ax.set_xlabel(str(valid["x_name"].iloc[0]) if "x_name" in valid else "x")
+    ax.set_ylabel(f"median time [{unit}] (band: p20-p80; hollow: noisy)")
+    op = valid["op"].iloc[0] if "op" in valid else ""
+    device = valid["device"].iloc[0] if "device" in valid else ""
+    ax.set_title(title or f"{op} on {device}".strip())
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def _compute_roofs(peaks: Mapping[str, Any]) -> dict[str, float]:
+    flops = peaks.get("gemm_flops_per_s", peaks.get("peak_flops"))
+    if isinstance(flops, Mapping):
+        return {str(k): float(v) for k, v in flops.items()}
+    return {"peak": float(flops)}
+
+
+def roofline_plot(points: Iterable[Mapping[str, Any]], peaks: Mapping[str, Any], path: str | Path, *,
+                  title: str | None = None) -> Path:
+    """The roofline on log-log axes with the measured points labelled.
+
+    points: dicts with "label", "intensity_flops_per_byte" and "achieved_flops_per_s"
+        (roofline.roofline's output plus a label).
+    peaks: calibrate's {"gemm_flops_per_s": {dtype: FLOP/s} or FLOP/s, "copy_bytes_per_s": B/s};
+        one compute roof per dtype, one memory roof.
+    Roof: attainable(I) = min(peak_flops, peak_bytes_per_s · I).
+    """
+    points = list(points)
+    bandwidth = float(peaks.get("copy_bytes_per_s", peaks.get("peak_bytes_per_s")))
+    roofs = _compute_roofs(peaks)
+    intensities = [float(p["intensity_flops_per_byte"]) for p in points]
+    ridges = [flops / bandwidth for flops in roofs.values()]
+    lo = min(intensities + ridges) / 8
+    hi = max(intensities + ridges) * 8
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    fig = Figure(figsize=(6.4, 4.8))
+    ax = fig.add_subplot()
+    for name, flops in sorted(roofs.items(), key=lambda kv: kv[1]):
+        ax.plot(grid, [min(flops, bandwidth * i) for i in grid], label=f"{name}: {flops / 1e9:.3g} GFLOP/s")
+    ax.plot(grid, [bandwidth * i for i in grid], linestyle=":", color="grey",
+            label=f"memory: {bandwidth / 1e9:.3g} GB/s")
+    for point in points:
+        x, y = float(point["intensity_flops_per_byte"]), float(point["achieved_flops_per_s"])
+        ax.plot([x], [y], marker="o", color="black")
+        ax.annotate(str(point.get("label", "")), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    top = max(list(roofs.values()) + [float(p["achieved_flops_per_s"]) for p in points])
+    bottom = min([bandwidth * lo] + [float(p["achieved_flops_per_s"]) for p in points])
+    ax.set_ylim(bottom / 2, top * 2)
+    ax.set_xlabel("arithmetic intensity [FLOP/B]")
+    ax.set_ylabel("FLOP/s")
+    ax.set_title(title or "roofline")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, path)

@@ -1,0 +1,97 @@
+"""Where a measured call sits on the device's roofline (Williams, Waterman & Patterson, 2009).
+
+    arithmetic intensity  I = flops / bytes                       [FLOP/B]
+    ridge point           R = peak_flops / peak_bytes_per_s       [FLOP/B]
+    attainable            A = min(peak_flops, peak_bytes_per_s · I)   [FLOP/s]
+    achieved              P = flops / seconds                     [FLOP/s]
+    fraction              P / A
+
+Classification (the rule, in order):
+  1. "overhead-bound" when seconds < OVERHEAD_DOMINATES_BELOW · overhead_s (the fixed
+     launch/dispatch cost is at least half of the time), or when fraction < LOW_FRACTION
+     (neither roof explains the time: launch/dispatch, Python, synchronisation, traffic
+     beyond the byte model, or too little parallel work);
+  2. else "compute-bound" when I >= R (at the ridge both roofs meet; we call it compute);
+  3. else "memory-bound".
+
+`flops` and `bytes` come from costs.py (bytes = the minimal traffic), and the peaks from
+calibrate.py (measured) or calibrate.published_peaks (datasheet): the caller says which.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# One kernel launch (CUDA) or one eager op dispatch (PyTorch on CPU) costs a few microseconds.
+DEFAULT_OVERHEAD_S = 10e-6
+# Below this multiple of overhead_s, the fixed cost is at least 1/OVERHEAD_DOMINATES_BELOW of the time.
+OVERHEAD_DOMINATES_BELOW = 2.0
+# Under 5 % of the attainable rate, neither the compute nor the memory roof explains the time.
+LOW_FRACTION = 0.05
+
+COMPUTE, MEMORY, OVERHEAD = "compute-bound", "memory-bound", "overhead-bound"
+RULE = (f"overhead-bound if seconds < {OVERHEAD_DOMINATES_BELOW:g} x overhead_s or achieved/attainable < "
+        f"{LOW_FRACTION:g}; else compute-bound if flops/bytes >= peak_flops/peak_bytes_per_s; else memory-bound")
+
+
+def _si(value: float, unit: str) -> str:
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _seconds(value: float) -> str:
+    for factor, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if value >= factor:
+            return f"{value / factor:.3g} {unit}"
+    return f"{value / 1e-9:.3g} ns"
+
+
+def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, peak_bytes_per_s: float,
+             overhead_s: float = DEFAULT_OVERHEAD_S) -> dict[str, Any]:
+    """One measured call against the roofline; every rate in base units (FLOP/s, B/s)."""
+    for name, value in (("flops", flops), ("nbytes", nbytes), ("seconds", seconds), ("peak_flops", peak_flops),
+                        ("peak_bytes_per_s", peak_bytes_per_s)):
+        if not value > 0:
+            raise ValueError(f"roofline: {name}={value} must be > 0")
+    if overhead_s < 0:
+        raise ValueError(f"roofline: overhead_s={overhead_s} must be >= 0")
+    intensity = flops / nbytes  # FLOP/B
+    ridge = peak_flops / peak_bytes_per_s  # FLOP/B
+    memory_roof = peak_bytes_per_s * intensity  # FLOP/s
+    attainable = min(peak_flops, memory_roof)  # FLOP/s
+    achieved = flops / seconds  # FLOP/s
+    fraction = achieved / attainable
+    roof = COMPUTE if intensity >= ridge else MEMORY
+    side = (f"I={intensity:.3g} FLOP/B {'>=' if roof == COMPUTE else '<'} ridge {ridge:.3g} FLOP/B")
+    rate = f"achieved {_si(achieved, 'FLOP/s')} = {fraction:.1%} of attainable {_si(attainable, 'FLOP/s')}"
+    if seconds < OVERHEAD_DOMINATES_BELOW * overhead_s:
+        classification = OVERHEAD
+        why = (f"{_seconds(seconds)} < {OVERHEAD_DOMINATES_BELOW:g} x overhead {_seconds(overhead_s)}: "
+               f"fixed launch/dispatch cost dominates ({rate}; {side})")
+    elif fraction < LOW_FRACTION:
+        classification = OVERHEAD
+        why = (f"{rate} < {LOW_FRACTION:.0%}: neither roof explains the time ({side}, "
+               f"would be {roof}); overhead or traffic beyond the byte model")
+    else:
+        classification = roof
+        why = f"{side}; {rate}"
+    return {
+        "classification": classification,
+        "why": why,
+        "roof": roof,  # which roof applies by intensity alone, whatever the classification
+        "intensity_flops_per_byte": intensity,
+        "ridge_flops_per_byte": ridge,
+        "attainable_flops_per_s": attainable,
+        "achieved_flops_per_s": achieved,
+        "achieved_bytes_per_s": nbytes / seconds,
+        "fraction_of_attainable": fraction,
+        "flops": flops,
+        "bytes": nbytes,
+        "seconds": seconds,
+        "peak_flops_per_s": peak_flops,
+        "peak_bytes_per_s": peak_bytes_per_s,
+        "overhead_s": overhead_s,
+        "rule": RULE,
+    }

@@ -1,0 +1,114 @@
+"""calibrate: the method (formulas, size choice within a budget, skips) on a fake device; one tiny real run."""
+
+import pytest
+import torch
+
+from posttrainllm import calibrate as cal
+from posttrainllm.timing import summarize
+
+FAKE_GEMM_FLOPS_PER_S = {torch.float32: 100e9, torch.bfloat16: 400e9, torch.float16: 1e9}
+FAKE_COPY_BYTES_PER_S = 20e9
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """GEMMs on meta tensors (no work) and a `measure` whose time follows a known rate model."""
+
+    def operands(n, dtype_name, device):
+        dtype = torch.float32 if dtype_name == "tf32" else getattr(torch, dtype_name)
+        return torch.empty(n, n, dtype=dtype, device="meta"), torch.empty(n, n, dtype=dtype, device="meta")
+
+    def measure(fn, *, device, warmup, reps, min_time_s, max_reps, **_):
+        out = fn()
+        if out.dim() == 2:  # a GEMM: (n, n)
+            seconds = 2 * out.shape[0] ** 3 / FAKE_GEMM_FLOPS_PER_S[out.dtype]
+        else:  # the copy: read + write of the buffer
+            seconds = 2 * out.numel() * out.element_size() / FAKE_COPY_BYTES_PER_S
+        n = max(reps, min(max_reps, int(min_time_s / seconds) + 1))
+        return summarize([seconds * 1e3] * n, threads=1)
+
+    monkeypatch.setattr(cal, "_operands", operands)
+    monkeypatch.setattr(cal, "measure", measure)
+    monkeypatch.setattr(cal, "COPY_BYTES", {"cpu": 2**20, "cuda": 2**20})
+
+
+def test_rates_follow_the_formulas(fake_device):
+    result = cal.calibrate("cpu", budget_s=6.0)
+    peaks, method = result["peaks"], result["method"]
+    # flops = 2 n^3 at the chosen n, divided by the (known) median seconds: the model's rate back.
+    assert peaks["gemm_flops_per_s"]["float32"] == pytest.approx(100e9)
+    assert peaks["gemm_flops_per_s"]["bfloat16"] == pytest.approx(400e9)
+    # bytes = 2 x 1 MiB per copy.
+    assert result["measurements"]["copy"]["bytes"] == 2 * 2**20
+    assert peaks["copy_bytes_per_s"] == pytest.approx(FAKE_COPY_BYTES_PER_S)
+    gemm = result["measurements"]["gemm"]["float32"]
+    assert gemm["flops"] == 2 * gemm["n"] ** 3
+    assert method["formulas"] == cal.FORMULAS and method["statistic"].startswith("median")
+
+
+def test_sizes_climb_to_the_target_when_cheap_and_stop_when_not(fake_device):
+    result = cal.calibrate("cpu", budget_s=6.5)  # each GEMM dtype gets 6.5 x 0.8 / 3 = 1.73 s
+    sizes = result["method"]["gemm_sizes"]
+    assert sizes["float32"] == sizes["bfloat16"] == cal.GEMM_SIZES["cpu"][-1]
+    # fp16 at 1 GFLOP/s, one call: 4.2 ms at 128, 33.6 ms at 256, 268 ms at 512, 2.15 s at 1024.
+    # After probing 128 and 256 (2 calls each: 75 ms), 512 needs 2 probe + 4 timed calls = 1.61 s:
+    # 1.69 s fits 1.73 s. 1024 would need 12.9 s: the climb stops at 512.
+    assert sizes["float16"] == 512
+    assert "not the target" in result["measurements"]["gemm"]["float16"]["note"]
+    assert result["peaks"]["gemm_flops_per_s"]["float16"] == pytest.approx(1e9)
+
+
+def test_a_dtype_too_slow_for_its_share_is_skipped_with_the_reason(fake_device):
+    # Share = 0.06 x 0.8 / 3 = 16 ms; fp16 at n=128 is 4.2 ms per call, 4 calls = 16.8 ms.
+    result = cal.calibrate("cpu", budget_s=0.06)
+    assert "float16" not in result["peaks"]["gemm_flops_per_s"]
+    reason = result["method"]["skipped"]["float16"]
+    assert "1 GFLOP/s" in reason and "n=128" in reason
+
+
+def test_real_cpu_calibration_is_well_formed():
+    result = cal.calibrate("cpu", budget_s=1.0)
+    assert result["fingerprint"]["device"] == "cpu"
+    assert result["method"]["threads"] == torch.get_num_threads()
+    flops = result["peaks"]["gemm_flops_per_s"]
+    assert "float32" in flops and all(v > 0 for v in flops.values())
+    assert set(flops) | set(result["method"]["skipped"]) == set(cal.GEMM_DTYPES["cpu"])
+    assert result["peaks"]["copy_bytes_per_s"] > 0
+    assert result["measurements"]["copy"]["size_bytes"] == cal.COPY_BYTES["cpu"]
+
+
+def test_unknown_device_is_refused():
+    with pytest.raises(ValueError, match="valid choices are cpu, cuda"):
+        cal.calibrate("tpu")
+
+
+@pytest.mark.parametrize("name, variant, bf16, bandwidth", [
+    ("NVIDIA H200", "H200 SXM", 989.5e12, 4.8e12),
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.5e12, 3.35e12),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 756.5e12, 2.0e12),
+    ("NVIDIA H100 NVL", "H100 NVL", 835.5e12, 3.9e12),
+    ("NVIDIA H200 NVL", "H200 NVL", 835.5e12, 4.8e12),
+])
+def test_published_peaks_are_dense_and_labelled(name, variant, bf16, bandwidth):
+    peaks = cal.published_peaks(name)
+    assert peaks["variant"] == variant and peaks["dense"]
+    assert "published" in peaks["source"] and "not measured" in peaks["source"]
+    assert peaks["gemm_flops_per_s"]["bfloat16"] == pytest.approx(bf16)
+    assert peaks["gemm_flops_per_s"]["tf32"] == pytest.approx(bf16 / 2, rel=1e-3)
+    assert peaks["copy_bytes_per_s"] == pytest.approx(bandwidth)
+
+
+def test_published_peaks_unknown_device():
+    assert cal.published_peaks("NVIDIA A100-SXM4-80GB") is None
+    assert cal.published_peaks("AMD EPYC") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_calibration_is_well_formed():
+    result = cal.calibrate("cuda", budget_s=2.0)
+    flops = result["peaks"]["gemm_flops_per_s"]
+    assert set(flops) | set(result["method"]["skipped"]) == set(cal.GEMM_DTYPES["cuda"])
+    assert all(v > 0 for v in flops.values()) and result["peaks"]["copy_bytes_per_s"] > 0
+    if result["published"] is not None:
+        assert "not measured" in result["published"]["source"]
