@@ -18,8 +18,10 @@ timed kernel can expect here, on this thread count, with this machine's neighbou
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -207,3 +209,23 @@ def published_peaks(device_name: str) -> dict[str, Any] | None:
         "gemm_flops_per_s": flops,
         "copy_bytes_per_s": sheet["tb_per_s"] * 1e12,
     }
+
+
+def load_or_measure(path: Path, device: str, *, budget_s: float = DEFAULT_BUDGET_S) -> dict[str, Any]:
+    """The calibration at `path` if it was measured on this device (same fingerprint), else a fresh one."""
+    fingerprint = devices.fingerprint(device)
+    if path.exists():
+        kept = json.loads(path.read_text())
+        if kept.get("fingerprint") == fingerprint:
+            return kept
+    measured = calibrate(device, budget_s=budget_s)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(measured, indent=2) + "\n")
+    return measured
+
+
+def peak_for(calibration: dict[str, Any], dtype: str, allow_tf32: bool) -> tuple[float | None, float]:
+    """(peak GEMM FLOP/s for this precision or None if not measured, copy bandwidth B/s)."""
+    peaks = calibration["peaks"]
+    key = "tf32" if allow_tf32 and "tf32" in peaks["gemm_flops_per_s"] else dtype
+    return peaks["gemm_flops_per_s"].get(key), peaks["copy_bytes_per_s"]

@@ -25,7 +25,8 @@ from posttrainllm.config import CONF_DIR, ConfigError, LabConfig, load, validate
 
 EXIT_CONTRACT, EXIT_CONFIG = 1, 2
 STAGE_FILES = ("reference.pt", "kernel.pt", "kernel.json", "parity.json", "microbench.json", "timings.csv",
-               "bench_train.json", "receipt.json", "metrics.json", "config.yaml")
+               "curve.csv", "time_vs_size.png", "memory_vs_size.png", "roofline.png", "bench_train.json",
+               "receipt.json", "metrics.json", "config.yaml")
 _broken: list[str] = []  # points whose contract broke in this invocation (a multirun keeps going)
 
 
@@ -72,7 +73,8 @@ def _record(lab: LabConfig) -> dict[str, Any]:
 
 def _run_point(cfg: DictConfig, *, train: bool) -> None:
     """reference -> kernel -> parity -> microbench (-> bench-train) -> receipt, in this process."""
-    from posttrainllm import device as devices, report, stages
+    from posttrainllm import calibrate, report, stages
+    from posttrainllm import device as devices
 
     lab = _point(cfg, "train" if train else "bench")
     devices.prepare(lab.device.name, lab.bench.threads)
@@ -83,7 +85,9 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
         stages.run_parity(lab, out)
     except stages.ContractBroken as exc:
         _broken.append(f"{lab.run.name}: {exc}")
-    stages.run_microbench(lab, out)  # paths that broke the contract get no timing
+    calibration = calibrate.load_or_measure(Path(lab.run.out_dir) / "calibration.json", devices.resolve(
+        lab.device.name))
+    stages.run_microbench(lab, out, calibration)  # paths that broke the contract get no timing
     if train:
         try:
             stages.run_bench_train(lab, out)  # Amdahl's check needs the microbench's speedups

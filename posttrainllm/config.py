@@ -155,11 +155,14 @@ class ShapeConfig:
     m: int = 128
     n: int = 128
     k: int = 128
+    curve: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
     edge_seq_lens: list[int] = field(default_factory=lambda: [1, 37, 100])
     edge_mnk: list[list[int]] = field(default_factory=lambda: [[1, 1, 1], [41, 77, 33]])
 
     def __post_init__(self) -> None:
         _positive("shape", batch=self.batch, seq_len=self.seq_len, m=self.m, n=self.n, k=self.k)
+        _require(len(self.curve) >= 2 and min(self.curve) > 0,
+                 f"shape.curve={list(self.curve)}: give at least two sizes > 0")
         for s in self.edge_seq_lens:
             _require(s > 0, f"shape.edge_seq_lens: {s} must be > 0")
         for mnk in self.edge_mnk:

@@ -16,6 +16,7 @@ from posttrainllm.config import ConfigError, LabConfig, validate
 
 PARAMS = Path("params.yaml")
 RUNS = "runs"
+CALIBRATION = Path(RUNS) / "calibration.json"
 
 
 def sweep_id(points: dict[str, Any]) -> str:
@@ -43,7 +44,8 @@ def _stage(name: str) -> Callable[[LabConfig, dict[str, Any]], Any]:
         "reference": lambda cfg, _: stages.run_reference(cfg, stages.point_dir(cfg)),
         "kernel": lambda cfg, _: stages.run_kernel(cfg, stages.point_dir(cfg)),
         "parity": lambda cfg, _: stages.run_parity(cfg, stages.point_dir(cfg)),
-        "microbench": lambda cfg, _: stages.run_microbench(cfg, stages.point_dir(cfg)),
+        "microbench": lambda cfg, _: stages.run_microbench(cfg, stages.point_dir(cfg),
+                                                           stages.read_json(CALIBRATION)),
         "bench_train": lambda cfg, _: stages.run_bench_train(cfg, stages.point_dir(cfg)),
         "receipt": lambda cfg, sweep: receipt.record(cfg, sweep=sweep),
     }
@@ -76,4 +78,16 @@ def write_fingerprint(path: Path) -> int:
 
     fingerprint = devices.fingerprint(devices.resolve("auto"))
     write_json(path, fingerprint)
+    return 0
+
+
+def write_calibration(path: Path) -> int:
+    """The calibrate stage: this device's measured peaks (GEMM FLOP/s per dtype, copy bandwidth)."""
+    from posttrainllm import calibrate
+    from posttrainllm.config import load
+    from posttrainllm.stages import write_json
+
+    cfg = load()
+    device = devices.prepare("auto", cfg.bench.threads)  # timed stages run at the same thread count
+    write_json(path, calibrate.calibrate(device))
     return 0

@@ -105,3 +105,32 @@ def roofline_plot(points: Iterable[Mapping[str, Any]], peaks: Mapping[str, Any],
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     return _save(fig, path)
+
+
+def memory_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = None) -> Path:
+    """Peak memory of one call against x on log-log axes, one line per impl, next to the byte model.
+
+    A path that materialises the (S, S) scores grows ~4x per doubling of S; a fused one ~2x,
+    like the minimal bytes (inputs + outputs) drawn dashed.
+    """
+    valid = df[df["valid"].astype(bool) & df["peak_bytes"].notna()]
+    if valid.empty:
+        raise ValueError("memory_vs_size: no rows with a peak memory to plot")
+    fig = Figure(figsize=(6.4, 4.4))
+    ax = fig.add_subplot()
+    for impl, rows in valid.sort_values("x_value").groupby("impl", sort=False):
+        ax.plot(rows["x_value"].to_numpy(), rows["peak_bytes"].astype(float).to_numpy(), marker="o", label=str(impl))
+    model = valid.drop_duplicates("x_value").sort_values("x_value")
+    ax.plot(model["x_value"].to_numpy(), model["minimal_bytes"].astype(float).to_numpy(), linestyle="--",
+            color="grey", label="minimal bytes (inputs + outputs)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    xs = sorted(valid["x_value"].unique())
+    ax.set_xticks(xs, [str(int(x)) for x in xs])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(str(valid["x_name"].iloc[0]))
+    ax.set_ylabel("peak memory of one call [B]")
+    ax.set_title(title or f"{valid['op'].iloc[0]} memory on {valid['device'].iloc[0]}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return _save(fig, path)

@@ -13,25 +13,20 @@ import datetime as dt
 import hashlib
 import json
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from posttrainllm import device as devices
+from posttrainllm.provenance import git_revision, project_root
 from posttrainllm.config import LabConfig, point_config
 from posttrainllm.stages import point_dir, read_json, write_json
 
 SCHEMA = "posttrainllm.receipt/1"
 EXPERIMENT = "posttrainllm"
-ARTIFACTS = ("receipt.json", "parity.json", "kernel.json", "microbench.json", "timings.csv", "bench_train.json",
-             "config.yaml")
-
-
-def project_root() -> Path:
-    """Where the default MLflow store and git live: DVC's root when run by DVC, else the working directory."""
-    return Path(os.environ.get("DVC_ROOT") or Path.cwd())
+ARTIFACTS = ("receipt.json", "parity.json", "kernel.json", "microbench.json", "timings.csv", "curve.csv",
+             "time_vs_size.png", "memory_vs_size.png", "roofline.png", "bench_train.json", "config.yaml")
 
 
 def tracking_uri() -> str:
@@ -43,20 +38,6 @@ def artifact_location(uri: str) -> str | None:
     if uri.startswith("sqlite:///"):
         return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
     return None  # a tracking server decides
-
-
-def git_revision(root: Path) -> dict[str, Any]:
-    """HEAD and whether the tree differs from it (dvc.lock excluded: `dvc repro` rewrites it as it goes)."""
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    revision = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--", ".", ":(exclude)dvc.lock") if revision else None
-    return {"revision": revision or "unknown", "dirty": bool(status) if status is not None else None}
 
 
 def _read_optional(path: Path) -> Any:
@@ -82,7 +63,7 @@ def build(cfg: LabConfig, *, sweep: dict[str, Any] | None = None) -> dict[str, A
         "point": cfg.run.name,
         "sweep": sweep,
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "provenance": {**git_revision(project_root()), "machine": devices.fingerprint(device),
+        "provenance": {**git_revision(), "machine": devices.fingerprint(device),
                        "triton_interpreted": devices.triton_interpreted()},
         "config": point_config(cfg),
         "kernel": _read_optional(out / "kernel.json"),
@@ -130,10 +111,18 @@ def metrics(receipt: dict[str, Any]) -> dict[str, float]:
     for name, entry in bench["paths"].items():
         if not entry["valid"]:
             continue  # interpreter timings and failed paths carry no speed
-        for key in ("median_ms", "p20_ms", "p80_ms", "min_ms", "cv", "gflops_per_s", "gbytes_per_s",
+        for key in ("median_ms", "p20_ms", "p80_ms", "min_ms", "iqr_ms", "cv", "gflops_per_s", "gbytes_per_s",
                     "speedup_vs_reference"):
             if key in entry:
                 flat[f"bench.{name}.{key}"] = entry[key]
+        flat[f"bench.{name}.noisy"] = float(entry["noisy"])
+        flat[f"bench.{name}.peak_bytes"] = entry["memory"]["peak_bytes"]
+        if entry.get("roofline"):
+            flat[f"bench.{name}.roofline_fraction"] = entry["roofline"]["fraction_of_attainable"]
+            flat[f"bench.{name}.intensity_flops_per_byte"] = entry["roofline"]["intensity_flops_per_byte"]
+    for name, x in bench.get("curve", {}).get("crossover_vs_reference", {}).items():
+        if x is not None:
+            flat[f"curve.{name}.crossover_x"] = x
     train = receipt.get("bench_train")
     if train:
         for name, entry in train["impls"].items():
@@ -143,6 +132,12 @@ def metrics(receipt: dict[str, Any]) -> dict[str, float]:
                 flat[f"train.{name}.tokens_per_s"] = entry["tokens_per_s"]
         for name, drift in train["drift"].items():
             flat[f"train.{name}.loss_drift"] = drift
+        for name, check in train.get("amdahl", {}).get("variants", {}).items():
+            if check["valid"]:
+                flat[f"train.{name}.predicted_speedup"] = check["predicted_speedup"]
+                flat[f"train.{name}.measured_speedup"] = check["measured_speedup"]
+        if train.get("amdahl"):
+            flat[f"train.{train['amdahl']['op']}_fraction"] = train["amdahl"]["fraction"]
     return flat
 
 

@@ -9,6 +9,7 @@ the same functions in one process.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -16,12 +17,14 @@ from typing import Any
 
 import torch
 
-from posttrainllm import costs, device as devices, parity, paths
+from posttrainllm import calibrate, costs, curves, parity, paths, plots, roofline
+from posttrainllm import device as devices
 from posttrainllm.config import LabConfig, itemsize
+from posttrainllm.curves import INTERPRETER_NOT_SPEED
+from posttrainllm.memory import peak_bytes
 from posttrainllm.paths import REFERENCE, Case
-from posttrainllm.timing import measure
-
-INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
+from posttrainllm.provenance import git_revision
+from posttrainllm.timing import NOISY_RULE, measure
 
 
 class ContractBroken(RuntimeError):
@@ -171,22 +174,30 @@ def _flops_and_bytes(cfg: LabConfig, case: Case) -> tuple[int, int]:
     return costs.matmul_flops(d["m"], d["n"], d["k"]), costs.matmul_bytes(d["m"], d["n"], d["k"], size)
 
 
-def run_microbench(cfg: LabConfig, out: Path) -> dict[str, Any]:
-    """Warmed timing of the reference and every path that passed parity, on the point's own shape.
+def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> dict[str, Any]:
+    """Warmed timing, memory and roofline of every path that passed parity, then the measured curve.
 
-    Achieved FLOP/s and GB/s use costs.py's formulas. Triton through its interpreter
-    is timed once and marked invalid: it never gets a throughput or a speedup.
+    On the point's own shape: each path's timing (median, p20/p80, noise flag), achieved
+    FLOP/s and GB/s from costs.py's formulas, the peak memory one call allocates, and where
+    it sits on the device's roofline (`calibration`'s peaks). Then every valid path over
+    `shape.curve` sizes (curve.csv, time_vs_size.png, memory_vs_size.png) with the
+    crossover size where each beats the reference. Triton through its interpreter is timed
+    once and marked invalid: it gets no throughput, speedup, roofline or curve.
     """
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     verdicts = {name: p["verdict"] for name, p in read_json(out / "parity.json")["paths"].items()}
     case = next(c for c in paths.cases(cfg) if c.main)
     flops, nbytes = _flops_and_bytes(cfg, case)
     inputs = paths.make_inputs(case, cfg.op.name, _dtype(cfg), device)
-    bench = cfg.bench
+    peak_flops, peak_bandwidth = calibrate.peak_for(calibration, cfg.precision.dtype,
+                                                    cfg.precision.allow_tf32 and device == "cuda")
     report: dict[str, Any] = {"device": device, "threads": torch.get_num_threads(), "case": case.name,
                               "problem": paths.problem_dims(case, cfg.op.name), "flops": flops, "bytes": nbytes,
                               "flops_formula": "attention: 4*B*H*S^2*D (x0.5 causal); matmul: 2*M*N*K",
-                              "bytes_formula": "inputs read once + outputs written once", "paths": {}}
+                              "bytes_formula": "inputs read once + outputs written once",
+                              "noisy_rule": NOISY_RULE, "roofline_rule": roofline.RULE,
+                              "peaks": {"gemm_flops_per_s": peak_flops, "copy_bytes_per_s": peak_bandwidth},
+                              "paths": {}}
     rows = []
     with paths.precision_context(cfg), torch.no_grad():
         for name, impl in paths.IMPLS[cfg.op.name].items():
@@ -194,21 +205,29 @@ def run_microbench(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 report["paths"][name] = {"valid": False, "reason": "failed parity: no speed number"}
                 continue
             interpreted = impl.kind == "triton" and devices.triton_interpreted()
+            bench = cfg.bench
             reps = dict(warmup=0, reps=1, min_time_s=0.0, max_reps=1) if interpreted else dict(
                 warmup=bench.warmup, reps=bench.reps, min_time_s=bench.min_time_s, max_reps=bench.max_reps)
-            timing = measure(lambda: impl.run(inputs, cfg), device=device, **reps)
+            call = functools.partial(impl.run, inputs, cfg)
+            timing = measure(call, device=device, **reps)
             entry: dict[str, Any] = {"valid": not interpreted, **timing.summary()}
             if interpreted:
                 entry["reason"] = INTERPRETER_NOT_SPEED
             else:
                 seconds = timing.median_ms / 1e3
-                entry.update(gflops_per_s=flops / seconds / 1e9, gbytes_per_s=nbytes / seconds / 1e9)
+                entry.update(gflops_per_s=flops / seconds / 1e9, gbytes_per_s=nbytes / seconds / 1e9,
+                             memory=peak_bytes(call, device, warmup=0))
+                entry["roofline"] = roofline.roofline(flops, nbytes, seconds, peak_flops=peak_flops,
+                                                      peak_bytes_per_s=peak_bandwidth) if peak_flops else None
             report["paths"][name] = entry
-            rows += [{"impl": name, "rep": i, "ms": ms, "valid": not interpreted} for i, ms in enumerate(timing.samples_ms)]
+            rows += [{"impl": name, "rep": i, "ms": ms, "valid": not interpreted}
+                     for i, ms in enumerate(timing.samples_ms)]
     ref_ms = report["paths"][REFERENCE]["median_ms"]
-    for name, entry in report["paths"].items():
-        if entry["valid"] and name != REFERENCE:
-            entry["speedup_vs_reference"] = ref_ms / entry["median_ms"]
+    timed = [name for name, entry in report["paths"].items() if entry["valid"]]
+    for name in timed:
+        if name != REFERENCE:
+            report["paths"][name]["speedup_vs_reference"] = ref_ms / report["paths"][name]["median_ms"]
+    report["curve"] = _curve(cfg, out, device, timed)
     write_json(out / "microbench.json", report)
     with open(out / "timings.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["op", "impl", "rep", "ms", "valid", "device", "threads", "problem"])
@@ -216,7 +235,23 @@ def run_microbench(cfg: LabConfig, out: Path) -> dict[str, Any]:
         for row in rows:
             writer.writerow({"op": cfg.op.name, **row, "device": device, "threads": report["threads"],
                              "problem": report["problem"]})
+    if any(report["paths"][name].get("roofline") for name in timed):
+        plots.roofline_plot([{"label": name, **report["paths"][name]["roofline"]} for name in timed
+                             if report["paths"][name].get("roofline")],
+                            calibration["peaks"], out / "roofline.png", title=f"{cfg.op.name} {report['problem']}")
     return report
+
+
+def _curve(cfg: LabConfig, out: Path, device: str, timed: list[str]) -> dict[str, Any]:
+    """The timed paths over shape.curve: curve.csv + plots, and each path's crossover with the reference."""
+    frame = curves.measure_curve(cfg, x_values=list(cfg.shape.curve), device=device,
+                                 revision=git_revision()["revision"], impls=timed)
+    frame.to_csv(out / "curve.csv", index=False)
+    plots.time_vs_size(frame, out / "time_vs_size.png")
+    plots.memory_vs_size(frame, out / "memory_vs_size.png")
+    return {"x_name": frame.attrs["x_name"], "x_values": list(cfg.shape.curve), "skipped": frame.attrs["skipped"],
+            "crossover_vs_reference": {name: curves.crossover(frame, impl=name) for name in timed
+                                       if name != REFERENCE}}
 
 
 # --- bench-train -------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_broken_path_gets_no_speed_and_exit_1(workdir, monkeypatch, capsys):
 
 def test_multirun_over_one_dimension_names_each_point(workdir, capsys):
     assert cli.main(["bench", "-m", *QUICK, "precision=fp32,fp16", "run.log_mlflow=false"]) == 0
-    names = sorted(p.name for p in (workdir / "runs/bench").iterdir())
+    names = sorted(p.name for p in (workdir / "runs/bench").iterdir() if p.is_dir())
     assert len(names) == 2 and all("precision=" in n and "parity.seeds=_0_" in n for n in names)
 
 
