@@ -152,6 +152,8 @@ def report_sweep(args: list[str]) -> int:
         print("posttrainllm: no receipts yet: run `dvc repro`", file=sys.stderr)
         return EXIT_CONTRACT
     print(report.sweep_table(receipts))
+    (Path(RUNS) / "report.md").write_text(report.sweep_markdown(receipts))
+    print(f"written: {Path(RUNS) / 'report.md'}")
     if missing:
         print(f"no receipt yet for: {', '.join(missing)}")
     return 0

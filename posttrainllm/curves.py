@@ -34,11 +34,11 @@ from posttrainllm import device as devices
 from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.memory import peak_bytes
 from posttrainllm.paths import REFERENCE, Case
+from posttrainllm.stages import INTERPRETER_NOT_SPEED
 from posttrainllm.timing import measure
 
 X_NAMES = {"attention": "seq_len", "matmul": "size"}
 UNIT = "ms"
-INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
 COLUMNS = ["op", "impl", "kind", "x_name", "x_value", "median", "p20", "p80", "unit", "noisy", "reps", "threads",
            "valid", "reason", "peak_bytes", "flops", "bytes", "minimal_bytes", "device", "revision"]
 

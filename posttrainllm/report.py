@@ -79,35 +79,74 @@ def _peer(receipt: dict[str, Any]) -> str:
 
 
 def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
-    """One row per point: what it changes, parity verdicts, valid timings and bench-train, vs the baseline."""
+    """One row per point: what it changes, parity verdicts, valid timings against the baseline point,
+    roofline class, crossover, and bench-train (drift, Amdahl's predicted vs measured speedup)."""
     rows = []
     for name, receipt in receipts.items():
         parity = (receipt.get("parity") or {}).get("paths", {})
-        bench = (receipt.get("microbench") or {}).get("paths", {})
+        micro = receipt.get("microbench") or {"paths": {}}
+        bench = micro["paths"]
         train = receipt.get("bench_train") or {"impls": {}, "drift": {}}
         peer = _peer(receipt)
-        triton_out = parity.get("triton", {}).get("worst", {}).get("out", {})
+        peer_entry = bench.get(peer, {})
+        triton_worst = parity.get("triton", {}).get("worst", {})
+        ratios = [w["max_abs_err"] / w["allowed_abs_err"] for w in triton_worst.values() if w.get("allowed_abs_err")]
+        amdahl = train.get("amdahl", {}).get("variants", {}).get(peer, {})
         rows.append({
             "point": name,
             "change": ",".join(f"{k}={v}" for k, v in (receipt["sweep"] or {}).get("changes", {}).items()) or "-",
             "parity": ",".join(f"{p}:{v['verdict']}" for p, v in parity.items()),
-            "triton_err/allowed": (triton_out["max_abs_err"] / triton_out["allowed_abs_err"]
-                                   if triton_out.get("allowed_abs_err") else None),
+            "triton_err/allowed": max(ratios) if ratios else None,
             "ref_ms": bench.get("reference", {}).get("median_ms"),
             "peer": peer,
-            "peer_ms": bench.get(peer, {}).get("median_ms") if bench.get(peer, {}).get("valid") else None,
-            "peer_speedup": bench.get(peer, {}).get("speedup_vs_reference"),
-            "train_ref_ms": train["impls"].get("reference", {}).get("warm_ms_per_step"),
-            "train_sdpa_ms": train["impls"].get("sdpa", {}).get("warm_ms_per_step"),
-            "sdpa_drift": train["drift"].get("sdpa"),
+            "peer_ms": peer_entry.get("median_ms") if peer_entry.get("valid") else None,
+            "peer_speedup": peer_entry.get("speedup_vs_reference"),
+            "peer_noisy": peer_entry.get("noisy"),
+            "peer_bound": (peer_entry.get("roofline") or {}).get("classification"),
+            "crossover": micro.get("curve", {}).get("crossover_vs_reference", {}).get(peer),
+            "train_ms": train["impls"].get(train.get("baseline"), {}).get("warm_ms_per_step"),
+            "max_drift": max(train["drift"].values()) if train["drift"] else None,
+            "amdahl_pred": amdahl.get("predicted_speedup"),
+            "amdahl_meas": amdahl.get("measured_speedup"),
         })
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    baseline = frame[frame["point"] == "baseline"]
+    if not baseline.empty and baseline["peer_ms"].notna().all():
+        same_op = frame["peer"] == baseline["peer"].iloc[0]
+        frame["peer_vs_baseline"] = (baseline["peer_ms"].iloc[0] / frame["peer_ms"]).where(same_op)
+    return frame
+
+
+FORMATS = {"triton_err/allowed": ".3f", "ref_ms": ".3f", "peer_ms": ".3f", "peer_speedup": ".2f",
+           "peer_vs_baseline": ".2f", "train_ms": ".1f", "max_drift": ".1e", "amdahl_pred": ".2f",
+           "amdahl_meas": ".2f"}
+
+
+def _formatted(frame: pd.DataFrame) -> pd.DataFrame:
+    frame = frame.copy()
+    for column, spec in FORMATS.items():
+        if column in frame:
+            frame[column] = frame[column].map(lambda v, s=spec: _fmt(None if pd.isna(v) else v, s))
+    return frame.fillna("-").astype(str)
 
 
 def sweep_table(receipts: dict[str, dict[str, Any]]) -> str:
-    frame = sweep_frame(receipts)
-    formats = {"triton_err/allowed": ".3f", "ref_ms": ".3f", "peer_ms": ".3f", "peer_speedup": ".2f",
-               "train_ref_ms": ".1f", "train_sdpa_ms": ".1f", "sdpa_drift": ".1e"}
-    for column, spec in formats.items():
-        frame[column] = frame[column].map(lambda v, s=spec: _fmt(None if pd.isna(v) else v, s))
-    return frame.to_string(index=False)
+    return _formatted(sweep_frame(receipts)).to_string(index=False)
+
+
+def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
+    """The same table as GitHub markdown, with the legend a reader needs."""
+    frame = _formatted(sweep_frame(receipts))
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in frame.itertuples(index=False)]
+    legend = [
+        "", "Times are medians in ms on each point's own shape; `peer` is PyTorch's own optimized path.",
+        "`peer_speedup`: reference time / peer time. `peer_vs_baseline`: the baseline point's peer time / this "
+        "point's (same op only). `peer_bound`: roofline class against the calibrated peaks.",
+        "`crossover`: the smallest size of the curve from which the peer stays faster than the reference.",
+        "`triton_err/allowed`: the worst of the Triton path's outputs and gradients, as a fraction of its "
+        "contract's bound. Triton timings through the interpreter are never shown.",
+        "`amdahl_pred`/`amdahl_meas`: the end-to-end step speedup predicted from the microbench and the op's "
+        "share of the step, and the measured one.",
+    ]
+    return "\n".join(lines + legend) + "\n"

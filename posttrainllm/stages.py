@@ -17,14 +17,15 @@ from typing import Any
 
 import torch
 
-from posttrainllm import calibrate, costs, curves, parity, paths, plots, roofline
+from posttrainllm import calibrate, costs, parity, paths, roofline
 from posttrainllm import device as devices
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.curves import INTERPRETER_NOT_SPEED
 from posttrainllm.memory import peak_bytes
 from posttrainllm.paths import REFERENCE, Case
 from posttrainllm.provenance import git_revision
 from posttrainllm.timing import NOISY_RULE, measure
+
+INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
 
 
 class ContractBroken(RuntimeError):
@@ -184,6 +185,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     crossover size where each beats the reference. Triton through its interpreter is timed
     once and marked invalid: it gets no throughput, speedup, roofline or curve.
     """
+    from posttrainllm import plots  # matplotlib: imported by the one stage that draws
+
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     verdicts = {name: p["verdict"] for name, p in read_json(out / "parity.json")["paths"].items()}
     case = next(c for c in paths.cases(cfg) if c.main)
@@ -244,6 +247,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
 
 def _curve(cfg: LabConfig, out: Path, device: str, timed: list[str]) -> dict[str, Any]:
     """The timed paths over shape.curve: curve.csv + plots, and each path's crossover with the reference."""
+    from posttrainllm import curves, plots  # pandas, matplotlib: only this stage needs them
+
     frame = curves.measure_curve(cfg, x_values=list(cfg.shape.curve), device=device,
                                  revision=git_revision()["revision"], impls=timed)
     frame.to_csv(out / "curve.csv", index=False)

@@ -187,7 +187,8 @@ def _train_one(
 
     peak_mem = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     interpreted = "triton" in (variant.attention, variant.linear) and triton_interpreted()
-    profiled = profile_step(lambda: step(*batches[-1]), cuda=dev.type == "cuda")
+    # One more step under the profiler (not in the losses), where its times mean something.
+    profiled = None if interpreted else profile_step(lambda: step(*batches[-1]), cuda=dev.type == "cuda")
     n_params = model.num_params()
     del model, optimizer
     warm = step_ms[warmup_steps:]

@@ -2,20 +2,35 @@
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 
 from posttrainllm import cli, paths
 
 
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    """One short calibration of this CPU for the module (the CLI reuses it when the fingerprint matches)."""
+    from posttrainllm import calibrate, device
+
+    path = tmp_path_factory.mktemp("calibration") / "calibration.json"
+    device.prepare("cpu", 1)
+    path.write_text(json.dumps(calibrate.calibrate("cpu", budget_s=1.0)))
+    return path
+
+
 @pytest.fixture
-def workdir(tmp_path, monkeypatch, mlflow_uri):
+def workdir(tmp_path, monkeypatch, mlflow_uri, calibration):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    (tmp_path / "runs" / "bench").mkdir(parents=True)
+    shutil.copy(calibration, tmp_path / "runs" / "bench" / "calibration.json")
     return tmp_path
 
 
-QUICK = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "bench.reps=3", "bench.min_time_s=0"]
+QUICK = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "bench.reps=3", "bench.min_time_s=0",
+         "shape.curve=[64,128]"]
 
 
 def test_bench_prints_table_and_logs_a_receipt(workdir, mlflow_uri, capsys):
@@ -25,14 +40,14 @@ def test_bench_prints_table_and_logs_a_receipt(workdir, mlflow_uri, capsys):
     out = capsys.readouterr().out
     assert "parity pass" in out and "interpreted: not speed" in out
     receipt = json.loads((workdir / "runs/bench/cli-bench/receipt.json").read_text())
-    assert receipt["kernel"]["paths"]["triton"]["geometry"]["grid"] == [4, 4]  # ceil(128/32) x B*H
+    assert receipt["kernel"]["paths"]["triton"]["geometry"]["grid"] == [2, 4]  # ceil(S=128 / BLOCK_Q=64) x B*H
     assert receipt["microbench"]["paths"]["triton"]["valid"] is False
     assert "speedup_vs_reference" not in receipt["microbench"]["paths"]["triton"]
     assert receipt["microbench"]["paths"]["sdpa"]["valid"] is True
     runs = MlflowClient(tracking_uri=mlflow_uri).search_runs(
         [MlflowClient(tracking_uri=mlflow_uri).get_experiment_by_name("posttrainllm").experiment_id],
         filter_string="tags.point = 'cli-bench'")
-    assert len(runs) == 1 and runs[0].data.params["tile.block_q"] == "32"
+    assert len(runs) == 1 and runs[0].data.params["tile.block_q"] == "64"
 
 
 def test_broken_path_gets_no_speed_and_exit_1(workdir, monkeypatch, capsys):
@@ -56,7 +71,7 @@ def test_multirun_over_one_dimension_names_each_point(workdir, capsys):
 
 
 def test_bench_train_reports_drift_within_contract(workdir, capsys):
-    args = ["bench-train", "device=cpu", "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false",
+    args = ["bench-train", *QUICK, "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false",
             "run.name=train"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
@@ -71,7 +86,7 @@ def test_bench_train_drift_beyond_contract_fails(workdir, monkeypatch, capsys):
 
     wrong_scale = lambda q, k, v: 1.5 * model.sdpa_attention(q, k, v)  # noqa: E731
     monkeypatch.setitem(model.ATTENTION_IMPLS, "sdpa", wrong_scale)
-    args = ["bench-train", "device=cpu", "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false"]
+    args = ["bench-train", *QUICK, "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false"]
     assert cli.main(args) == 1
     assert "loss drift of sdpa exceeds train_loss_drift=0.0001" in capsys.readouterr().err
 

@@ -60,15 +60,17 @@ def test_receipts_are_in_mlflow_nested_under_one_sweep_run(project, mlflow_uri):
     root, env, _ = project
     client = MlflowClient(tracking_uri=mlflow_uri)
     experiment = client.get_experiment_by_name("posttrainllm")
-    runs = client.search_runs([experiment.experiment_id], filter_string="tags.sweep = 'smoke'")
-    parents = [r for r in runs if r.data.tags.get("role") == "sweep"]
-    children = {r.data.tags["point"]: r for r in runs if r.data.tags.get("role") != "sweep"}
-    assert len(parents) == 1 and set(children) == {"baseline", "precision-fp16"}
     head = _run(["git", "rev-parse", "HEAD"], root, env).stdout.strip()
+    runs = client.search_runs([experiment.experiment_id],
+                              filter_string=f"tags.sweep = 'smoke' and tags.`git.revision` = '{head}'")
+    children = {r.data.tags["point"]: r for r in runs}
+    assert set(children) == {"baseline", "precision-fp16"}
+    parent_ids = {r.data.tags["mlflow.parentRunId"] for r in runs}
+    assert len(parent_ids) == 1
+    assert client.get_run(parent_ids.pop()).data.tags["role"] == "sweep"
     for point, run in children.items():
         tags, metrics, params = run.data.tags, run.data.metrics, run.data.params
-        assert tags["mlflow.parentRunId"] == parents[0].info.run_id
-        assert tags["git.revision"] == head and tags["git.dirty"] == "False"
+        assert tags["git.dirty"] == "False"
         assert tags["device"] == "cpu" and tags["triton.interpreted"] == "True"
         assert params["precision.name"] == ("fp16" if point == "precision-fp16" else "fp32")
         assert metrics["parity.triton.pass"] == 1.0 and metrics["parity.sdpa.pass"] == 1.0

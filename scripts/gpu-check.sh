@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The prepared GPU check, for a CUDA machine with PyTorch and Triton but no network, MLflow or DVC.
+#
+#   scripts/gpu-check.sh OUTDIR [WHEELS_DIR] [-- extra gpucheck flags]
+#   scripts/gpu-check.sh OUTDIR --dry-run        # CPU, tiny shapes: what the tests run
+#
+# WHEELS_DIR holds the few pure-Python wheels such a machine lacks (hydra-core, omegaconf,
+# antlr4-python3-runtime); the project itself runs from this checkout, not installed.
+# Receipts land in OUTDIR/<point>/ as JSON; import them elsewhere with
+#   posttrainllm receipt import OUTDIR
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu-check.sh OUTDIR [WHEELS_DIR|--dry-run] [gpucheck flags]}
+shift
+if [ "${1:-}" != "" ] && [ -d "$1" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/posttrainllm-site "$1"/*.whl
+  export PYTHONPATH="/tmp/posttrainllm-site${PYTHONPATH:+:$PYTHONPATH}"
+  shift
+fi
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec python3 -m posttrainllm.gpucheck "$out" "$@"
