@@ -17,12 +17,11 @@ timed kernel can expect here, on this thread count, with this machine's neighbou
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -47,16 +46,6 @@ FORMULAS = {
     "copy_bytes": "2 * size (read src + write dst)",
     "copy_bytes_per_s": "2 * size / median_seconds",
 }
-
-
-@contextlib.contextmanager
-def _tf32(allowed: bool) -> Iterator[None]:
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allowed
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _operands(n: int, dtype_name: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +79,7 @@ def gemm_rate(dtype_name: str, device: str, share_s: float) -> dict[str, Any]:
     sizes = GEMM_SIZES[device]
     calls = WARMUP + MIN_REPS
     spent, probes = 0.0, {}  # n -> seconds of one warm call
-    with _tf32(dtype_name == "tf32"):
+    with devices.fp32_matmuls(tf32=dtype_name == "tf32"):
         for i, n in enumerate(sizes):
             a, b = _operands(n, dtype_name, device)
             probe_s = _one_call_s(lambda: a @ b, device)
@@ -158,7 +147,7 @@ def calibrate(device: str, *, budget_s: float = DEFAULT_BUDGET_S) -> dict[str, A
             "budget_s": budget_s,
             "elapsed_s": time.perf_counter() - started,
             "formulas": FORMULAS,
-            "tf32": "float32 operands with torch.backends.cuda.matmul.allow_tf32=True" if device == "cuda" else None,
+            "tf32": "float32 operands with TF32 tensor cores on (device.fp32_matmuls)" if device == "cuda" else None,
         },
         "measurements": {"gemm": gemm, "copy": copy},
         # Datasheet numbers for comparison (None off H100/H200): published, not measured.

@@ -8,10 +8,11 @@ modules are imported (they are imported lazily, inside the stage functions).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -82,3 +83,27 @@ def fingerprint(device: str) -> dict[str, Any]:
         info.update(cuda=torch.version.cuda, capability=f"{props.major}.{props.minor}",
                     sm_count=props.multi_processor_count, memory_bytes=props.total_memory)
     return info
+
+
+@contextlib.contextmanager
+def fp32_matmuls(*, tf32: bool) -> Iterator[None]:
+    """Pin how torch's CUDA fp32 matmuls and convolutions run, then restore the caller's setting.
+
+    tf32=True lets them use TF32 tensor cores (10-bit mantissa); False forces IEEE fp32, so a
+    process-wide TF32 setting cannot leak into an fp32 point. No effect on the CPU.
+    torch >= 2.9 spells this `fp32_precision` (the old `allow_tf32` flags warn there).
+    """
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision"):
+        saved = (matmul.fp32_precision, conv.conv.fp32_precision)
+        matmul.fp32_precision = conv.conv.fp32_precision = "tf32" if tf32 else "ieee"
+    else:
+        saved = (matmul.allow_tf32, conv.allow_tf32)
+        matmul.allow_tf32 = conv.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        if hasattr(matmul, "fp32_precision"):
+            matmul.fp32_precision, conv.conv.fp32_precision = saved
+        else:
+            matmul.allow_tf32, conv.allow_tf32 = saved

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -94,15 +94,11 @@ def make_inputs(case: Case, op: str, dtype: torch.dtype, device: str) -> Tensors
     return {"a": randn(d["m"], d["k"]), "b": randn(d["k"], d["n"])}
 
 
-@contextlib.contextmanager
-def precision_context(cfg: LabConfig) -> Iterator[None]:
+def precision_context(cfg: LabConfig) -> contextlib.AbstractContextManager[None]:
     """TF32 for torch's own CUDA matmuls only when the point's precision asks for it."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.precision.allow_tf32
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    from posttrainllm.device import fp32_matmuls
+
+    return fp32_matmuls(tf32=cfg.precision.allow_tf32)
 
 
 # --- attention -------------------------------------------------------------------------

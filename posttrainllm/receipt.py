@@ -127,6 +127,8 @@ def metrics(receipt: dict[str, Any]) -> dict[str, float]:
     if train:
         for name, entry in train["impls"].items():
             flat[f"train.{name}.final_loss"] = entry["losses"][-1]
+            if entry.get("peak_mem_bytes"):
+                flat[f"train.{name}.peak_mem_bytes"] = entry["peak_mem_bytes"]
             if entry.get("timing_valid", True):
                 flat[f"train.{name}.warm_ms_per_step"] = entry["warm_ms_per_step"]
                 flat[f"train.{name}.tokens_per_s"] = entry["tokens_per_s"]

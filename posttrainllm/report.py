@@ -57,6 +57,7 @@ def train_table(receipt: dict[str, Any]) -> str:
             "variant": name,
             "warm_ms/step": _fmt(entry["warm_ms_per_step"] if valid else None, ".1f"),
             "tokens/s": _fmt(entry["tokens_per_s"] if valid else None, ".0f"),
+            "peak_MB": _fmt(entry["peak_mem_bytes"] / 1e6 if entry.get("peak_mem_bytes") else None, ".1f"),
             "loss[0]": f"{entry['losses'][0]:.4f}",
             f"loss[{len(entry['losses']) - 1}]": f"{entry['losses'][-1]:.4f}",
             "drift": _fmt(train["drift"].get(name), ".2e"),

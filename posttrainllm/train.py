@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
@@ -33,9 +32,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from posttrainllm import model as models
-from posttrainllm.device import triton_interpreted
 from posttrainllm.corpus import Corpus, batch_at, load_corpus
+from posttrainllm.device import fp32_matmuls, triton_interpreted
+from posttrainllm.memory import peak_bytes
 from posttrainllm.model import ModelConfig, Transformer, get_attention, get_linear
+from posttrainllm.timing import summarize
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,6 +60,7 @@ def attention_variants(impls: list[str]) -> list[Variant]:
 def matmul_variants(impls: list[str]) -> list[Variant]:
     """Swap every projection's matmul; attention stays the reference."""
     return [Variant(name, linear=name) for name in impls]
+
 
 # AdamW settings shared by every implementation (GPT-style; only lr is a knob here).
 ADAM_BETAS = (0.9, 0.95)
@@ -185,22 +187,25 @@ def _train_one(
         step_ms.append((time.perf_counter() - t0) * 1e3)
         losses.append(loss.item())
 
-    peak_mem = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     interpreted = "triton" in (variant.attention, variant.linear) and triton_interpreted()
+    if dev.type == "cuda":
+        peak_mem = torch.cuda.max_memory_allocated(dev)
+    else:  # one extra step, its allocations replayed (memory.py); the interpreter allocates outside torch
+        peak_mem = None if interpreted else peak_bytes(lambda: step(*batches[-1]), "cpu", warmup=0)["peak_bytes"]
     # One more step under the profiler (not in the losses), where its times mean something.
     profiled = None if interpreted else profile_step(lambda: step(*batches[-1]), cuda=dev.type == "cuda")
     n_params = model.num_params()
     del model, optimizer
-    warm = step_ms[warmup_steps:]
-    warm_ms = statistics.median(warm)
+    warm = summarize(step_ms[warmup_steps:])
     tokens_per_step = batches[0][0].numel()
     return {
         "losses": losses,
         "step_ms": step_ms,
-        "warm_ms_per_step": warm_ms,
-        "step_ms_p20": _percentile(warm, 0.2),
-        "step_ms_p80": _percentile(warm, 0.8),
-        "tokens_per_s": tokens_per_step / (warm_ms / 1e3),
+        "warm_ms_per_step": warm.median_ms,
+        "step_ms_p20": warm.p20_ms,
+        "step_ms_p80": warm.p80_ms,
+        "noisy": warm.noisy,
+        "tokens_per_s": tokens_per_step / (warm.median_ms / 1e3),
         "peak_mem_bytes": peak_mem,
         "final_loss_finite": math.isfinite(losses[-1]),
         # Triton through its interpreter: the losses are real, the step times are not speed
@@ -255,30 +260,12 @@ def _adamw(model: Transformer, lr: float) -> torch.optim.AdamW:
 
 @contextlib.contextmanager
 def _precision_mode(precision: str, dev: torch.device) -> Iterator[None]:
-    """On CUDA, pin how fp32 matmuls run for the run, then restore the caller's setting.
-
-    "tf32" lets fp32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa);
-    "fp32" forces IEEE fp32, so a process-wide TF32 setting cannot leak into an fp32 run.
-    torch >= 2.9 spells this `fp32_precision` (the old `allow_tf32` flags warn there).
-    """
+    """On CUDA, fp32 and tf32 runs pin how fp32 matmuls run (devices.fp32_matmuls); others leave it."""
     if precision not in ("fp32", "tf32") or dev.type != "cuda":
         yield
         return
-    use_tf32 = precision == "tf32"
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
-    if hasattr(matmul, "fp32_precision"):
-        saved = (matmul.fp32_precision, conv.conv.fp32_precision)
-        matmul.fp32_precision = conv.conv.fp32_precision = "tf32" if use_tf32 else "ieee"
-    else:
-        saved = (matmul.allow_tf32, conv.allow_tf32)
-        matmul.allow_tf32 = conv.allow_tf32 = use_tf32
-    try:
+    with fp32_matmuls(tf32=precision == "tf32"):
         yield
-    finally:
-        if hasattr(matmul, "fp32_precision"):
-            matmul.fp32_precision, conv.conv.fp32_precision = saved
-        else:
-            matmul.allow_tf32, conv.allow_tf32 = saved
 
 
 def _notes(precision: str, dev: torch.device) -> list[str]:
@@ -303,8 +290,9 @@ def _notes(precision: str, dev: torch.device) -> list[str]:
         )
     if dev.type != "cuda":
         notes.append(
-            "peak_mem_bytes is None on CPU: ru_maxrss is a process-lifetime high-water mark that "
-            "never resets, so it cannot be attributed to one implementation"
+            "peak_mem_bytes on CPU: the peak live bytes of PyTorch's CPU allocator during one extra step "
+            "(profiler allocation events replayed); None for Triton through its interpreter, which allocates "
+            "outside PyTorch"
         )
     return notes
 
@@ -335,10 +323,3 @@ def _check_args(
     if seq_len > model_cfg.max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds model max_seq_len={model_cfg.max_seq_len}")
 
-
-def _percentile(xs: list[float], q: float) -> float:
-    """Linear-interpolated q-quantile (0 <= q <= 1), numpy's default method."""
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
