@@ -103,3 +103,15 @@ def test_unknown_point_is_refused(project):
     done = _run(["python", "pipelines/reference.py", "precision-fp8"], root, env, check=False)
     assert done.returncode == 2
     assert "unknown point 'precision-fp8': params.yaml has baseline, precision-fp16" in done.stderr
+
+
+def test_plots_render_offline_and_report_is_written(project):
+    root, env, _ = project
+    _run(["dvc", "plots", "show"], root, env)
+    page = (root / "dvc_plots" / "index.html").read_text()
+    for name in ("time_vs_size", "memory_vs_size", "roofline"):
+        assert f"runs_baseline_{name}.png" in page
+    assert "https://" not in page  # no CDN: PNGs render offline
+    report = _run(["python", "-m", "posttrainllm", "report"], root, env).stdout
+    assert "precision-fp16" in report and "sdpa:pass,triton:pass" in report
+    assert (root / "runs" / "report.md").read_text().startswith("| point | change |")
