@@ -1,5 +1,6 @@
 """The planner: one dimension at a time around a baseline, a grid only when asked, params.yaml in sync."""
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,15 @@ def test_committed_params_yaml_is_in_sync_with_conf():
     cfg = load([f"sweep={params['sweep']['name']}"])
     assert committed == sweep.render(sweep.plan(cfg.sweep)), (
         "params.yaml is stale: run `posttrainllm sweep` and commit it")
+
+
+@pytest.mark.parametrize("name", ["dvc.lock", "params.yaml", "dvc.yaml"])
+def test_files_dvc_reads_or_writes_are_not_git_ignored(name):
+    # DVC refuses to write a git-ignored dvc.lock, so `dvc repro` would fail on every machine.
+    if not (PROJECT_ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(["git", "check-ignore", "-q", name], cwd=PROJECT_ROOT)
+    assert done.returncode == 1, f"{name} is git-ignored (git check-ignore exit {done.returncode})"
 
 
 def test_sweep_command_writes_params(tmp_path, monkeypatch, capsys):
