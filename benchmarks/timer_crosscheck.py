@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.benchmark as tbench
 
-from posttrainllm import device as devices
-from posttrainllm.timing import measure
+from posttrainllm.measure import device as devices
+from posttrainllm.measure.timing import measure
 
 
 def calls(device: str) -> dict[str, Callable[[], object]]:

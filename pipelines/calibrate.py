@@ -3,7 +3,7 @@
 import sys
 from pathlib import Path
 
-from posttrainllm.pipeline import write_calibration
+from posttrainllm.lab.pipeline import write_calibration
 
 if __name__ == "__main__":
     sys.exit(write_calibration(Path(sys.argv[1])))

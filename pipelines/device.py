@@ -3,7 +3,7 @@
 import sys
 from pathlib import Path
 
-from posttrainllm.pipeline import write_fingerprint
+from posttrainllm.lab.pipeline import write_fingerprint
 
 if __name__ == "__main__":
     sys.exit(write_fingerprint(Path(sys.argv[1])))

@@ -1,8 +1,8 @@
-"""DVC stage 'parity' of one sweep point: python pipelines/parity.py POINT (see posttrainllm/stages.py)."""
+"""DVC stage 'parity' of one sweep point: python pipelines/parity.py POINT (see posttrainllm/lab/stages.py)."""
 
 import sys
 
-from posttrainllm.pipeline import run_stage
+from posttrainllm.lab.pipeline import run_stage
 
 if __name__ == "__main__":
     sys.exit(run_stage("parity", sys.argv[1:]))

@@ -51,7 +51,7 @@ def _point(cfg: DictConfig, default_name: str) -> LabConfig:
 
 def _fresh_point_dir(lab: LabConfig) -> Path:
     """The point's folder, emptied of an earlier run's stage files so the receipt mixes no two runs."""
-    from posttrainllm.stages import point_dir
+    from posttrainllm.lab.stages import point_dir
 
     out = point_dir(lab)
     for name in STAGE_FILES:
@@ -61,7 +61,7 @@ def _fresh_point_dir(lab: LabConfig) -> Path:
 
 
 def _record(lab: LabConfig) -> dict[str, Any]:
-    from posttrainllm import receipt
+    from posttrainllm.track import receipt
 
     done, run_id = receipt.record(lab)
     if run_id:
@@ -73,8 +73,10 @@ def _record(lab: LabConfig) -> dict[str, Any]:
 
 def _run_point(cfg: DictConfig, *, train: bool) -> None:
     """reference -> kernel -> parity -> microbench (-> bench-train) -> receipt, in this process."""
-    from posttrainllm import calibrate, report, stages
-    from posttrainllm import device as devices
+    from posttrainllm.measure import calibrate
+    from posttrainllm.track import report
+    from posttrainllm.lab import stages
+    from posttrainllm.measure import device as devices
 
     lab = _point(cfg, "train" if train else "bench")
     devices.prepare(lab.device.name, lab.bench.threads)
@@ -111,8 +113,8 @@ def bench_train_point(cfg: DictConfig) -> None:
 
 def plan_sweep(cfg: DictConfig) -> None:
     """Write the sweep's points to params.yaml and list them."""
-    from posttrainllm import sweep
-    from posttrainllm.pipeline import PARAMS
+    from posttrainllm.lab import sweep
+    from posttrainllm.lab.pipeline import PARAMS
 
     try:
         lab = validate(cfg)
@@ -136,10 +138,10 @@ COMMANDS: dict[str, Callable[[DictConfig], None]] = {
 
 def report_sweep(args: list[str]) -> int:
     """Print the sweep's receipts (runs/<point>/receipt.json for each point of params.yaml)."""
-    from posttrainllm import report
-    from posttrainllm.pipeline import PARAMS, RUNS
-    from posttrainllm.stages import read_json
-    from posttrainllm.sweep import read_points
+    from posttrainllm.track import report
+    from posttrainllm.lab.pipeline import PARAMS, RUNS
+    from posttrainllm.lab.stages import read_json
+    from posttrainllm.lab.sweep import read_points
 
     if args:
         print("usage: posttrainllm report   (reads params.yaml and runs/<point>/receipt.json)", file=sys.stderr)
@@ -161,7 +163,7 @@ def report_sweep(args: list[str]) -> int:
 
 def import_receipts(args: list[str]) -> int:
     """`posttrainllm receipt import FOLDER`."""
-    from posttrainllm import receipt
+    from posttrainllm.track import receipt
 
     if len(args) != 2 or args[0] != "import" or not Path(args[1]).is_dir():
         print("usage: posttrainllm receipt import FOLDER   (a folder holding <point>/receipt.json files)",
@@ -188,7 +190,7 @@ def _check_before_running(args: list[str], grid: bool) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from posttrainllm.config import check_group_choices
-    from posttrainllm.sweep import refuse_multi_dimension_multirun
+    from posttrainllm.lab.sweep import refuse_multi_dimension_multirun
 
     overrides = _overrides(args)
     check_group_choices(overrides)

@@ -18,4 +18,4 @@ if [ "${1:-}" != "" ] && [ -d "$1" ]; then
   shift
 fi
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec python3 -m posttrainllm.gpucheck "$out" "$@"
+exec python3 -m posttrainllm.lab.gpucheck "$out" "$@"

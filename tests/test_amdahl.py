@@ -2,7 +2,7 @@
 
 import pytest
 
-from posttrainllm import amdahl
+from posttrainllm.model import amdahl
 
 
 def test_prediction_is_amdahls_law():

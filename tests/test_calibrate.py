@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from posttrainllm import calibrate as cal
-from posttrainllm.timing import summarize
+from posttrainllm.measure import calibrate as cal
+from posttrainllm.measure.timing import summarize
 
 FAKE_GEMM_FLOPS_PER_S = {torch.float32: 100e9, torch.bfloat16: 400e9, torch.float16: 1e9}
 FAKE_COPY_BYTES_PER_S = 20e9

@@ -6,13 +6,15 @@ import shutil
 
 import pytest
 
-from posttrainllm import cli, paths
+from posttrainllm import cli
+from posttrainllm.opdefs import registry as paths
 
 
 @pytest.fixture(scope="module")
 def calibration(tmp_path_factory):
     """One short calibration of this CPU for the module (the CLI reuses it when the fingerprint matches)."""
-    from posttrainllm import calibrate, device
+    from posttrainllm.measure import calibrate
+    from posttrainllm.measure import device
 
     path = tmp_path_factory.mktemp("calibration") / "calibration.json"
     device.prepare("cpu", 1)
@@ -82,7 +84,7 @@ def test_bench_train_reports_drift_within_contract(workdir, capsys):
 
 
 def test_bench_train_drift_beyond_contract_fails(workdir, monkeypatch, capsys):
-    from posttrainllm import model
+    from posttrainllm.model import transformer as model
 
     wrong_scale = lambda q, k, v: 1.5 * model.sdpa_attention(q, k, v)  # noqa: E731
     monkeypatch.setitem(model.ATTENTION_IMPLS, "sdpa", wrong_scale)

@@ -3,8 +3,8 @@ import hashlib
 import pytest
 import torch
 
-from posttrainllm import corpus as corpus_mod
-from posttrainllm.corpus import MIN_CORPUS_BYTES, STDLIB_FILES, batch_at, load_corpus
+from posttrainllm.model import corpus as corpus_mod
+from posttrainllm.model.corpus import MIN_CORPUS_BYTES, STDLIB_FILES, batch_at, load_corpus
 
 
 @pytest.fixture(scope="module")

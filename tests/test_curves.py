@@ -6,10 +6,11 @@ import pandas as pd
 import pytest
 import torch
 
-from posttrainllm import costs, paths
-from posttrainllm import device as devices
+from posttrainllm.opdefs import costs
+from posttrainllm.opdefs import registry as paths
+from posttrainllm.measure import device as devices
 from posttrainllm.config import LabConfig, OpConfig
-from posttrainllm.curves import COLUMNS, INTERPRETER_NOT_SPEED, crossover, measure_curve
+from posttrainllm.measure.curves import COLUMNS, INTERPRETER_NOT_SPEED, crossover, measure_curve
 
 QUICK = dict(warmup=1, reps=3, min_time_s=0.0, max_reps=3)
 

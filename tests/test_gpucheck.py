@@ -39,7 +39,7 @@ def test_dry_run_writes_importable_receipts(tmp_path, monkeypatch, mlflow_uri, c
 
 
 def test_budget_skips_whole_points(tmp_path):
-    from posttrainllm import gpucheck
+    from posttrainllm.lab import gpucheck
 
     assert gpucheck.main([str(tmp_path), "--dry-run", "--no-train", "--budget-s", "0"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())

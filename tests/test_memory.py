@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrainllm import reference
-from posttrainllm.memory import peak_bytes, peak_live_bytes
+from posttrainllm.ops import reference
+from posttrainllm.measure.memory import peak_bytes, peak_live_bytes
 
 
 def test_replay_of_known_events():

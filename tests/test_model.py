@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from posttrainllm import reference
-from posttrainllm.model import (
+from posttrainllm.ops import reference
+from posttrainllm.model.transformer import (
     ATTENTION_IMPLS,
     ModelConfig,
     Transformer,
@@ -176,7 +176,7 @@ def test_bf16_autocast_forward_runs_and_tracks_fp32():
 
 def test_config_names_the_registered_implementations():
     from posttrainllm import config
-    from posttrainllm.model import ATTENTION_IMPLS, LINEAR_IMPLS
+    from posttrainllm.model.transformer import ATTENTION_IMPLS, LINEAR_IMPLS
 
     assert set(config.ATTENTION_IMPLS) <= set(ATTENTION_IMPLS)
     assert set(config.MATMUL_IMPLS) <= set(LINEAR_IMPLS)

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrainllm import parity, paths, stages
-from posttrainllm.paths import Impl
+from posttrainllm.lab import parity
+from posttrainllm.opdefs import registry as paths
+from posttrainllm.lab import stages
+from posttrainllm.opdefs.registry import Impl
 from posttrainllm.config import PROJECT_ROOT, Contract, load
 
 OPS = PROJECT_ROOT / "posttrainllm" / "ops"

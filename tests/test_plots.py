@@ -5,8 +5,8 @@ import math
 import pandas as pd
 import pytest
 
-from posttrainllm.plots import roofline_plot, time_vs_size
-from posttrainllm.roofline import roofline
+from posttrainllm.track.plots import roofline_plot, time_vs_size
+from posttrainllm.measure.roofline import roofline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from posttrainllm import reference
+from posttrainllm.ops import reference
 
 
 def test_matmul_matches_explicit_sums():

@@ -5,7 +5,7 @@ A toy device: peak 100 GFLOP/s, 10 GB/s -> ridge 10 FLOP/B.
 
 import pytest
 
-from posttrainllm.roofline import COMPUTE, LOW_FRACTION, MEMORY, OVERHEAD, OVERHEAD_DOMINATES_BELOW, roofline
+from posttrainllm.measure.roofline import COMPUTE, LOW_FRACTION, MEMORY, OVERHEAD, OVERHEAD_DOMINATES_BELOW, roofline
 
 PEAKS = dict(peak_flops=100e9, peak_bytes_per_s=10e9)
 

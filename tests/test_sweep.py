@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from posttrainllm import cli, sweep
+from posttrainllm import cli
+from posttrainllm.lab import sweep
 from posttrainllm.config import PROJECT_ROOT, ConfigError, SweepConfig, load
 
 BASELINE = {"op": "attention", "precision": "fp32", "tile": "b32", "workgroup": "w4s2",

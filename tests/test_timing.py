@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from posttrainllm import timing
-from posttrainllm.timing import NOISY_SPREAD, measure, summarize
+from posttrainllm.measure import timing
+from posttrainllm.measure.timing import NOISY_SPREAD, measure, summarize
 
 
 class FakeClock:

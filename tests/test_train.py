@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrainllm import reference
-from posttrainllm.corpus import load_corpus
-from posttrainllm.model import ATTENTION_IMPLS, ModelConfig, register_attention
-from posttrainllm.train import Variant, _precision_mode, attention_variants, bench_train
+from posttrainllm.ops import reference
+from posttrainllm.model.corpus import load_corpus
+from posttrainllm.model.transformer import ATTENTION_IMPLS, ModelConfig, register_attention
+from posttrainllm.model.train import Variant, _precision_mode, attention_variants, bench_train
 
 TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 RUN = dict(steps=30, warmup_steps=5, batch_size=4, seq_len=32, lr=3e-3, seed=0)

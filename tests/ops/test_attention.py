@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from posttrainllm import reference
+from posttrainllm.ops import reference
 from posttrainllm.ops import is_interpreted
 from posttrainllm.ops.attention import attention_launch, triton_attention
 

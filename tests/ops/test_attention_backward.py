@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from posttrainllm import reference
+from posttrainllm.ops import reference
 from posttrainllm.ops.attention import (
     attention_backward_launch,
     flash_attention,

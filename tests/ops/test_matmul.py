@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from posttrainllm import reference
+from posttrainllm.ops import reference
 from posttrainllm.ops import interpreter_emulation, is_interpreted
 from posttrainllm.ops.matmul import matmul_launch, triton_matmul
 

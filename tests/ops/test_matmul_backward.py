@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from posttrainllm import reference
+from posttrainllm.ops import reference
 from posttrainllm.ops import matmul as matmul_module
 from posttrainllm.ops.matmul import linear, matmul
 

@@ -18,12 +18,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from posttrainllm import device as devices
-from posttrainllm.provenance import git_revision, project_root
+from posttrainllm.measure import device as devices
+from posttrainllm.track.provenance import git_revision, project_root
 from posttrainllm.config import LabConfig, point_config
-from posttrainllm.stages import point_dir, read_json, write_json
+from posttrainllm.lab.stages import point_dir, read_json, write_json
 
-SCHEMA = "posttrainllm.receipt/1"
+SCHEMA = "posttrainllm.track.receipt/1"
 EXPERIMENT = "posttrainllm"
 ARTIFACTS = ("receipt.json", "parity.json", "kernel.json", "microbench.json", "timings.csv", "curve.csv",
              "time_vs_size.png", "memory_vs_size.png", "roofline.png", "bench_train.json", "config.yaml")

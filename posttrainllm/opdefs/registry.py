@@ -1,6 +1,6 @@
 """The implementations ("paths") of each op, the cases they run on, and their inputs.
 
-Every op has the readable reference (posttrainllm.reference) and its optimized
+Every op has the readable reference (posttrainllm.ops.reference) and its optimized
 twins with the same inputs and outputs: PyTorch's own fast path (the peer a user
 would otherwise pick) and our Triton kernel. One registry, so a stage or a test
 flips between them by name.
@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from posttrainllm import reference
+from posttrainllm.ops import reference
 from posttrainllm.config import LabConfig
 
 Tensors = dict[str, torch.Tensor]
@@ -96,7 +96,7 @@ def make_inputs(case: Case, op: str, dtype: torch.dtype, device: str) -> Tensors
 
 def precision_context(cfg: LabConfig) -> contextlib.AbstractContextManager[None]:
     """TF32 for torch's own CUDA matmuls only when the point's precision asks for it."""
-    from posttrainllm.device import fp32_matmuls
+    from posttrainllm.measure.device import fp32_matmuls
 
     return fp32_matmuls(tf32=cfg.precision.allow_tf32)
 

@@ -17,13 +17,17 @@ from typing import Any
 
 import torch
 
-from posttrainllm import calibrate, costs, parity, paths, roofline
-from posttrainllm import device as devices
+from posttrainllm.measure import calibrate
+from posttrainllm.opdefs import costs
+from posttrainllm.lab import parity
+from posttrainllm.opdefs import registry as paths
+from posttrainllm.measure import roofline
+from posttrainllm.measure import device as devices
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.memory import peak_bytes
-from posttrainllm.paths import REFERENCE, Case
-from posttrainllm.provenance import git_revision
-from posttrainllm.timing import NOISY_RULE, measure
+from posttrainllm.measure.memory import peak_bytes
+from posttrainllm.opdefs.registry import REFERENCE, Case
+from posttrainllm.track.provenance import git_revision
+from posttrainllm.measure.timing import NOISY_RULE, measure
 
 INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
 
@@ -185,7 +189,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     crossover size where each beats the reference. Triton through its interpreter is timed
     once and marked invalid: it gets no throughput, speedup, roofline or curve.
     """
-    from posttrainllm import plots  # matplotlib: imported by the one stage that draws
+    from posttrainllm.track import plots  # matplotlib: imported by the one stage that draws
 
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     verdicts = {name: p["verdict"] for name, p in read_json(out / "parity.json")["paths"].items()}
@@ -247,7 +251,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
 
 def _curve(cfg: LabConfig, out: Path, device: str, timed: list[str]) -> dict[str, Any]:
     """The timed paths over shape.curve: curve.csv + plots, and each path's crossover with the reference."""
-    from posttrainllm import curves, plots  # pandas, matplotlib: only this stage needs them
+    from posttrainllm.measure import curves
+    from posttrainllm.track import plots  # pandas, matplotlib: only this stage needs them
 
     frame = curves.measure_curve(cfg, x_values=list(cfg.shape.curve), device=device,
                                  revision=git_revision()["revision"], impls=timed)
@@ -270,9 +275,9 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
     drift against it (the contract's train_loss_drift) and Amdahl's predicted speedup
     from the microbench next to the measured one.
     """
-    from posttrainllm import amdahl
-    from posttrainllm.model import ModelConfig
-    from posttrainllm.train import attention_variants, bench_train, matmul_variants
+    from posttrainllm.model import amdahl
+    from posttrainllm.model.transformer import ModelConfig
+    from posttrainllm.model.train import attention_variants, bench_train, matmul_variants
 
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     arch, train, op = cfg.architecture, cfg.train, cfg.op.name

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from posttrainllm import reference
+from posttrainllm.ops import reference
 
 
 @dataclass

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from posttrainllm import device as devices
-from posttrainllm.timing import measure
+from posttrainllm.measure import device as devices
+from posttrainllm.measure.timing import measure
 
 DEFAULT_BUDGET_S = 12.0
 GEMM_SHARE = 0.8  # of the budget; the rest is the copy's

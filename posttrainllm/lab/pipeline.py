@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from posttrainllm import device as devices
+from posttrainllm.measure import device as devices
 from posttrainllm.config import ConfigError, LabConfig, validate
 
 PARAMS = Path("params.yaml")
@@ -38,7 +38,8 @@ def load_point(point: str, params_path: Path = PARAMS) -> tuple[LabConfig, dict[
 
 
 def _stage(name: str) -> Callable[[LabConfig, dict[str, Any]], Any]:
-    from posttrainllm import receipt, stages
+    from posttrainllm.track import receipt
+    from posttrainllm.lab import stages
 
     table: dict[str, Callable[[LabConfig, dict[str, Any]], Any]] = {
         "reference": lambda cfg, _: stages.run_reference(cfg, stages.point_dir(cfg)),
@@ -54,7 +55,7 @@ def _stage(name: str) -> Callable[[LabConfig, dict[str, Any]], Any]:
 
 def run_stage(stage: str, argv: list[str]) -> int:
     """`python pipelines/<stage>.py POINT`: one stage of one point."""
-    from posttrainllm.stages import ContractBroken
+    from posttrainllm.lab.stages import ContractBroken
 
     if len(argv) != 1:
         print(f"usage: python pipelines/{stage}.py POINT", file=sys.stderr)
@@ -74,7 +75,7 @@ def run_stage(stage: str, argv: list[str]) -> int:
 
 def write_fingerprint(path: Path) -> int:
     """The device stage: this machine's fingerprint, which every timed stage depends on."""
-    from posttrainllm.stages import write_json
+    from posttrainllm.lab.stages import write_json
 
     fingerprint = devices.fingerprint(devices.resolve("auto"))
     write_json(path, fingerprint)
@@ -83,9 +84,9 @@ def write_fingerprint(path: Path) -> int:
 
 def write_calibration(path: Path) -> int:
     """The calibrate stage: this device's measured peaks (GEMM FLOP/s per dtype, copy bandwidth)."""
-    from posttrainllm import calibrate
+    from posttrainllm.measure import calibrate
     from posttrainllm.config import load
-    from posttrainllm.stages import write_json
+    from posttrainllm.lab.stages import write_json
 
     cfg = load()
     device = devices.prepare("auto", cfg.bench.threads)  # timed stages run at the same thread count

@@ -31,12 +31,12 @@ from typing import Any, Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from posttrainllm import model as models
-from posttrainllm.corpus import Corpus, batch_at, load_corpus
-from posttrainllm.device import fp32_matmuls, triton_interpreted
-from posttrainllm.memory import peak_bytes
-from posttrainllm.model import ModelConfig, Transformer, get_attention, get_linear
-from posttrainllm.timing import summarize
+from posttrainllm.model import transformer as models
+from posttrainllm.model.corpus import Corpus, batch_at, load_corpus
+from posttrainllm.measure.device import fp32_matmuls, triton_interpreted
+from posttrainllm.measure.memory import peak_bytes
+from posttrainllm.model.transformer import ModelConfig, Transformer, get_attention, get_linear
+from posttrainllm.measure.timing import summarize
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

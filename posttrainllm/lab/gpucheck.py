@@ -1,6 +1,6 @@
 """The prepared GPU check: one run, no network, no MLflow, no DVC, receipts as JSON.
 
-    python -m posttrainllm.gpucheck OUTDIR [--dry-run] [--budget-s 420] [--no-train]
+    python -m posttrainllm.lab.gpucheck OUTDIR [--dry-run] [--budget-s 420] [--no-train]
 
 Calibrates the device, then runs every point of the `gpu` sweep (conf/sweep/gpu.yaml:
 GPU-sized shapes, one dimension at a time) through the same stage functions as
@@ -21,10 +21,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from posttrainllm import calibrate, receipt, stages, sweep
-from posttrainllm import device as devices
+from posttrainllm.measure import calibrate
+from posttrainllm.track import receipt
+from posttrainllm.lab import stages
+from posttrainllm.lab import sweep
+from posttrainllm.measure import device as devices
 from posttrainllm.config import ConfigError, load, validate
-from posttrainllm.pipeline import sweep_id
+from posttrainllm.lab.pipeline import sweep_id
 
 BIG_FILES = ("reference.pt", "kernel.pt")
 
@@ -55,7 +58,7 @@ def run_point(cfg: Any, calibration: dict[str, Any], sweep_info: dict[str, Any],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m posttrainllm.gpucheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m posttrainllm.lab.gpucheck", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder for calibration.json, summary.json and <point>/ receipts")
     parser.add_argument("--dry-run", action="store_true", help="the smoke sweep on the CPU (tiny shapes)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no point after this many seconds")

@@ -29,13 +29,14 @@ from typing import Any
 import pandas as pd
 import torch
 
-from posttrainllm import costs, paths
-from posttrainllm import device as devices
+from posttrainllm.opdefs import costs
+from posttrainllm.opdefs import registry as paths
+from posttrainllm.measure import device as devices
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.memory import peak_bytes
-from posttrainllm.paths import REFERENCE, Case
-from posttrainllm.stages import INTERPRETER_NOT_SPEED
-from posttrainllm.timing import measure
+from posttrainllm.measure.memory import peak_bytes
+from posttrainllm.opdefs.registry import REFERENCE, Case
+from posttrainllm.lab.stages import INTERPRETER_NOT_SPEED
+from posttrainllm.measure.timing import measure
 
 X_NAMES = {"attention": "seq_len", "matmul": "size"}
 UNIT = "ms"
