@@ -51,7 +51,7 @@ def _point(cfg: DictConfig, default_name: str) -> LabConfig:
 
 def _fresh_point_dir(lab: LabConfig) -> Path:
     """The point's folder, emptied of an earlier run's stage files so the receipt mixes no two runs."""
-    from posttrainllm.lab.stages import point_dir
+    from posttrainllm.files import point_dir
 
     out = point_dir(lab)
     for name in STAGE_FILES:
@@ -140,7 +140,7 @@ def report_sweep(args: list[str]) -> int:
     """Print the sweep's receipts (runs/<point>/receipt.json for each point of params.yaml)."""
     from posttrainllm.track import report
     from posttrainllm.lab.pipeline import PARAMS, RUNS
-    from posttrainllm.lab.stages import read_json
+    from posttrainllm.files import read_json
     from posttrainllm.lab.sweep import read_points
 
     if args:

@@ -55,7 +55,7 @@ def _stage(name: str) -> Callable[[LabConfig, dict[str, Any]], Any]:
 
 def run_stage(stage: str, argv: list[str]) -> int:
     """`python pipelines/<stage>.py POINT`: one stage of one point."""
-    from posttrainllm.lab.stages import ContractBroken
+    from posttrainllm.files import ContractBroken
 
     if len(argv) != 1:
         print(f"usage: python pipelines/{stage}.py POINT", file=sys.stderr)
@@ -75,7 +75,7 @@ def run_stage(stage: str, argv: list[str]) -> int:
 
 def write_fingerprint(path: Path) -> int:
     """The device stage: this machine's fingerprint, which every timed stage depends on."""
-    from posttrainllm.lab.stages import write_json
+    from posttrainllm.files import write_json
 
     fingerprint = devices.fingerprint(devices.resolve("auto"))
     write_json(path, fingerprint)
@@ -86,7 +86,7 @@ def write_calibration(path: Path) -> int:
     """The calibrate stage: this device's measured peaks (GEMM FLOP/s per dtype, copy bandwidth)."""
     from posttrainllm.measure import calibrate
     from posttrainllm.config import load
-    from posttrainllm.lab.stages import write_json
+    from posttrainllm.files import write_json
 
     cfg = load()
     device = devices.prepare("auto", cfg.bench.threads)  # timed stages run at the same thread count

@@ -24,6 +24,7 @@ from posttrainllm.opdefs import registry as paths
 from posttrainllm.measure import roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.config import LabConfig, itemsize
+from posttrainllm.files import point_dir, read_json, write_json
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.opdefs.registry import REFERENCE, Case
 from posttrainllm.track.provenance import git_revision
@@ -34,19 +35,6 @@ INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1)
 
 class ContractBroken(RuntimeError):
     """A path broke its numerical contract; the stage's report is already written."""
-
-
-def point_dir(cfg: LabConfig) -> Path:
-    return Path(cfg.run.out_dir) / cfg.run.name
-
-
-def write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
 
 
 def _dtype(cfg: LabConfig) -> torch.dtype:

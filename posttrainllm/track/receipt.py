@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from posttrainllm.measure import device as devices
 from posttrainllm.track.provenance import git_revision, project_root
 from posttrainllm.config import LabConfig, point_config
-from posttrainllm.lab.stages import point_dir, read_json, write_json
+from posttrainllm.files import point_dir, read_json, write_json
 
 SCHEMA = "posttrainllm.track.receipt/1"
 EXPERIMENT = "posttrainllm"
