@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from posttrainllm import cli
-from posttrainllm.opdefs import registry as paths
+from posttrainllm.opdefs import attention
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +53,26 @@ def test_bench_prints_table_and_logs_a_receipt(workdir, mlflow_uri, capsys):
 
 
 def test_broken_path_gets_no_speed_and_exit_1(workdir, monkeypatch, capsys):
-    sdpa = paths.IMPLS["attention"]["sdpa"]
-    halved = dataclasses.replace(sdpa, run=lambda x, cfg: {"out": sdpa.run(x, cfg)["out"] * 0.5})
-    monkeypatch.setitem(paths.IMPLS["attention"], "sdpa", halved)
-    assert cli.main(["bench", *QUICK, "run.name=broken", "run.log_mlflow=false"]) == 1
+    sdpa = attention.IMPLS["sdpa"]
+    halved = dataclasses.replace(sdpa, fn=lambda x, cfg: {"out": sdpa.fn(x, cfg)["out"] * 0.5})
+    monkeypatch.setitem(attention.IMPLS, "sdpa", halved)
+    assert cli.main(["bench-train", *QUICK, "train.steps=2", "train.warmup_steps=1", "run.name=broken",
+                     "run.log_mlflow=false"]) == 1
     captured = capsys.readouterr()
     assert "contract broken: broken: sdpa broke the fp32 contract" in captured.err
     receipt = json.loads((workdir / "runs/bench/broken/receipt.json").read_text())
     assert receipt["parity"]["paths"]["sdpa"]["verdict"] == "fail"
     assert receipt["microbench"]["paths"]["sdpa"] == {"valid": False, "reason": "failed parity: no speed number"}
+    assert "sdpa" not in receipt["microbench"]["curve"]["crossover_vs_reference"]
+    assert receipt["microbench"]["curve"]["skipped"]["sdpa"] == "failed parity: no speed number"
+    # bench-train does not train a path that failed parity: no step time, no tokens/s, no loss for it
+    assert "sdpa" not in receipt["bench_train"]["impls"]
+    assert receipt["bench_train"]["skipped"] == {"sdpa": "failed parity: no speed number"}
     metrics = json.loads((workdir / "runs/bench/broken/metrics.json").read_text())
-    assert metrics["parity.sdpa.pass"] == 0.0 and not any(k.startswith("bench.sdpa.") for k in metrics)
+    assert metrics["parity.sdpa.pass"] == 0.0
+    assert not any(k.startswith(("bench.sdpa.", "train.sdpa.", "curve.sdpa.")) for k in metrics)
+    curve = (workdir / "runs/bench/broken/curve.csv").read_text()
+    assert ",sdpa," not in curve
 
 
 def test_multirun_over_one_dimension_names_each_point(workdir, capsys):
@@ -84,10 +93,16 @@ def test_bench_train_reports_drift_within_contract(workdir, capsys):
 
 
 def test_bench_train_drift_beyond_contract_fails(workdir, monkeypatch, capsys):
-    from posttrainllm.model import transformer as model
+    from posttrainllm.opdefs.base import ModelHooks
 
-    wrong_scale = lambda q, k, v: 1.5 * model.sdpa_attention(q, k, v)  # noqa: E731
-    monkeypatch.setitem(model.ATTENTION_IMPLS, "sdpa", wrong_scale)
+    # parity checks the registry function; here only the model's hook is wrong, so only drift can catch it
+    hooks = attention.OP.model_hooks
+
+    def wrong_scale(impl, cfg):
+        right = hooks(impl, cfg).attention
+        return ModelHooks(attention=lambda q, k, v: 1.5 * right(q, k, v)) if impl.name == "sdpa" else hooks(impl, cfg)
+
+    monkeypatch.setattr(attention.OP, "model_hooks", wrong_scale)
     args = ["bench-train", *QUICK, "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false"]
     assert cli.main(args) == 1
     assert "loss drift of sdpa exceeds train_loss_drift=0.0001" in capsys.readouterr().err

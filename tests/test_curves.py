@@ -1,4 +1,4 @@
-"""curves: crossover on synthetic curves; a tiny real curve for its schema and what it leaves out."""
+"""curves: crossover on synthetic curves (bands, not bare medians); rows that are timed only when checked."""
 
 import math
 
@@ -6,17 +6,15 @@ import pandas as pd
 import pytest
 import torch
 
-from posttrainllm.opdefs import costs
-from posttrainllm.opdefs import registry as paths
-from posttrainllm.measure import device as devices
-from posttrainllm.config import LabConfig, OpConfig
-from posttrainllm.measure.curves import COLUMNS, INTERPRETER_NOT_SPEED, crossover, measure_curve
+from posttrainllm.measure.curves import COLUMNS, crossover, frame, measure_row
 
 QUICK = dict(warmup=1, reps=3, min_time_s=0.0, max_reps=3)
 
 
-def synthetic(reference: list[float], fast: list[float], xs=(64, 128, 256, 512, 1024)) -> pd.DataFrame:
-    rows = [dict(op="attention", impl=impl, x_name="seq_len", x_value=x, median=ms, valid=True)
+def synthetic(reference: list[float], fast: list[float], xs=(64, 128, 256, 512, 1024), spread=0.05) -> pd.DataFrame:
+    """Medians with a ±spread band (p20, p80) around each."""
+    rows = [dict(op="attention", impl=impl, x_name="seq_len", x_value=x, median=ms, p20=ms * (1 - spread),
+                 p80=ms * (1 + spread), valid=True)
             for impl, medians in (("reference", reference), ("fast", fast)) for x, ms in zip(xs, medians)]
     return pd.DataFrame(rows)
 
@@ -27,14 +25,22 @@ def synthetic(reference: list[float], fast: list[float], xs=(64, 128, 256, 512, 
     ([1, 2, 4, 8, 16], [3, 3, 3, 5, 6], 256),  # slower at 64 and 128, faster from the 3rd point on
     ([1, 2, 4, 8, 16], [0.5, 3, 3, 9, 6], 1024),  # non-monotone: faster, slower, faster, slower, faster
     ([1, 2, 4, 8, 16], [0.5, 1, 2, 4, 16], None),  # a tie at the last x is not a win
+    ([1, 2, 4, 8, 16], [0.5, 1, 2, 4, 15.5], None),  # median below, but the bands overlap: no measurable win
 ])
 def test_crossover(reference, fast, expected):
     assert crossover(synthetic(reference, fast), baseline="reference", impl="fast") == expected
 
 
+def test_the_same_call_timed_twice_has_no_crossover():
+    """a @ b against torch.matmul is one call: medians that differ by noise must not make a crossover."""
+    ref = [1.00, 2.00, 4.00, 8.00]
+    same = [0.98, 1.97, 3.95, 7.90]  # 1-2% below, inside the ±5% bands
+    assert crossover(synthetic(ref, same, xs=(64, 128, 256, 512)), impl="fast") is None
+
+
 def test_crossover_uses_only_x_where_both_are_valid():
     df = synthetic([1, 2, 4, 8, 16], [3, 3, 3, 5, 6])
-    df.loc[(df.impl == "fast") & (df.x_value == 256), ["median", "valid"]] = [math.nan, False]
+    df.loc[(df.impl == "fast") & (df.x_value == 256), ["median", "p20", "p80", "valid"]] = [math.nan] * 3 + [False]
     assert crossover(df, impl="fast") == 512
     df.loc[(df.impl == "reference") & (df.x_value == 1024), "valid"] = False
     assert crossover(df, impl="fast") == 512  # 1024 drops out; 512 is still the first win that holds
@@ -48,45 +54,31 @@ def test_crossover_refuses_mixed_curves_and_unknown_impls():
         crossover(synthetic([1], [2], xs=[64]), impl="sdpa")
 
 
-def test_tiny_attention_curve(device):
-    cfg = LabConfig()  # attention, fp32, B=1, H=4, D=32, causal
-    df = measure_curve(cfg, x_values=[128, 64], device=device, revision="rev123", **QUICK)
+LABELS = dict(op="matmul", impl="torch", kind="peer", x_name="size", x_value=32, flops=2 * 32 ** 3, bytes=1,
+              minimal_bytes=1, device="cpu", revision="r")
+
+
+def test_checked_row_is_timed_with_memory():
+    a = torch.randn(32, 32)
+    row = measure_row(lambda: a @ a, device="cpu", settings=QUICK, check="pass", labels=LABELS)
+    assert row["valid"] and row["reps"] == 3 and row["p20"] <= row["median"] <= row["p80"]
+    assert row["peak_bytes"] >= 32 * 32 * 4 and row["check"] == "pass"
+    df = frame([row])
     assert list(df.columns) == COLUMNS
-    assert (df["x_name"] == "seq_len").all() and sorted(df["x_value"].unique()) == [64, 128]
-    assert (df["unit"] == "ms").all() and (df["revision"] == "rev123").all() and (df["device"] == device).all()
-    assert df["valid"].all() and (df["reps"] == 3).all() and (df["threads"] == torch.get_num_threads()).all()
-    assert (df["p20"] <= df["median"]).all() and (df["median"] <= df["p80"]).all()
-    if devices.triton_interpreted():
-        assert set(df["impl"]) == {"reference", "sdpa"}
-        assert df.attrs["skipped"] == {"triton": INTERPRETER_NOT_SPEED}
-    else:
-        assert set(df["impl"]) == set(paths.IMPLS["attention"]) and df.attrs["skipped"] == {}
-    row = df[(df.impl == "sdpa") & (df.x_value == 128)].iloc[0]
-    assert row["flops"] == costs.attention_flops(1, 4, 128, 32, causal=True)
-    assert row["minimal_bytes"] == costs.attention_bytes(1, 4, 4, 128, 32, 4) == row["bytes"]
-    # The naive reference materialises (S, S): it allocates more than the fused path at the same S.
-    naive = df[(df.impl == "reference") & (df.x_value == 128)].iloc[0]
-    assert naive["peak_bytes"] > row["peak_bytes"] > 0
 
 
-def test_matmul_curve_records_a_failing_path(monkeypatch, device):
-    def broken(x, cfg):
+def test_unchecked_or_failed_row_gets_no_time():
+    calls = []
+    row = measure_row(lambda: calls.append(1), device="cpu", settings=QUICK,
+                      check="failed parity: max_abs_err 1 > allowed 1e-6", labels=LABELS)
+    assert calls == []  # never called, never timed
+    assert not row["valid"] and math.isnan(row["median"]) and row["peak_bytes"] is None
+    assert "not timed: failed parity" in row["reason"]
+
+
+def test_a_path_that_raises_at_one_size_is_recorded():
+    def broken():
         raise RuntimeError("no kernel for this shape")
 
-    monkeypatch.setitem(paths.IMPLS["matmul"], "broken",
-                        paths.Impl("broken", "torch", broken, lambda case, cfg: {}, broken))
-    cfg = LabConfig(op=OpConfig(name="matmul"))
-    df = measure_curve(cfg, x_values=[16, 32], device=device, revision="r", impls=["reference", "broken"],
-                       memory=False, **QUICK)
-    assert (df["x_name"] == "size").all()
-    assert df[df.impl == "reference"]["flops"].tolist() == [2 * 16**3, 2 * 32**3]
-    bad = df[df.impl == "broken"]
-    assert not bad["valid"].any() and bad["median"].isna().all()
-    assert bad["reason"].str.contains("no kernel for this shape").all()
-    assert df["peak_bytes"].isna().all()  # memory=False
-
-
-def test_unknown_impl_is_refused():
-    with pytest.raises(ValueError, match="valid choices are reference, torch, triton"):
-        measure_curve(LabConfig(op=OpConfig(name="matmul")), x_values=[16], device="cpu", revision="r",
-                      impls=["cublas"])
+    row = measure_row(broken, device="cpu", settings=QUICK, check="pass", labels=LABELS)
+    assert not row["valid"] and "no kernel for this shape" in row["reason"]

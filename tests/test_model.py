@@ -4,15 +4,18 @@ import pytest
 import torch
 
 from posttrainllm.ops import reference
-from posttrainllm.model.transformer import (
-    ATTENTION_IMPLS,
-    ModelConfig,
-    Transformer,
-    apply_rope,
-    register_attention,
-    rope_tables,
-    sdpa_attention,
-)
+from posttrainllm.config import LabConfig
+from posttrainllm.model.transformer import ModelConfig, Transformer, apply_rope, rope_tables
+from posttrainllm.opdefs import get_op
+
+
+def attention_hook(name: str):
+    """The model's attention call for a registry implementation: what bench-train swaps in."""
+    op = get_op("attention")
+    return op.model_hooks(op.impls[name], LabConfig()).attention
+
+
+IMPLS = {"reference": None, "sdpa": attention_hook("sdpa")}  # None: the model's default, the reference math
 
 # (name, config kwargs): MHA, GQA, MQA, and a head_dim that is not d_model // n_heads.
 SHAPES = [
@@ -34,7 +37,7 @@ def tokens(B=4, T=32, seed=0):
 
 @pytest.mark.parametrize("name,kw", SHAPES, ids=[s[0] for s in SHAPES])
 def test_reference_and_sdpa_agree_in_fp32(name, kw):
-    model = Transformer(tiny(**kw), "reference", seed=1)
+    model = Transformer(tiny(**kw), seed=1)
     idx, targets = tokens(), tokens(seed=1)
     logits_ref, loss_ref = model(idx, targets)
     assert logits_ref.shape == (4, 32, 256) and loss_ref.shape == ()
@@ -42,8 +45,7 @@ def test_reference_and_sdpa_agree_in_fp32(name, kw):
     grads_ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
 
-    model.set_attention_impl("sdpa")
-    assert model.attention_impl == "sdpa"
+    model.set_attention(attention_hook("sdpa"))
     logits_sdpa, loss_sdpa = model(idx, targets)
     loss_sdpa.backward()
     torch.testing.assert_close(logits_sdpa, logits_ref, atol=1e-5, rtol=1e-5)
@@ -67,7 +69,7 @@ def test_sdpa_gqa_low_precision_branch_matches_reference():
     k = torch.randn(2, 2, 33, 16, generator=g).bfloat16()
     v = torch.randn(2, 2, 33, 16, generator=g).bfloat16()
     want = reference.attention(q.double(), k.double(), v.double(), causal=True)
-    torch.testing.assert_close(sdpa_attention(q, k, v).double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(attention_hook("sdpa")(q, k, v).double(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_rope_score_depends_only_on_offset():
@@ -89,7 +91,7 @@ def test_rope_score_depends_only_on_offset():
 
 @pytest.mark.parametrize("impl", ["reference", "sdpa"])
 def test_causal_future_tokens_do_not_change_earlier_logits(impl):
-    model = Transformer(tiny(), impl, seed=0)
+    model = Transformer(tiny(), seed=0, attention=IMPLS[impl])
     idx = tokens(B=2, T=20)
     changed = idx.clone()
     changed[:, 12] = (changed[:, 12] + 1) % 256
@@ -133,38 +135,27 @@ def test_bad_config_raises(kw, match):
         tiny(**kw)
 
 
-def test_unknown_attention_impl_names_valid_choices():
-    with pytest.raises(ValueError, match=r"valid choices: \['reference', 'sdpa'"):
-        Transformer(tiny(), "flash")
-    model = Transformer(tiny())
-    with pytest.raises(ValueError, match="'reference'"):
-        model.set_attention_impl("nope")
-    assert model.attention_impl == "reference"
-
-
 def test_sequence_longer_than_max_seq_len_raises():
     with pytest.raises(ValueError, match="max_seq_len"):
         Transformer(tiny(max_seq_len=16))(tokens(T=17))
 
 
-def test_register_attention_adds_an_impl_in_one_line(monkeypatch):
-    monkeypatch.setitem(ATTENTION_IMPLS, "spy", None)  # restored after the test
+def test_attention_is_the_function_handed_in():
     calls = []
 
     def spy(q, k, v):
         calls.append(q.shape)
         return reference.attention(q, k, v, causal=True)
 
-    register_attention("spy", spy)
-    model = Transformer(tiny(), "spy", seed=0)
+    model = Transformer(tiny(), seed=0, attention=spy)
     logits, _ = model(tokens(T=8))
     assert calls == [(4, 4, 8, 16)] * 2  # one call per layer, q: (B, nh, T, hs)
-    model.set_attention_impl("reference")
+    model.set_attention(reference.attention)
     torch.testing.assert_close(model(tokens(T=8))[0], logits, atol=0, rtol=0)
 
 
 def test_bf16_autocast_forward_runs_and_tracks_fp32():
-    model = Transformer(tiny(), "sdpa", seed=0)
+    model = Transformer(tiny(), seed=0, attention=attention_hook("sdpa"))
     idx, targets = tokens(), tokens(seed=1)
     with torch.no_grad():
         _, loss32 = model(idx, targets)
@@ -174,9 +165,17 @@ def test_bf16_autocast_forward_runs_and_tracks_fp32():
     assert abs(loss16.item() - loss32.item()) < 2e-2
 
 
-def test_config_names_the_registered_implementations():
-    from posttrainllm import config
-    from posttrainllm.model.transformer import ATTENTION_IMPLS, LINEAR_IMPLS
+def test_the_trained_function_is_the_registry_function(monkeypatch):
+    """bench-train's model calls the registry's Impl.fn itself: patching it changes what the model computes."""
+    op = get_op("attention")
+    calls = []
+    sdpa = op.impls["sdpa"]
 
-    assert set(config.ATTENTION_IMPLS) <= set(ATTENTION_IMPLS)
-    assert set(config.MATMUL_IMPLS) <= set(LINEAR_IMPLS)
+    def counted(x, cfg):
+        calls.append(x["q"].shape)
+        return sdpa.fn(x, cfg)
+
+    import dataclasses
+    hook = op.model_hooks(dataclasses.replace(sdpa, fn=counted), LabConfig()).attention
+    Transformer(tiny(), seed=0, attention=hook)(tokens(T=8))
+    assert len(calls) == 2  # one per layer

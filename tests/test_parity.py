@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrainllm.lab import parity
-from posttrainllm.opdefs import registry as paths
-from posttrainllm.lab import stages
-from posttrainllm.opdefs.registry import Impl
 from posttrainllm.config import PROJECT_ROOT, Contract, load
+from posttrainllm.lab import parity, stages
+from posttrainllm.opdefs import attention, matmul
+from posttrainllm.opdefs.base import Impl
 
 OPS = PROJECT_ROOT / "posttrainllm" / "ops"
+REGISTRY = {"attention": attention.IMPLS, "matmul": matmul.IMPLS}
 
 
 def _mutant(tmp_path: Path, module: str, original: str, planted: str):
@@ -33,10 +33,10 @@ def _mutant(tmp_path: Path, module: str, original: str, planted: str):
     return mod
 
 
-def _run_stages(cfg, out: Path, monkeypatch, op: str, impl: Impl | None = None) -> dict:
-    """reference -> kernel -> parity with the Triton path replaced by `impl`; returns parity.json."""
+def _run_stages(cfg, out: Path, monkeypatch, op: str, impl: Impl | None = None, name: str = "triton") -> dict:
+    """reference -> kernel -> parity with the registry's `name` path replaced by `impl`; returns parity.json."""
     if impl is not None:
-        monkeypatch.setitem(paths.IMPLS[op], "triton", impl)
+        monkeypatch.setitem(REGISTRY[op], name, impl)
     stages.run_reference(cfg, out)
     stages.run_kernel(cfg, out)
     try:
@@ -46,24 +46,36 @@ def _run_stages(cfg, out: Path, monkeypatch, op: str, impl: Impl | None = None) 
     return json.loads((out / "parity.json").read_text())
 
 
-def _attention_impl(fn) -> Impl:
-    def run(x, cfg):
-        out, lse = fn(x["q"], x["k"], x["v"], causal=cfg.op.causal, block_q=cfg.tile.block_q,
-                      block_kv=cfg.tile.block_kv)
+def _flash_impl(module) -> Impl:
+    """The Triton path running a (mutant) copy of posttrainllm/ops/attention.py, forward and backward."""
+    def fn(x, cfg):
+        out, lse = module.flash_attention_with_lse(x["q"], x["k"], x["v"], causal=cfg.op.causal,
+                                                   block_q=cfg.tile.block_q, block_kv=cfg.tile.block_kv)
         return {"out": out, "lse": lse}
-    return dataclasses.replace(paths.IMPLS["attention"]["triton"], run=run)
+    return dataclasses.replace(attention.IMPLS["triton"], fn=fn)
 
 
 ATTENTION = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]"]
+PRECISIONS = ["fp32", "bf16", "fp16"]
 
 
 def test_correct_kernels_pass_and_stage_writes_report(tmp_path, monkeypatch):
     report = _run_stages(load(ATTENTION), tmp_path, monkeypatch, "attention")
-    assert report["verdict"] == "pass"
+    assert report["verdict"] == "pass" and report["first_failure"] is None
     assert set(report["paths"]) == {"sdpa", "triton"}
     worst = report["paths"]["triton"]["worst"]
-    assert {"out", "lse"} <= set(worst)
+    assert {"out", "lse", "grad_q", "grad_k", "grad_v"} <= set(worst)
     assert worst["out"]["max_abs_err"] <= worst["out"]["allowed_abs_err"]
+    assert "lse" not in report["paths"]["sdpa"]["worst"]  # SDPA does not return a logsumexp: not asked of it
+    # adversarial inputs are cases too: large logits, logits growing along the sequence, near one-hot rows
+    assert {"S128-large_logits", "S128-growing_logits", "S128-near_one_hot"} <= set(report["cases"])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_adversarial_inputs_pass_for_correct_kernels(precision, tmp_path, monkeypatch):
+    report = _run_stages(load([*ATTENTION, f"precision={precision}", "shape.edge_seq_lens=[]"]), tmp_path,
+                         monkeypatch, "attention")
+    assert report["verdict"] == "pass", report["first_failure"]
 
 
 PLANTED_ATTENTION_BUGS = {
@@ -74,32 +86,80 @@ PLANTED_ATTENTION_BUGS = {
 }
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("bug", PLANTED_ATTENTION_BUGS)
-def test_planted_attention_bug_is_caught(bug, tmp_path, monkeypatch):
+def test_planted_attention_bug_is_caught(bug, precision, tmp_path, monkeypatch):
+    """Under every precision's contract, the loosest (bf16) included."""
     original, planted = PLANTED_ATTENTION_BUGS[bug]
     mutant = _mutant(tmp_path, "attention", original, planted)
-    cfg = load(ATTENTION)
-    with pytest.raises(stages.ContractBroken, match="triton broke the fp32 contract"):
-        monkeypatch.setitem(paths.IMPLS["attention"], "triton", _attention_impl(mutant.triton_attention))
-        stages.run_reference(cfg, tmp_path)
-        stages.run_kernel(cfg, tmp_path)
+    cfg = load([*ATTENTION, f"precision={precision}"])
+    monkeypatch.setitem(attention.IMPLS, "triton", _flash_impl(mutant))
+    stages.run_reference(cfg, tmp_path)
+    stages.run_kernel(cfg, tmp_path)
+    with pytest.raises(stages.ContractBroken, match=f"triton broke the {precision} contract"):
         stages.run_parity(cfg, tmp_path)
-    report = json.loads((tmp_path / "parity.json").read_text())  # written before the stage failed
+    report = json.loads((tmp_path / "parity.json").read_text())  # written before the stage raised
     assert report["paths"]["triton"]["verdict"] == "fail"
     assert report["paths"]["sdpa"]["verdict"] == "pass"
+    assert report["first_failure"].startswith("triton: ")
 
 
 def test_all_zero_output_is_caught(tmp_path, monkeypatch):
-    zeros = dataclasses.replace(paths.IMPLS["attention"]["triton"], run=lambda x, cfg: {"out": torch.zeros_like(x["q"])})
-    report = _run_stages(load(ATTENTION), tmp_path, monkeypatch, "attention", zeros)
+    zeros = dataclasses.replace(attention.IMPLS["sdpa"], fn=lambda x, cfg: {"out": torch.zeros_like(x["q"])})
+    report = _run_stages(load(ATTENTION), tmp_path, monkeypatch, "attention", zeros, name="sdpa")
+    assert report["paths"]["sdpa"]["verdict"] == "fail"
+
+
+def test_a_path_that_omits_a_declared_output_fails(tmp_path, monkeypatch):
+    triton = attention.IMPLS["triton"]
+    no_lse = dataclasses.replace(triton, fn=lambda x, cfg: {"out": triton.fn(x, cfg)["out"]})
+    report = _run_stages(load(ATTENTION), tmp_path, monkeypatch, "attention", no_lse)
     assert report["paths"]["triton"]["verdict"] == "fail"
+    assert any("lse" in f for f in report["paths"]["triton"]["failed_cases"])
+
+
+def test_a_path_that_changes_its_input_fails(tmp_path, monkeypatch):
+    sdpa = attention.IMPLS["sdpa"]
+
+    def scribbles(x, cfg):
+        out = sdpa.fn(x, cfg)
+        x["q"].data.mul_(1.0 + 1e-3)  # right answer, then damage the caller's tensor
+        return out
+    report = _run_stages(load(ATTENTION), tmp_path, monkeypatch, "attention",
+                         dataclasses.replace(sdpa, fn=scribbles), name="sdpa")
+    assert report["paths"]["sdpa"]["verdict"] == "fail"
+    assert any("changed input q" in f for f in report["paths"]["sdpa"]["failed_cases"])
+
+
+def test_a_path_that_returns_its_input_storage_fails(tmp_path, monkeypatch):
+    """A matmul by the identity that hands back A itself is numerically right and still wrong."""
+    cfg = load(["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[]", "shape.n=128", "shape.k=128"])
+    identity = dataclasses.replace(matmul.IMPLS["torch"], fn=lambda x, cfg: {"out": x["a"].view_as(x["a"])})
+    original = matmul.OP.make_inputs
+
+    def with_identity_b(case, dtype, device):
+        x = original(case, dtype, device)
+        return {"a": x["a"], "b": torch.eye(x["b"].shape[0], dtype=dtype, device=device)}
+    monkeypatch.setattr(matmul.OP, "make_inputs", with_identity_b)
+    report = _run_stages(cfg, tmp_path, monkeypatch, "matmul", identity, name="torch")
+    assert report["paths"]["torch"]["verdict"] == "fail"
+    assert any("shares storage with input a" in f for f in report["paths"]["torch"]["failed_cases"])
+
+
+def test_a_triton_path_that_launches_no_kernel_fails(tmp_path, monkeypatch):
+    """The 'triton' path must run Triton: a path that quietly calls SDPA is caught."""
+    sdpa = attention.IMPLS["sdpa"]
+    fake = dataclasses.replace(attention.IMPLS["triton"], outputs=("out",), fn=sdpa.fn)
+    report = _run_stages(load(ATTENTION), tmp_path, monkeypatch, "attention", fake)
+    assert report["paths"]["triton"]["verdict"] == "fail"
+    assert any("launched no Triton kernel" in f for f in report["paths"]["triton"]["failed_cases"])
 
 
 def test_kernel_that_raises_fails_parity_without_stopping_others(tmp_path, monkeypatch):
     def boom(x, cfg):
         raise RuntimeError("out of shared memory")
     report = _run_stages(load(ATTENTION), tmp_path, monkeypatch, "attention",
-                         dataclasses.replace(paths.IMPLS["attention"]["triton"], run=boom))
+                         dataclasses.replace(attention.IMPLS["triton"], fn=boom))
     assert report["paths"]["triton"]["verdict"] == "fail"
     assert "did not run: RuntimeError: out of shared memory" in report["paths"]["triton"]["failed_cases"][0]
     assert report["paths"]["sdpa"]["verdict"] == "pass"
@@ -108,15 +168,15 @@ def test_kernel_that_raises_fails_parity_without_stopping_others(tmp_path, monke
 def test_matmul_dropping_the_ragged_k_slab_is_caught_only_by_the_edge_shape(tmp_path, monkeypatch):
     mutant = _mutant(tmp_path, "matmul", "for k in range(0, tl.cdiv(K, BLOCK_K)):", "for k in range(0, K // BLOCK_K):")
 
-    def run(x, cfg):
-        return {"out": mutant.triton_matmul(x["a"], x["b"], block_m=32, block_n=32, block_k=32)}
-    impl = dataclasses.replace(paths.IMPLS["matmul"]["triton"], run=run)
+    def fn(x, cfg):
+        return {"out": mutant.matmul(x["a"], x["b"], block_m=32, block_n=32, block_k=32)}
+    impl = dataclasses.replace(matmul.IMPLS["triton"], fn=fn)
     cfg = load(["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.m=64", "shape.n=64", "shape.k=64",
                 "shape.edge_mnk=[[41,77,33]]"])
     report = _run_stages(cfg, tmp_path, monkeypatch, "matmul", impl)
     failed = report["paths"]["triton"]["failed_cases"]
     assert report["paths"]["triton"]["verdict"] == "fail"
-    assert len(failed) == 1 and failed[0].startswith("41x77x33-seed0/out")
+    assert failed and all(f.startswith("41x77x33-seed0/") for f in failed)  # the forward and both gradients
 
 
 def test_interpreter_bf16_as_shipped_is_caught(tmp_path, monkeypatch):
@@ -125,8 +185,13 @@ def test_interpreter_bf16_as_shipped_is_caught(tmp_path, monkeypatch):
 
     if not is_interpreted():
         pytest.skip("the bf16 defect is the interpreter's")
-    as_shipped = _attention_impl(lambda *a, **kw: triton_attention(*a, emulate_bf16=False, **kw))
-    report = _run_stages(load([*ATTENTION, "precision=bf16"]), tmp_path, monkeypatch, "attention", as_shipped)
+
+    def as_shipped(x, cfg):
+        out, lse = triton_attention(x["q"], x["k"], x["v"], causal=cfg.op.causal, emulate_bf16=False,
+                                    block_q=cfg.tile.block_q, block_kv=cfg.tile.block_kv)
+        return {"out": out, "lse": lse}
+    impl = dataclasses.replace(attention.IMPLS["triton"], fn=as_shipped)
+    report = _run_stages(load([*ATTENTION, "precision=bf16"]), tmp_path, monkeypatch, "attention", impl)
     assert report["paths"]["triton"]["verdict"] == "fail"
 
 
@@ -175,13 +240,6 @@ def test_non_finite_and_wrong_shape_fail():
 
 # --- gradients: dQ, dK, dV and the matmul's dA, dB against float64 autograd -------------------
 
-def _flash_impl(fn) -> Impl:
-    """The Triton path with a (mutant) differentiable flash attention."""
-    def differentiable(x, cfg):
-        return fn(x["q"], x["k"], x["v"], causal=cfg.op.causal, block_q=cfg.tile.block_q, block_kv=cfg.tile.block_kv)
-    return dataclasses.replace(paths.IMPLS["attention"]["triton"], differentiable=differentiable)
-
-
 GQA = [*ATTENTION, "architecture=gqa", "tile=b16", "shape.seq_len=64"]
 
 PLANTED_BACKWARD_BUGS = {
@@ -204,7 +262,7 @@ def test_gradients_are_checked_for_every_path(tmp_path, monkeypatch):
 def test_planted_backward_bug_is_caught(bug, tmp_path, monkeypatch):
     original, planted, gradient = PLANTED_BACKWARD_BUGS[bug]
     mutant = _mutant(tmp_path, "attention", original, planted)
-    report = _run_stages(load(GQA), tmp_path, monkeypatch, "attention", _flash_impl(mutant.flash_attention))
+    report = _run_stages(load(GQA), tmp_path, monkeypatch, "attention", _flash_impl(mutant))
     triton = report["paths"]["triton"]
     assert triton["verdict"] == "fail"
     assert any(f"/{gradient}:" in failure for failure in triton["failed_cases"])
@@ -222,6 +280,7 @@ def test_exactly_zero_oracle_gradient_uses_the_forward_scale():
     oracle = {"out": torch.full((2,), 3.0, dtype=torch.float64), "grad_q": torch.zeros(2, dtype=torch.float64)}
     got = {"grad_q": torch.tensor([2e-7, 0.0])}
     contract = Contract(error_multiple=8.0, floor_rel=1e-6)
-    result = parity.check_path([got], [oracle], [{"grad_q": torch.zeros(2)}], ["S1"], contract)
+    result = parity.check_path([got], [oracle], [{"grad_q": torch.zeros(2)}], ["S1"], lambda name: contract,
+                               ["grad_q"])
     assert result["verdict"] == "pass"
     assert result["worst"]["grad_q"]["allowed_abs_err"] == pytest.approx(3e-6)

@@ -27,6 +27,7 @@ from posttrainllm.lab import stages
 from posttrainllm.lab import sweep
 from posttrainllm.measure import device as devices
 from posttrainllm.config import ConfigError, load, validate
+from posttrainllm.files import point_dir, write_json
 from posttrainllm.lab.pipeline import sweep_id
 
 BIG_FILES = ("reference.pt", "kernel.pt")
@@ -34,7 +35,7 @@ BIG_FILES = ("reference.pt", "kernel.pt")
 
 def run_point(cfg: Any, calibration: dict[str, Any], sweep_info: dict[str, Any], *, train: bool) -> str:
     """One point through the stages; returns its status. A broken contract is a result, not a crash."""
-    out = stages.point_dir(cfg)
+    out = point_dir(cfg)
     status = "pass"
     try:
         stages.run_reference(cfg, out)
@@ -44,7 +45,7 @@ def run_point(cfg: Any, calibration: dict[str, Any], sweep_info: dict[str, Any],
         except stages.ContractBroken as exc:
             status = f"contract broken: {exc}"
         stages.run_microbench(cfg, out, calibration)
-        if train and cfg.op.name == "attention":
+        if train:
             stages.run_bench_train(cfg, out)
     except stages.ContractBroken as exc:
         status = f"contract broken: {exc}"
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["points"][point] = {"status": status, "seconds": time.perf_counter() - t0}
         print(f"{point}: {status} ({time.perf_counter() - t0:.1f} s)", flush=True)
     summary["seconds"] = time.perf_counter() - started
-    stages.write_json(args.out / "summary.json", summary)
+    write_json(args.out / "summary.json", summary)
     print(f"{len(summary['points'])} points in {summary['seconds']:.0f} s, skipped: {summary['skipped'] or 'none'}")
     return 0 if all(p["status"] == "pass" for p in summary["points"].values()) else 1
 

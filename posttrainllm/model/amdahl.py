@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 DISAGREEMENT = 0.15  # |measured / predicted - 1| above this needs a reading
-BACKWARD_DOMINATES = 0.5  # backward share of the op's time above which a forward-only microbench misleads
 OVERHEAD_US_PER_CALL = 50.0  # per-call op time below which launch/dispatch overhead dominates
 
 
@@ -31,9 +30,6 @@ def reading(*, fraction: float, speedup: float, predicted: float, measured: floa
     if microbench_problem != model_problem:
         reasons.append(f"the model's shape ({model_problem}) differs from the microbench's ({microbench_problem})")
     op_us = op_profile["forward_us"] + op_profile["backward_us"]
-    if op_us and op_profile["backward_us"] / op_us > BACKWARD_DOMINATES:
-        reasons.append(f"the backward is {op_profile['backward_us'] / op_us:.0%} of the op's time in training "
-                       "but the microbench times the forward only")
     calls = max(op_profile["calls"], 1)
     if op_us / calls < OVERHEAD_US_PER_CALL:
         reasons.append(f"{op_us / calls:.0f} us per call: launch/dispatch overhead, not the kernel, sets the time")
@@ -45,33 +41,36 @@ def reading(*, fraction: float, speedup: float, predicted: float, measured: floa
             + ("; ".join(reasons) if reasons else "no reason found in the profile; rerun to rule out noise"))
 
 
-def check(train: dict[str, Any], microbench: dict[str, Any], *, op: str, model_problem: str) -> dict[str, Any]:
-    """Predicted vs measured end-to-end speedup for every non-baseline variant of a bench-train result.
+def check(train: dict[str, Any], microbench: dict[str, Any], *, profiled_range: str,
+          model_problem: str) -> dict[str, Any]:
+    """Predicted vs measured end-to-end speedup for every trained variant but the baseline.
 
-    f comes from the baseline variant's profiled step; s is the microbench speedup of the
-    variant's implementation of `op` over the baseline variant's implementation.
+    f comes from the baseline variant's profiled step (the op's `profiled_range`, forward
+    ranges plus the backward nodes they created); s is the microbench's forward+backward
+    speedup of the variant's implementation over the baseline's (a training step runs both).
+    Variants are named after the implementations they swap in.
     """
     baseline = train["baseline"]
     base_run = train["impls"][baseline]
-    key = "attention" if op == "attention" else "linear"
-    base_impl = train["variants"][baseline][key]
     micro = microbench["paths"]
 
-    def micro_speedup(impl: str) -> float | None:
-        if impl == "reference":
-            return 1.0
+    def train_speedup(impl: str) -> float | None:
         entry = micro.get(impl, {})
-        return entry.get("speedup_vs_reference") if entry.get("valid") else None
+        if not entry.get("valid"):
+            return None
+        return 1.0 if impl == baseline else entry.get("forward_backward", {}).get("speedup_vs_reference")
 
-    fraction = base_run["profile"]["attention" if op == "attention" else "matmul"]["fraction"]
-    out: dict[str, Any] = {"op": op, "fraction": fraction, "baseline": baseline, "variants": {}}
-    for name, variant in train["variants"].items():
+    profile = base_run.get("profile") or {}
+    op_profile = profile.get(profiled_range)
+    fraction = op_profile["fraction"] if op_profile else None
+    out: dict[str, Any] = {"op": profiled_range, "fraction": fraction, "baseline": baseline,
+                           "speedup_used": "forward+backward microbench speedup vs the reference", "variants": {}}
+    for name, run in train["impls"].items():
         if name == baseline:
             continue
-        s_impl, s_base = micro_speedup(variant[key]), micro_speedup(base_impl)
-        run = train["impls"][name]
-        if s_impl is None or s_base is None or not run.get("timing_valid", True) or not base_run.get(
-                "timing_valid", True):
+        s_impl, s_base = train_speedup(name), train_speedup(baseline)
+        if (s_impl is None or s_base is None or fraction is None or not run.get("timing_valid", True)
+                or not base_run.get("timing_valid", True)):
             out["variants"][name] = {"valid": False, "reason": "no valid speed for this implementation here "
                                                               "(Triton through its interpreter, or failed parity)"}
             continue
@@ -81,7 +80,7 @@ def check(train: dict[str, Any], microbench: dict[str, Any], *, op: str, model_p
         out["variants"][name] = {
             "valid": True, "microbench_speedup": s, "predicted_speedup": predicted, "measured_speedup": measured,
             "reading": reading(fraction=fraction, speedup=s, predicted=predicted, measured=measured,
-                               op_profile=base_run["profile"]["attention" if op == "attention" else "matmul"],
-                               microbench_problem=microbench["problem"], model_problem=model_problem),
+                               op_profile=op_profile, microbench_problem=microbench["problem"],
+                               model_problem=model_problem),
         }
     return out

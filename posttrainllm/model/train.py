@@ -1,7 +1,8 @@
 """bench-train: train the same model with each implementation of an op swapped in, end to end.
 
-A variant picks the attention implementation and the matmul of every projection
-(model.ATTENTION_IMPLS, model.LINEAR_IMPLS); the first variant is the baseline.
+A variant is a name and the functions it swaps into the model (its attention call, the
+matmul of every projection), taken by the caller from the op's registry so the function
+trained is the function checked and timed; the first variant is the baseline.
 For every variant: the same initial weights (same seed), the same batches
 (corpus.batch_at, a pure function of (seed, step)), AdamW, `steps` optimizer steps.
 What comes back is the loss at every step and the wall time of every step, so one
@@ -22,20 +23,18 @@ Units and formulas
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from posttrainllm.model import transformer as models
 from posttrainllm.model.corpus import Corpus, batch_at, load_corpus
-from posttrainllm.measure.device import fp32_matmuls, triton_interpreted
+from posttrainllm.measure.device import fp32_matmuls
 from posttrainllm.measure.memory import peak_bytes
-from posttrainllm.model.transformer import ModelConfig, Transformer, get_attention, get_linear
+from posttrainllm.model.transformer import AttentionFn, LinearFn, ModelConfig, Transformer
 from posttrainllm.measure.timing import summarize
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -45,21 +44,15 @@ PROFILED_OPS = ("attention", "matmul")  # the model's record_function ranges: po
 
 @dataclass(frozen=True)
 class Variant:
-    """One way to run the model: which attention and which projection matmul."""
+    """One way to run the model: its attention and its projection matmul (None keeps the model's default).
+
+    interpreted: the variant runs Triton through its interpreter, so its step times are not speed.
+    """
 
     name: str
-    attention: str = "reference"
-    linear: str = "torch"
-
-
-def attention_variants(impls: list[str]) -> list[Variant]:
-    """Swap the attention implementation; projections stay on torch."""
-    return [Variant(name, attention=name) for name in impls]
-
-
-def matmul_variants(impls: list[str]) -> list[Variant]:
-    """Swap every projection's matmul; attention stays the reference."""
-    return [Variant(name, linear=name) for name in impls]
+    attention: AttentionFn | None = None
+    linear: LinearFn | None = None
+    interpreted: bool = False
 
 
 # AdamW settings shared by every implementation (GPT-style; only lr is a knob here).
@@ -80,17 +73,14 @@ def bench_train(
     precision: str,
     device: str,
     corpus: Corpus | None = None,
-    attention_options: dict[str, Any] | None = None,
-    matmul_options: dict[str, Any] | None = None,
+    skipped: dict[str, str] | None = None,
 ) -> dict:
     """Train once per variant; return a JSON-serialisable result dict.
 
-    attention_options / matmul_options (block sizes, num_warps, ...) configure the
-    Triton implementations, as the point's tile and workgroup say.
+    skipped: variants not trained, with why (a path that failed parity gets no training time);
+    recorded in the result as they are.
     """
     _check_args(model_cfg, variants, steps, warmup_steps, batch_size, seq_len, precision)
-    models.register_attention("triton", functools.partial(models.triton_attention, **(attention_options or {})))
-    models.register_linear("triton", functools.partial(models.triton_linear, **(matmul_options or {})))
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} requested but CUDA is not available")
@@ -120,7 +110,8 @@ def bench_train(
     }
     return {
         "impls": results,
-        "variants": {v.name: asdict(v) for v in variants},
+        "variants": [v.name for v in variants],
+        "skipped": dict(skipped or {}),
         "drift": drift,
         "max_step_drift": max_step_drift,  # largest |loss gap| at any step, not only the last
         "baseline": baseline,
@@ -156,8 +147,7 @@ def _train_one(
     warmup_steps: int,
 ) -> tuple[dict, int]:
     # Built on CPU then moved, so the initial weights are identical on every device.
-    model = Transformer(model_cfg, attention_impl=variant.attention, seed=seed).to(dev)
-    model.set_linear_impl(variant.linear)
+    model = Transformer(model_cfg, seed=seed, attention=variant.attention, linear=variant.linear).to(dev)
     model.train()
     optimizer = _adamw(model, lr)
     autocast_dtype = AUTOCAST_DTYPES.get(precision)
@@ -187,7 +177,7 @@ def _train_one(
         step_ms.append((time.perf_counter() - t0) * 1e3)
         losses.append(loss.item())
 
-    interpreted = "triton" in (variant.attention, variant.linear) and triton_interpreted()
+    interpreted = variant.interpreted
     if dev.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(dev)
     else:  # one extra step, its allocations replayed (memory.py); the interpreter allocates outside torch
@@ -221,15 +211,32 @@ def profile_step(run_step: Any, *, cuda: bool) -> dict[str, Any]:
     sequence number belongs to an op recorded inside those ranges (the profiler links a
     backward node to the forward op that created it by that number). Times are CPU time
     on CPU and GPU kernel time on CUDA.
+    On CPU the step runs under the legacy autograd profiler: the same ranges, times and
+    sequence numbers, without Kineto's `USDT: ... profiler_start/stop` lines on stderr.
+    Kernel times on CUDA need Kineto (torch.profiler).
     """
+    legacy = None
+    if not cuda:
+        try:
+            from torch.autograd.profiler_legacy import profile as legacy
+        except ImportError:  # a torch without it: torch.profiler, chatter and all
+            legacy = None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with legacy() if legacy is not None else profile(activities=activities) as prof:
         with record_function("posttrainllm::step"):
             run_step()
-    events = prof.events()
+    events = prof.function_events if legacy is not None else prof.events()
 
     def spent(e: Any) -> float:
         return e.device_time_total if cuda else e.cpu_time_total
+
+    def node_nr(e: Any) -> int:
+        """A backward range's sequence number: Kineto puts it on `evaluate_function: XBackward0`
+        itself, the legacy profiler only on the `XBackward0` node recorded inside it."""
+        if e.sequence_nr >= 0:
+            return e.sequence_nr
+        node = e.name.split(": ", 1)[-1]
+        return next((c.sequence_nr for c in e.cpu_children if c.name == node), -1)
 
     step = next(e for e in events if e.name == "posttrainllm::step")
     total_us = sum(e.self_device_time_total for e in events) if cuda else step.cpu_time_total
@@ -240,7 +247,7 @@ def profile_step(run_step: Any, *, cuda: bool) -> dict[str, Any]:
             e.thread == r.thread and r.time_range.start <= e.time_range.start and e.time_range.end <= r.time_range.end
             for r in ranges)}
         backward = [e for e in events
-                    if e.name.startswith("autograd::engine::evaluate_function:") and e.sequence_nr in forward_ops]
+                    if e.name.startswith("autograd::engine::evaluate_function:") and node_nr(e) in forward_ops]
         forward_us, backward_us = sum(spent(r) for r in ranges), sum(spent(e) for e in backward)
         out[op] = {"calls": len(ranges), "forward_us": forward_us, "backward_us": backward_us,
                    "fraction": (forward_us + backward_us) / total_us if total_us else None}
@@ -311,9 +318,6 @@ def _check_args(
         raise ValueError("give at least one variant: the first is the drift baseline")
     if len(set(names)) != len(names):
         raise ValueError(f"variants {names!r} have duplicate names")
-    for variant in variants:
-        get_attention(variant.attention)  # raises ValueError listing the valid choices
-        get_linear(variant.linear)
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}; valid choices: {list(PRECISIONS)}")
     if steps < 1 or not 0 <= warmup_steps < steps:

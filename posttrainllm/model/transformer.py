@@ -3,10 +3,11 @@
 Pre-norm blocks: x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x)). RoPE on q and k,
 causal self-attention with n_kv_heads <= n_heads (MHA, GQA, MQA), SwiGLU MLP, untied
 head. Two calls are switches looked up by name, so the same weights can be trained
-with the readable reference, PyTorch's fast path, or our Triton kernels:
+with the readable reference, PyTorch's fast path, or our Triton kernels, each handed
+in as a function from the op's registry (posttrainllm/opdefs/):
 
-    ATTENTION_IMPLS   reference | sdpa | triton     (q, k, v) -> o, causal
-    LINEAR_IMPLS      torch | triton                (x, weight) -> x @ weightᵀ
+    attention   (q, k, v) -> o, causal           default: the reference math
+    linear      (x, weight) -> x @ weightᵀ       default: F.linear
 
 Each call runs inside a profiler range (posttrainllm::attention, posttrainllm::matmul),
 so train.py can measure the fraction of a step each op takes.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -81,106 +82,32 @@ class ModelConfig:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
 
 
-# --------------------------------------------------------------------------- attention switch
-# Every implementation has the same contract as reference.attention with causal=True:
-#   q: (B, nh, T, hs), k and v: (B, nkv, T, hs) -> (B, nh, T, hs), scale 1/sqrt(hs).
+# --------------------------------------------------------------------------- the two switches
+# The model does not know which implementations exist: bench-train hands it the functions
+# from the op's registry (posttrainllm/opdefs/), the same ones parity checked and the
+# microbench timed. Contracts:
+#   attention(q, k, v) -> o    q: (B, nh, T, hs), k and v: (B, nkv, T, hs) -> (B, nh, T, hs), causal, 1/sqrt(hs)
+#   linear(x, weight) -> y     x: (..., in), weight: (out, in) -> (..., out) = x @ weightᵀ
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-ATTENTION_IMPLS: dict[str, AttentionFn] = {}
-
-
-def register_attention(name: str, fn: AttentionFn) -> None:
-    """Make `fn` selectable as Transformer(..., attention_impl=name)."""
-    ATTENTION_IMPLS[name] = fn
-
-
-def get_attention(name: str) -> AttentionFn:
-    try:
-        return ATTENTION_IMPLS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown attention_impl {name!r}; valid choices: {sorted(ATTENTION_IMPLS)}"
-        ) from None
+LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The readable oracle: materialises the (T, T) scores."""
+    """The default: the readable math, materialising the (T, T) scores."""
     return reference.attention(q, k, v, causal=True)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """PyTorch's fused scaled_dot_product_attention, the same math as the reference.
-
-    GQA: in fp16/bf16 pass enable_gqa=True (the flash kernel reads the small K/V
-    directly). In fp32 repeat the K/V heads first instead: on CUDA, enable_gqa with fp32
-    inputs leaves only the unfused MATH backend (flash needs fp16/bf16, mem-efficient and
-    cuDNN refuse unequal head counts; pytorch/pytorch#181528), which is ~3x slower than
-    repeat + mem-efficient. Both routes give the same result.
-    """
-    n_heads, n_kv_heads = q.shape[1], k.shape[1]
-    if n_kv_heads != n_heads and q.dtype in (torch.float16, torch.bfloat16):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if n_kv_heads != n_heads:
-        k = reference.repeat_kv(k, n_heads)  # (B, nh, T, hs)
-        v = reference.repeat_kv(v, n_heads)  # (B, nh, T, hs)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kernel_options: Any) -> torch.Tensor:
-    """Our Triton flash attention (forward and backward); tile and workgroup in kernel_options."""
-    from posttrainllm.ops.attention import flash_attention
-
-    return flash_attention(q, k, v, causal=True, **kernel_options)
-
-
-register_attention("reference", reference_attention)
-register_attention("sdpa", sdpa_attention)
-register_attention("triton", triton_attention)
-
-LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-LINEAR_IMPLS: dict[str, LinearFn] = {}
-
-
-def register_linear(name: str, fn: LinearFn) -> None:
-    """Make `fn(x, weight) -> x @ weightᵀ` selectable as Transformer(..., linear_impl=name)."""
-    LINEAR_IMPLS[name] = fn
-
-
-def get_linear(name: str) -> LinearFn:
-    try:
-        return LINEAR_IMPLS[name]
-    except KeyError:
-        raise ValueError(f"unknown linear_impl {name!r}; valid choices: {sorted(LINEAR_IMPLS)}") from None
-
-
-def triton_linear(x: torch.Tensor, weight: torch.Tensor, **kernel_options: Any) -> torch.Tensor:
-    """x @ weightᵀ with our Triton matmul (forward and backward).
-
-    Autocast does not reach a custom autograd.Function, so cast to its dtype here, as
-    F.linear would be under autocast.
-    """
-    from posttrainllm.ops.matmul import linear
-
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, weight = x.to(dtype), weight.to(dtype)
-    return linear(x, weight, **kernel_options)
-
-
-register_linear("torch", F.linear)
-register_linear("triton", triton_linear)
-
-
 class Linear(nn.Linear):
-    """nn.Linear (no bias) whose matmul is the switch `linear_impl`, inside a profiler range."""
+    """nn.Linear (no bias) whose matmul is the switch `linear_fn`, inside a profiler range."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
-        self.linear_impl = "torch"
+        self.linear_fn: LinearFn = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with record_function("posttrainllm::matmul"):
-            return get_linear(self.linear_impl)(x, self.weight)
+            return self.linear_fn(x, self.weight)
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -223,15 +150,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attention_impl: str) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.q_proj = Linear(config.d_model, config.n_heads * config.head_dim)
         self.k_proj = Linear(config.d_model, config.n_kv_heads * config.head_dim)
         self.v_proj = Linear(config.d_model, config.n_kv_heads * config.head_dim)
         self.o_proj = Linear(config.n_heads * config.head_dim, config.d_model)
-        get_attention(attention_impl)  # fail at construction, not at the first forward
-        self.attention_impl = attention_impl
+        self.attention_fn: AttentionFn = reference_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -240,7 +166,7 @@ class CausalSelfAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         with record_function("posttrainllm::attention"):
-            y = get_attention(self.attention_impl)(q, k, v)  # (B, nh, T, hs)
+            y = self.attention_fn(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh*hs)
         return self.o_proj(y)  # (B, T, C)
 
@@ -259,10 +185,10 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, attention_impl: str) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = CausalSelfAttention(config, attention_impl)
+        self.attn = CausalSelfAttention(config)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
 
@@ -272,7 +198,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, attention_impl: str = "reference", *, seed: int = 0) -> None:
+    def __init__(self, config: ModelConfig, *, seed: int = 0, attention: AttentionFn | None = None,
+                 linear: LinearFn | None = None) -> None:
         super().__init__()
         self.config = config
         # Initialise under a private RNG state: the same seed gives the same weights
@@ -280,7 +207,7 @@ class Transformer(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-            self.blocks = nn.ModuleList(Block(config, attention_impl) for _ in range(config.n_layers))
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
             self.norm = RMSNorm(config.d_model, config.norm_eps)
             # Untied head: with a 256-byte vocab the embedding is <1% of the weights, so
             # tying saves nothing, and untied matches the Llama models the kernels target.
@@ -290,6 +217,10 @@ class Transformer(nn.Module):
         # Not persistent: derived from the config, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hs/2)
         self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, hs/2)
+        if attention is not None:
+            self.set_attention(attention)
+        if linear is not None:
+            self.set_linear(linear)
 
     def _init_weights(self) -> None:
         # GPT-2 init: N(0, 0.02), and the two projections that write into the residual
@@ -302,26 +233,16 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, mean=0.0, std=0.02)
             # 1-D parameters are RMSNorm weights: they stay at 1.
 
-    @property
-    def attention_impl(self) -> str:
-        return self.blocks[0].attn.attention_impl
-
-    def set_attention_impl(self, name: str) -> None:
-        """Run the same weights with another registered attention implementation."""
-        get_attention(name)  # raises ValueError listing the valid choices
+    def set_attention(self, fn: AttentionFn) -> None:
+        """Run the same weights with another attention implementation."""
         for block in self.blocks:
-            block.attn.attention_impl = name
+            block.attn.attention_fn = fn
 
-    @property
-    def linear_impl(self) -> str:
-        return self.lm_head.linear_impl
-
-    def set_linear_impl(self, name: str) -> None:
-        """Run every projection (q, k, v, o, MLP, head) with another registered matmul."""
-        get_linear(name)  # raises ValueError listing the valid choices
+    def set_linear(self, fn: LinearFn) -> None:
+        """Run every projection (q, k, v, o, MLP, head) with another matmul."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.linear_impl = name
+                module.linear_fn = fn
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,1 +1,19 @@
-"""opdefs"""
+"""The lab's ops: one module each (see base.py for what an op declares). Adding an op = one module + one line here."""
+
+from __future__ import annotations
+
+from posttrainllm.config import ConfigError
+from posttrainllm.opdefs import attention, matmul
+from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors
+
+OPS: dict[str, OpDef] = {op.name: op for op in (attention.OP, matmul.OP)}
+
+
+def get_op(name: str) -> OpDef:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise ConfigError(f"unknown op {name!r}: valid choices are {', '.join(OPS)}") from None
+
+
+__all__ = ["OPS", "REFERENCE", "Case", "Costs", "Impl", "ModelHooks", "OpDef", "Tensors", "get_op"]

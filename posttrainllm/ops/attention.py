@@ -527,7 +527,10 @@ def triton_attention_backward(
 
 
 class TritonAttention(torch.autograd.Function):
-    """o = flash attention(q, k, v); saves q, k, v, o and the row logsumexp for the backward."""
+    """(o, lse) = flash attention(q, k, v); saves q, k, v, o and the row logsumexp for the backward.
+
+    lse is a by-product of the forward (the kernel writes it anyway) and is not differentiable.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale, block_q, block_kv, num_warps, num_stages, input_precision):
@@ -536,17 +539,18 @@ class TritonAttention(torch.autograd.Function):
             num_warps=num_warps, num_stages=num_stages, input_precision=input_precision,
         )
         ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mark_non_differentiable(lse)
         ctx.params = dict(
             causal=bool(causal),
             sm_scale=1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale),
             block_q=block_q, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages,
             input_precision=input_precision,
         )
-        return o
+        return o, lse
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, do):
+    def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = triton_attention_backward(do, q, k, v, o, lse, **ctx.params)
         return dq, dk, dv, None, None, None, None, None, None, None
@@ -570,4 +574,22 @@ def flash_attention(
     Same arguments as triton_attention; the forward and backward share the tile and
     workgroup choices. q (B, H, S, D), k and v (B, Hkv, S, D) with H % Hkv == 0.
     """
+    return flash_attention_with_lse(q, k, v, causal=causal, sm_scale=sm_scale, block_q=block_q, block_kv=block_kv,
+                                    num_warps=num_warps, num_stages=num_stages, input_precision=input_precision)[0]
+
+
+def flash_attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_q: int = 64,
+    block_kv: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    input_precision: str = "ieee",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attention, also returning the row logsumexp (B, H, S) fp32 that one forward launch writes."""
     return TritonAttention.apply(q, k, v, causal, sm_scale, block_q, block_kv, num_warps, num_stages, input_precision)

@@ -74,9 +74,17 @@ def train_table(receipt: dict[str, Any]) -> str:
     return head + "\n" + pd.DataFrame(rows).to_string(index=False)
 
 
-def _peer(receipt: dict[str, Any]) -> str:
-    """PyTorch's own optimized path for the point's op: the one a user would otherwise pick."""
-    return "sdpa" if receipt["config"]["op"]["name"] == "attention" else "torch"
+def _peer(receipt: dict[str, Any]) -> str | None:
+    """PyTorch's own optimized path for the point's op (kind "peer" in its registry): what a user would otherwise pick."""
+    paths = (receipt.get("kernel") or {}).get("paths", {})
+    return next((name for name, entry in paths.items() if entry.get("kind") == "peer"), None)
+
+
+def point_failed(receipt: dict[str, Any]) -> bool:
+    """A point failed when a path broke its numerical contract or its loss drift limit."""
+    parity_failed = (receipt.get("parity") or {}).get("verdict", "fail") != "pass"
+    drift = (receipt.get("bench_train") or {}).get("drift_verdict", {})
+    return parity_failed or any(v != "pass" for v in drift.values())
 
 
 def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
@@ -95,6 +103,8 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
         amdahl = train.get("amdahl", {}).get("variants", {}).get(peer, {})
         rows.append({
             "point": name,
+            "verdict": "FAIL" if point_failed(receipt) else "pass",
+            "first_failure": (receipt.get("parity") or {}).get("first_failure") or "-",
             "change": ",".join(f"{k}={v}" for k, v in (receipt["sweep"] or {}).get("changes", {}).items()) or "-",
             "parity": ",".join(f"{p}:{v['verdict']}" for p, v in parity.items()),
             "triton_err/allowed": max(ratios) if ratios else None,
@@ -102,6 +112,8 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "peer": peer,
             "peer_ms": peer_entry.get("median_ms") if peer_entry.get("valid") else None,
             "peer_speedup": peer_entry.get("speedup_vs_reference"),
+            "peer_fb_speedup": (peer_entry.get("forward_backward") or {}).get("speedup_vs_reference"),
+            "peer_vs_ref": peer_entry.get("vs_reference"),
             "peer_noisy": peer_entry.get("noisy"),
             "peer_bound": (peer_entry.get("roofline") or {}).get("classification"),
             "crossover": micro.get("curve", {}).get("crossover_vs_reference", {}).get(peer),
@@ -111,6 +123,8 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "amdahl_meas": amdahl.get("measured_speedup"),
         })
     frame = pd.DataFrame(rows)
+    # failing points first: a failure is evidence, and the first thing a reader must see
+    frame = frame.sort_values("verdict", key=lambda v: v != "FAIL", kind="stable").reset_index(drop=True)
     baseline = frame[frame["point"] == "baseline"]
     if not baseline.empty and baseline["peer_ms"].notna().all():
         same_op = frame["peer"] == baseline["peer"].iloc[0]
@@ -118,7 +132,7 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
     return frame
 
 
-FORMATS = {"triton_err/allowed": ".3f", "ref_ms": ".3f", "peer_ms": ".3f", "peer_speedup": ".2f",
+FORMATS = {"triton_err/allowed": ".3f", "ref_ms": ".3f", "peer_ms": ".3f", "peer_speedup": ".2f", "peer_fb_speedup": ".2f",
            "peer_vs_baseline": ".2f", "train_ms": ".1f", "max_drift": ".1e", "amdahl_pred": ".2f",
            "amdahl_meas": ".2f"}
 
@@ -142,9 +156,14 @@ def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in frame.itertuples(index=False)]
     legend = [
         "", "Times are medians in ms on each point's own shape; `peer` is PyTorch's own optimized path.",
-        "`peer_speedup`: reference time / peer time. `peer_vs_baseline`: the baseline point's peer time / this "
+        "`verdict`: FAIL when a path broke its contract or its loss-drift limit (failing points come first; "
+        "`first_failure` names the path and case).",
+        "`peer_speedup`: reference forward time / peer forward time; `peer_fb_speedup`: the same for forward + "
+        "backward (what Amdahl uses); `peer_vs_ref`: faster/slower only when the p20-p80 bands do not overlap.",
+        "Speedups are ratios of medians. `peer_vs_baseline`: the baseline point's peer time / this "
         "point's (same op only). `peer_bound`: roofline class against the calibrated peaks.",
-        "`crossover`: the smallest size of the curve from which the peer stays faster than the reference.",
+        "`crossover`: the smallest size of the curve from which the peer stays measurably faster (bands apart) "
+        "than the reference at every larger size.",
         "`triton_err/allowed`: the worst of the Triton path's outputs and gradients, as a fraction of its "
         "contract's bound. Triton timings through the interpreter are never shown.",
         "`amdahl_pred`/`amdahl_meas`: the end-to-end step speedup predicted from the microbench and the op's "

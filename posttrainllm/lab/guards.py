@@ -1,0 +1,161 @@
+"""Guards around one call of a path: it must not change its inputs, alias them, or skip its kernel.
+
+A parity check compares numbers, so it cannot see a path that (a) writes into its inputs
+(the next path, or the oracle, then reads corrupted data), (b) returns an input, or a view
+of one, as its output (so a later in-place op on the output corrupts the input), or (c)
+falls back to torch instead of launching its Triton kernel (its numbers then pass parity
+and its timings describe the wrong code). `run_guarded` checks all three around one call.
+
+Counting Triton launches (`count_triton_launches`), two mechanisms, each firing in one mode:
+- Compiled (GPU): Triton's launch hook, `triton.knobs.runtime.launch_enter_hook` (a HookChain).
+  Every compiled launch calls it with the kernel's metadata (its "name") before it runs.
+- Interpreter (TRITON_INTERPRET=1, CPU): the interpreter never calls that hook (checked on
+  triton 3.9: `InterpretedFunction.run` goes straight to its GridExecutor). We wrap
+  `InterpretedFunction.run` at class level and count each call that is not a warmup.
+Both are installed whichever mode is active; each launch goes through exactly one of them,
+so nothing is counted twice. The first active counter installs them and the last one to
+exit removes them (nested and overlapping counters each see every launch made while they
+are open); exceptions inside the block restore everything the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+
+@dataclass
+class LaunchCount:
+    """Triton kernel launches seen while a `count_triton_launches` block was open."""
+
+    total: int = 0
+    by_kernel: Counter = field(default_factory=Counter)
+
+    def add(self, name: str) -> None:
+        self.total += 1
+        self.by_kernel[name] += 1
+
+
+_lock = threading.RLock()
+_active: list[LaunchCount] = []
+_installed: dict[str, Any] = {}
+
+
+def _record(name: str) -> None:
+    with _lock:
+        for counter in _active:
+            counter.add(name)
+
+
+def _launch_enter_hook(metadata: Any) -> None:
+    """Compiled launches: metadata is Triton's LazyDict; read its plain data, not the lazy extras."""
+    data = getattr(metadata, "data", None)
+    name = data.get("name") if isinstance(data, dict) else None
+    _record(str(name) if name is not None else "<unknown>")
+
+
+def _install() -> None:
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original_run = InterpretedFunction.run
+
+    def counted_run(self, *args, grid, warmup, **kwargs):
+        if not warmup:
+            _record(getattr(self.fn, "__name__", "<unknown>"))
+        return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = counted_run
+    triton.knobs.runtime.launch_enter_hook.add(_launch_enter_hook)
+    _installed.update(cls=InterpretedFunction, run=original_run, chain=triton.knobs.runtime.launch_enter_hook)
+
+
+def _uninstall() -> None:
+    cls, run, chain = _installed.pop("cls"), _installed.pop("run"), _installed.pop("chain")
+    cls.run = run
+    chain.remove(_launch_enter_hook)
+
+
+@contextlib.contextmanager
+def count_triton_launches() -> Iterator[LaunchCount]:
+    """Count Triton kernel launches (total and by kernel name) made inside the block."""
+    counter = LaunchCount()
+    with _lock:
+        if not _active:
+            _install()
+        _active.append(counter)
+    try:
+        yield counter
+    finally:
+        with _lock:
+            _active.remove(counter)
+            if not _active:
+                _uninstall()
+
+
+def _same_bits(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Bitwise equality (so NaN == NaN and -0.0 != 0.0), shape and dtype included."""
+    if before.shape != after.shape or before.dtype != after.dtype:
+        return False
+    if before.numel() == 0:
+        return True
+    return torch.equal(_bytes(before), _bytes(after))
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _storage_span(x: torch.Tensor) -> tuple[torch.device, int, int] | None:
+    """(device, first byte, end byte) of the memory x's storage owns; None when it owns none."""
+    storage = x.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    start = storage.data_ptr()
+    return x.device, start, start + storage.nbytes()
+
+
+def _overlap(a: tuple[torch.device, int, int] | None, b: tuple[torch.device, int, int] | None) -> bool:
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, torch.Tensor], *,
+                expect_triton: bool) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
+    """Call fn() once and return (its outputs, violations).
+
+    Violations: "changed input q" (bitwise, NaN-aware, shape and dtype too), "output out shares
+    storage with input a" (any overlap of their storages: the input itself, a view like `.t()`,
+    a slice), and, with expect_triton, "launched no Triton kernel". If fn raises (or returns no
+    dict), the outputs are None and the first violation says so ("raised <Type>: <message>");
+    the inputs are still checked, the launch count is not.
+    """
+    snapshot = {name: x.detach().clone() for name, x in inputs.items()}
+    violations: list[str] = []
+    outputs: dict[str, torch.Tensor] | None = None
+    with count_triton_launches() as launches:
+        try:
+            outputs = fn()
+        except Exception as exc:  # a path that cannot run is reported, not a crash
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            violations.append(f"raised {type(exc).__name__}" + (f": {message}" if message else ""))
+    for name, x in inputs.items():
+        if not _same_bits(snapshot[name], x):
+            violations.append(f"changed input {name}")
+    if outputs is not None and not isinstance(outputs, dict):
+        violations.append(f"returned {type(outputs).__name__}, not a dict of tensors")
+        outputs = None
+    if outputs is not None:
+        spans = {name: _storage_span(x) for name, x in inputs.items()}
+        for out_name, out in outputs.items():
+            if isinstance(out, torch.Tensor):
+                out_span = _storage_span(out)
+                violations += [f"output {out_name} shares storage with input {in_name}"
+                               for in_name, span in spans.items() if _overlap(out_span, span)]
+        if expect_triton and launches.total == 0:
+            violations.append("launched no Triton kernel")
+    return outputs, violations

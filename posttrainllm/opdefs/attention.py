@@ -1,0 +1,198 @@
+"""Attention as a lab op: softmax(Q Kᵀ / √D + mask) V, causal or not, MHA / GQA / MQA.
+
+Paths (one function each: checked, timed and trained):
+    reference   posttrainllm.ops.reference.attention: materialises the (S, S) scores
+    sdpa        torch.nn.functional.scaled_dot_product_attention (PyTorch picks its backend)
+    triton      posttrainllm.ops.attention: our FlashAttention-2 forward and backward
+
+Shapes: q (B, H, S, D), k and v (B, Hkv, S, D) -> out (B, H, S, D), lse (B, H, S) fp32.
+The row logsumexp is checked for the Triton path (its backward depends on it) against
+the float64 reference, under its own fp32 contract; it is never timed as extra work:
+the flash forward writes it in the same launch, and no other path computes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
+from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.ops import reference
+
+ADVERSARIAL = ("large_logits", "growing_logits", "near_one_hot")
+
+
+# --- the paths -------------------------------------------------------------------------
+
+
+def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
+    return {"out": reference.attention(x["q"], x["k"], x["v"], causal=cfg.op.causal)}
+
+
+def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
+    """PyTorch's fused attention. GQA: fp16/bf16 pass enable_gqa=True (the flash kernel reads the
+    small K/V directly); fp32 repeats the K/V heads first, because on CUDA enable_gqa with fp32 leaves
+    only the unfused MATH backend (pytorch/pytorch#181528), ~3x slower than repeat + mem-efficient."""
+    q, k, v = x["q"], x["k"], x["v"]
+    n_heads, n_kv_heads = q.shape[1], k.shape[1]
+    if n_kv_heads != n_heads and q.dtype in (torch.float16, torch.bfloat16):
+        return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal, enable_gqa=True)}
+    if n_kv_heads != n_heads:
+        k, v = reference.repeat_kv(k, n_heads), reference.repeat_kv(v, n_heads)  # (B, H, S, D)
+    return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal)}
+
+
+def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
+    from posttrainllm.ops.attention import flash_attention_with_lse
+
+    t, w = cfg.tile, cfg.workgroup
+    out, lse = flash_attention_with_lse(x["q"], x["k"], x["v"], causal=cfg.op.causal, block_q=t.block_q,
+                                        block_kv=t.block_kv, num_warps=w.num_warps, num_stages=w.num_stages,
+                                        input_precision=cfg.precision.dot_precision)
+    return {"out": out, "lse": lse}
+
+
+def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
+    from posttrainllm.ops.attention import attention_backward_launch, attention_launch
+
+    d, t, w = case.dims, cfg.tile, cfg.workgroup
+    blocks = dict(block_q=t.block_q, block_kv=t.block_kv, num_warps=w.num_warps, num_stages=w.num_stages)
+    forward = attention_launch(d["batch"], d["heads"], d["seq_len"], d["head_dim"], **blocks)
+    backward = attention_backward_launch(d["batch"], d["heads"], d["kv_heads"], d["seq_len"], d["head_dim"], **blocks)
+    return {**forward, "backward": backward}
+
+
+IMPLS = {
+    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.attention"),
+    "sdpa": Impl("sdpa", "peer", _sdpa, backend="torch.nn.functional.scaled_dot_product_attention"),
+    "triton": Impl("triton", "triton", _triton, outputs=("out", "lse"), geometry=_triton_geometry,
+                   backend="posttrainllm.ops.attention.flash_attention"),
+}
+
+
+def _oracle_extra(x: Tensors, cfg: LabConfig) -> Tensors:
+    return {"lse": reference.attention_logsumexp(x["q"], x["k"], causal=cfg.op.causal)}
+
+
+# --- cases and inputs -------------------------------------------------------------------
+
+
+def _cases(cfg: LabConfig) -> list[Case]:
+    """The point's shape and edge lengths (off every tile, S=1: the causal boundary) per seed, then
+    adversarial inputs at the point's shape on the first seed."""
+    shape, arch = cfg.shape, cfg.architecture
+    heads = dict(batch=shape.batch, heads=arch.n_heads, kv_heads=arch.n_kv_heads, head_dim=arch.head_dim)
+    out = []
+    for seed in cfg.parity.seeds:
+        out.append(Case(f"S{shape.seq_len}-seed{seed}", seed, {**heads, "seq_len": shape.seq_len}, True))
+        out += [Case(f"S{s}-seed{seed}", seed, {**heads, "batch": 1, "seq_len": s}, False)
+                for s in shape.edge_seq_lens]
+    seed = cfg.parity.seeds[0]
+    out += [Case(f"S{shape.seq_len}-{kind}", seed, {**heads, "seq_len": shape.seq_len}, False, kind)
+            for kind in ADVERSARIAL]
+    return out
+
+
+def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
+    """Standard-normal q, k, v drawn in fp32 from the case's seed, shaped by the case's input kind,
+    then cast to the point's dtype.
+
+    large_logits    q scaled so the scaled scores have std 10 (maxima near ±30 and beyond)
+    growing_logits  keys drift along q's mean direction, so scores grow with the key index:
+                    every KV block raises the running max (the online-softmax rescale path)
+    near_one_hot    query i is 2x key i (its own position, visible under the causal mask):
+                    one score per row dominates the rest by ~2·√D (>= 11 at D=32: weight >= 0.99)
+    """
+    d = case.dims
+    b, h, hkv, s, hd = d["batch"], d["heads"], d["kv_heads"], d["seq_len"], d["head_dim"]
+    randn = seeded_randn(case.seed, torch.float32, "cpu")
+    q, k, v = randn(b, h, s, hd), randn(b, hkv, s, hd), randn(b, hkv, s, hd)  # (B, H|Hkv, S, D)
+    if case.inputs == "large_logits":
+        q = q * 10.0
+    elif case.inputs == "growing_logits":
+        direction = torch.ones(hd) / hd ** 0.5
+        q = q + 2.0 * direction
+        ramp = torch.linspace(0.0, 6.0 * hd ** 0.5, s)[:, None] * direction  # (S, D): scores rise ~12 over S
+        k = k + ramp
+    elif case.inputs == "near_one_hot":
+        q = 2.0 * reference.repeat_kv(k, h) + 0.1 * q
+    elif case.inputs != "normal":
+        raise ValueError(f"unknown attention input kind {case.inputs!r}: valid are normal, {', '.join(ADVERSARIAL)}")
+    return {name: t.to(device=device, dtype=dtype) for name, t in (("q", q), ("k", k), ("v", v))}
+
+
+def _problem(case: Case) -> str:
+    d = case.dims
+    return f"B={d['batch']} H={d['heads']} Hkv={d['kv_heads']} S={d['seq_len']} D={d['head_dim']}"
+
+
+def _costs(case: Case, cfg: LabConfig) -> Costs:
+    """FLOPs: Q Kᵀ and P V are each 2·S·S·D per head -> 4·B·H·S²·D; causal keeps about half. The
+    softmax's exp/sum/max are O(S²) and left out, as FlashAttention's papers do. Backward: 2.5x the
+    forward (FlashAttention's convention: five S²·D matmuls against the forward's two).
+    Bytes: read Q (B·H·S·D), K and V (B·Hkv·S·D each), write O (B·H·S·D); a naive implementation
+    also writes and reads the (S, S) scores, so this is the floor a fused kernel can reach."""
+    d, size = case.dims, itemsize(cfg.precision.dtype)
+    flops = 4 * d["batch"] * d["heads"] * d["seq_len"] ** 2 * d["head_dim"]
+    flops = flops // 2 if cfg.op.causal else flops
+    nbytes = (2 * d["batch"] * d["heads"] + 2 * d["batch"] * d["kv_heads"]) * d["seq_len"] * d["head_dim"] * size
+    return Costs(flops, nbytes, 2.5, "4*B*H*S^2*D (x0.5 causal)", "(2*B*H + 2*B*Hkv)*S*D*itemsize",
+                 "backward = 2.5 x forward (FlashAttention: 5 vs 2 S^2*D matmuls)")
+
+
+def _curve_case(cfg: LabConfig, x: int) -> Case:
+    arch, seed = cfg.architecture, cfg.parity.seeds[0]
+    dims = dict(batch=cfg.shape.batch, heads=arch.n_heads, kv_heads=arch.n_kv_heads, head_dim=arch.head_dim, seq_len=x)
+    return Case(f"S{x}-seed{seed}", seed, dims, True)
+
+
+# --- the model --------------------------------------------------------------------------
+
+
+def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
+    """The model's causal self-attention calls `impl.fn` itself: the function checked and timed."""
+    causal_cfg = dataclasses.replace(cfg, op=dataclasses.replace(cfg.op, causal=True))
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return impl.fn({"q": q, "k": k, "v": v}, causal_cfg)["out"]
+
+    return ModelHooks(attention=attention)
+
+
+def _model_problem(cfg: LabConfig) -> str:
+    arch, train = cfg.architecture, cfg.train
+    return f"B={train.batch_size} H={arch.n_heads} Hkv={arch.n_kv_heads} S={train.seq_len} D={arch.head_dim}"
+
+
+def _check_config(cfg: LabConfig) -> None:
+    """A block larger than the sequence, or Q + (K, V) per pipeline stage over the shared memory, is refused.
+
+    Shared memory per program: (BLOCK_Q + 2·BLOCK_KV·num_stages) · D · itemsize.
+    """
+    tile, shape = cfg.tile, cfg.shape
+    bound = max(16, next_power_of_two(shape.seq_len))
+    for block in ("block_q", "block_kv"):
+        if getattr(tile, block) > bound:
+            raise ConfigError(f"tile.{block}={getattr(tile, block)} does not fit shape.seq_len={shape.seq_len}: "
+                              f"use a block <= {bound}")
+    smem = (tile.block_q + 2 * tile.block_kv * cfg.workgroup.num_stages) * cfg.architecture.head_dim * itemsize(
+        cfg.precision.dtype)
+    if smem > cfg.device.smem_bytes:
+        raise ConfigError(f"tile {tile.name} with num_stages={cfg.workgroup.num_stages} needs {smem} B of shared "
+                          f"memory per program, over device.smem_bytes={cfg.device.smem_bytes}")
+
+
+OP = OpDef(
+    name="attention", x_name="seq_len", input_names=("q", "k", "v"), impls=IMPLS, cases=_cases,
+    make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
+    model_problem=_model_problem, profiled_range="attention", check_config=_check_config,
+    oracle_extra=_oracle_extra, row_ndim={"lse": 0},
+    # Near one-hot rows stress the forward's online softmax. Their gradients cancel (dS = P∘(dP − D) with
+    # P ≈ one-hot): a fused backward forms D = rowsum(dO∘O) from the rounded O, so SDPA's and our backward
+    # both miss the per-row bound there in bf16/fp16 while the readable math (exact softmax backward) does not.
+    forward_only_inputs=("near_one_hot",),
+)

@@ -1,0 +1,133 @@
+"""What an op declares, once, so that every stage can stay generic over it.
+
+An op module (attention.py, matmul.py) builds one `OpDef`:
+
+    impls         the registry: reference first, then peers and ours. One `Impl.fn` per
+                  path is the function parity checks, the microbench times and the model
+                  trains: there is no second function under the same name.
+    cases         the parity cases (the point's shape, edge shapes, adversarial inputs)
+    make_inputs   the inputs of a case, from its seed
+    oracle_extra  outputs the float64 reference checks beyond "out" (attention: the logsumexp)
+    costs         forward FLOPs and minimal bytes, with the backward's FLOP multiple
+    curve_case    the problem at one size of the measured curve (x_name: its axis)
+    model_hooks   how bench-train swaps an implementation into the model
+    check_config  the op's own config rules (a tile that does not fit its problem)
+
+Adding an op is adding a module and one line in opdefs/__init__.py; the stages,
+microbench, curves, bench-train, receipt and report never test an op's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from posttrainllm.config import LabConfig
+
+Tensors = dict[str, torch.Tensor]
+REFERENCE = "reference"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parity case: a problem size, a seed and an input kind. `main` marks the point's own shape."""
+
+    name: str
+    seed: int
+    dims: dict[str, int]
+    main: bool
+    inputs: str = "normal"  # normal | an op's adversarial kinds (large_logits, growing_logits, near_one_hot)
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of an op.
+
+    fn: inputs -> outputs ("out", plus what `outputs` names), differentiable in the inputs.
+    outputs: the forward outputs this path produces; parity requires every one (and a
+        gradient for every input), so a path that drops one fails.
+    kind: reference | peer (PyTorch's own fast path) | triton (ours).
+    """
+
+    name: str
+    kind: str
+    fn: Callable[[Tensors, LabConfig], Tensors]
+    outputs: tuple[str, ...] = ("out",)
+    geometry: Callable[[Case, LabConfig], dict[str, Any]] | None = None
+    backend: str = ""  # what runs, in words: "torch.nn.functional.scaled_dot_product_attention", ...
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Forward FLOPs and the minimal bytes one call moves; the backward is `backward_multiple` × forward."""
+
+    flops: int
+    bytes: int
+    backward_multiple: float
+    flops_formula: str
+    bytes_formula: str
+    backward_formula: str
+
+    @property
+    def train_flops(self) -> float:
+        """Forward + backward FLOPs."""
+        return self.flops * (1.0 + self.backward_multiple)
+
+
+@dataclass(frozen=True)
+class ModelHooks:
+    """The model's switches for one implementation: attention(q, k, v) and linear(x, weight), None = default."""
+
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclass
+class OpDef:
+    name: str
+    x_name: str  # the curve's axis
+    input_names: tuple[str, ...]
+    impls: dict[str, Impl]
+    cases: Callable[[LabConfig], list[Case]]
+    make_inputs: Callable[[Case, torch.dtype, str], Tensors]
+    problem: Callable[[Case], str]
+    costs: Callable[[Case, LabConfig], Costs]
+    curve_case: Callable[[LabConfig, int], Case]
+    model_hooks: Callable[[Impl, LabConfig], ModelHooks]
+    model_problem: Callable[[LabConfig], str]
+    profiled_range: str  # the model's profiler range for this op: posttrainllm::<profiled_range>
+    check_config: Callable[[LabConfig], None]
+    oracle_extra: Callable[[Tensors, LabConfig], Tensors] = lambda x, cfg: {}
+    row_ndim: dict[str, int] = field(default_factory=dict)  # per output: trailing dims that form one parity row
+    forward_only_inputs: tuple[str, ...] = ()  # input kinds whose cases check the forward outputs only
+
+    @property
+    def reference(self) -> Impl:
+        return self.impls[REFERENCE]
+
+    def optimized(self) -> list[Impl]:
+        """The paths checked against the reference (everything but the reference itself)."""
+        return [impl for name, impl in self.impls.items() if name != REFERENCE]
+
+    def expected_outputs(self, impl: Impl) -> list[str]:
+        """What parity requires of `impl`: its declared forward outputs, then a gradient per input."""
+        return [*impl.outputs, *(f"grad_{name}" for name in self.input_names)]
+
+    def train_impls(self, cfg: LabConfig) -> list[str]:
+        """The implementations bench-train runs (train.impls, or all): the reference first, the drift baseline."""
+        return list(cfg.train.impls) or list(self.impls)
+
+    def geometry(self, impl: Impl, case: Case, cfg: LabConfig) -> dict[str, Any]:
+        return impl.geometry(case, cfg) if impl.geometry else {"backend": impl.backend}
+
+
+def seeded_randn(seed: int, dtype: torch.dtype, device: str) -> Callable[..., torch.Tensor]:
+    """Standard-normal draws in fp32 from `seed`, cast to `dtype` on `device` (same values on every device)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+    return randn
