@@ -24,10 +24,12 @@ from omegaconf import DictConfig
 from posttrainllm.config import CONF_DIR, ConfigError, LabConfig, load, validate
 
 EXIT_CONTRACT, EXIT_CONFIG = 1, 2
+EXIT_UNTRACKED = 3  # the receipt JSON was written, MLflow was not (server unreachable, store failed)
 STAGE_FILES = ("reference.pt", "kernel.pt", "kernel.json", "parity.json", "microbench.json", "timings.csv",
                "curve.csv", "time_vs_size.png", "memory_vs_size.png", "roofline.png", "bench_train.json",
                "receipt.json", "metrics.json", "config.yaml")
 _broken: list[str] = []  # points whose contract broke in this invocation (a multirun keeps going)
+_untracked: list[str] = []  # points whose receipt could not be logged to MLflow (JSON kept)
 
 
 def _fail_config(exc: ConfigError) -> None:
@@ -61,9 +63,15 @@ def _fresh_point_dir(lab: LabConfig) -> Path:
 
 
 def _record(lab: LabConfig) -> dict[str, Any]:
-    from posttrainllm.track import receipt
+    """The receipt; never raises for MLflow: a failed write prints one line and counts toward exit 3."""
+    from posttrainllm.track import receipt, store
 
-    done, run_id = receipt.record(lab)
+    try:
+        done, run_id = receipt.record(lab)
+    except store.TrackingFailed as exc:
+        print(exc.line(), file=sys.stderr)
+        _untracked.append(exc.line())
+        return exc.receipt
     if run_id:
         print(f"receipt: {receipt.point_dir(lab) / 'receipt.json'}  mlflow run {run_id} ({receipt.tracking_uri()})")
     else:
@@ -112,12 +120,19 @@ def bench_train_point(cfg: DictConfig) -> None:
 
 
 def plan_sweep(cfg: DictConfig) -> None:
-    """Write the sweep's points to params.yaml and list them."""
+    """Write the sweep's points to params.yaml and list them.
+
+    Only `sweep=NAME` and `sweep.*` overrides shape the plan; any other key=value would not
+    reach params.yaml, so it is refused (exit 2, with how to apply it) before anything is written.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
     from posttrainllm.lab import sweep
     from posttrainllm.lab.pipeline import PARAMS
 
     try:
         lab = validate(cfg)
+        sweep.refuse_point_overrides(list(HydraConfig.get().overrides.task), lab.sweep.name)
         params = sweep.plan(lab.sweep)
     except ConfigError as exc:
         _fail_config(exc)
@@ -142,14 +157,27 @@ def report_sweep(args: list[str]) -> int:
     from posttrainllm.lab.pipeline import PARAMS, RUNS
     from posttrainllm.files import read_json
     from posttrainllm.lab.sweep import read_points
+    from posttrainllm.config import _one_line
 
     if args:
         print("usage: posttrainllm report   (reads params.yaml and runs/<point>/receipt.json)", file=sys.stderr)
         return EXIT_CONFIG
-    points = read_points(PARAMS)["points"]
-    receipts = {name: read_json(Path(RUNS) / name / "receipt.json") for name in points
-                if (Path(RUNS) / name / "receipt.json").exists()}
-    missing = [name for name in points if name not in receipts]
+    try:
+        points = read_points(PARAMS)["points"]
+    except ConfigError as exc:  # missing, not YAML, not a plan: one line, nothing written
+        print(f"posttrainllm: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    receipts, unreadable = {}, []
+    for name in points:
+        path = Path(RUNS) / name / "receipt.json"
+        if path.exists():
+            try:
+                receipts[name] = read_json(path)
+            except (OSError, ValueError) as exc:  # a truncated or hand-edited receipt: named, not a traceback
+                unreadable.append(f"{path} ({_one_line(exc)})")
+    for line in unreadable:
+        print(f"posttrainllm: unreadable receipt {line}: rerun its point (dvc repro)", file=sys.stderr)
+    missing = [name for name in points if not (Path(RUNS) / name / "receipt.json").exists()]
     if not receipts:
         print("posttrainllm: no receipts yet: run `dvc repro`", file=sys.stderr)
         return EXIT_CONTRACT
@@ -169,13 +197,26 @@ def import_receipts(args: list[str]) -> int:
         print("usage: posttrainllm receipt import FOLDER   (a folder holding <point>/receipt.json files)",
               file=sys.stderr)
         return EXIT_CONFIG
-    try:
-        logged = receipt.import_folder(Path(args[1]))
+    from posttrainllm.track import store
+
+    if not receipt.mlflow_available():
+        print("posttrainllm: mlflow is not installed here (pip install -e '.[track]'); nothing imported",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    try:  # every receipt is checked first: one bad file and none is logged
+        logged = receipt.import_folder(Path(args[1]), on_logged=lambda path, run_id: print(
+            f"{path}: mlflow run {run_id}"))
+    except receipt.InvalidReceipts as exc:
+        for path, why in exc.problems:
+            print(f"posttrainllm: bad receipt {path}: {why}", file=sys.stderr)
+        print(f"posttrainllm: {len(exc.problems)} of {exc.total} receipts bad; nothing logged", file=sys.stderr)
+        return EXIT_CONFIG
+    except store.TrackingFailed as exc:
+        print(exc.line(), file=sys.stderr)
+        return EXIT_UNTRACKED
     except ValueError as exc:
         print(f"posttrainllm: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    for path, run_id in logged:
-        print(f"{path}: mlflow run {run_id}")
     print(f"{len(logged)} receipts in {receipt.tracking_uri()}")
     return 0 if logged else EXIT_CONTRACT
 
@@ -185,12 +226,20 @@ def _overrides(args: list[str]) -> list[str]:
     return [a for a in args if "=" in a and not a.startswith("-")]
 
 
+_INSPECT_FLAGS = ("-c", "--cfg", "-p", "--package", "-i", "--info", "-h", "--help", "--hydra-help")  # Hydra runs no job
+
+
 def _check_before_running(args: list[str], grid: bool) -> None:
-    """Compose every value of every override once, so a bad one fails before anything is written."""
+    """Compose every value of every override once, so a bad one fails before anything is written.
+
+    That includes a device this machine does not have (device=cuda without CUDA): refused
+    here with the valid choices, not by a traceback from inside the Hydra job.
+    """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from posttrainllm.config import check_group_choices
     from posttrainllm.lab.sweep import refuse_multi_dimension_multirun
+    from posttrainllm.measure import device as devices
 
     overrides = _overrides(args)
     check_group_choices(overrides)
@@ -199,10 +248,13 @@ def _check_before_running(args: list[str], grid: bool) -> None:
     sweeps = {i: list(o.sweep_string_iterator()) for i, o in enumerate(parsed) if o.is_sweep_override()}
     first = [f"{o.input_line.split('=')[0]}={sweeps[i][0]}" if i in sweeps else overrides[i]
              for i, o in enumerate(parsed)]
-    load(first)
+    composed = [load(first)]
     for i, values in sweeps.items():
         for value in values[1:]:
-            load(first[:i] + [f"{parsed[i].input_line.split('=')[0]}={value}"] + first[i + 1:])
+            composed.append(load(first[:i] + [f"{parsed[i].input_line.split('=')[0]}={value}"] + first[i + 1:]))
+    if not any(a.split("=")[0] in _INSPECT_FLAGS for a in args):  # `--cfg job device=cuda` only prints
+        for lab in composed:
+            devices.check_available(lab.device.name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrainllm: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     _broken.clear()
+    _untracked.clear()
+    if command == "sweep" and {"-m", "--multirun"} & set(rest):  # one plan per params.yaml: a multirun keeps the last
+        print("posttrainllm: config error: posttrainllm sweep -m: a sweep plans one params.yaml: give one sweep=NAME, "
+              "and the options to try under vary: in conf/sweep/<name>.yaml", file=sys.stderr)
+        return EXIT_CONFIG
     app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(COMMANDS[command])
     saved_argv = sys.argv
     sys.argv = [f"posttrainllm {command}", *rest]
@@ -234,5 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv = saved_argv
     for line in _broken:
         print(f"posttrainllm: contract broken: {line}", file=sys.stderr)
-    return EXIT_CONTRACT if _broken else 0
+    if _broken:
+        return EXIT_CONTRACT
+    return EXIT_UNTRACKED if _untracked else 0
 

@@ -233,9 +233,12 @@ class TrainConfig:
     seq_len: int = 64
     lr: float = 3e-3
     seed: int = 0
+    interpreted_steps: int = 3
+
 
     def __post_init__(self) -> None:
-        _positive("train", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, lr=self.lr)
+        _positive("train", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, lr=self.lr,
+                  interpreted_steps=self.interpreted_steps)
         _require(0 <= self.warmup_steps < self.steps,
                  f"train.warmup_steps={self.warmup_steps}: must be in [0, train.steps={self.steps})")
 

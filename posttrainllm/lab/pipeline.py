@@ -1,6 +1,8 @@
 """What DVC's stage scripts share: load a point from params.yaml, run one stage, map errors to exit codes.
 
-Exit codes: 0 done; 1 a contract broke (its report is written); 2 bad config.
+Exit codes: 0 done, including a point whose contract broke (a verdict, recorded in its
+report: the sweep runs on, and `posttrainllm report` exits 1 on it); 2 bad config;
+3 the receipt's MLflow run could not be logged (its JSON is kept).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Callable
 
 from posttrainllm.measure import device as devices
 from posttrainllm.config import ConfigError, LabConfig, validate
+from posttrainllm.files import point_dir, read_json
 
 PARAMS = Path("params.yaml")
 RUNS = "runs"
@@ -33,7 +36,8 @@ def load_point(point: str, params_path: Path = PARAMS) -> tuple[LabConfig, dict[
     if point not in points:
         raise ConfigError(f"unknown point {point!r}: params.yaml has {', '.join(points) or 'no points'}")
     cfg = validate({**points[point]["config"], "run": {"name": point, "out_dir": RUNS}})
-    sweep = {"name": params["sweep"]["name"], "id": sweep_id(points), "changes": points[point]["changes"]}
+    sweep = {"name": params["sweep"]["name"], "id": sweep_id(points), "changes": points[point]["changes"],
+             "points": list(points)}  # the sweep's run is FINISHED only when all of them are logged
     return cfg, sweep
 
 
@@ -42,43 +46,68 @@ def _stage(name: str) -> Callable[[LabConfig, dict[str, Any]], Any]:
     from posttrainllm.lab import stages
 
     table: dict[str, Callable[[LabConfig, dict[str, Any]], Any]] = {
-        "reference": lambda cfg, _: stages.run_reference(cfg, stages.point_dir(cfg)),
-        "kernel": lambda cfg, _: stages.run_kernel(cfg, stages.point_dir(cfg)),
-        "parity": lambda cfg, _: stages.run_parity(cfg, stages.point_dir(cfg)),
-        "microbench": lambda cfg, _: stages.run_microbench(cfg, stages.point_dir(cfg),
-                                                           stages.read_json(CALIBRATION)),
-        "bench_train": lambda cfg, _: stages.run_bench_train(cfg, stages.point_dir(cfg)),
+        "reference": lambda cfg, _: stages.run_reference(cfg, point_dir(cfg)),
+        "kernel": lambda cfg, _: stages.run_kernel(cfg, point_dir(cfg)),
+        "parity": lambda cfg, _: stages.run_parity(cfg, point_dir(cfg)),
+        "microbench": lambda cfg, _: stages.run_microbench(cfg, point_dir(cfg),
+                                                           read_json(CALIBRATION)),
+        "bench_train": lambda cfg, _: stages.run_bench_train(cfg, point_dir(cfg)),
         "receipt": lambda cfg, sweep: receipt.record(cfg, sweep=sweep),
     }
     return table[name]
 
 
 def run_stage(stage: str, argv: list[str]) -> int:
-    """`python pipelines/<stage>.py POINT`: one stage of one point."""
-    from posttrainllm.files import ContractBroken
+    """`python pipelines/<stage>.py POINT`: one stage of one point, then its stamp.
+
+    The stamp (runs/<point>/stamps/<stage>.json, track/stamp.py) records the revision, the
+    device, the hash of every posttrainllm module this process loaded and the config keys the
+    stage read; it is written whenever the stage's own files are (also after a broken contract
+    or an MLflow failure). The receipt stage refuses stamps that disagree (exit 2, one line).
+    """
+    from posttrainllm.lab.stages import ContractBroken
+    from posttrainllm.track import stamp
+    from posttrainllm.track.store import TrackingFailed
 
     if len(argv) != 1:
         print(f"usage: python pipelines/{stage}.py POINT", file=sys.stderr)
         return 2
     try:
         cfg, sweep = load_point(argv[0])
-        devices.prepare(cfg.device.name, cfg.bench.threads)
-        _stage(stage)(cfg, sweep)
+        written: Exception | None = None  # raised after the stage had written its files: stamp them too
+        with stamp.recording(stage, cfg) as reads:  # the config keys read, from here to the stage's end
+            devices.prepare(cfg.device.name, cfg.bench.threads)
+            try:
+                _stage(stage)(cfg, sweep)
+            except (ContractBroken, TrackingFailed) as exc:
+                written = exc
+        stamp.write_stage_stamp(stage, cfg, reads)
+        if written is not None:
+            raise written
     except ConfigError as exc:
         print(f"posttrainllm: config error: {exc}", file=sys.stderr)
         return 2
-    except ContractBroken as exc:
+    except stamp.StampMismatch as exc:  # the receipt stage: outputs of different code or devices; nothing written
         print(f"posttrainllm: {stage} {argv[0]}: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    except ContractBroken as exc:  # a verdict, recorded in the stage's report: the sweep runs on
+        print(f"posttrainllm: {stage} {argv[0]}: recorded, sweep continues: {exc}", file=sys.stderr)
+        return 0
+    except TrackingFailed as exc:  # the receipt stage: receipt.json written, MLflow not
+        print(exc.line(), file=sys.stderr)
+        return 3
     return 0
 
 
 def write_fingerprint(path: Path) -> int:
-    """The device stage: this machine's fingerprint, which every timed stage depends on."""
+    """The device stage: this machine's fingerprint, which every timed stage depends on.
+
+    It runs on every `dvc repro`, so it reads the fingerprint from files where it can
+    (devices.machine_fingerprint: the same JSON, without importing torch).
+    """
     from posttrainllm.files import write_json
 
-    fingerprint = devices.fingerprint(devices.resolve("auto"))
-    write_json(path, fingerprint)
+    write_json(path, devices.machine_fingerprint())
     return 0
 
 

@@ -442,8 +442,9 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
             skipped[name] = FAILED_PARITY
             continue
         hooks = op.model_hooks(op.impls[name], cfg)
-        variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear,
-                                interpreted=_interpreted(op.impls[name])))
+        interpreted = _interpreted(op.impls[name])
+        variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, interpreted=interpreted,
+                                steps=min(train.interpreted_steps, train.steps) if interpreted else None))
     result = bench_train(model_cfg, variants=variants, steps=train.steps, warmup_steps=train.warmup_steps,
                          batch_size=train.batch_size, seq_len=train.seq_len, lr=train.lr, seed=train.seed,
                          precision=cfg.precision.name, device=device, skipped=skipped)

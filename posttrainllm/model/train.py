@@ -15,7 +15,8 @@ Units and formulas
                       on CUDA the clock stops after torch.cuda.synchronize())
     warm_ms_per_step  median of step_ms[warmup_steps:]
     tokens_per_s      batch_size * seq_len / (warm_ms_per_step / 1000)
-    drift[name]       |loss_name[N-1] - loss_baseline[N-1]|, the last-step loss gap
+    drift[name]       |loss_name[n-1] - loss_baseline[n-1]|, the loss gap at the variant's last step n
+                      (n = steps, or the variant's own `steps`: fewer for Triton through its interpreter)
     profile[op]       time inside the op's profiler ranges (forward) plus the autograd
                       nodes those ranges created (backward), over the profiled step's time
 """
@@ -47,12 +48,15 @@ class Variant:
     """One way to run the model: its attention and its projection matmul (None keeps the model's default).
 
     interpreted: the variant runs Triton through its interpreter, so its step times are not speed.
+    steps: train only the first `steps` batches (None: all). Its drift is read at its own last step,
+        against the baseline's loss at that same step (the baseline records every step).
     """
 
     name: str
     attention: AttentionFn | None = None
     linear: LinearFn | None = None
     interpreted: bool = False
+    steps: int | None = None
 
 
 # AdamW settings shared by every implementation (GPT-style; only lr is a knob here).
@@ -102,7 +106,9 @@ def bench_train(
 
     baseline = variants[0].name
     baseline_losses = results[baseline]["losses"]
-    drift = {name: abs(r["losses"][-1] - baseline_losses[-1]) for name, r in results.items() if name != baseline}
+    drift = {name: abs(r["losses"][-1] - baseline_losses[len(r["losses"]) - 1]) for name, r in results.items()
+             if name != baseline}
+    drift_step = {name: len(r["losses"]) - 1 for name, r in results.items() if name != baseline}
     max_step_drift = {
         name: max(abs(a - b) for a, b in zip(r["losses"], baseline_losses))
         for name, r in results.items()
@@ -113,6 +119,7 @@ def bench_train(
         "variants": [v.name for v in variants],
         "skipped": dict(skipped or {}),
         "drift": drift,
+        "drift_step": drift_step,  # the step each drift is read at: the variant's last
         "max_step_drift": max_step_drift,  # largest |loss gap| at any step, not only the last
         "baseline": baseline,
         "tokens_per_step": batch_size * seq_len,
@@ -171,7 +178,7 @@ def _train_one(
 
     losses: list[float] = []
     step_ms: list[float] = []
-    for x, y in batches:
+    for x, y in batches[:variant.steps or len(batches)]:
         t0 = time.perf_counter()
         loss = step(x, y)
         step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -186,7 +193,7 @@ def _train_one(
     profiled = None if interpreted else profile_step(lambda: step(*batches[-1]), cuda=dev.type == "cuda")
     n_params = model.num_params()
     del model, optimizer
-    warm = summarize(step_ms[warmup_steps:])
+    warm = summarize(step_ms[warmup_steps:] or step_ms)
     tokens_per_step = batches[0][0].numel()
     return {
         "losses": losses,

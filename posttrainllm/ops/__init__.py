@@ -1,4 +1,7 @@
-"""Triton kernels, one op family per module (matmul, attention).
+"""Triton kernels, one op family per module (matmul, attention), and reference.py: the readable math.
+
+Importing this package does not import triton: reference.py's users (the reference stage) must not
+fix Triton's mode before the device is prepared (TRITON_INTERPRET=1 is read when triton first loads).
 
 Shared here: how a kernel learns that it runs under Triton's interpreter
 (`TRITON_INTERPRET=1`, the CPU path), and the one numerical emulation the kernels
@@ -10,7 +13,6 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 
 BF16_INTERPRETER_REASON = (
     "bf16 tl.dot operands upcast to fp32 and output rounded to bf16 by PyTorch: "
@@ -20,6 +22,8 @@ BF16_INTERPRETER_REASON = (
 
 def is_interpreted() -> bool:
     """True when Triton kernels run through the interpreter instead of a GPU compiler."""
+    import triton  # not at module level: TRITON_INTERPRET must be set before triton is first imported
+
     try:
         return bool(triton.knobs.runtime.interpret)
     except AttributeError:

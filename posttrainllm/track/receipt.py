@@ -2,9 +2,15 @@
 
 `build` gathers what the stages wrote in a point's folder, plus the provenance
 (git revision, device fingerprint, library versions). `log_to_mlflow` is the only
-code in the project that talks to MLflow: one run per point, nested under one run
-per sweep. The JSON file is written first, so a receipt made where MLflow is
-absent (a GPU node, say) can be imported later.
+code in the project that logs to MLflow (store.py opens the store): one run per point,
+nested under one run per sweep. The JSON file is written first, so a receipt made where
+MLflow is absent (a GPU node) or unreachable can be imported later.
+
+A run counts as logged only when complete: its `receipt.logged` tag is written after
+everything else and the run is terminated (FINISHED, or FAILED when the point's verdict is
+not a pass). A retry replaces an incomplete run of the same receipt. The sweep's run is
+RUNNING while some of its points have no complete run, FINISHED when all do, FAILED as soon
+as one point failed.
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
 from posttrainllm.measure import device as devices
+from posttrainllm.track import store
 from posttrainllm.track.provenance import git_revision, project_root
 from posttrainllm.config import LabConfig, point_config
 from posttrainllm.files import point_dir, read_json, write_json
@@ -48,14 +55,27 @@ def _parity_summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
     if report is None:
         return None
     return {"verdict": report["verdict"], "precision": report["precision"], "contract": report["contract"],
+            "lse_contract": report.get("lse_contract"), "first_failure": report.get("first_failure"),
             "rule": report["rule"], "notes": report["notes"],
             "paths": {name: {k: p[k] for k in ("verdict", "failed_cases", "worst", "emulation")}
                       for name, p in report["paths"].items()}}
 
 
 def build(cfg: LabConfig, *, sweep: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Assemble the receipt of one point from its folder; write receipt.json and metrics.json."""
+    """Assemble the receipt of one point from its folder; write receipt.json and metrics.json.
+
+    The stages' stamps (runs/<point>/stamps/, written by the DVC stages) are checked first:
+    stages that ran different versions of a source file they shared (this process's modules
+    included), or timed stages on different devices, raise stamp.StampMismatch (one line
+    naming both stages and the file) before anything is written. Every stamp goes into the
+    receipt under "stamps"; a folder without stamps (`posttrainllm bench`) is not checked.
+    """
+    from posttrainllm.track import stamp
+
     out = point_dir(cfg)
+    stamps = stamp.read_stamps(out, exclude=("receipt",))
+    if stamps:
+        stamp.check_consistent({**stamps, "receipt": {"sources": stamp.loaded_sources()}}, out / stamp.STAMPS)
     device = devices.resolve(cfg.device.name)
     parity_report = _read_optional(out / "parity.json")
     receipt = {
@@ -70,6 +90,7 @@ def build(cfg: LabConfig, *, sweep: dict[str, Any] | None = None) -> dict[str, A
         "parity": _parity_summary(parity_report),
         "microbench": _read_optional(out / "microbench.json"),
         "bench_train": _read_optional(out / "bench_train.json"),
+        "stamps": stamps,
     }
     write_json(out / "receipt.json", receipt)
     write_json(out / "metrics.json", metrics(receipt))
@@ -86,7 +107,11 @@ def mlflow_available() -> bool:
 
 
 def record(cfg: LabConfig, *, sweep: dict[str, Any] | None = None) -> tuple[dict[str, Any], str | None]:
-    """The receipt stage: the JSON receipt always; the MLflow run when asked for and MLflow is installed."""
+    """The receipt stage: the JSON receipt always; the MLflow run when asked for and MLflow is installed.
+
+    Raises store.TrackingFailed (its `receipt` set) when MLflow could not be written: the JSON
+    receipt is on disk by then, and the error's line names the command that logs it later.
+    """
     receipt = build(cfg, sweep=sweep)
     if not cfg.run.log_mlflow:
         return receipt, None
@@ -94,7 +119,11 @@ def record(cfg: LabConfig, *, sweep: dict[str, Any] | None = None) -> tuple[dict
         print("posttrainllm: mlflow is not installed here; receipt kept as JSON only "
               f"({point_dir(cfg) / 'receipt.json'})")
         return receipt, None
-    return receipt, log_to_mlflow(receipt, point_dir(cfg))
+    try:
+        return receipt, log_to_mlflow(receipt, point_dir(cfg))
+    except store.TrackingFailed as exc:
+        exc.receipt = receipt
+        raise
 
 
 def metrics(receipt: dict[str, Any]) -> dict[str, float]:
@@ -115,6 +144,9 @@ def metrics(receipt: dict[str, Any]) -> dict[str, float]:
                     "speedup_vs_reference"):
             if key in entry:
                 flat[f"bench.{name}.{key}"] = entry[key]
+        for key in ("median_ms", "p20_ms", "p80_ms", "gflops_per_s", "speedup_vs_reference"):
+            if key in entry.get("forward_backward", {}):
+                flat[f"bench.{name}.fwd_bwd.{key}"] = entry["forward_backward"][key]
         flat[f"bench.{name}.noisy"] = float(entry["noisy"])
         flat[f"bench.{name}.peak_bytes"] = entry["memory"]["peak_bytes"]
         if entry.get("roofline"):
@@ -151,6 +183,13 @@ def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:
         out[prefix] = str(value)
 
 
+def verdict(receipt: dict[str, Any]) -> str:
+    """'pass' when parity passed and every training-loss drift is within its limit, else 'fail'."""
+    parity = (receipt.get("parity") or {}).get("verdict", "missing")
+    drift = (receipt.get("bench_train") or {}).get("drift_verdict") or {}
+    return "pass" if parity == "pass" and all(v == "pass" for v in drift.values()) else "fail"
+
+
 def _tags(receipt: dict[str, Any]) -> dict[str, str]:
     prov, machine = receipt["provenance"], receipt["provenance"]["machine"]
     tags = {
@@ -159,46 +198,79 @@ def _tags(receipt: dict[str, Any]) -> dict[str, str]:
         "torch": machine["torch"], "triton": machine["triton"], "python": machine["python"],
         "triton.interpreted": str(prov["triton_interpreted"]), "point": receipt["point"],
         "parity.verdict": (receipt["parity"] or {}).get("verdict", "missing"),
+        "verdict": verdict(receipt),
         "receipt.schema": receipt["schema"],
         "receipt.id": hashlib.sha256(json.dumps(receipt, sort_keys=True).encode()).hexdigest()[:16],
     }
     if receipt["sweep"]:
         tags["sweep"] = receipt["sweep"]["name"]
+        tags["sweep.id"] = receipt["sweep"]["id"]
         tags["sweep.changes"] = ",".join(f"{k}={v}" for k, v in receipt["sweep"]["changes"].items()) or "baseline"
     return tags
 
 
+LOGGED_TAG = "receipt.logged"  # written after everything else: a run without it is an interrupted write
+TERMINAL = ("FINISHED", "FAILED")
+
+
+def _complete(run: Any) -> bool:
+    """A run counts as logged only with its completion tag and a terminal status."""
+    return run.data.tags.get(LOGGED_TAG) == "true" and run.info.status in TERMINAL
+
+
 def _sweep_parent(client: Any, experiment_id: str, sweep: dict[str, Any]) -> str:
-    """The run that stands for one sweep plan: found by its id, created on first use."""
-    found = client.search_runs([experiment_id], filter_string=f"tags.`sweep.id` = '{sweep['id']}'", max_results=1)
+    """The run that stands for one sweep plan: found by its id, created (RUNNING) on first use."""
+    found = client.search_runs([experiment_id], filter_string=f"tags.`sweep.id` = '{sweep['id']}' and "
+                               "tags.role = 'sweep'", max_results=1, order_by=["attributes.start_time ASC"])
     if found:
         return found[0].info.run_id
-    parent = client.create_run(experiment_id, run_name=f"sweep {sweep['name']} {sweep['id'][:8]}",
-                               tags={"sweep": sweep["name"], "sweep.id": sweep["id"], "role": "sweep"})
-    client.set_terminated(parent.info.run_id)
-    return parent.info.run_id
+    tags = {"sweep": sweep["name"], "sweep.id": sweep["id"], "role": "sweep"}
+    if sweep.get("points") is not None:
+        tags["sweep.points"] = ",".join(sweep["points"])[:5000]
+    return client.create_run(experiment_id, run_name=f"sweep {sweep['name']} {sweep['id'][:8]}",
+                             tags=tags).info.run_id
 
 
-def log_to_mlflow(receipt: dict[str, Any], folder: Path, uri: str | None = None) -> str:
-    """One MLflow run for the receipt (nested under its sweep's run); returns the run id."""
-    import mlflow
+def sweep_status(client: Any, experiment_id: str, parent_id: str, points: list[str] | None) -> tuple[str, dict]:
+    """The sweep's true state from its children: FAILED when a point's latest complete run failed,
+    FINISHED when every point has a complete run, RUNNING while some are missing.
+
+    Receipts from before the sweep listed its points (no `points`) count as all there.
+    """
+    children = client.search_runs([experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'",
+                                  max_results=5000, order_by=["attributes.start_time DESC"])
+    latest: dict[str, Any] = {}
+    for run in children:
+        if _complete(run):
+            latest.setdefault(run.data.tags.get("point", run.info.run_id), run)
+    failed = sorted(name for name, run in latest.items() if run.info.status == "FAILED")
+    missing = [name for name in points if name not in latest] if points is not None else []
+    status = "FAILED" if failed else "RUNNING" if missing else "FINISHED"
+    expected = len(points) if points is not None else len(latest)
+    tags = {"sweep.progress": f"{expected - len(missing)}/{expected} points logged",
+            "sweep.failed": ",".join(failed)[:5000] or "none"}
+    return status, tags
+
+
+def _update_sweep(client: Any, experiment_id: str, parent_id: str, sweep: dict[str, Any]) -> None:
+    status, tags = sweep_status(client, experiment_id, parent_id, sweep.get("points"))
+    run = client.get_run(parent_id)
+    for key, value in tags.items():
+        if run.data.tags.get(key) != value:
+            client.set_tag(parent_id, key, value)
+    if status == run.info.status:
+        return
+    if status in TERMINAL:
+        client.set_terminated(parent_id, status)
+    else:
+        client.update_run(parent_id, status=status)
+
+
+def _write_run(client: Any, experiment_id: str, receipt: dict[str, Any], folder: Path, tags: dict[str, str]) -> str:
+    """Create the run and fill it; the completion tag and the terminal status come last."""
     from mlflow.entities import Metric, Param
-    from mlflow.tracking import MlflowClient
 
-    uri = uri or tracking_uri()
-    client = MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name(EXPERIMENT)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(
-        EXPERIMENT, artifact_location=artifact_location(uri))
-    tags = _tags(receipt)
-    found = client.search_runs([experiment_id], filter_string=f"tags.`receipt.id` = '{tags['receipt.id']}'",
-                               max_results=1)
-    if found:  # the same receipt imported twice stays one run
-        return found[0].info.run_id
-    if receipt["sweep"]:
-        tags[mlflow.utils.mlflow_tags.MLFLOW_PARENT_RUN_ID] = _sweep_parent(client, experiment_id, receipt["sweep"])
-    run = client.create_run(experiment_id, run_name=receipt["point"], tags=tags)
-    run_id = run.info.run_id
+    run_id = client.create_run(experiment_id, run_name=receipt["point"], tags=tags).info.run_id
     params: dict[str, str] = {}
     _flatten("", receipt["config"], params)
     now = int(dt.datetime.now().timestamp() * 1000)
@@ -212,22 +284,113 @@ def log_to_mlflow(receipt: dict[str, Any], folder: Path, uri: str | None = None)
     for name in ARTIFACTS:
         if (folder / name).exists():
             client.log_artifact(run_id, str(folder / name))
-    client.set_tag(run_id, "receipt.logged", "true")
-    client.set_terminated(run_id, "FINISHED" if tags["parity.verdict"] == "pass" else "FAILED")
+    client.set_tag(run_id, LOGGED_TAG, "true")
+    client.set_terminated(run_id, "FINISHED" if tags["verdict"] == "pass" else "FAILED")
     return run_id
 
 
-def import_folder(folder: Path, uri: str | None = None) -> list[tuple[Path, str]]:
+def log_to_mlflow(receipt: dict[str, Any], folder: Path, uri: str | None = None) -> str:
+    """One complete MLflow run for the receipt (nested under its sweep's run); returns the run id.
+
+    A run of the same receipt left incomplete by an interrupted write (no completion tag, or
+    not terminated) is deleted and the receipt logged anew; a complete one is reused. The
+    sweep's run is then set to the sweep's state. On a sqlite store this all happens under
+    the store's lock. Raises store.TrackingFailed when the store cannot be written.
+    """
+    uri = uri or tracking_uri()
+    try:
+        return _log(receipt, folder, uri)
+    except store.tracking_errors() as exc:
+        raise store.TrackingFailed(uri, store.short_reason(exc), unreachable=store.unreachable(exc),
+                                   folder=folder) from exc
+
+
+def _log(receipt: dict[str, Any], folder: Path, uri: str) -> str:
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+    client, experiment_id = store.open_store(uri, EXPERIMENT, artifact_location(uri))
+    tags = _tags(receipt)
+    with store.lock(uri):
+        found = client.search_runs([experiment_id], filter_string=f"tags.`receipt.id` = '{tags['receipt.id']}'",
+                                   max_results=100, order_by=["attributes.start_time ASC"])
+        done = [run for run in found if _complete(run)]
+        parent_id = _sweep_parent(client, experiment_id, receipt["sweep"]) if receipt["sweep"] else None
+        if done:  # the same receipt imported twice stays one run
+            run_id = done[0].info.run_id
+        else:
+            for run in found:  # an interrupted write: replaced, never counted as logged
+                client.delete_run(run.info.run_id)
+            if parent_id:
+                tags[MLFLOW_PARENT_RUN_ID] = parent_id
+            run_id = _write_run(client, experiment_id, receipt, folder, tags)
+        if parent_id:
+            _update_sweep(client, experiment_id, parent_id, receipt["sweep"])
+    return run_id
+
+
+class InvalidReceipts(ValueError):
+    """Receipts that cannot be logged: (path, what is wrong) for each, out of `total` found."""
+
+    def __init__(self, problems: list[tuple[Path, str]], total: int):
+        self.problems, self.total = problems, total
+        super().__init__("; ".join(f"{path}: {why}" for path, why in problems))
+
+
+def check(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """Read one receipt.json and check it holds everything logging needs: (receipt, None) or (None, why)."""
+    try:
+        receipt = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}; truncated?)"
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, f"unreadable ({exc})"
+    if not isinstance(receipt, dict):
+        return None, f"not a receipt (a JSON {type(receipt).__name__}, not an object)"
+    if receipt.get("schema") != SCHEMA:
+        return None, f"schema {receipt.get('schema')!r}, expected {SCHEMA!r}"
+    missing = [key for key in ("point", "sweep", "created_at", "provenance", "config") if key not in receipt]
+    if missing:
+        return None, f"missing {', '.join(missing)}"
+    try:
+        _tags(receipt)
+        metrics(receipt)
+        _flatten("", receipt["config"], {})
+        if receipt["sweep"]:
+            str(receipt["sweep"]["id"])
+        for entry in ((receipt.get("bench_train") or {}).get("impls") or {}).values():
+            [float(loss) for loss in entry["losses"]]
+    except KeyError as exc:
+        return None, f"incomplete: no {exc.args[0]!r} field"
+    except (TypeError, AttributeError, ValueError, IndexError) as exc:
+        return None, f"malformed: {type(exc).__name__}: {exc}"
+    return receipt, None
+
+
+def import_folder(folder: Path, uri: str | None = None,
+                  on_logged: Callable[[Path, str], None] | None = None) -> list[tuple[Path, str]]:
     """Log every receipt.json under `folder` (made where MLflow was absent) into the MLflow store.
 
-    Each receipt's sibling files (parity.json, timings.csv, ...) become its artifacts.
-    Receipts already in the store (same receipt.id) are not logged twice.
+    Every receipt is checked first: if any is bad, none is logged (InvalidReceipts names each
+    bad file and what is wrong). Each receipt's sibling files (parity.json, timings.csv, ...)
+    become its artifacts. Receipts already logged completely (same receipt.id) are not logged
+    twice; an incomplete run of one is replaced. `on_logged(path, run_id)` is called as each
+    is logged, so a failure part way still shows what got in.
     """
     found = sorted(folder.rglob("receipt.json"))
-    logged = []
-    for path in found:
-        receipt = read_json(path)
-        if receipt.get("schema") != SCHEMA:
-            raise ValueError(f"{path}: schema {receipt.get('schema')!r}, expected {SCHEMA!r}")
-        logged.append((path, log_to_mlflow(receipt, path.parent, uri)))
+    checked = [(path, *check(path)) for path in found]
+    problems = [(path, why) for path, _, why in checked if why is not None]
+    if problems:
+        raise InvalidReceipts(problems, len(found))
+    logged: list[tuple[Path, str]] = []
+    for path, receipt, _ in checked:
+        try:
+            run_id = log_to_mlflow(receipt, path.parent, uri)
+        except store.TrackingFailed as exc:
+            raise store.TrackingFailed(
+                exc.uri, exc.reason, unreachable=exc.unreachable, folder=folder,
+                kept=f"{len(logged)} of {len(found)} receipts logged, all kept under {folder}",
+                then="log the rest with") from exc
+        logged.append((path, run_id))
+        if on_logged:
+            on_logged(path, run_id)
     return logged
