@@ -186,6 +186,10 @@ def report_sweep(args: list[str]) -> int:
     print(f"written: {Path(RUNS) / 'report.md'}")
     if missing:
         print(f"no receipt yet for: {', '.join(missing)}")
+    failed = [name for name, r in receipts.items() if report.point_failed(r)]
+    if failed:  # so `dvc repro && posttrainllm report` still fails a CI job on a broken contract
+        print(f"posttrainllm: {len(failed)} of {len(receipts)} points failed: {', '.join(failed)}", file=sys.stderr)
+        return EXIT_CONTRACT
     return 0
 
 
