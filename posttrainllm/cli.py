@@ -14,6 +14,7 @@ line naming the valid choices and exits with 2.
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -58,6 +59,7 @@ def _fresh_point_dir(lab: LabConfig) -> Path:
     out = point_dir(lab)
     for name in STAGE_FILES:
         (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "stamps", ignore_errors=True)  # a DVC run's stamps do not describe this run
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -87,7 +89,11 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
     from posttrainllm.measure import device as devices
 
     lab = _point(cfg, "train" if train else "bench")
-    devices.prepare(lab.device.name, lab.bench.threads)
+    device = devices.prepare(lab.device.name, lab.bench.threads)
+    try:
+        stages.check_memory(lab, device)  # before the point's folder is touched
+    except ConfigError as exc:
+        _fail_config(exc)
     out = _fresh_point_dir(lab)
     stages.run_reference(lab, out)
     stages.run_kernel(lab, out)
@@ -182,6 +188,8 @@ def report_sweep(args: list[str]) -> int:
         print("posttrainllm: no receipts yet: run `dvc repro`", file=sys.stderr)
         return EXIT_CONTRACT
     print(report.sweep_table(receipts))
+    if report.stage_times_text(receipts):
+        print(report.stage_times_text(receipts))
     (Path(RUNS) / "report.md").write_text(report.sweep_markdown(receipts))
     print(f"written: {Path(RUNS) / 'report.md'}")
     if missing:

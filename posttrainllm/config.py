@@ -203,9 +203,13 @@ class RunConfig:
 @dataclass
 class ParityConfig:
     seeds: list[int] = field(default_factory=lambda: [0, 1])
+    # The reference stage's estimated peak (float64 oracle + inputs) may use at most this fraction of
+    # the memory available when it starts (MemAvailable on CPU, free memory on CUDA); 0 < x <= 1.
+    memory_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         _require(len(self.seeds) >= 1, "parity.seeds: give at least one seed")
+        _require(0 < self.memory_fraction <= 1, f"parity.memory_fraction={self.memory_fraction}: must be in (0, 1]")
 
 
 @dataclass

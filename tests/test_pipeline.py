@@ -23,10 +23,11 @@ def _run(args, cwd, env, check=True):
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, mlflow_uri):
-    """A committed copy of the project's tracked files, with the smoke sweep planned and reproduced."""
+    """A committed copy of the project's working tree (tracked files and new ones git does not ignore),
+    with the smoke sweep planned and reproduced."""
     root = tmp_path_factory.mktemp("project")
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                             check=True).stdout.split("\0")
+    tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
     for name in filter(None, tracked):
         if (PROJECT_ROOT / name).is_file():
             (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +53,8 @@ def test_every_stage_of_every_point_ran(project):
         assert receipt["parity"]["verdict"] == "pass"
         assert receipt["sweep"]["name"] == "smoke"
         assert receipt["bench_train"]["impls"]["sdpa"]["losses"]
+        assert set(receipt["stamps"]) == {"reference", "kernel", "parity", "microbench", "bench_train"}
+        assert (root / "runs" / point / "stamps" / "receipt.json").exists()
 
 
 def test_receipts_are_in_mlflow_nested_under_one_sweep_run(project, mlflow_uri):
@@ -114,4 +117,4 @@ def test_plots_render_offline_and_report_is_written(project):
     assert "https://" not in page  # no CDN: PNGs render offline
     report = _run(["python", "-m", "posttrainllm", "report"], root, env).stdout
     assert "precision-fp16" in report and "sdpa:pass,triton:pass" in report
-    assert (root / "runs" / "report.md").read_text().startswith("| point | change |")
+    assert (root / "runs" / "report.md").read_text().startswith("| point | verdict | first_failure | change |")

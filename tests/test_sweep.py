@@ -103,3 +103,19 @@ def test_multirun_over_two_dimensions_is_refused_without_grid(tmp_path, monkeypa
     assert cli.main(["bench", "-m", "precision=fp32,fp16", "tile=b16,b32"]) == 2
     assert "sweeps precision and tile at once" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_sweep_passes_its_own_keys_and_refuses_point_keys():
+    sweep.refuse_point_overrides(["sweep=smoke", "sweep.grid=true", "+sweep.points.x={tile: b16}",
+                                  "sweep.overrides=[\"train.steps=5\"]", "hydra.verbose=true"], "smoke")
+    with pytest.raises(ConfigError, match=r"does not pass tile.block_q=32 train.steps=5 to its points: .*"
+                                          r"conf/sweep/smoke.yaml .*'sweep.overrides=\[\"tile.block_q=32\", "
+                                          r"\"train.steps=5\"\]'"):
+        sweep.refuse_point_overrides(["sweep=smoke", "tile.block_q=32", "train.steps=5"], "smoke")
+
+
+def test_read_points_reads_the_committed_plan_and_refuses_a_broken_one(tmp_path):
+    assert "baseline" in sweep.read_points(PROJECT_ROOT / "params.yaml")["points"]
+    (tmp_path / "params.yaml").write_text("sweep: {name: x}\npoints: [baseline]\n")
+    with pytest.raises(ConfigError, match="not a sweep plan"):
+        sweep.read_points(tmp_path / "params.yaml")

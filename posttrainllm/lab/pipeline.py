@@ -1,7 +1,8 @@
 """What DVC's stage scripts share: load a point from params.yaml, run one stage, map errors to exit codes.
 
 Exit codes: 0 done, including a point whose contract broke (a verdict, recorded in its
-report: the sweep runs on, and `posttrainllm report` exits 1 on it); 2 bad config;
+report: the sweep runs on, and `posttrainllm report` exits 1 on it); 2 bad config, a point that
+does not fit in memory, or stages whose stamps disagree about the code they shared;
 3 the receipt's MLflow run could not be logged (its JSON is kept).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,8 +43,13 @@ def load_point(point: str, params_path: Path = PARAMS) -> tuple[LabConfig, dict[
     return cfg, sweep
 
 
+def _record(cfg: LabConfig, sweep: dict[str, Any]) -> Any:
+    from posttrainllm.track import receipt  # MLflow's code: imported by the receipt stage only
+
+    return receipt.record(cfg, sweep=sweep)
+
+
 def _stage(name: str) -> Callable[[LabConfig, dict[str, Any]], Any]:
-    from posttrainllm.track import receipt
     from posttrainllm.lab import stages
 
     table: dict[str, Callable[[LabConfig, dict[str, Any]], Any]] = {
@@ -52,7 +59,7 @@ def _stage(name: str) -> Callable[[LabConfig, dict[str, Any]], Any]:
         "microbench": lambda cfg, _: stages.run_microbench(cfg, point_dir(cfg),
                                                            read_json(CALIBRATION)),
         "bench_train": lambda cfg, _: stages.run_bench_train(cfg, point_dir(cfg)),
-        "receipt": lambda cfg, sweep: receipt.record(cfg, sweep=sweep),
+        "receipt": _record,
     }
     return table[name]
 
@@ -74,6 +81,10 @@ def run_stage(stage: str, argv: list[str]) -> int:
         return 2
     try:
         cfg, sweep = load_point(argv[0])
+        points = sweep.get("points") or [argv[0]]
+        where = f"({points.index(argv[0]) + 1}/{len(points)})" if argv[0] in points else ""
+        print(f"posttrainllm: {stage} {argv[0]} {where} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         written: Exception | None = None  # raised after the stage had written its files: stamp them too
         with stamp.recording(stage, cfg) as reads:  # the config keys read, from here to the stage's end
             devices.prepare(cfg.device.name, cfg.bench.threads)
@@ -81,7 +92,9 @@ def run_stage(stage: str, argv: list[str]) -> int:
                 _stage(stage)(cfg, sweep)
             except (ContractBroken, TrackingFailed) as exc:
                 written = exc
-        stamp.write_stage_stamp(stage, cfg, reads)
+        timing = {"stage_s": time.perf_counter() - started, "process_s": stamp.process_seconds()}
+        stamp.write_stage_stamp(stage, cfg, reads, timing)
+        print(f"posttrainllm: {stage} {argv[0]} done in {timing['stage_s']:.1f} s", file=sys.stderr, flush=True)
         if written is not None:
             raise written
     except ConfigError as exc:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from posttrainllm.config import LabConfig
+from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
 from posttrainllm.lab import guards, parity
 from posttrainllm.measure import calibrate, roofline
@@ -85,6 +85,52 @@ def contract_for(cfg: LabConfig) -> Callable[[str], Any]:
 # --- reference ---------------------------------------------------------------------------
 
 
+def check_memory(cfg: LabConfig, device: str) -> dict[str, Any]:
+    """Refuse, before anything is allocated or written, a point whose reference stage would not fit.
+
+    The op estimates the peak of its float64 oracle (one chunk at a time) plus its tensors; the point
+    may use parity.memory_fraction of the memory available now. ConfigError names both numbers.
+    """
+    op = get_op(cfg.op.name)
+    need = max(op.reference_bytes(case, cfg) for case in op.cases(cfg))
+    available = devices.available_memory_bytes(device)
+    budget = None if available is None else int(available * cfg.parity.memory_fraction)
+    if budget is not None and need > budget:
+        raise ConfigError(f"this point's reference stage needs ~{need / 2**30:.1f} GiB (float64 oracle of "
+                          f"{op.problem(next(c for c in op.cases(cfg) if c.main))}), over its budget of "
+                          f"{budget / 2**30:.1f} GiB (parity.memory_fraction={cfg.parity.memory_fraction:g} of "
+                          f"{available / 2**30:.1f} GiB available on {device}): use a smaller shape")
+    return {"estimated_bytes": need, "budget_bytes": budget}
+
+
+def reference_outputs(op: OpDef, cfg: LabConfig, inputs: Tensors, case: Case,
+                      grad_out: torch.Tensor | None = None) -> Tensors:
+    """The reference's forward outputs, extra outputs and (given dO) input gradients, computed chunk by
+    chunk (op.oracle_chunks) in the inputs' dtype, assembled into whole tensors."""
+    fn = lambda x: op.reference.fn(x, cfg)  # noqa: E731
+    chunks = op.oracle_chunks(case)
+    if chunks == [{}]:
+        result = {**fn(inputs), **op.oracle_extra(inputs, cfg)}
+        if grad_out is not None:
+            result.update(gradients(fn, inputs, grad_out))
+        return result
+    result: Tensors = {}
+    for chunk in chunks:
+        piece = {name: x[chunk[name]] for name, x in inputs.items()}
+        got = {**fn(piece), **op.oracle_extra(piece, cfg)}
+        if grad_out is not None:
+            got.update(gradients(fn, piece, grad_out[chunk[op.output_follows["out"]]]))
+        for name, value in got.items():
+            index = chunk[op.output_follows[name]]
+            if name not in result:
+                shape = list(value.shape)
+                for dim, (sl, size) in enumerate(zip(index, inputs[op.output_follows[name]].shape)):
+                    shape[dim] = size
+                result[name] = value.new_zeros(shape)
+            result[name][index] = value.detach()
+    return result
+
+
 def run_reference(cfg: LabConfig, out: Path) -> None:
     """Inputs for every case, the fp64 oracle on them, and the same math in the point's precision.
 
@@ -94,18 +140,21 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
     """
     op = get_op(cfg.op.name)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
+    check_memory(cfg, device)
     records = []
-    ref = op.reference
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for case in op.cases(cfg):
             inputs = op.make_inputs(case, _dtype(cfg), device)
             inputs64 = {k: v.double() for k, v in inputs.items()}
-            fn = lambda x: ref.fn(x, cfg)  # noqa: E731
-            oracle = {**fn(inputs64), **op.oracle_extra(inputs64, cfg)}
-            baseline = {**fn(inputs), **op.oracle_extra({k: v.float() for k, v in inputs.items()}, cfg)}
-            grad_out = upstream_gradient(case, baseline["out"])
-            oracle.update(gradients(fn, inputs64, grad_out.double()))
-            baseline.update(gradients(fn, inputs, grad_out))
+            with torch.no_grad():
+                forward = op.reference.fn(inputs, cfg)
+            out_names = set(forward)
+            grad_out = upstream_gradient(case, forward["out"])
+            oracle = reference_outputs(op, cfg, inputs64, case, grad_out.double())
+            baseline = reference_outputs(op, cfg, inputs, case, grad_out)
+            # outputs that are fp32 in every precision (the logsumexp): their baseline is fp32 math
+            extras32 = reference_outputs(op, cfg, {k: v.float() for k, v in inputs.items()}, case)
+            baseline.update({k: v for k, v in extras32.items() if k not in out_names})
             records.append({"case": asdict(case), "inputs": _to_cpu(inputs), "grad_out": grad_out.cpu(),
                             "oracle": _to_cpu(oracle), "baseline": _to_cpu(baseline)})
     out.mkdir(parents=True, exist_ok=True)
@@ -373,7 +422,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) 
             case = op.curve_case(cfg, x)
             costs = op.costs(case, cfg)
             inputs = op.make_inputs(case, _dtype(cfg), device)
-            checks = _check_at(op, cfg, inputs, timed)
+            checks = _check_at(op, cfg, case, inputs, timed)
             for name in timed:
                 impl = op.impls[name]
                 rows.append(curves.measure_row(
@@ -395,10 +444,10 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) 
             "unchecked_or_failed": sorted({f"{r['impl']}@{r['x_value']}" for r in rows if r["check"] != "pass"})}
 
 
-def _check_at(op: OpDef, cfg: LabConfig, inputs: Tensors, names: list[str]) -> dict[str, str]:
+def _check_at(op: OpDef, cfg: LabConfig, case: Case, inputs: Tensors, names: list[str]) -> dict[str, str]:
     """Each path's forward output at one curve size against the float64 oracle: "pass", or why not."""
-    oracle = op.reference.fn({k: v.double() for k, v in inputs.items()}, cfg)["out"]
-    baseline = op.reference.fn(inputs, cfg)["out"]
+    oracle = reference_outputs(op, cfg, {k: v.double() for k, v in inputs.items()}, case)["out"]
+    baseline = reference_outputs(op, cfg, inputs, case)["out"]
     verdicts = {}
     for name in names:
         if name == REFERENCE:

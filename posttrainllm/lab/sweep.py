@@ -87,7 +87,53 @@ def write_params(params: dict[str, Any], path: Path) -> None:
 
 
 def read_points(path: Path) -> dict[str, Any]:
-    return yaml.safe_load(path.read_text())
+    """params.yaml as `write_params` wrote it; a ConfigError (one line) when it is missing or is not that."""
+    regenerate = "regenerate it with `posttrainllm sweep sweep=NAME` (NAME from conf/sweep/)"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found in {Path.cwd()}: run from the project root, or plan a sweep "
+                          "with `posttrainllm sweep sweep=default`") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc}): {regenerate}") from None
+    try:
+        params = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(f"{path}: not valid YAML{where} ({problem}): {regenerate}") from None
+    if not (isinstance(params, dict) and isinstance(params.get("sweep"), dict)
+            and isinstance(params.get("points"), dict)):
+        raise ConfigError(f"{path}: not a sweep plan (it needs the mappings 'sweep' and 'points'): {regenerate}")
+    bad = [str(name) for name, point in params["points"].items()
+           if not isinstance(name, str) or not isinstance(point, dict) or not isinstance(point.get("config"), dict)]
+    if bad:
+        raise ConfigError(f"{path}: point {', '.join(bad)} is not a planned point (no 'config' mapping): {regenerate}")
+    return params
+
+
+# What `posttrainllm sweep` passes on: the sweep's own keys (and Hydra's). Anything else
+# (a point key such as tile.block_q=32 or train.steps=5, run.*) would not reach params.yaml.
+PLAN_KEYS = ("sweep", "hydra")
+
+
+def refuse_point_overrides(overrides: list[str], sweep_name: str) -> None:
+    """Refuse `posttrainllm sweep key=value` for a key the plan would drop, saying how to apply it.
+
+    Without this, `posttrainllm sweep tile.block_q=32` exited 0 with params.yaml unchanged, and a
+    point named tile-b64 could later be run believing it held block_q=32 (or the reverse).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    dropped = [o.input_line for o in parsed if o.key_or_group.split("@")[0].split(".")[0] not in PLAN_KEYS]
+    if dropped:
+        quoted = ", ".join(f'"{line}"' for line in dropped)
+        raise ConfigError(
+            f"posttrainllm sweep does not pass {' '.join(dropped)} to its points: put it in "
+            f"conf/sweep/{sweep_name}.yaml under overrides: (every point) or baseline:/vary: (a dimension), "
+            f"or pass 'sweep.overrides=[{quoted}]' (replaces that list)")
 
 
 def refuse_multi_dimension_multirun(overrides: list[str], grid: bool) -> None:

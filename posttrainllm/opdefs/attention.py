@@ -102,8 +102,8 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
     then cast to the point's dtype.
 
     large_logits    q scaled so the scaled scores have std 10 (maxima near ±30 and beyond)
-    growing_logits  keys drift along q's mean direction, so scores grow with the key index:
-                    every KV block raises the running max (the online-softmax rescale path)
+    growing_logits  keys drift along q's mean direction, so scores rise with the key index (~6 over
+                    the sequence): later KV blocks raise the running max (the online-softmax rescale path)
     near_one_hot    query i is 2x key i (its own position, visible under the causal mask):
                     one score per row dominates the rest by ~2·√D (>= 11 at D=32: weight >= 0.99)
     """
@@ -116,7 +116,7 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
     elif case.inputs == "growing_logits":
         direction = torch.ones(hd) / hd ** 0.5
         q = q + 2.0 * direction
-        ramp = torch.linspace(0.0, 6.0 * hd ** 0.5, s)[:, None] * direction  # (S, D): scores rise ~12 over S
+        ramp = torch.linspace(0.0, 3.0 * hd ** 0.5, s)[:, None] * direction  # (S, D): scores rise ~6 over S
         k = k + ramp
     elif case.inputs == "near_one_hot":
         q = 2.0 * reference.repeat_kv(k, h) + 0.1 * q
@@ -186,6 +186,26 @@ def _check_config(cfg: LabConfig) -> None:
                           f"memory per program, over device.smem_bytes={cfg.device.smem_bytes}")
 
 
+def _oracle_chunks(case: Case) -> list[dict[str, tuple]]:
+    """One piece per (batch, kv head): its query heads and its K/V, so a piece holds G·S² scores, not B·H·S²."""
+    d = case.dims
+    group = d["heads"] // d["kv_heads"]
+    return [{"q": (slice(b, b + 1), slice(g * group, (g + 1) * group)),
+             "k": (slice(b, b + 1), slice(g, g + 1)), "v": (slice(b, b + 1), slice(g, g + 1))}
+            for b in range(d["batch"]) for g in range(d["kv_heads"])]
+
+
+def _reference_bytes(case: Case, cfg: LabConfig) -> int:
+    """The reference stage's peak, estimated: a piece's float64 scores live as ~6 (G, S, S) tensors through
+    autograd (scores, masked, probs, their gradients), next to the whole problem's inputs, outputs and
+    gradients in float64, in the point's precision and in fp32 (about 10 copies of Q, K, V, O)."""
+    d = case.dims
+    group = d["heads"] // d["kv_heads"]
+    piece = 6 * group * d["seq_len"] ** 2 * 8
+    tensors = 10 * (2 * d["heads"] + 2 * d["kv_heads"]) * d["batch"] * d["seq_len"] * d["head_dim"] * 8
+    return piece + tensors
+
+
 OP = OpDef(
     name="attention", x_name="seq_len", input_names=("q", "k", "v"), impls=IMPLS, cases=_cases,
     make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
@@ -195,4 +215,6 @@ OP = OpDef(
     # P ≈ one-hot): a fused backward forms D = rowsum(dO∘O) from the rounded O, so SDPA's and our backward
     # both miss the per-row bound there in bf16/fp16 while the readable math (exact softmax backward) does not.
     forward_only_inputs=("near_one_hot",),
+    oracle_chunks=_oracle_chunks, reference_bytes=_reference_bytes,
+    output_follows={"out": "q", "lse": "q", "grad_q": "q", "grad_k": "k", "grad_v": "v"},
 )

@@ -102,6 +102,13 @@ class OpDef:
     oracle_extra: Callable[[Tensors, LabConfig], Tensors] = lambda x, cfg: {}
     row_ndim: dict[str, int] = field(default_factory=dict)  # per output: trailing dims that form one parity row
     forward_only_inputs: tuple[str, ...] = ()  # input kinds whose cases check the forward outputs only
+    # The float64 oracle in pieces, so long sequences fit: each chunk maps every input to the index of
+    # its piece; `output_follows` says which input's index each output (and gradient) takes. One chunk
+    # (the whole problem) by default.
+    oracle_chunks: Callable[[Case], list[dict[str, tuple]]] = lambda case: [{}]
+    output_follows: dict[str, str] = field(default_factory=dict)
+    # Peak bytes of the reference stage on one case (one chunk of the oracle at a time), for the memory check
+    reference_bytes: Callable[[Case, LabConfig], int] = lambda case, cfg: 0
 
     @property
     def reference(self) -> Impl:

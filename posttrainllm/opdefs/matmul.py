@@ -125,8 +125,14 @@ def _check_config(cfg: LabConfig) -> None:
                           f"memory per program, over device.smem_bytes={cfg.device.smem_bytes}")
 
 
+def _reference_bytes(case: Case, cfg: LabConfig) -> int:
+    """A, B, C and both gradients, in float64 and in the point's precision: ~4 copies of each."""
+    d = case.dims
+    return 4 * (d["m"] * d["k"] + d["k"] * d["n"] + d["m"] * d["n"]) * 8 * 2
+
+
 OP = OpDef(
     name="matmul", x_name="size", input_names=("a", "b"), impls=IMPLS, cases=_cases, make_inputs=_make_inputs,
     problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks, model_problem=_model_problem,
-    profiled_range="matmul", check_config=_check_config,
+    profiled_range="matmul", check_config=_check_config, reference_bytes=_reference_bytes,
 )

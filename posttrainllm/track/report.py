@@ -169,4 +169,37 @@ def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
         "`amdahl_pred`/`amdahl_meas`: the end-to-end step speedup predicted from the microbench and the op's "
         "share of the step, and the measured one.",
     ]
-    return "\n".join(lines + legend) + "\n"
+    timing = stage_times_text(receipts)
+    return "\n".join(lines + legend + (["", f"Time: {timing}"] if timing else [])) + "\n"
+
+
+def stage_times(receipts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Where the sweep's time went, from the stages' stamps: seconds per stage summed over points
+    (each stage's whole process, imports included), and the sweep's wall time from the first stage's
+    start to the last stage's end. Points run by `posttrainllm bench` have no stamps and add nothing."""
+    import datetime as dt
+
+    per_stage: dict[str, float] = {}
+    starts, ends = [], []
+    for receipt in receipts.values():
+        for stage, stamp in (receipt.get("stamps") or {}).items():
+            timing = stamp.get("timing") or {}
+            seconds = timing.get("process_s") or timing.get("stage_s")
+            if seconds is None:
+                continue
+            per_stage[stage] = per_stage.get(stage, 0.0) + seconds
+            end = dt.datetime.fromisoformat(stamp["created_at"]).timestamp()
+            starts.append(end - seconds)
+            ends.append(end)
+    wall = max(ends) - min(starts) if ends else None
+    return {"per_stage_s": per_stage, "stages_total_s": sum(per_stage.values()), "wall_s": wall}
+
+
+def stage_times_text(receipts: dict[str, dict[str, Any]]) -> str:
+    times = stage_times(receipts)
+    if not times["per_stage_s"]:
+        return ""
+    split = ", ".join(f"{stage} {seconds:.0f} s" for stage, seconds in times["per_stage_s"].items())
+    wall = f"{times['wall_s']:.0f} s" if times["wall_s"] is not None else "-"
+    return (f"point stages: {times['stages_total_s']:.0f} s in all ({split}); from the first stage's start to "
+            f"the last's end: {wall} (DVC's own start-up and the device/calibrate stages excluded)")

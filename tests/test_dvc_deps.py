@@ -1,0 +1,396 @@
+"""Complete, checked dependencies: dvc.yaml against what each stage imports and reads, and stamps.
+
+Every stage's `deps` must cover every posttrainllm module its process loads and its `params`
+every config key it reads; both are derived by running the stages of one point (in a copy of
+the project, with `dvc repro`) and reading their stamps (posttrainllm/track/stamp.py). On a
+CPU the timed stages skip the Triton path (interpreter timings are not speed), so microbench
+and bench_train also run once more "as on a GPU" (the interpreter counted as a device: what
+they import and read is the point, not their numbers). The receipt refuses stamps that
+disagree about shared code, and a speed-only kernel edit reruns the timed stages.
+"""
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrainllm.config import PROJECT_ROOT, Contract, TileConfig, load
+from posttrainllm.track import stamp
+
+POINT = "baseline"
+POINT_STAGES = ("reference", "kernel", "parity", "microbench", "bench_train", "receipt")
+ENV_RECORD = {stamp.RECORD_ENV: "1"}  # the timed stages record their config reads too
+
+# Run a stage script with the Triton path treated as on a GPU (timed, profiled): what it imports and reads.
+GPU_LIKE = (
+    "import runpy, sys\n"
+    "from posttrainllm.measure import device\n"
+    "device.triton_interpreted = lambda: False\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+# Run a script and write the project files of every module it loaded (for the stages without stamps).
+IMPORTS = (
+    "import atexit, json, runpy, sys\n"
+    "from pathlib import Path\n"
+    "out = sys.argv[1]\n"
+    "def dump():\n"
+    "    root = Path.cwd().resolve()\n"
+    "    files = {Path(m.__file__).resolve() for m in list(sys.modules.values()) if getattr(m, '__file__', None)}\n"
+    "    Path(out).write_text(json.dumps(sorted(f.relative_to(root).as_posix() for f in files\n"
+    "                                           if f.is_relative_to(root / 'posttrainllm'))))\n"
+    "atexit.register(dump)\n"
+    "sys.argv = sys.argv[2:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+# --- the checks, as functions (so that each is also shown to fail) ------------------------------
+
+
+def stage_spec(dvc: dict, stage: str, point: str = POINT) -> dict:
+    """A stage's deps and params from dvc.yaml's dict, `${key}` of a foreach stage set to `point`."""
+    spec = dvc["stages"][stage]
+    spec = spec.get("do", spec)
+
+    def sub(text: str) -> str:
+        return text.replace("${key}", point)
+
+    deps = [sub(next(iter(d)) if isinstance(d, dict) else d) for d in spec.get("deps", [])]
+    params: list[str] = []
+    for p in spec.get("params", []):
+        if isinstance(p, dict):  # {file: [keys]}: keys of another params file
+            params += [f"{file}:{key}" for file, keys in p.items() for key in keys]
+        else:
+            params.append(sub(p))
+    return {"deps": deps, "params": params}
+
+
+def uncovered_sources(sources, deps: list[str]) -> list[str]:
+    """The source files no dep covers (a dep covers itself and, as a folder, everything under it)."""
+    deps = [d.rstrip("/") for d in deps]
+    return sorted(s for s in sources if not any(s == d or s.startswith(d + "/") for d in deps))
+
+
+def uncovered_keys(keys, params: list[str], point: str = POINT) -> list[str]:
+    """The config keys no param covers: `points.<point>.config.tile` covers `tile.block_q`, `points.<point>` all."""
+    full = {key: f"points.{point}.config.{key}" for key in keys}
+    return sorted(key for key, name in full.items() if not any(name == p or name.startswith(p + ".") for p in params))
+
+
+def without(dvc: dict, stage: str, field: str, entry: str) -> dict:
+    """dvc.yaml's dict with one entry of one stage's deps or params removed."""
+    changed = copy.deepcopy(dvc)
+    spec = changed["stages"][stage].get("do", changed["stages"][stage])
+    spec[field] = [e for e in spec[field] if e != entry]
+    assert len(spec[field]) < len(dvc["stages"][stage].get("do", dvc["stages"][stage])[field]), entry
+    return changed
+
+
+# --- a copy of the project, one point reproduced ------------------------------------------------
+
+
+def _run(args, cwd, env, check=True, timeout=900):
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode:
+        raise AssertionError(f"{' '.join(map(str, args))} exited {done.returncode}\n{done.stdout[-3000:]}\n"
+                             f"{done.stderr[-3000:]}")
+    return done
+
+
+def copy_project(root: Path) -> None:
+    """The working tree as git sees it: tracked files and new ones not ignored (runs/, .venv/ are)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, listed):
+        if (PROJECT_ROOT / name).is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(PROJECT_ROOT / name, root / name)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, mlflow_uri):
+    """A committed copy of the project, the smoke sweep planned and its baseline point reproduced."""
+    root = tmp_path_factory.mktemp("deps")
+    copy_project(root)
+    env = {**os.environ, **ENV_RECORD, "MLFLOW_TRACKING_URI": mlflow_uri, "PYTHONPATH": str(root),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("DVC_ROOT", None)
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    _run(["git", "init", "-q"], root, env)
+    _run([sys.executable, "-m", "posttrainllm", "sweep", "sweep=smoke"], root, env)
+    _run([*git, "add", "-A"], root, env)
+    _run([*git, "commit", "-qm", "smoke sweep"], root, env)
+    _run(["dvc", "repro", f"receipt@{POINT}"], root, env)
+    return root, env
+
+
+@pytest.fixture(scope="module")
+def dvc(project):
+    root, _ = project
+    return yaml.safe_load((root / "dvc.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def stamps(project):
+    root, _ = project
+    return stamp.read_stamps(root / "runs" / POINT)
+
+
+@pytest.fixture(scope="module")
+def gpu_like_stamps(project, tmp_path_factory):
+    """microbench and bench_train of a smaller copy of the point, the Triton path timed as on a GPU."""
+    root, env = project
+    side = tmp_path_factory.mktemp("gpu_like")
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    config = params["points"][POINT]["config"]
+    config["shape"]["curve"] = [32, 64]
+    config["bench"].update(warmup=0, reps=1, max_reps=1, min_time_s=0.0)
+    config["train"].update(steps=2, warmup_steps=1)
+    params["points"] = {POINT: params["points"][POINT]}
+    (side / "params.yaml").write_text(yaml.safe_dump(params))
+    (side / "runs" / POINT).mkdir(parents=True)
+    shutil.copy(root / "runs" / "calibration.json", side / "runs")
+    shutil.copy(root / "runs" / POINT / "parity.json", side / "runs" / POINT)
+    for stage in ("microbench", "bench_train"):
+        _run([sys.executable, "-c", GPU_LIKE, str(root / "pipelines" / f"{stage}.py"), POINT], side, env)
+    made = stamp.read_stamps(side / "runs" / POINT)
+    assert set(made) == {"microbench", "bench_train"}
+    assert json.loads((side / "runs" / POINT / "microbench.json").read_text())["paths"]["triton"]["valid"]
+    return made
+
+
+def _imports_of(root: Path, env: dict, script: str, *args: str) -> list[str]:
+    out = root.parent / f"imports-{Path(script).stem}.json"
+    _run([sys.executable, "-c", IMPORTS, str(out), script, *args], root, env)
+    return [*json.loads(out.read_text()), script]
+
+
+# --- (a) deps cover every module a stage loads ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_every_stage_depends_on_every_module_it_loads(project, dvc, stamps, gpu_like_stamps, tmp_path):
+    root, env = project
+    assert set(stamps) == set(POINT_STAGES)
+    loaded = {stage: set(stamps[stage]["sources"]) for stage in POINT_STAGES}
+    for stage, made in gpu_like_stamps.items():
+        loaded[stage] |= set(made["sources"])
+    loaded["device"] = set(_imports_of(root, env, "pipelines/device.py", str(tmp_path / "device.json")))
+    loaded["calibrate"] = set(_imports_of(root, env, "pipelines/calibrate.py", str(tmp_path / "calibration.json")))
+    assert "posttrainllm/ops/attention.py" in loaded["microbench"]  # the GPU path: what was missed before
+
+    for stage, sources in loaded.items():
+        assert f"pipelines/{stage}.py" in sources
+        deps = stage_spec(dvc, stage)["deps"]
+        assert uncovered_sources(sources, deps) == [], f"dvc.yaml: stage {stage} misses deps"
+        # and the check bites: without any one dep that covers a loaded file, that file is reported
+        for dep in deps:
+            covered = [s for s in sources if s == dep or s.startswith(dep + "/")]
+            if covered:
+                missing = uncovered_sources(sources, stage_spec(without(dvc, stage, "deps", _raw_dep(dvc, stage, dep)),
+                                                                stage)["deps"])
+                assert set(covered) <= set(missing), (stage, dep)
+
+
+def _raw_dep(dvc: dict, stage: str, dep: str) -> str:
+    """A dep as written in dvc.yaml (with `${key}`), from its form with the point filled in."""
+    spec = dvc["stages"][stage].get("do", dvc["stages"][stage])
+    return next(d for d in spec["deps"] if d.replace("${key}", POINT) == dep)
+
+
+@pytest.mark.slow
+def test_the_timed_stages_were_missing_the_kernels_and_their_params(dvc, gpu_like_stamps):
+    """The bug this guards against: microbench and bench_train without posttrainllm/ops and the tile params."""
+    for stage, made in gpu_like_stamps.items():
+        deps_before = stage_spec(without(dvc, stage, "deps", "posttrainllm/ops"), stage)["deps"]
+        assert "posttrainllm/ops/attention.py" in uncovered_sources(made["sources"], deps_before)
+        params_before = without(dvc, stage, "params", "points.${key}.config.tile")
+        missing = uncovered_keys(made["config_keys"], stage_spec(params_before, stage)["params"])
+        assert {"tile.block_q", "tile.block_kv"} <= set(missing), stage
+
+
+# --- (b) params cover every config key a stage reads ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_every_stage_lists_every_config_key_it_reads_in_its_params(dvc, stamps, gpu_like_stamps):
+    for stage in POINT_STAGES:
+        keys = set(stamps[stage]["config_keys"]) | set((gpu_like_stamps.get(stage) or {}).get("config_keys") or [])
+        assert keys, stage
+        assert not any(k.split(".")[0] in ("run", "sweep") for k in keys)
+        params = stage_spec(dvc, stage)["params"]
+        assert uncovered_keys(keys, params) == [], f"dvc.yaml: stage {stage} misses params"
+        # and the check bites: without any one param that covers a key read, that key is reported
+        for param in dvc["stages"][stage]["do"]["params"]:
+            name = param.replace("${key}", POINT)
+            covered = [k for k in keys if f"points.{POINT}.config.{k}" == name
+                       or f"points.{POINT}.config.{k}".startswith(name + ".")]
+            if covered:
+                missing = uncovered_keys(keys, stage_spec(without(dvc, stage, "params", param), stage)["params"])
+                assert set(covered) <= set(missing), (stage, param)
+    assert "bench.threads" in stamps["reference"]["config_keys"]  # prepare() sets the thread count it computes with
+
+
+@pytest.mark.slow
+def test_stamps_carry_the_revision_the_device_and_are_in_the_receipt(project, stamps):
+    root, env = project
+    head = _run(["git", "rev-parse", "HEAD"], root, env).stdout.strip()
+    for stage, made in stamps.items():
+        assert made["stage"] == stage and made["point"] == POINT
+        assert made["revision"] == head and made["dirty"] is False
+        assert made["device"]["device"] == "cpu" and made["device"]["threads"] == 1
+        for path, digest in made["sources"].items():
+            assert stamp.file_sha256(root / path) == digest
+    receipt = json.loads((root / "runs" / POINT / "receipt.json").read_text())
+    assert receipt["stamps"] == {s: stamps[s] for s in POINT_STAGES if s != "receipt"}
+
+
+# --- (d) a speed-only kernel edit reruns the timed stages -----------------------------------------
+
+
+@pytest.mark.slow
+def test_a_speed_only_kernel_edit_reruns_the_timed_stages_not_reference(project):
+    root, env = project
+
+    def changed() -> set[str]:
+        out = _run(["dvc", "status", "--with-deps", f"receipt@{POINT}"], root, env).stdout
+        return {line[:-1] for line in out.splitlines() if line.endswith(":") and not line[0].isspace()}
+
+    assert changed() <= {"device"}  # always changed by design; everything else is up to date
+    kernel = root / "posttrainllm" / "ops" / "attention.py"
+    original = kernel.read_text()
+    try:
+        kernel.write_text(original + "# a speed-only edit\n")
+        listed = changed()
+    finally:
+        kernel.write_text(original)
+    assert {f"kernel@{POINT}", f"microbench@{POINT}", f"bench_train@{POINT}"} <= listed
+    assert f"reference@{POINT}" not in listed and f"parity@{POINT}" not in listed and "calibrate" not in listed
+
+
+# --- (c) the receipt refuses stamps that disagree --------------------------------------------------
+
+
+def _stamp(stage: str, sources: dict, device: dict | None = None) -> dict:
+    return {"stage": stage, "point": POINT, "created_at": "2026-01-01T00:00:00+00:00", "revision": "0" * 40,
+            "dirty": False, "device": device or {"device": "cpu", "threads": 1}, "sources": sources,
+            "config_keys": []}
+
+
+@pytest.fixture
+def planned(tmp_path, monkeypatch):
+    """A folder with the smoke sweep planned in params.yaml, as the working directory."""
+    from posttrainllm import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["sweep", "sweep=smoke"]) == 0
+    return tmp_path
+
+
+def test_receipt_stage_refuses_stamps_that_disagree_about_shared_code(planned, capsys):
+    from posttrainllm.lab.pipeline import run_stage
+
+    folder = planned / "runs" / POINT
+    shared = "posttrainllm/ops/attention.py"
+    stamp.write_stamp(folder, _stamp("kernel", {shared: "a" * 64, "posttrainllm/config.py": "c" * 64}))
+    stamp.write_stamp(folder, _stamp("microbench", {shared: "b" * 64, "posttrainllm/config.py": "c" * 64}))
+
+    assert run_stage("receipt", [POINT]) == 2
+
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"posttrainllm: receipt {POINT}: stages kernel and microbench ran different versions "
+                          f"of {shared} ")
+    assert "runs/baseline/stamps" in err
+    assert not (folder / "receipt.json").exists()
+
+
+def test_receipt_refuses_timed_stages_from_different_devices(planned):
+    from posttrainllm.lab.pipeline import load_point
+    from posttrainllm.track import receipt
+
+    cfg, sweep = load_point(POINT)
+    folder = planned / "runs" / POINT
+    stamp.write_stamp(folder, _stamp("microbench", {}, {"device": "cpu", "threads": 1}))
+    stamp.write_stamp(folder, _stamp("bench_train", {}, {"device": "cpu", "threads": 2}))
+    with pytest.raises(stamp.StampMismatch, match="stages bench_train and microbench were timed on different "
+                                                  "devices \\(differ in threads"):
+        receipt.build(cfg, sweep=sweep)
+
+
+def test_receipt_records_stamps_that_agree_and_a_changed_revision_alone_is_fine(planned):
+    from posttrainllm.lab.pipeline import load_point
+    from posttrainllm.track import receipt
+
+    cfg, sweep = load_point(POINT)
+    folder = planned / "runs" / POINT
+    older = {**_stamp("reference", {"pipelines/reference.py": "d" * 64}), "revision": "1" * 40}
+    stamp.write_stamp(folder, older)
+    stamp.write_stamp(folder, _stamp("kernel", {"pipelines/kernel.py": "e" * 64}))
+    built = receipt.build(cfg, sweep=sweep)
+    assert built["stamps"] == {"kernel": _stamp("kernel", {"pipelines/kernel.py": "e" * 64}), "reference": older}
+
+
+def test_a_stage_whose_contract_broke_is_stamped_and_the_sweep_runs_on(planned, monkeypatch, capsys):
+    from posttrainllm.lab import pipeline
+    from posttrainllm.lab.stages import ContractBroken
+
+    def broken(cfg, sweep):
+        cfg.precision.contract.atol  # a read, recorded
+        raise ContractBroken("triton broke the fp32 contract")
+
+    monkeypatch.setattr(pipeline, "_stage", lambda name: broken)
+    assert pipeline.run_stage("parity", [POINT]) == 0
+    made = json.loads((planned / "runs" / POINT / "stamps" / "parity.json").read_text())
+    assert made["stage"] == "parity" and "precision.contract.atol" in made["config_keys"]
+    assert "posttrainllm/lab/pipeline.py" in made["sources"] and "pipelines/parity.py" in made["sources"]
+    assert "__getattribute__" not in Contract.__dict__
+
+
+# --- how config reads are recorded -----------------------------------------------------------------
+
+
+def test_config_reads_map_to_dotted_keys_and_the_classes_are_restored():
+    cfg = load(["device=cpu"])
+    with stamp.record_config_reads(cfg) as reads:
+        cfg.tile.block_q
+        cfg.precision.lse_contract.atol  # same class as precision.contract: told apart by instance
+        cfg.run.name, cfg.sweep  # where to write and the plan: not recorded
+        cfg.tile  # a group, not a value
+        copy.copy(cfg.op).causal  # a copy: mapped by its class
+        copy.copy(cfg.precision.contract).rtol  # a copy of a class with two places: both
+    assert reads.keys() == ["op.causal", "precision.contract.rtol", "precision.lse_contract.atol",
+                            "precision.lse_contract.rtol", "tile.block_q"]
+    for cls in (TileConfig, Contract, type(cfg)):
+        assert "__getattribute__" not in cls.__dict__
+
+    with pytest.raises(RuntimeError), stamp.record_config_reads(cfg):
+        raise RuntimeError("a stage that crashed")
+    assert "__getattribute__" not in TileConfig.__dict__
+
+
+def test_timed_stages_record_config_reads_only_when_asked(monkeypatch):
+    monkeypatch.delenv(stamp.RECORD_ENV, raising=False)
+    assert stamp.records_reads("parity") and not stamp.records_reads("microbench")
+    monkeypatch.setenv(stamp.RECORD_ENV, "1")
+    assert stamp.records_reads("microbench") and stamp.records_reads("bench_train")
+
+
+def test_the_checks_report_what_is_missing():
+    dvc = {"stages": {"s": {"foreach": "${points}", "do": {
+        "deps": ["pipelines/s.py", "posttrainllm/ops", "runs/${key}/x.json"],
+        "params": ["points.${key}.config.tile", {"conf/config.yaml": ["bench.threads"]}]}}}}
+    spec = stage_spec(dvc, "s")
+    assert spec["params"] == [f"points.{POINT}.config.tile", "conf/config.yaml:bench.threads"]
+    assert uncovered_sources(["posttrainllm/ops/attention.py", "posttrainllm/opsx.py"], spec["deps"]) == [
+        "posttrainllm/opsx.py"]
+    assert uncovered_keys(["tile.block_q", "tiles.x", "workgroup.num_warps"], spec["params"]) == [
+        "tiles.x", "workgroup.num_warps"]
+    assert uncovered_keys(["tile.block_q"], [f"points.{POINT}"]) == []

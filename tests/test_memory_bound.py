@@ -1,0 +1,46 @@
+"""Memory is checked before allocation, and the float64 oracle is computed in pieces that fit."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from posttrainllm import cli
+from posttrainllm.config import ConfigError, load
+from posttrainllm.lab import stages
+from posttrainllm.opdefs import get_op
+
+
+def test_a_point_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["bench", "device=cpu", "shape.seq_len=100000000", "run.log_mlflow=false"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "GiB" in err and "parity.memory_fraction" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_budget_is_a_fraction_of_what_is_available(monkeypatch):
+    cfg = load(["device=cpu", "shape.seq_len=4096", "tile=b64"])
+    need = get_op("attention").reference_bytes(next(c for c in get_op("attention").cases(cfg) if c.main), cfg)
+    monkeypatch.setattr(stages.devices, "available_memory_bytes", lambda device: 4 * need)
+    assert stages.check_memory(cfg, "cpu")["estimated_bytes"] == need  # 4x need at fraction 0.5: fits
+    monkeypatch.setattr(stages.devices, "available_memory_bytes", lambda device: int(1.5 * need))
+    with pytest.raises(ConfigError, match="over its budget"):
+        stages.check_memory(cfg, "cpu")
+
+
+@pytest.mark.parametrize("arch", ["mha", "gqa", "mqa"])
+def test_the_oracle_in_pieces_equals_the_oracle_in_one(arch):
+    """Per (batch, kv head) pieces give the same outputs, logsumexp and gradients as one whole computation."""
+    cfg = load(["device=cpu", f"architecture={arch}", "shape.batch=2", "shape.seq_len=40", "tile=b16"])
+    op = get_op("attention")
+    case = next(c for c in op.cases(cfg) if c.main)
+    x = {k: v.double() for k, v in op.make_inputs(case, torch.float32, "cpu").items()}
+    grad_out = stages.upstream_gradient(case, op.reference.fn(x, cfg)["out"])
+    pieces = stages.reference_outputs(op, cfg, x, case, grad_out)
+    whole = stages.reference_outputs(dataclasses.replace(op, oracle_chunks=lambda case: [{}]), cfg, x, case, grad_out)
+    assert len(op.oracle_chunks(case)) == 2 * cfg.architecture.n_kv_heads
+    assert set(pieces) == set(whole) == {"out", "lse", "grad_q", "grad_k", "grad_v"}
+    for name in whole:
+        torch.testing.assert_close(pieces[name], whole[name], rtol=1e-12, atol=1e-12)
