@@ -27,3 +27,63 @@ def device() -> str:
 def mlflow_uri(tmp_path_factory) -> str:
     """One sqlite MLflow store for the session (a fresh store costs ~5 s of migrations)."""
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+def run_command(args, cwd, env, check=True, timeout=900):
+    """A subprocess whose failure shows the tail of its output."""
+    import subprocess
+
+    done = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode:
+        raise AssertionError(f"{' '.join(map(str, args))} exited {done.returncode}\n{done.stdout[-3000:]}\n"
+                             f"{done.stderr[-3000:]}")
+    return done
+
+
+@pytest.fixture(scope="session")
+def calibration(tmp_path_factory):
+    """One short calibration of this CPU for the session (the CLI reuses it when the fingerprint matches)."""
+    import json
+
+    from posttrainllm.measure import calibrate
+    from posttrainllm.measure import device as devices
+
+    path = tmp_path_factory.mktemp("calibration") / "calibration.json"
+    devices.prepare("cpu", 1)
+    path.write_text(json.dumps(calibrate.calibrate("cpu", budget_s=1.0)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def project_copy(tmp_path_factory, mlflow_uri):
+    """make(name, sweep=..., edit=None, env=None) -> (root, env): a committed copy of the working tree as git
+    sees it (tracked files and new ones not ignored), `edit(root)` applied, the sweep planned into params.yaml."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from posttrainllm.config import PROJECT_ROOT
+
+    def make(name, *, sweep, edit=None, env=None):
+        root = tmp_path_factory.mktemp(name)
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                                cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
+        for file in filter(None, listed):
+            if (PROJECT_ROOT / file).is_file():
+                (root / file).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(PROJECT_ROOT / file, root / file)
+        if edit is not None:
+            edit(root)
+        environ = {**os.environ, **(env or {}), "MLFLOW_TRACKING_URI": mlflow_uri, "PYTHONPATH": str(root),
+                   "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        environ.pop("DVC_ROOT", None)
+        environ.pop("TRITON_INTERPRET", None)  # the stages set it themselves on a machine without CUDA
+        git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+        run_command(["git", "init", "-q"], root, environ)
+        run_command([sys.executable, "-m", "posttrainllm", "sweep", f"sweep={sweep}"], root, environ)
+        run_command([*git, "add", "-A"], root, environ)
+        run_command([*git, "commit", "-qm", f"{sweep} sweep"], root, environ)
+        return root, environ
+
+    return make

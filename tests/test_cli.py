@@ -10,18 +10,6 @@ from posttrainllm import cli
 from posttrainllm.opdefs import attention
 
 
-@pytest.fixture(scope="module")
-def calibration(tmp_path_factory):
-    """One short calibration of this CPU for the module (the CLI reuses it when the fingerprint matches)."""
-    from posttrainllm.measure import calibrate
-    from posttrainllm.measure import device
-
-    path = tmp_path_factory.mktemp("calibration") / "calibration.json"
-    device.prepare("cpu", 1)
-    path.write_text(json.dumps(calibrate.calibrate("cpu", budget_s=1.0)))
-    return path
-
-
 @pytest.fixture
 def workdir(tmp_path, monkeypatch, mlflow_uri, calibration):
     monkeypatch.chdir(tmp_path)

@@ -11,16 +11,15 @@ disagree about shared code, and a speed-only kernel edit reruns the timed stages
 
 import copy
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_command as _run
 import yaml
 
-from posttrainllm.config import PROJECT_ROOT, Contract, TileConfig, load
+from posttrainllm.config import Contract, TileConfig, load
 from posttrainllm.track import stamp
 
 POINT = "baseline"
@@ -96,37 +95,10 @@ def without(dvc: dict, stage: str, field: str, entry: str) -> dict:
 # --- a copy of the project, one point reproduced ------------------------------------------------
 
 
-def _run(args, cwd, env, check=True, timeout=900):
-    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    if check and done.returncode:
-        raise AssertionError(f"{' '.join(map(str, args))} exited {done.returncode}\n{done.stdout[-3000:]}\n"
-                             f"{done.stderr[-3000:]}")
-    return done
-
-
-def copy_project(root: Path) -> None:
-    """The working tree as git sees it: tracked files and new ones not ignored (runs/, .venv/ are)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
-    for name in filter(None, listed):
-        if (PROJECT_ROOT / name).is_file():
-            (root / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(PROJECT_ROOT / name, root / name)
-
-
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, mlflow_uri):
+def project(project_copy):
     """A committed copy of the project, the smoke sweep planned and its baseline point reproduced."""
-    root = tmp_path_factory.mktemp("deps")
-    copy_project(root)
-    env = {**os.environ, **ENV_RECORD, "MLFLOW_TRACKING_URI": mlflow_uri, "PYTHONPATH": str(root),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("DVC_ROOT", None)
-    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
-    _run(["git", "init", "-q"], root, env)
-    _run([sys.executable, "-m", "posttrainllm", "sweep", "sweep=smoke"], root, env)
-    _run([*git, "add", "-A"], root, env)
-    _run([*git, "commit", "-qm", "smoke sweep"], root, env)
+    root, env = project_copy("deps", sweep="smoke", env=ENV_RECORD)
     _run(["dvc", "repro", f"receipt@{POINT}"], root, env)
     return root, env
 
@@ -304,8 +276,9 @@ def test_receipt_stage_refuses_stamps_that_disagree_about_shared_code(planned, c
 
     assert run_stage("receipt", [POINT]) == 2
 
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
+    lines = [line for line in capsys.readouterr().err.splitlines() if not line.endswith(" ...")]  # progress
+    err = lines[0]
+    assert len(lines) == 1 and "Traceback" not in err
     assert err.startswith(f"posttrainllm: receipt {POINT}: stages kernel and microbench ran different versions "
                           f"of {shared} ")
     assert "runs/baseline/stamps" in err

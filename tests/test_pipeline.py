@@ -1,46 +1,18 @@
 """The whole pipeline: `dvc repro` of a small sweep in a copy of the project, receipts read back from MLflow."""
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-from posttrainllm.config import PROJECT_ROOT
+from conftest import run_command
 
 pytestmark = pytest.mark.slow
 
 
-def _run(args, cwd, env, check=True):
-    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    if check and done.returncode:
-        raise AssertionError(f"{' '.join(args)} exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return done
-
-
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, mlflow_uri):
-    """A committed copy of the project's working tree (tracked files and new ones git does not ignore),
-    with the smoke sweep planned and reproduced."""
-    root = tmp_path_factory.mktemp("project")
-    tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                             cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
-    for name in filter(None, tracked):
-        if (PROJECT_ROOT / name).is_file():
-            (root / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(PROJECT_ROOT / name, root / name)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri, "PYTHONPATH": str(root),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("DVC_ROOT", None)
-    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
-    _run(["git", "init", "-q"], root, env)
-    _run(["python", "-m", "posttrainllm", "sweep", "sweep=smoke"], root, env)
-    _run([*git, "add", "-A"], root, env)
-    _run([*git, "commit", "-qm", "smoke sweep"], root, env)
-    repro = _run(["dvc", "repro"], root, env)
+def project(project_copy):
+    """A committed copy of the project with the smoke sweep planned and reproduced."""
+    root, env = project_copy("project", sweep="smoke")
+    repro = run_command(["dvc", "repro"], root, env)
     return root, env, repro
 
 
@@ -63,7 +35,7 @@ def test_receipts_are_in_mlflow_nested_under_one_sweep_run(project, mlflow_uri):
     root, env, _ = project
     client = MlflowClient(tracking_uri=mlflow_uri)
     experiment = client.get_experiment_by_name("posttrainllm")
-    head = _run(["git", "rev-parse", "HEAD"], root, env).stdout.strip()
+    head = run_command(["git", "rev-parse", "HEAD"], root, env).stdout.strip()
     runs = client.search_runs([experiment.experiment_id],
                               filter_string=f"tags.sweep = 'smoke' and tags.`git.revision` = '{head}'")
     children = {r.data.tags["point"]: r for r in runs}
@@ -92,7 +64,7 @@ def test_editing_kernel_code_reruns_kernel_and_later_stages_but_not_reference(pr
     original = kernel_file.read_text()
     try:
         kernel_file.write_text(original + "\n# edited\n")
-        dry = _run(["dvc", "repro", "--dry"], root, env).stdout
+        dry = run_command(["dvc", "repro", "--dry"], root, env).stdout
     finally:
         kernel_file.write_text(original)
     for point in ("baseline", "precision-fp16"):
@@ -103,18 +75,18 @@ def test_editing_kernel_code_reruns_kernel_and_later_stages_but_not_reference(pr
 
 def test_unknown_point_is_refused(project):
     root, env, _ = project
-    done = _run(["python", "pipelines/reference.py", "precision-fp8"], root, env, check=False)
+    done = run_command(["python", "pipelines/reference.py", "precision-fp8"], root, env, check=False)
     assert done.returncode == 2
     assert "unknown point 'precision-fp8': params.yaml has baseline, precision-fp16" in done.stderr
 
 
 def test_plots_render_offline_and_report_is_written(project):
     root, env, _ = project
-    _run(["dvc", "plots", "show"], root, env)
+    run_command(["dvc", "plots", "show"], root, env)
     page = (root / "dvc_plots" / "index.html").read_text()
     for name in ("time_vs_size", "memory_vs_size", "roofline"):
         assert f"runs_baseline_{name}.png" in page
     assert "https://" not in page  # no CDN: PNGs render offline
-    report = _run(["python", "-m", "posttrainllm", "report"], root, env).stdout
+    report = run_command(["python", "-m", "posttrainllm", "report"], root, env).stdout
     assert "precision-fp16" in report and "sdpa:pass,triton:pass" in report
     assert (root / "runs" / "report.md").read_text().startswith("| point | verdict | first_failure | change |")

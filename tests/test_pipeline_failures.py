@@ -7,15 +7,10 @@ and `posttrainllm report` listing the failure first and exiting 1.
 """
 
 import json
-import os
-import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-from posttrainllm.config import PROJECT_ROOT
+from conftest import run_command
 
 pytestmark = pytest.mark.slow
 
@@ -32,38 +27,18 @@ overrides: [train.steps=3, train.warmup_steps=1, train.interpreted_steps=2, benc
 """
 
 
-def _run(args, cwd, env, check=True):
-    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    if check and done.returncode:
-        raise AssertionError(f"{' '.join(args)} exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return done
-
-
 @pytest.fixture(scope="module")
-def broken_sweep(tmp_path_factory, mlflow_uri):
-    root = tmp_path_factory.mktemp("failing")
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
-    for name in filter(None, files):
-        if (PROJECT_ROOT / name).is_file():
-            (root / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(PROJECT_ROOT / name, root / name)
-    kernel = root / "posttrainllm" / "ops" / "attention.py"
-    source = kernel.read_text()
-    assert source.count(ORIGINAL) == 1, "the planted bug's target line moved"
-    kernel.write_text(source.replace(ORIGINAL, PLANTED))
-    (root / "conf" / "sweep" / "failing.yaml").write_text(SWEEP)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri, "PYTHONPATH": str(root),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("DVC_ROOT", None)
-    env.pop("TRITON_INTERPRET", None)  # the stages set it themselves on a machine without CUDA
-    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
-    _run(["git", "init", "-q"], root, env)
-    _run(["python", "-m", "posttrainllm", "sweep", "sweep=failing"], root, env)
-    _run([*git, "add", "-A"], root, env)
-    _run([*git, "commit", "-qm", "failing sweep"], root, env)
-    repro = _run(["dvc", "repro"], root, env, check=False)
-    report = _run(["python", "-m", "posttrainllm", "report"], root, env, check=False)
+def broken_sweep(project_copy):
+    def plant(root):
+        kernel = root / "posttrainllm" / "ops" / "attention.py"
+        source = kernel.read_text()
+        assert source.count(ORIGINAL) == 1, "the planted bug's target line moved"
+        kernel.write_text(source.replace(ORIGINAL, PLANTED))
+        (root / "conf" / "sweep" / "failing.yaml").write_text(SWEEP)
+
+    root, env = project_copy("failing", sweep="failing", edit=plant)
+    repro = run_command(["dvc", "repro"], root, env, check=False)
+    report = run_command([sys.executable, "-m", "posttrainllm", "report"], root, env, check=False)
     return root, repro, report
 
 
