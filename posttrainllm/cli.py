@@ -5,10 +5,17 @@
     posttrainllm sweep [sweep=NAME] [overrides...]    plan a sweep into params.yaml for `dvc repro`
     posttrainllm report                               the receipts of params.yaml's points, one row each
     posttrainllm receipt import FOLDER                log receipt JSON made elsewhere (a GPU node) into MLflow
+    posttrainllm experimental train-heads [overrides...]   Medusa draft heads on a frozen base: base (cached)
+                                                      -> heads -> decode measurement (lossless), a table
+    posttrainllm replay TARGET [--out DIR]            a stored receipt's tables and plots again, checked; runs nothing
+    posttrainllm compare BASE NEW [--across-devices] [--out FILE] [compare.KEY=VALUE ...]
+                                                      timings and verdicts of two revisions; exit 1 on a regression
 
 Every subcommand keeps Hydra's full override syntax (`--cfg job`, `--help`, `-m`).
 Overrides are checked before anything runs or is written: a bad one prints one
-line naming the valid choices and exits with 2.
+line naming the valid choices and exits with 2. On a GPU, bench and bench-train run
+timing loops only with approval (run.approve=true or POSTTRAINLLM_APPROVE=1; lab/approval.py):
+without it they print the device time they would take and exit with 2.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -150,10 +158,41 @@ def plan_sweep(cfg: DictConfig) -> None:
     print("run them with: dvc repro")
 
 
+# commands that run timing loops: approval on a GPU (lab/approval.py)
+TIMED = ("bench", "bench-train", "experimental train-heads")
+def train_heads_point(cfg: DictConfig) -> None:
+    """Base (reused when its settings match) -> heads -> decode measurement -> receipt, then a table."""
+    from posttrainllm.lab import heads
+    from posttrainllm.measure import calibrate
+    from posttrainllm.measure import device as devices
+    from posttrainllm.track import store
+
+    lab = _point(cfg, "heads")
+    device = devices.prepare(lab.device.name, lab.bench.threads)
+    base, trained = heads.ensure_base(lab)
+    print(f"base: {'trained' if trained else 'reused'} {heads.base_dir(lab)} (held-out loss "
+          f"{base['heldout_loss']:.3f}, {base['train_s']:.0f} s to train)")
+    heads.train_heads(lab)
+    calibration = calibrate.load_or_measure(Path(lab.run.out_dir) / "calibration.json", device)
+    try:
+        heads.measure_decode(lab, calibration)
+    except heads.LossyDecoding as exc:
+        _broken.append(f"heads-{lab.heads.name}: {exc}")
+    try:
+        done, run_id = heads.record(lab)
+    except store.TrackingFailed as exc:
+        print(exc.line(), file=sys.stderr)
+        _untracked.append(exc.line())
+        done, run_id = exc.receipt or heads.read_json(heads.heads_dir(lab) / "receipt.json"), None
+    print(f"receipt: {heads.heads_dir(lab) / 'receipt.json'}" + (f"  mlflow run {run_id}" if run_id else ""))
+    print(heads.table(done))
+
+
 COMMANDS: dict[str, Callable[[DictConfig], None]] = {
     "bench": bench_point,
     "bench-train": bench_train_point,
     "sweep": plan_sweep,
+    "experimental train-heads": train_heads_point,
 }
 
 
@@ -188,6 +227,10 @@ def report_sweep(args: list[str]) -> int:
         print("posttrainllm: no receipts yet: run `dvc repro`", file=sys.stderr)
         return EXIT_CONTRACT
     print(report.sweep_table(receipts))
+    for name, receipt in receipts.items():  # the receipt stage stamps itself after its receipt is written
+        own = Path(RUNS) / name / "stamps" / "receipt.json"
+        if own.exists() and receipt.get("stamps") is not None:
+            receipt["stamps"] = {**receipt["stamps"], "receipt": read_json(own)}
     if report.stage_times_text(receipts):
         print(report.stage_times_text(receipts))
     (Path(RUNS) / "report.md").write_text(report.sweep_markdown(receipts))
@@ -233,6 +276,97 @@ def import_receipts(args: list[str]) -> int:
     return 0 if logged else EXIT_CONTRACT
 
 
+def replay_receipts(args: list[str]) -> int:
+    """`posttrainllm replay TARGET [--out DIR]`: tables, verdicts and plots from what was stored; nothing runs."""
+    from posttrainllm.track import replay
+
+    out = _option(args, "--out")
+    if len(args) != 1:
+        print("usage: posttrainllm replay TARGET [--out DIR]   (TARGET: a point folder, a receipt.json, a folder "
+              "of points, or an MLflow run id)", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        stored = replay.load(args[0])
+    except replay.ReplayError as exc:
+        print(f"posttrainllm: cannot replay {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    bad = 0
+    for one in stored:
+        print(replay.render(one, Path(out) / one.name if out else Path("runs") / "replay" / one.name))
+        problems = replay.verify(one)
+        for problem in problems:
+            print(f"posttrainllm: receipt {one.source} does not add up: {problem}", file=sys.stderr)
+        print(f"verified: {'ok' if not problems else f'{len(problems)} problem(s)'}\n")
+        bad += bool(problems)
+    if bad:
+        print(f"posttrainllm: {bad} of {len(stored)} receipts do not add up (tampered or truncated?)", file=sys.stderr)
+        return EXIT_CONFIG
+    return 0
+
+
+def compare_receipts(args: list[str]) -> int:
+    """`posttrainllm compare BASE NEW`: exit 1 when a path got slower or a verdict went from pass to fail."""
+    from posttrainllm.track import compare, replay
+
+    across = "--across-devices" in args
+    args = [a for a in args if a != "--across-devices"]
+    out = Path(_option(args, "--out") or Path("runs") / "compare.md")
+    overrides = [a for a in args if "=" in a and not Path(a).exists()]
+    targets = [a for a in args if a not in overrides]
+    if len(targets) != 2 or any(not o.startswith("compare.") for o in overrides):
+        print("usage: posttrainllm compare BASE NEW [--across-devices] [--out FILE] [compare.KEY=VALUE ...]   "
+              "(BASE, NEW: point folders, receipt.json files, folders of points, or MLflow run ids)", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        cfg = load(overrides).compare
+        sides = [replay.load(target) for target in targets]
+    except ConfigError as exc:
+        print(f"posttrainllm: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except replay.ReplayError as exc:
+        print(f"posttrainllm: cannot compare {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    problems = [f"{one.source}: {p}" for side in sides for one in side for p in replay.verify(one)]
+    if problems:
+        for problem in problems:
+            print(f"posttrainllm: receipt does not add up: {problem}", file=sys.stderr)
+        print("posttrainllm: not compared: fix or rerun those points", file=sys.stderr)
+        return EXIT_CONFIG
+    result = compare.compare(*sides, cfg, across_devices=across)
+    print(compare.table(result, cfg))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(compare.markdown(result, cfg, *targets))
+    print(f"written: {out}")
+    return EXIT_CONTRACT if result.regressions else 0
+
+
+def _option(args: list[str], flag: str) -> str | None:
+    """Remove `flag VALUE` from args (in place) and return VALUE."""
+    if flag not in args:
+        return None
+    i = args.index(flag)
+    value = args[i + 1] if i + 1 < len(args) else None
+    del args[i:i + 2]
+    return value
+
+
+def _collect_launched(labs: list[LabConfig], started: float) -> None:
+    """After a multirun through a Hydra launcher plugin (conf/hydra/launcher/): its jobs ran in other
+    processes, so their verdicts are read from the receipts they wrote since `started`; each point's table
+    is printed here (the jobs' own output is in the launcher's logs, run.out_dir/.submitit/)."""
+    from posttrainllm.files import read_json
+    from posttrainllm.track import report
+
+    found = sorted({path for lab in labs for path in Path(lab.run.out_dir).glob("*/receipt.json")
+                    if path.stat().st_mtime >= started})
+    for path in found:
+        receipt = read_json(path)
+        print(report.point_table(receipt))
+        if report.point_failed(receipt):
+            _broken.append(f"{receipt['point']}: a contract broke (see {path})")
+    print(f"posttrainllm: {len(found)} point(s) from the launcher's jobs: {', '.join(p.parent.name for p in found)}")
+
+
 def _overrides(args: list[str]) -> list[str]:
     """The `key=value` arguments (Hydra's own flags start with '-')."""
     return [a for a in args if "=" in a and not a.startswith("-")]
@@ -241,7 +375,7 @@ def _overrides(args: list[str]) -> list[str]:
 _INSPECT_FLAGS = ("-c", "--cfg", "-p", "--package", "-i", "--info", "-h", "--help", "--hydra-help")  # Hydra runs no job
 
 
-def _check_before_running(args: list[str], grid: bool) -> None:
+def _check_before_running(args: list[str], grid: bool) -> list[LabConfig]:
     """Compose every value of every override once, so a bad one fails before anything is written.
 
     That includes a device this machine does not have (device=cuda without CUDA): refused
@@ -267,6 +401,7 @@ def _check_before_running(args: list[str], grid: bool) -> None:
     if not any(a.split("=")[0] in _INSPECT_FLAGS for a in args):  # `--cfg job device=cuda` only prints
         for lab in composed:
             devices.check_available(lab.device.name)
+    return composed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,16 +410,32 @@ def main(argv: list[str] | None = None) -> int:
         return report_sweep(args[1:])
     if args and args[0] == "receipt":
         return import_receipts(args[1:])
+    if args and args[0] == "replay":
+        return replay_receipts(args[1:])
+    if args and args[0] == "compare":
+        return compare_receipts(args[1:])
+    if args[:1] == ["experimental"]:  # `experimental SUB`: one command name, the rest as for any other
+        args = [" ".join(args[:2]), *args[2:]]
     if not args or args[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
         return 0 if args and args[0] in ("-h", "--help") else EXIT_CONFIG
     command, rest = args[0], args[1:]
     grid = "--grid" in rest
     rest = [a for a in rest if a != "--grid"]
+    from posttrainllm.lab import approval
+
     try:
-        _check_before_running(rest, grid)
+        labs = _check_before_running(rest, grid)
+        if command in TIMED and not any(a.split("=")[0] in _INSPECT_FLAGS for a in rest):  # before any work
+            found = approval.check(labs, train=command == "bench-train", heads=command.startswith("experimental"),
+                                   what=f"posttrainllm {command}")
+            if found:
+                print(f"posttrainllm: approved: {found.line()}", file=sys.stderr)
     except ConfigError as exc:
         print(f"posttrainllm: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except approval.NotApproved as exc:  # on a GPU without approval: the estimate, one line
+        print(f"posttrainllm: not approved: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     _broken.clear()
     _untracked.clear()
@@ -295,12 +446,15 @@ def main(argv: list[str] | None = None) -> int:
     app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(COMMANDS[command])
     saved_argv = sys.argv
     sys.argv = [f"posttrainllm {command}", *rest]
+    started = time.time()
     try:
         app()
     except SystemExit as exc:  # _fail_config inside a job, or Hydra's own exit
         return exc.code if isinstance(exc.code, int) else EXIT_CONFIG
     finally:
         sys.argv = saved_argv
+    if command in ("bench", "bench-train") and any(a.startswith("hydra/launcher=") for a in rest):
+        _collect_launched(labs, started)
     for line in _broken:
         print(f"posttrainllm: contract broken: {line}", file=sys.stderr)
     if _broken:

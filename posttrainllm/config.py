@@ -22,7 +22,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_ROOT / "conf"
 
 # The sweep dimensions, in the order a point's name and the planner use them.
-DIMENSIONS = ("op", "precision", "tile", "workgroup", "architecture", "shape", "device")
+DIMENSIONS = ("op", "precision", "tile", "workgroup", "architecture", "shape", "device", "heads")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -106,6 +106,9 @@ class PrecisionConfig:
                  f"precision.dot_precision={self.dot_precision!r}: valid choices are ieee, tf32")
 
 
+AUTO = "auto"  # tile/workgroup option: autotune on CUDA; elsewhere the option's fixed values run, and say so
+
+
 @dataclass
 class TileConfig:
     name: str = "b32"
@@ -114,12 +117,24 @@ class TileConfig:
     block_k: int = 32
     block_q: int = 32
     block_kv: int = 32
+    # The attention backward's own blocks (dK/dV kernel, dQ kernel); null = the forward's block_q, block_kv
+    dkdv_block_q: int | None = None
+    dkdv_block_kv: int | None = None
+    dq_block_q: int | None = None
+    dq_block_kv: int | None = None
 
     def __post_init__(self) -> None:
-        for key in ("block_m", "block_n", "block_k", "block_q", "block_kv"):
+        for key in ("block_m", "block_n", "block_k", "block_q", "block_kv", "dkdv_block_q", "dkdv_block_kv",
+                    "dq_block_q", "dq_block_kv"):
             value = getattr(self, key)
+            if value is None:
+                continue
             _require(_power_of_two(value) and value >= 16,
                      f"tile.{key}={value}: must be a power of two >= 16 (tl.dot needs 16 on the GPU)")
+
+    @property
+    def autotune(self) -> bool:
+        return self.name == AUTO
 
 
 @dataclass
@@ -135,6 +150,10 @@ class WorkgroupConfig:
         _require(1 <= self.num_stages <= 8, f"workgroup.num_stages={self.num_stages}: must be in [1, 8]")
         _require(self.group_m >= 1, f"workgroup.group_m={self.group_m}: must be >= 1")
 
+    @property
+    def autotune(self) -> bool:
+        return self.name == AUTO
+
 
 @dataclass
 class ArchitectureConfig:
@@ -146,15 +165,26 @@ class ArchitectureConfig:
     head_dim: int = 32
     mlp: str = "dense"
     mlp_hidden: int = 384
+    # mlp: moe replaces each block's SwiGLU by n_experts routed SwiGLU experts of width expert_hidden,
+    # top_k per token, with a load-balancing loss (Switch / Mixtral) weighted by router_aux_coef.
+    # The op=moe point trains an MoE model whatever `mlp` says (its hook swaps the experts).
+    n_experts: int = 4
+    top_k: int = 2
+    expert_hidden: int = 192
+    router_aux_coef: float = 0.01
 
     def __post_init__(self) -> None:
         _positive("architecture", d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
-                  n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, mlp_hidden=self.mlp_hidden)
+                  n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, mlp_hidden=self.mlp_hidden,
+                  n_experts=self.n_experts, top_k=self.top_k, expert_hidden=self.expert_hidden)
+        _require(self.top_k <= self.n_experts,
+                 f"architecture.top_k={self.top_k}: must be <= n_experts={self.n_experts}")
+        _require(self.router_aux_coef >= 0, f"architecture.router_aux_coef={self.router_aux_coef}: must be >= 0")
         _require(self.n_heads % self.n_kv_heads == 0,
                  f"architecture.n_kv_heads={self.n_kv_heads}: must divide n_heads={self.n_heads}")
         _require(_power_of_two(self.head_dim) and 16 <= self.head_dim <= 128,
                  f"architecture.head_dim={self.head_dim}: must be a power of two in [16, 128]")
-        _require(self.mlp == "dense", f"architecture.mlp={self.mlp!r}: valid choices are dense")
+        _require(self.mlp in ("dense", "moe"), f"architecture.mlp={self.mlp!r}: valid choices are dense, moe")
 
 
 @dataclass
@@ -168,15 +198,44 @@ class ShapeConfig:
     curve: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
     edge_seq_lens: list[int] = field(default_factory=lambda: [1, 37, 100])
     edge_mnk: list[list[int]] = field(default_factory=lambda: [[1, 1, 1], [41, 77, 33]])
+    # decode_attention: a query chunk of Sq rows against a KV cache of Sk keys. Parity runs every pair
+    # Sq <= Sk of these; the microbench times one decode step (Sq = 1) against decode_kv_len keys, and
+    # its curve takes `curve` as the context length Sk.
+    decode_q_lens: list[int] = field(default_factory=lambda: [1, 4, 17])
+    decode_kv_lens: list[int] = field(default_factory=lambda: [1, 100, 1000])
+    decode_kv_len: int = 1024
+    # op=moe: T tokens of width d through E SwiGLU experts of width f, top-k per token
+    moe_tokens: int = 64
+    moe_d_model: int = 64
+    moe_ffn: int = 96
+    moe_experts: int = 4
+    moe_top_k: int = 2
+    moe_curve: list[int] = field(default_factory=lambda: [1, 16, 64, 256])  # tokens: 1 is the decode regime
+    moe_edge: list[list[int]] = field(default_factory=lambda: [[1, 64, 96], [37, 40, 72]])  # [T, d, f] per case
 
     def __post_init__(self) -> None:
-        _positive("shape", batch=self.batch, seq_len=self.seq_len, m=self.m, n=self.n, k=self.k)
+        _positive("shape", batch=self.batch, seq_len=self.seq_len, m=self.m, n=self.n, k=self.k,
+                  decode_kv_len=self.decode_kv_len)
+        for key in ("decode_q_lens", "decode_kv_lens"):
+            values = list(getattr(self, key))
+            _require(len(values) >= 1 and min(values) > 0, f"shape.{key}={values}: give at least one size > 0")
+        _require(min(self.decode_q_lens) <= max(self.decode_kv_lens),
+                 f"shape.decode_q_lens={list(self.decode_q_lens)}: no chunk fits shape.decode_kv_lens="
+                 f"{list(self.decode_kv_lens)} (a chunk needs Sq <= Sk)")
         _require(len(self.curve) >= 2 and min(self.curve) > 0,
                  f"shape.curve={list(self.curve)}: give at least two sizes > 0")
         for s in self.edge_seq_lens:
             _require(s > 0, f"shape.edge_seq_lens: {s} must be > 0")
         for mnk in self.edge_mnk:
             _require(len(mnk) == 3 and min(mnk) > 0, f"shape.edge_mnk: {list(mnk)} must be three sizes > 0")
+        _positive("shape", moe_tokens=self.moe_tokens, moe_d_model=self.moe_d_model, moe_ffn=self.moe_ffn,
+                  moe_experts=self.moe_experts, moe_top_k=self.moe_top_k)
+        _require(self.moe_top_k <= self.moe_experts,
+                 f"shape.moe_top_k={self.moe_top_k}: must be <= shape.moe_experts={self.moe_experts}")
+        _require(len(self.moe_curve) >= 2 and min(self.moe_curve) > 0,
+                 f"shape.moe_curve={list(self.moe_curve)}: give at least two token counts > 0")
+        for tdf in self.moe_edge:
+            _require(len(tdf) == 3 and min(tdf) > 0, f"shape.moe_edge: {list(tdf)} must be three sizes [T, d, f] > 0")
 
 
 @dataclass
@@ -194,6 +253,9 @@ class RunConfig:
     name: str = "bench"
     out_dir: str = "runs/bench"
     log_mlflow: bool = True
+    # On a GPU, commands that run timing loops refuse to start without approval (lab/approval.py):
+    # run.approve=true, or the environment variable POSTTRAINLLM_APPROVE=1. The CPU needs none.
+    approve: bool = False
 
     def __post_init__(self) -> None:
         _require(re.fullmatch(r"[A-Za-z0-9._=,-]+", self.name) is not None,
@@ -248,6 +310,82 @@ class TrainConfig:
 
 
 @dataclass
+class CompareConfig:
+    """`posttrainllm compare` (track/compare.py): when a timing counts as faster or slower."""
+
+    threshold: float = 0.05  # the ratio's interval must clear 1 + threshold (or 1 / (1 + threshold))
+    alpha: float = 0.01  # and the Mann-Whitney p on log-times must be below this
+    confidence: float = 0.95  # of the bootstrap interval of median(new) / median(base)
+    bootstrap: int = 2000  # resamples
+    seed: int = 0  # of the resampling: the same receipts give the same interval
+
+    def __post_init__(self) -> None:
+        _require(self.threshold >= 0, f"compare.threshold={self.threshold}: must be >= 0")
+        _require(0 < self.alpha < 1, f"compare.alpha={self.alpha}: must be in (0, 1)")
+        _require(0 < self.confidence < 1, f"compare.confidence={self.confidence}: must be in (0, 1)")
+        _require(self.bootstrap >= 100, f"compare.bootstrap={self.bootstrap}: must be >= 100")
+
+
+@dataclass
+class BaseTrainConfig:
+    """The frozen base the heads ride on: the `architecture` model trained on the corpus's head."""
+
+    steps: int = 600
+    warmup_steps: int = 30         # linear warmup, then cosine decay to lr/10
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    seed: int = 0
+    heldout_frac: float = 0.1      # the corpus's tail, never trained on: held-out loss and every prompt
+    eval_batches: int = 8          # held-out loss = mean over this many batches of the tail
+    max_seq_len: int = 256         # RoPE table: prompt + generated tokens (+ K + 1 when verifying) must fit
+
+    def __post_init__(self) -> None:
+        _positive("heads.base", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, lr=self.lr,
+                  eval_batches=self.eval_batches, max_seq_len=self.max_seq_len)
+        _require(0 <= self.warmup_steps < self.steps,
+                 f"heads.base.warmup_steps={self.warmup_steps}: must be in [0, heads.base.steps={self.steps})")
+        _require(0 < self.heldout_frac < 0.5, f"heads.base.heldout_frac={self.heldout_frac}: must be in (0, 0.5)")
+        _require(self.seq_len <= self.max_seq_len,
+                 f"heads.base.seq_len={self.seq_len}: must be <= heads.base.max_seq_len={self.max_seq_len}")
+
+
+@dataclass
+class HeadsConfig:
+    """Medusa-style draft heads on the frozen base (posttrainllm/lab/heads.py), and the decode measurement."""
+
+    name: str = "k3"
+    num_heads: int = 3             # K: head k (1..K) predicts token t+k+1 from the base's last hidden state at t
+    out_dir: str = "runs/heads"    # base/ (shared by every K) and <name>/ (heads, decode, receipt)
+    base: BaseTrainConfig = field(default_factory=BaseTrainConfig)
+    # self-distillation: the base's own greedy continuations of held-out prompts
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-3
+    loss_decay: float = 0.8        # head k's loss weight: loss_decay ** k (Medusa-1)
+    seed: int = 0
+    train_prompts: int = 64
+    prompt_len: int = 32
+    continuation_len: int = 96
+    # the decode measurement: the same prompts, plain greedy vs speculative
+    eval_prompts: int = 8
+    new_tokens: int = 64
+    warmup_prompts: int = 1        # untimed runs first (allocator, lazy init)
+    near_tie: float = 1e-3         # a mismatch whose top-2 logit gap is below this is named a near-tie (still a failure)
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.num_heads <= 8, f"heads.num_heads={self.num_heads}: must be in [0, 8]")
+        _positive("heads", steps=self.steps, batch_size=self.batch_size, lr=self.lr, loss_decay=self.loss_decay,
+                  train_prompts=self.train_prompts, prompt_len=self.prompt_len,
+                  continuation_len=self.continuation_len, eval_prompts=self.eval_prompts, new_tokens=self.new_tokens)
+        _require(self.warmup_prompts >= 0, f"heads.warmup_prompts={self.warmup_prompts}: must be >= 0")
+        longest = self.prompt_len + max(self.continuation_len, self.new_tokens + self.num_heads + 1)
+        _require(longest <= self.base.max_seq_len,
+                 f"heads: prompt_len + generated tokens + K + 1 = {longest} exceeds heads.base.max_seq_len="
+                 f"{self.base.max_seq_len}")
+
+
+@dataclass
 class SweepConfig:
     name: str = "default"
     grid: bool = False
@@ -272,6 +410,8 @@ class LabConfig:
     parity: ParityConfig = field(default_factory=ParityConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
     sweep: SweepConfig | None = None
 
 
@@ -328,10 +468,15 @@ def to_plain(cfg: LabConfig | DictConfig) -> dict[str, Any]:
 
 
 def point_config(cfg: LabConfig) -> dict[str, Any]:
-    """What defines a point: everything but the sweep plan and where to write."""
+    """What defines a point: everything but the sweep plan, where to write, and how receipts are compared.
+
+    The draft heads are not part of an op point either: they have their own stages (posttrainllm/lab/heads.py).
+    """
     plain = to_plain(cfg)
     plain.pop("sweep", None)
     plain.pop("run", None)
+    plain.pop("compare", None)
+    plain.pop("heads", None)
     return plain
 
 

@@ -14,8 +14,8 @@ def test_default_config_is_valid():
 
 @pytest.mark.parametrize("overrides, message", [
     (["precision=fp64"], "unknown precision 'fp64': valid choices are bf16, fp16, fp32, tf32"),
-    (["tile=b48"], "valid choices are b128, b16, b32, b64"),
-    (["architecture=moe"], "valid choices are gpu_gqa, gpu_mha, gqa, hd64, mha, mqa"),
+    (["tile=b48"], "valid choices are auto, b128, b16, b32, b64"),
+    (["architecture=mixtral"], "valid choices are gpu_gqa, gpu_mha, gqa, hd64, mha, moe, mqa"),
     (["tile.block_q=48"], "tile.block_q=48: must be a power of two >= 16"),
     (["tile.block_m=8"], "tile.block_m=8: must be a power of two >= 16"),
     (["tile=b64", "shape.seq_len=20"], "tile.block_q=64 does not fit shape.seq_len=20: use a block <= 32"),

@@ -62,7 +62,7 @@ PRECISIONS = ["fp32", "bf16", "fp16"]
 def test_correct_kernels_pass_and_stage_writes_report(tmp_path, monkeypatch):
     report = _run_stages(load(ATTENTION), tmp_path, monkeypatch, "attention")
     assert report["verdict"] == "pass" and report["first_failure"] is None
-    assert set(report["paths"]) == {"sdpa", "triton"}
+    assert set(report["paths"]) == {"sdpa", "sdpa_flash", "sdpa_math", "triton"}  # the SDPA backends CPU has
     worst = report["paths"]["triton"]["worst"]
     assert {"out", "lse", "grad_q", "grad_k", "grad_v"} <= set(worst)
     assert worst["out"]["max_abs_err"] <= worst["out"]["allowed_abs_err"]
@@ -79,11 +79,19 @@ def test_adversarial_inputs_pass_for_correct_kernels(precision, tmp_path, monkey
 
 
 PLANTED_ATTENTION_BUGS = {
-    "missing softmax scale": ("qk = qk * qk_scale", "qk = qk * LOG2_E"),
+    "missing softmax scale": ("qk_scale = sm_scale * LOG2_E  # forward", "qk_scale = LOG2_E  # forward"),
     "off-by-one causal mask": ("offs_q[:, None] >= offs_kv[None, :]", "offs_q[:, None] + 1 >= offs_kv[None, :]"),
     "no online-softmax rescale": ("acc = acc * alpha[:, None]", "acc = acc"),
     "rescale by the wrong factor": ("alpha = tl.math.exp2(m_i - m_new)", "alpha = tl.math.exp2(m_new - m_i)"),
+    # the causal split: the masked phase's score mask dropped (loads stay masked), and the unmasked phase
+    # running one KV block into the diagonal (S=128 is a multiple of every block here: its loads stay in bounds)
+    "diagonal block's mask dropped": ('qk = tl.where(_visible(offs_q, offs_kv, S, CAUSAL), qk, float("-inf"))',
+                                      "qk = qk"),
+    "off-diagonal loop one block too far": ("diag_lo = (start_q * BLOCK_Q) // BLOCK_KV * BLOCK_KV",
+                                            "diag_lo = (start_q * BLOCK_Q) // BLOCK_KV * BLOCK_KV + BLOCK_KV"),
 }
+# bugs whose mutant reads past a ragged sequence's end (the interpreter does not bounds-check): no edge lengths
+IN_BOUNDS_ONLY = {"off-diagonal loop one block too far"}
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -92,7 +100,7 @@ def test_planted_attention_bug_is_caught(bug, precision, tmp_path, monkeypatch):
     """Under every precision's contract, the loosest (bf16) included."""
     original, planted = PLANTED_ATTENTION_BUGS[bug]
     mutant = _mutant(tmp_path, "attention", original, planted)
-    cfg = load([*ATTENTION, f"precision={precision}"])
+    cfg = load([*ATTENTION, f"precision={precision}", *(["shape.edge_seq_lens=[]"] if bug in IN_BOUNDS_ONLY else [])])
     monkeypatch.setitem(attention.IMPLS, "triton", _flash_impl(mutant))
     stages.run_reference(cfg, tmp_path)
     stages.run_kernel(cfg, tmp_path)
@@ -179,6 +187,21 @@ def test_matmul_dropping_the_ragged_k_slab_is_caught_only_by_the_edge_shape(tmp_
     assert failed and all(f.startswith("41x77x33-seed0/") for f in failed)  # the forward and both gradients
 
 
+def test_matmul_ragged_k_mask_off_by_one_is_caught_only_by_the_edge_shape(tmp_path, monkeypatch):
+    """The ragged path (EVEN_K false) lets one element past K into the last slab; the even path never masks."""
+    mutant = _mutant(tmp_path, "matmul", "k_left = K - k * BLOCK_K", "k_left = K - k * BLOCK_K + 1")
+
+    def fn(x, cfg):
+        return {"out": mutant.matmul(x["a"], x["b"], block_m=32, block_n=32, block_k=32)}
+    impl = dataclasses.replace(matmul.IMPLS["triton"], fn=fn)
+    cfg = load(["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.m=64", "shape.n=64", "shape.k=64",
+                "shape.edge_mnk=[[41,77,33]]"])
+    report = _run_stages(cfg, tmp_path, monkeypatch, "matmul", impl)
+    failed = report["paths"]["triton"]["failed_cases"]
+    assert report["paths"]["triton"]["verdict"] == "fail"
+    assert failed and all(f.startswith("41x77x33-seed0/") for f in failed)
+
+
 def test_interpreter_bf16_as_shipped_is_caught(tmp_path, monkeypatch):
     from posttrainllm.ops import is_interpreted
     from posttrainllm.ops.attention import triton_attention
@@ -248,6 +271,11 @@ PLANTED_BACKWARD_BUGS = {
     "dK/dV accumulated for the wrong query heads": ("off_h = off_hkv * KV_GROUP + g", "off_h = off_hkv * KV_GROUP",
                                                     "grad_k"),
     "diagonal causal block skipped in dK/dV": ("lo = start_kv * BLOCK_KV", "lo = (start_kv + 1) * BLOCK_KV", "grad_k"),
+    "dK/dV diagonal mask dropped": ("pT = tl.where(seen, pT, 0.0)", "pT = pT", "grad_v"),
+    "dQ diagonal mask dropped": ("p = tl.where(_visible(offs_q, offs_kv, S, CAUSAL), p, 0.0)", "p = p", "grad_q"),
+    "dK/dV unmasked phase one query block short": ("full_end, S, qk_scale, HEAD_DIM, BLOCK_Q, PAD_D, False",
+                                                   "full_end - BLOCK_Q, S, qk_scale, HEAD_DIM, BLOCK_Q, PAD_D, False",
+                                                   "grad_k"),
 }
 
 

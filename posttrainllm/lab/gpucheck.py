@@ -23,7 +23,7 @@ from typing import Any
 
 from posttrainllm.measure import calibrate
 from posttrainllm.track import receipt
-from posttrainllm.lab import stages
+from posttrainllm.lab import approval, stages
 from posttrainllm.lab import sweep
 from posttrainllm.measure import device as devices
 from posttrainllm.config import ConfigError, load, validate
@@ -64,13 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="the smoke sweep on the CPU (tiny shapes)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no point after this many seconds")
     parser.add_argument("--no-train", action="store_true", help="skip bench-train")
+    parser.add_argument("--approve", action="store_true", help="approve the GPU timing loops (lab/approval.py); "
+                        "scripts/gpu-check.sh passes it")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     name = "smoke" if args.dry_run else "gpu"
     try:
         plan = sweep.plan(load([f"sweep={name}"]).sweep)
         device = devices.prepare("cpu" if args.dry_run else "cuda", load().bench.threads)
-    except ConfigError as exc:
+        labs = [validate({**spec["config"], "run": {"name": point, "approve": args.approve}})
+                for point, spec in plan["points"].items()]
+        found = approval.estimate(labs, train=not args.no_train)
+        print(f"posttrainllm gpucheck: {name} sweep on {device}: {found.line()}", flush=True)
+        if device == "cuda" and not (args.approve or approval.approved()):
+            raise approval.NotApproved(f"not approved: these timing loops need --approve or {approval.ENV}=1")
+    except (ConfigError, approval.NotApproved) as exc:
         print(f"posttrainllm gpucheck: {exc}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)

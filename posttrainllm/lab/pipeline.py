@@ -22,6 +22,7 @@ from posttrainllm.files import point_dir, read_json
 PARAMS = Path("params.yaml")
 RUNS = "runs"
 CALIBRATION = Path(RUNS) / "calibration.json"
+TIMED_STAGES = ("microbench", "bench_train")  # they run timing loops: approval on a GPU (lab/approval.py)
 
 
 def sweep_id(points: dict[str, Any]) -> str:
@@ -64,6 +65,21 @@ def _stage(name: str) -> Callable[[LabConfig, dict[str, Any]], Any]:
     return table[name]
 
 
+def _approved(stage: str, point: str, cfg: LabConfig) -> bool:
+    """A timed stage on a GPU runs only with POSTTRAINLLM_APPROVE=1 (lab/approval.py); else one line, False."""
+    from posttrainllm.lab import approval  # the timed stages only (their dvc.yaml deps list it)
+
+    try:
+        found = approval.check([cfg], train=stage == "bench_train", microbench=stage == "microbench",
+                               what=f"stage {stage} {point}")
+    except approval.NotApproved as exc:
+        print(f"posttrainllm: not approved: {exc}", file=sys.stderr)
+        return False
+    if found:
+        print(f"posttrainllm: approved: {stage} {point}: {found.line()}", file=sys.stderr)
+    return True
+
+
 def run_stage(stage: str, argv: list[str]) -> int:
     """`python pipelines/<stage>.py POINT`: one stage of one point, then its stamp.
 
@@ -81,6 +97,8 @@ def run_stage(stage: str, argv: list[str]) -> int:
         return 2
     try:
         cfg, sweep = load_point(argv[0])
+        if stage in TIMED_STAGES and not _approved(stage, argv[0], cfg):  # nothing run, nothing written
+            return 2
         points = sweep.get("points") or [argv[0]]
         where = f"({points.index(argv[0]) + 1}/{len(points)})" if argv[0] in points else ""
         print(f"posttrainllm: {stage} {argv[0]} {where} ...", file=sys.stderr, flush=True)

@@ -69,12 +69,23 @@ def upstream_gradient(case: Case, out: torch.Tensor) -> torch.Tensor:
     return torch.randn(out.shape, generator=gen, dtype=torch.float32).to(device=out.device, dtype=out.dtype)
 
 
+def leaves_of(inputs: Tensors) -> Tensors:
+    """Fresh autograd leaves: floating-point inputs require grad; integer ones (MoE's route_idx) cannot."""
+    return {name: x.detach().requires_grad_(x.is_floating_point()) for name, x in inputs.items()}
+
+
+def cast_floats(inputs: Tensors, dtype: torch.dtype) -> Tensors:
+    """The floating-point inputs in `dtype`; integer inputs (ids, indices) as they are."""
+    return {name: x.to(dtype) if x.is_floating_point() else x for name, x in inputs.items()}
+
+
 def gradients(fn: Callable[[Tensors], Tensors], inputs: Tensors, grad_out: torch.Tensor) -> Tensors:
-    """d(out · grad_out)/d(input) for every input: "grad_q", "grad_k", ... (the backward pass to check)."""
-    leaves = {name: x.detach().requires_grad_() for name, x in inputs.items()}
+    """d(out · grad_out)/d(input) for every floating-point input: "grad_q", "grad_k", ... (the backward to check)."""
+    leaves = leaves_of(inputs)
+    wrt = {name: x for name, x in leaves.items() if x.requires_grad}
     out = fn(leaves)["out"]
-    grads = torch.autograd.grad(out, list(leaves.values()), grad_out, allow_unused=True)
-    return {f"grad_{name}": g for name, g in zip(leaves, grads) if g is not None}  # a missing one fails parity
+    grads = torch.autograd.grad(out, list(wrt.values()), grad_out, allow_unused=True)
+    return {f"grad_{name}": g for name, g in zip(wrt, grads) if g is not None}  # a missing one fails parity
 
 
 def contract_for(cfg: LabConfig) -> Callable[[str], Any]:
@@ -145,7 +156,7 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for case in op.cases(cfg):
             inputs = op.make_inputs(case, _dtype(cfg), device)
-            inputs64 = {k: v.double() for k, v in inputs.items()}
+            inputs64 = cast_floats(inputs, torch.float64)
             with torch.no_grad():
                 forward = op.reference.fn(inputs, cfg)
             out_names = set(forward)
@@ -153,10 +164,11 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
             oracle = reference_outputs(op, cfg, inputs64, case, grad_out.double())
             baseline = reference_outputs(op, cfg, inputs, case, grad_out)
             # outputs that are fp32 in every precision (the logsumexp): their baseline is fp32 math
-            extras32 = reference_outputs(op, cfg, {k: v.float() for k, v in inputs.items()}, case)
+            extras32 = reference_outputs(op, cfg, cast_floats(inputs, torch.float32), case)
             baseline.update({k: v for k, v in extras32.items() if k not in out_names})
             records.append({"case": asdict(case), "inputs": _to_cpu(inputs), "grad_out": grad_out.cpu(),
-                            "oracle": _to_cpu(oracle), "baseline": _to_cpu(baseline)})
+                            "oracle": _to_cpu(oracle), "baseline": _to_cpu(baseline),
+                            "input_checks": op.input_checks(case, inputs, cfg) if op.input_checks else None})
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"op": op.name, "dtype": cfg.precision.dtype, "records": records}, out / "reference.pt")
 
@@ -227,6 +239,9 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
                               "cases": case_names, "paths": {}, "notes": []}
     if any(r["case"]["inputs"] != "normal" for r in records):
         report["notes"].append(ADVERSARIAL_NOTE)
+    if op.max_error_only:
+        report["notes"].append(f"{', '.join(op.max_error_only)}: max-error rules only, no elementwise atol/rtol "
+                               f"count: {op.max_error_only_reason}")
     if cfg.precision.allow_tf32 and kernel_report["device"] != "cuda":
         report["notes"].append("tf32 requested, but CPU torch and Triton's interpreter compute true fp32 here")
     for impl in op.optimized():
@@ -242,13 +257,20 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
             result["failed_cases"] = entry["violations"] + result["failed_cases"]
         result["emulation"] = entry.get("emulation")
         report["paths"][impl.name] = result
-    report["verdict"] = "pass" if all(p["verdict"] == "pass" for p in report["paths"].values()) else "fail"
-    broken = [name for name, p in report["paths"].items() if p["verdict"] != "pass"]
-    report["first_failure"] = (f"{broken[0]}: {report['paths'][broken[0]]['failed_cases'][0]}" if broken else None)
+    checks = {r["case"]["name"]: r["input_checks"] for r in records if r.get("input_checks") is not None}
+    if checks:  # the inputs themselves (MoE: the routing every path ran on), checked once by the reference stage
+        failed = [f"{case}: {c['reason']}" for case, c in checks.items() if c["verdict"] != "pass"]
+        report["inputs"] = {"verdict": "fail" if failed else "pass", "failed_cases": failed, "cases": checks}
+    failures = {name: p["failed_cases"] for name, p in report["paths"].items() if p["verdict"] != "pass"}
+    if report.get("inputs", {}).get("verdict") == "fail":  # a broken router: every path ran on its routing
+        failures = {"inputs": report["inputs"]["failed_cases"], **failures}
+    report["verdict"] = "fail" if failures else "pass"
+    broken = list(failures)
+    report["first_failure"] = (f"{broken[0]}: {failures[broken[0]][0]}" if broken else None)
     write_json(out / "parity.json", report)
     if broken:
         raise ContractBroken(f"{', '.join(broken)} broke the {cfg.precision.name} contract "
-                             f"({report['paths'][broken[0]]['failed_cases'][0]})")
+                             f"({failures[broken[0]][0]})")
     return report
 
 
@@ -267,6 +289,9 @@ def _check_path(op: OpDef, impl: Impl, cfg: LabConfig, records: list[dict[str, A
     def no_elementwise_count(output: str) -> Any:
         return dataclasses.replace(contract(output), atol=float("inf"))
 
+    def op_contract(output: str) -> Any:  # the op's max_error_only outputs: the max-error rules alone
+        return no_elementwise_count(output) if output in op.max_error_only else contract(output)
+
     groups: dict[tuple[bool, bool], list[int]] = {}
     for i, record in enumerate(records):
         kind = record["case"]["inputs"]
@@ -277,7 +302,7 @@ def _check_path(op: OpDef, impl: Impl, cfg: LabConfig, records: list[dict[str, A
         results.append(parity.check_path(
             [outputs[i] for i in index] if len(outputs) == len(records) else outputs,
             [records[i]["oracle"] for i in index], [records[i]["baseline"] for i in index],
-            [records[i]["case"]["name"] for i in index], no_elementwise_count if adversarial else contract,
+            [records[i]["case"]["name"] for i in index], no_elementwise_count if adversarial else op_contract,
             expected, op.row_ndim))
     if len(results) == 1:
         return results[0]
@@ -316,7 +341,7 @@ def compare(a: Timing | dict[str, Any], b: Timing | dict[str, Any]) -> str:
 
 def _forward_backward(impl: Impl, inputs: Tensors, grad_out: torch.Tensor, cfg: LabConfig) -> Callable[[], None]:
     """One training-shaped call: forward, then backward of `out` with a fixed dO into fresh leaves."""
-    leaves = {name: x.detach().requires_grad_() for name, x in inputs.items()}
+    leaves = leaves_of(inputs)
 
     def call() -> None:
         for leaf in leaves.values():
@@ -392,6 +417,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
         entry["forward_backward"]["speedup_vs_reference"] = ref_train.median_ms / train.median_ms
         entry["forward_backward"]["vs_reference"] = compare(train, ref_train)
     timed = list(timings)
+    if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
+        report["describe"] = op.describe(case, inputs, cfg)
     report["curve"] = _curve(cfg, op, out, device, timed)
     write_json(out / "microbench.json", report)
     with open(out / "timings.csv", "w", newline="") as f:
@@ -418,7 +445,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) 
     settings = dict(warmup=bench.warmup, reps=bench.reps, min_time_s=bench.min_time_s, max_reps=bench.max_reps)
     rows = []
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32), torch.no_grad():
-        for x in sorted(cfg.shape.curve):
+        for x in sorted(op.curve_sizes(cfg)):
             case = op.curve_case(cfg, x)
             costs = op.costs(case, cfg)
             inputs = op.make_inputs(case, _dtype(cfg), device)
@@ -438,7 +465,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) 
     plots.memory_vs_size(frame, out / "memory_vs_size.png")
     skipped = {name: (INTERPRETER_NOT_SPEED if _interpreted(impl) else FAILED_PARITY)
                for name, impl in op.impls.items() if name not in timed}
-    return {"x_name": op.x_name, "x_values": list(cfg.shape.curve), "skipped": skipped, "band_rule": BAND_RULE,
+    return {"x_name": op.x_name, "x_values": sorted(op.curve_sizes(cfg)), "skipped": skipped, "band_rule": BAND_RULE,
             "crossover_vs_reference": {name: curves.crossover(frame, impl=name) for name in timed
                                        if name != REFERENCE},
             "unchecked_or_failed": sorted({f"{r['impl']}@{r['x_value']}" for r in rows if r["check"] != "pass"})}
@@ -446,7 +473,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) 
 
 def _check_at(op: OpDef, cfg: LabConfig, case: Case, inputs: Tensors, names: list[str]) -> dict[str, str]:
     """Each path's forward output at one curve size against the float64 oracle: "pass", or why not."""
-    oracle = reference_outputs(op, cfg, {k: v.double() for k, v in inputs.items()}, case)["out"]
+    oracle = reference_outputs(op, cfg, cast_floats(inputs, torch.float64), case)["out"]
     baseline = reference_outputs(op, cfg, inputs, case)["out"]
     verdicts = {}
     for name in names:
@@ -481,9 +508,11 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
     op = get_op(cfg.op.name)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     arch, train = cfg.architecture, cfg.train
-    model_cfg = ModelConfig(vocab_size=256, d_model=arch.d_model, n_layers=arch.n_layers, n_heads=arch.n_heads,
-                            n_kv_heads=arch.n_kv_heads, head_dim=arch.head_dim, mlp_hidden=arch.mlp_hidden,
-                            max_seq_len=train.seq_len)
+    model_fields = dict(vocab_size=256, d_model=arch.d_model, n_layers=arch.n_layers, n_heads=arch.n_heads,
+                        n_kv_heads=arch.n_kv_heads, head_dim=arch.head_dim, mlp_hidden=arch.mlp_hidden,
+                        mlp=arch.mlp, n_experts=arch.n_experts, top_k=arch.top_k, expert_hidden=arch.expert_hidden,
+                        router_aux_coef=arch.router_aux_coef, max_seq_len=train.seq_len)
+    model_cfg = ModelConfig(**{**model_fields, **op.model_overrides(cfg)})
     passed = passed_parity(out)
     variants, skipped = [], {}
     for name in op.train_impls(cfg):
@@ -492,7 +521,8 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
             continue
         hooks = op.model_hooks(op.impls[name], cfg)
         interpreted = _interpreted(op.impls[name])
-        variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, interpreted=interpreted,
+        variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, moe=hooks.moe,
+                                interpreted=interpreted,
                                 steps=min(train.interpreted_steps, train.steps) if interpreted else None))
     result = bench_train(model_cfg, variants=variants, steps=train.steps, warmup_steps=train.warmup_steps,
                          batch_size=train.batch_size, seq_len=train.seq_len, lr=train.lr, seed=train.seed,

@@ -35,12 +35,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from posttrainllm.model.corpus import Corpus, batch_at, load_corpus
 from posttrainllm.measure.device import fp32_matmuls
 from posttrainllm.measure.memory import peak_bytes
-from posttrainllm.model.transformer import AttentionFn, LinearFn, ModelConfig, Transformer
+from posttrainllm.model.transformer import (AttentionFn, LinearFn, ModelConfig, MoEFn, Transformer, moe_aux_loss,
+                                            moe_stats, set_moe)
 from posttrainllm.measure.timing import summarize
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-PROFILED_OPS = ("attention", "matmul")  # the model's record_function ranges: posttrainllm::<op>
+PROFILED_OPS = ("attention", "matmul", "moe")  # the model's record_function ranges: posttrainllm::<op>
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Variant:
     name: str
     attention: AttentionFn | None = None
     linear: LinearFn | None = None
+    moe: MoEFn | None = None  # the routed experts of an MoE MLP (architecture.mlp=moe)
     interpreted: bool = False
     steps: int | None = None
 
@@ -155,6 +157,8 @@ def _train_one(
 ) -> tuple[dict, int]:
     # Built on CPU then moved, so the initial weights are identical on every device.
     model = Transformer(model_cfg, seed=seed, attention=variant.attention, linear=variant.linear).to(dev)
+    if variant.moe is not None:
+        set_moe(model, variant.moe)
     model.train()
     optimizer = _adamw(model, lr)
     autocast_dtype = AUTOCAST_DTYPES.get(precision)
@@ -168,7 +172,8 @@ def _train_one(
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with _autocast(dev, autocast_dtype):
             _, loss = model(x, y)
-        scaler.scale(loss).backward()
+        aux = moe_aux_loss(model)  # the routers' load-balancing loss (MoE models), trained but not reported
+        scaler.scale(loss if aux is None else loss + aux).backward()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -192,6 +197,7 @@ def _train_one(
     # One more step under the profiler (not in the losses), where its times mean something.
     profiled = None if interpreted else profile_step(lambda: step(*batches[-1]), cuda=dev.type == "cuda")
     n_params = model.num_params()
+    routing = moe_stats(model)  # the last step's tokens per expert (MoE models), dropless
     del model, optimizer
     warm = summarize(step_ms[warmup_steps:] or step_ms)
     tokens_per_step = batches[0][0].numel()
@@ -208,6 +214,7 @@ def _train_one(
         # Triton through its interpreter: the losses are real, the step times are not speed
         "timing_valid": not interpreted,
         "profile": profiled,
+        **({"moe_routing": routing} if routing else {}),
     }, n_params
 
 

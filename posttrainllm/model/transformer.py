@@ -8,6 +8,12 @@ in as a function from the op's registry (posttrainllm/opdefs/):
 
     attention   (q, k, v) -> o, causal           default: the reference math
     linear      (x, weight) -> x @ weightᵀ       default: F.linear
+    decode_attention (q, k, v) -> o, a query chunk against the KV cache (bottom-right causal mask)
+                                                 default: the reference math
+
+Generation keeps a KV cache (`KVCache`): `forward(idx, cache=cache)` runs the new tokens at
+positions cache.length.. , appends their keys and values, and attends to everything cached.
+The readable reference is full recomputation without a cache (posttrainllm/model/decode.py).
 
 Each call runs inside a profiler range (posttrainllm::attention, posttrainllm::matmul),
 so train.py can measure the fraction of a step each op takes.
@@ -50,6 +56,14 @@ class ModelConfig:
     max_seq_len: int = 256  # size of the RoPE tables; longer inputs are refused, not extrapolated
     rope_theta: float = 10000.0  # RoPE base: wavelengths from 2*pi up to ~theta*2*pi positions
     norm_eps: float = 1e-5  # RMSNorm epsilon; keeps rsqrt finite on an all-zero row
+    # mlp="moe": each block's MLP is n_experts routed SwiGLU experts of width expert_hidden (None: mlp_hidden),
+    # top_k per token, dropless; the router's load-balancing loss (Switch Transformer, Mixtral) is added to the
+    # training loss times router_aux_coef (moe_aux_loss).
+    mlp: str = "dense"
+    n_experts: int = 4
+    top_k: int = 2
+    expert_hidden: int | None = None
+    router_aux_coef: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
@@ -76,6 +90,12 @@ class ModelConfig:
             self.mlp_hidden = 32 * math.ceil(8 * self.d_model / 3 / 32)
         if not isinstance(self.mlp_hidden, int) or self.mlp_hidden <= 0:
             raise ValueError(f"mlp_hidden must be a positive int, got {self.mlp_hidden!r}")
+        if self.mlp not in ("dense", "moe"):
+            raise ValueError(f"mlp must be 'dense' or 'moe', got {self.mlp!r}")
+        if self.expert_hidden is None:
+            self.expert_hidden = self.mlp_hidden
+        if not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
         if not self.norm_eps > 0:
@@ -96,6 +116,47 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The default: the readable math, materialising the (T, T) scores."""
     return reference.attention(q, k, v, causal=True)
+
+
+def reference_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The default with a cache: q (B, nh, T, hs) are the last T of the k, v (B, nkv, L, hs) positions."""
+    return reference.chunk_attention(q, k, v)
+
+
+class KVCache:
+    """Every layer's keys and values for positions [0, length), preallocated to max_len: (B, nkv, max_len, hs).
+
+    A forward with the cache writes its T new positions at [length, length + T) in every layer,
+    then `length` advances by T. `rollback(n)` forgets positions >= n (rejected speculative tokens):
+    their slots are simply overwritten by the next forward.
+    """
+
+    def __init__(self, config: ModelConfig, batch: int, max_len: int, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        if not 0 < max_len <= config.max_seq_len:
+            raise ValueError(f"max_len={max_len} must be in [1, max_seq_len={config.max_seq_len}]")
+        shape = (batch, config.n_kv_heads, max_len, config.head_dim)  # (B, nkv, max_len, hs)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.max_len, self.length = max_len, 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, nkv, T, hs) at [length, length + T) of `layer`; return its (B, nkv, length + T, hs) views."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} + {k.shape[2]} positions > max_len={self.max_len}")
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def rollback(self, length: int) -> None:
+        """Keep positions [0, length): the speculative tokens after them were rejected."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"rollback to {length}: the cache holds {self.length} positions")
+        self.length = length
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
 
 class Linear(nn.Linear):
@@ -158,6 +219,10 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = Linear(config.d_model, config.n_kv_heads * config.head_dim)
         self.o_proj = Linear(config.n_heads * config.head_dim, config.d_model)
         self.attention_fn: AttentionFn = reference_attention
+        self.decode_attention_fn: AttentionFn = reference_chunk_attention
+        # Set by Transformer.forward for the length of one call with a cache: (cache, this layer's index).
+        # Block.forward passes only (x, cos, sin), so the cache reaches the attention this way.
+        self.cache: tuple[KVCache, int] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -166,7 +231,12 @@ class CausalSelfAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         with record_function("posttrainllm::attention"):
-            y = self.attention_fn(q, k, v)  # (B, nh, T, hs)
+            if self.cache is None:
+                y = self.attention_fn(q, k, v)  # (B, nh, T, hs)
+            else:
+                cache, layer = self.cache
+                k_all, v_all = cache.append(layer, k, v)  # (B, nkv, L + T, hs), L positions cached before
+                y = self.decode_attention_fn(q, k_all, v_all)  # (B, nh, T, hs): the chunk at the end
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh*hs)
         return self.o_proj(y)  # (B, T, C)
 
@@ -184,13 +254,82 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, F) -> (B, T, C)
 
 
+# moe(x, w_gate, w_up, w_down, route_idx, route_weight) -> y: the routed experts
+#   x (N, C); w_gate, w_up (E, C, Fe); w_down (E, Fe, C); route_idx (N, k) int64; route_weight (N, k) -> (N, C)
+MoEFn = Callable[..., torch.Tensor]
+
+
+class MoEMLP(nn.Module):
+    """Routed SwiGLU experts: y = Σ_k route_weight · expert_k(x), dropless (every assignment computed).
+
+    The router runs in fp32 (reference.moe_router: softmax, top-k, renormalised over the k, ties to
+    the lower index); the experts are the switch `moe_fn` (default: the dense reference), inside the
+    profiler range posttrainllm::moe. Each forward keeps its load-balancing loss and its histogram.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        n_exp, d, f = config.n_experts, config.d_model, config.expert_hidden
+        self.top_k = config.top_k
+        self.w_router = nn.Parameter(torch.randn(d, n_exp) * 0.02)  # (C, E)
+        self.w_gate = nn.Parameter(torch.randn(n_exp, d, f) * 0.02)  # (E, C, Fe)
+        self.w_up = nn.Parameter(torch.randn(n_exp, d, f) * 0.02)  # (E, C, Fe)
+        # writes into the residual stream: GPT-2's 1/sqrt(2 * n_layers) as for down_proj
+        self.w_down = nn.Parameter(torch.randn(n_exp, f, d) * 0.02 / math.sqrt(2 * config.n_layers))  # (E, Fe, C)
+        self.moe_fn: MoEFn = reference.moe_dense
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.assignments = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        rows = x.reshape(B * T, C)  # (N, C)
+        logits = rows.float() @ self.w_router.float()  # (N, E), fp32 whatever the autocast dtype
+        route_idx, route_weight = reference.moe_router(rows.float(), self.w_router.float(), self.top_k)  # (N, k)
+        n_exp = self.w_router.shape[1]
+        counts = torch.bincount(route_idx.reshape(-1), minlength=n_exp)  # (E,) assignments per expert
+        # load balance: E · Σ_e (fraction of assignments to e) · (mean router probability of e)
+        self.aux_loss = n_exp * (counts.float() / route_idx.numel() * torch.softmax(logits, -1).mean(0)).sum()
+        self.tokens_per_expert, self.assignments = counts.detach(), route_idx.numel()
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        with record_function("posttrainllm::moe"):  # autocast does not reach a custom Function: cast here
+            y = self.moe_fn(rows.to(dtype), self.w_gate.to(dtype), self.w_up.to(dtype), self.w_down.to(dtype),
+                            route_idx, route_weight.to(dtype))  # (N, C)
+        return y.reshape(B, T, C).to(x.dtype)
+
+
+def set_moe(model: nn.Module, fn: MoEFn) -> None:
+    """Run every MoE MLP's experts with another implementation (same weights, same router)."""
+    for module in model.modules():
+        if isinstance(module, MoEMLP):
+            module.moe_fn = fn
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Σ over MoE layers of router_aux_coef · load-balancing loss of the last forward (None: no MoE layer)."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoEMLP) and m.aux_loss is not None]
+    return model.config.router_aux_coef * torch.stack(losses).sum() if losses else None
+
+
+def moe_stats(model: nn.Module) -> dict | None:
+    """The last forward's routing: tokens per expert per layer; dropped is 0 by construction (dropless)."""
+    layers = [m.tokens_per_expert.tolist() for m in model.modules()
+              if isinstance(m, MoEMLP) and m.tokens_per_expert is not None]
+    if not layers:
+        return None
+    assignments = [m.assignments for m in model.modules() if isinstance(m, MoEMLP) and m.assignments]
+    return {"tokens_per_expert": layers, "assignments": assignments,
+            "dropped": [a - sum(c) for a, c in zip(assignments, layers)],  # T·k routed − Σ computed per expert
+            "dropless": "every (token, expert) assignment is computed: no capacity factor, nothing dropped"}
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = CausalSelfAttention(config)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = SwiGLU(config)
+        self.mlp = MoEMLP(config) if config.mlp == "moe" else SwiGLU(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, C)
@@ -238,6 +377,11 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.attn.attention_fn = fn
 
+    def set_decode_attention(self, fn: AttentionFn) -> None:
+        """Attend with another chunk-against-cache implementation when a KV cache is given."""
+        for block in self.blocks:
+            block.attn.decode_attention_fn = fn
+
     def set_linear(self, fn: LinearFn) -> None:
         """Run every projection (q, k, v, o, MLP, head) with another matmul."""
         for module in self.modules():
@@ -247,18 +391,35 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx, targets: (B, T) int64 -> logits (B, T, V), mean cross-entropy (or None)."""
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """idx (B, T) -> the normed last hidden state (B, T, C), what lm_head (and draft heads) read.
+
+        With a cache, idx holds positions [cache.length, cache.length + T): their keys and values are
+        appended to the cache and the attention sees every cached position (bottom-right causal).
+        """
         B, T = idx.shape
-        if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hs/2)
+        start = 0 if cache is None else cache.length
+        if start + T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds max_seq_len={self.config.max_seq_len}")
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hs/2)
         x = self.tok_emb(idx)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, cos, sin)  # (B, T, C)
-        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        try:
+            for layer, block in enumerate(self.blocks):
+                block.attn.cache = None if cache is None else (cache, layer)
+                x = block(x, cos, sin)  # (B, T, C)
+        finally:
+            for block in self.blocks:
+                block.attn.cache = None
+        if cache is not None:
+            cache.length = start + T
+        return self.norm(x)  # (B, T, C)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx, targets: (B, T) int64 -> logits (B, T, V), mean cross-entropy (or None). See `hidden` for the cache."""
+        B, T = idx.shape
+        logits = self.lm_head(self.hidden(idx, cache))  # (B, T, V)
         if targets is None:
             return logits, None
         # Loss in fp32 whatever the autocast dtype: log-softmax over V is precision-sensitive.

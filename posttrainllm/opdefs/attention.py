@@ -2,7 +2,11 @@
 
 Paths (one function each: checked, timed and trained):
     reference   posttrainllm.ops.reference.attention: materialises the (S, S) scores
-    sdpa        torch.nn.functional.scaled_dot_product_attention (PyTorch picks its backend)
+    sdpa        torch.nn.functional.scaled_dot_product_attention (PyTorch picks its backend; the model trains with it)
+    sdpa_flash, sdpa_efficient, sdpa_cudnn, sdpa_math
+                the same call pinned to one backend with torch.nn.attention.sdpa_kernel: each a peer of its
+                own, registered only where it runs on the point's device, dtype and head dim (probed when
+                the config is validated); the ones that do not run are named in the others' `backend`
     triton      posttrainllm.ops.attention: our FlashAttention-2 forward and backward
 
 Shapes: q (B, H, S, D), k and v (B, Hkv, S, D) -> out (B, H, S, D), lse (B, H, S) fp32.
@@ -46,24 +50,133 @@ def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
     return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal)}
 
 
+# --- SDPA pinned to one backend: a peer per backend the point's device has -----------------
+
+# name -> SDPBackend member; flash and math read the small K/V of GQA directly (enable_gqa), the
+# efficient and cuDNN kernels get K/V repeated to H heads first (their GQA support varies by version)
+SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION",
+                 "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_math": "MATH"}
+_NATIVE_GQA = ("sdpa_flash", "sdpa_math")
+ABSENT: dict[str, str] = {}  # backend peer -> why it is not registered for the last validated point
+
+
+def _pinned_sdpa(name: str):
+    def fn(x: Tensors, cfg: LabConfig) -> Tensors:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q, k, v = x["q"], x["k"], x["v"]
+        gqa = k.shape[1] != q.shape[1]
+        if gqa and name not in _NATIVE_GQA:
+            k, v = reference.repeat_kv(k, q.shape[1]), reference.repeat_kv(v, q.shape[1])  # (B, H, S, D)
+        with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name])):  # only this backend: no silent fallback
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal,
+                                                 enable_gqa=gqa and name in _NATIVE_GQA)
+        return {"out": out}
+
+    fn.__name__ = f"_{name}"
+    return fn
+
+
+def _point_device(cfg: LabConfig) -> str:
+    if cfg.device.name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device.name
+
+
+_PROBES: dict[tuple, str | None] = {}
+
+
+def _probe(name: str, device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+           causal: bool) -> str | None:
+    """None if the backend runs forward and backward on a small problem of the point's kind, else why not."""
+    key = (name, device, dtype, heads, kv_heads, head_dim, causal)
+    if key not in _PROBES:
+        if device == "cuda" and not torch.cuda.is_available():
+            _PROBES[key] = "no CUDA device"
+        else:
+            try:
+                q = torch.randn(1, heads, 64, head_dim, device=device, dtype=dtype, requires_grad=True)
+                k = torch.randn(1, kv_heads, 64, head_dim, device=device, dtype=dtype, requires_grad=True)
+                probe_cfg = dataclasses.replace(_PROBE_CFG, op=dataclasses.replace(_PROBE_CFG.op, causal=causal))
+                _pinned_sdpa(name)({"q": q, "k": k, "v": k}, probe_cfg)["out"].sum().backward()
+                _PROBES[key] = None
+            except RuntimeError as exc:
+                _PROBES[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return _PROBES[key]
+
+
+_PROBE_CFG = LabConfig()
+
+
+def register_backend_peers(cfg: LabConfig) -> dict[str, str]:
+    """Register in IMPLS the SDPA backend peers that run on the point's device, dtype, head dim and causal
+    mask, before the `triton` path; drop the others. Returns {absent peer: why}; each registered peer's
+    `backend` names the absent ones, so kernel.json and the receipt say what this device lacks."""
+    device, dtype = _point_device(cfg), getattr(torch, cfg.precision.dtype)
+    arch = cfg.architecture
+    absent = {name: why for name in SDPA_BACKENDS
+              if (why := _probe(name, device, dtype, arch.n_heads, arch.n_kv_heads, arch.head_dim, cfg.op.causal))}
+    note = (f"; absent on {device} {cfg.precision.dtype} D={arch.head_dim}: {', '.join(absent)}" if absent else "")
+    kept = {name: impl for name, impl in IMPLS.items() if name not in SDPA_BACKENDS}
+    IMPLS.clear()
+    for name, impl in kept.items():
+        if name == "triton":
+            for peer in SDPA_BACKENDS:
+                if peer not in absent:
+                    IMPLS[peer] = Impl(peer, "peer", _pinned_sdpa(peer), train=False, backend=(
+                        "torch.nn.functional.scaled_dot_product_attention under "
+                        f"sdpa_kernel(SDPBackend.{SDPA_BACKENDS[peer]}){note}"))
+        IMPLS[name] = impl
+    ABSENT.clear()
+    ABSENT.update(absent)
+    return absent
+
+
+# --- ours ------------------------------------------------------------------------------------
+
+
+def _autotune(cfg: LabConfig) -> str | None:
+    """tile=auto tunes blocks, warps and stages jointly; workgroup=auto warps and stages alone."""
+    return "tile" if cfg.tile.autotune else "workgroup" if cfg.workgroup.autotune else None
+
+
+def _triton_args(cfg: LabConfig) -> dict[str, Any]:
+    t, w = cfg.tile, cfg.workgroup
+    return dict(block_q=t.block_q, block_kv=t.block_kv, num_warps=w.num_warps, num_stages=w.num_stages,
+                dkdv_block_q=t.dkdv_block_q, dkdv_block_kv=t.dkdv_block_kv, dq_block_q=t.dq_block_q,
+                dq_block_kv=t.dq_block_kv)
+
+
 def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
     from posttrainllm.ops.attention import flash_attention_with_lse
 
-    t, w = cfg.tile, cfg.workgroup
-    out, lse = flash_attention_with_lse(x["q"], x["k"], x["v"], causal=cfg.op.causal, block_q=t.block_q,
-                                        block_kv=t.block_kv, num_warps=w.num_warps, num_stages=w.num_stages,
-                                        input_precision=cfg.precision.dot_precision)
+    out, lse = flash_attention_with_lse(x["q"], x["k"], x["v"], causal=cfg.op.causal, **_triton_args(cfg),
+                                        input_precision=cfg.precision.dot_precision, autotune=_autotune(cfg))
     return {"out": out, "lse": lse}
 
 
 def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
-    from posttrainllm.ops.attention import attention_backward_launch, attention_launch
+    """The launch geometry; with tile/workgroup=auto, what the autotuner chose for this case (CUDA), found by
+    running the path once on the case's inputs, or that the fixed configuration ran (elsewhere)."""
+    from posttrainllm.ops.attention import AUTO_CPU_NOTE, LAST_AUTOTUNE, attention_backward_launch, attention_launch
 
-    d, t, w = case.dims, cfg.tile, cfg.workgroup
-    blocks = dict(block_q=t.block_q, block_kv=t.block_kv, num_warps=w.num_warps, num_stages=w.num_stages)
+    d = case.dims
+    args = _triton_args(cfg)
+    blocks = {k: args[k] for k in ("block_q", "block_kv", "num_warps", "num_stages")}
     forward = attention_launch(d["batch"], d["heads"], d["seq_len"], d["head_dim"], **blocks)
-    backward = attention_backward_launch(d["batch"], d["heads"], d["kv_heads"], d["seq_len"], d["head_dim"], **blocks)
-    return {**forward, "backward": backward}
+    backward = attention_backward_launch(d["batch"], d["heads"], d["kv_heads"], d["seq_len"], d["head_dim"], **args)
+    geometry = {**forward, "backward": backward}
+    mode = _autotune(cfg)
+    if mode is None:
+        return geometry
+    if _point_device(cfg) != "cuda":
+        return {**geometry, "autotune": {"mode": mode, "chosen": None, "note": AUTO_CPU_NOTE}}
+    x = {name: t.requires_grad_() for name, t in _make_inputs(case, getattr(torch, cfg.precision.dtype),
+                                                                "cuda").items()}
+    LAST_AUTOTUNE.clear()
+    _triton(x, cfg)["out"].sum().backward()  # tunes (or reuses the tuning for) the forward, dK/dV and dQ
+    return {**geometry, "autotune": {"mode": mode, "chosen": dict(LAST_AUTOTUNE),
+                                     "note": "chosen by triton.autotune on this device (smem-pruned)"}}
 
 
 IMPLS = {
@@ -169,13 +282,17 @@ def _model_problem(cfg: LabConfig) -> str:
 
 
 def _check_config(cfg: LabConfig) -> None:
-    """A block larger than the sequence, or Q + (K, V) per pipeline stage over the shared memory, is refused.
+    """Registers the SDPA backend peers this point's device has; then a block larger than the sequence, or
+    Q + (K, V) per pipeline stage over the shared memory, is refused.
 
     Shared memory per program: (BLOCK_Q + 2·BLOCK_KV·num_stages) · D · itemsize.
     """
+    register_backend_peers(cfg)
     tile, shape = cfg.tile, cfg.shape
     bound = max(16, next_power_of_two(shape.seq_len))
-    for block in ("block_q", "block_kv"):
+    for block in ("block_q", "block_kv", "dkdv_block_q", "dkdv_block_kv", "dq_block_q", "dq_block_kv"):
+        if getattr(tile, block) is None:
+            continue
         if getattr(tile, block) > bound:
             raise ConfigError(f"tile.{block}={getattr(tile, block)} does not fit shape.seq_len={shape.seq_len}: "
                               f"use a block <= {bound}")

@@ -57,6 +57,9 @@ class Impl:
     outputs: tuple[str, ...] = ("out",)
     geometry: Callable[[Case, LabConfig], dict[str, Any]] | None = None
     backend: str = ""  # what runs, in words: "torch.nn.functional.scaled_dot_product_attention", ...
+    # trained by default in bench-train (train.impls=[]); False for peers that only pin another path's
+    # backend (the model trains the generic path), so the end-to-end step is not repeated per backend
+    train: bool = True
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class ModelHooks:
 
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # moe(x, w_gate, w_up, w_down, route_idx, route_weight) -> (T, d): the routed experts of an MoE MLP
+    moe: Callable[..., torch.Tensor] | None = None
 
 
 @dataclass
@@ -109,6 +114,22 @@ class OpDef:
     output_follows: dict[str, str] = field(default_factory=dict)
     # Peak bytes of the reference stage on one case (one chunk of the oracle at a time), for the memory check
     reference_bytes: Callable[[Case, LabConfig], int] = lambda case, cfg: 0
+    # Outputs held to the max-error rules (tensor-wide and per row) without the elementwise atol/rtol count,
+    # because the plain reference math in the point's precision itself misses that count (measured; the op says
+    # where): as for adversarial inputs (stages.ADVERSARIAL_NOTE)
+    max_error_only: tuple[str, ...] = ()
+    max_error_only_reason: str = ""
+    # Inputs no gradient is asked for (integer ids such as MoE's route_idx): parity expects no grad_<name>
+    nondiff_inputs: tuple[str, ...] = ()
+    # Checks of a case's inputs themselves, run once by the reference stage and reported by parity (MoE: the
+    # router that made the routing every path runs on): {"verdict": "pass"|"fail", "reason": ..., ...}
+    input_checks: Callable[[Case, Tensors, LabConfig], dict[str, Any]] | None = None
+    # The microbench curve's sizes (default: shape.curve)
+    curve_sizes: Callable[[LabConfig], list[int]] = lambda cfg: list(cfg.shape.curve)
+    # ModelConfig fields bench-train sets for this op (MoE: an MoE MLP for the expert hook to swap into)
+    model_overrides: Callable[[LabConfig], dict[str, Any]] = lambda cfg: {}
+    # Extra measurements of the point's own case for the microbench report (MoE: tokens per expert)
+    describe: Callable[[Case, Tensors, LabConfig], dict[str, Any]] | None = None
 
     @property
     def reference(self) -> Impl:
@@ -120,11 +141,11 @@ class OpDef:
 
     def expected_outputs(self, impl: Impl) -> list[str]:
         """What parity requires of `impl`: its declared forward outputs, then a gradient per input."""
-        return [*impl.outputs, *(f"grad_{name}" for name in self.input_names)]
+        return [*impl.outputs, *(f"grad_{name}" for name in self.input_names if name not in self.nondiff_inputs)]
 
     def train_impls(self, cfg: LabConfig) -> list[str]:
         """The implementations bench-train runs (train.impls, or all): the reference first, the drift baseline."""
-        return list(cfg.train.impls) or list(self.impls)
+        return list(cfg.train.impls) or [name for name, impl in self.impls.items() if impl.train]
 
     def geometry(self, impl: Impl, case: Case, cfg: LabConfig) -> dict[str, Any]:
         return impl.geometry(case, cfg) if impl.geometry else {"backend": impl.backend}

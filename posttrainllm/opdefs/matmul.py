@@ -26,21 +26,40 @@ def _torch(x: Tensors, cfg: LabConfig) -> Tensors:
     return {"out": torch.matmul(x["a"], x["b"])}
 
 
+def _autotune(cfg: LabConfig) -> str | None:
+    """tile=auto tunes blocks, warps and stages jointly; workgroup=auto warps and stages alone."""
+    return "tile" if cfg.tile.autotune else "workgroup" if cfg.workgroup.autotune else None
+
+
 def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
     from posttrainllm.ops.matmul import matmul
 
     t, w = cfg.tile, cfg.workgroup
     return {"out": matmul(x["a"], x["b"], block_m=t.block_m, block_n=t.block_n, block_k=t.block_k,
                           group_m=w.group_m, num_warps=w.num_warps, num_stages=w.num_stages,
-                          input_precision=cfg.precision.dot_precision)}
+                          input_precision=cfg.precision.dot_precision, autotune=_autotune(cfg))}
 
 
 def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
-    from posttrainllm.ops.matmul import matmul_launch
+    """The launch geometry; with tile/workgroup=auto, what the autotuner chose for the forward (CUDA: the
+    path runs once on the case's inputs), or that the fixed configuration ran (elsewhere)."""
+    from posttrainllm.ops.attention import AUTO_CPU_NOTE
+    from posttrainllm.ops.matmul import LAST_AUTOTUNE, matmul_launch
 
     t, w, d = cfg.tile, cfg.workgroup, case.dims
-    return matmul_launch(d["m"], d["n"], d["k"], block_m=t.block_m, block_n=t.block_n, block_k=t.block_k,
-                         group_m=w.group_m, num_warps=w.num_warps, num_stages=w.num_stages)
+    geometry = matmul_launch(d["m"], d["n"], d["k"], block_m=t.block_m, block_n=t.block_n, block_k=t.block_k,
+                             group_m=w.group_m, num_warps=w.num_warps, num_stages=w.num_stages)
+    mode = _autotune(cfg)
+    if mode is None:
+        return geometry
+    on_cuda = cfg.device.name == "cuda" or (cfg.device.name == "auto" and torch.cuda.is_available())
+    if not on_cuda:
+        return {**geometry, "autotune": {"mode": mode, "chosen": None, "note": AUTO_CPU_NOTE}}
+    LAST_AUTOTUNE.clear()
+    with torch.no_grad():
+        _triton(_make_inputs(case, getattr(torch, cfg.precision.dtype), "cuda"), cfg)
+    return {**geometry, "autotune": {"mode": mode, "chosen": dict(LAST_AUTOTUNE),
+                                     "note": "chosen by triton.autotune on this device (smem-pruned)"}}
 
 
 IMPLS = {

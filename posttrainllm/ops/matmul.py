@@ -41,6 +41,7 @@ def _matmul_kernel(
     stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -55,19 +56,29 @@ def _matmul_kernel(
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
 
-    # -- pointers to the first K-slab of A (BLOCK_M, BLOCK_K) and B (BLOCK_K, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # -- rows of A and columns of B this tile reads, wrapped modulo M and N (as Triton's matmul tutorial
+    #    does): a ragged edge tile re-reads valid rows instead of masking every load; its extra results are
+    #    never stored. 64-bit: a 65k-token x 128k-vocab C is 8.4e9 elements, past int32; the K walk
+    #    advances the pointers themselves
+    offs_m = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_n = (pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
+
+    # -- pointers to the first K-slab of A (BLOCK_M, BLOCK_K) and B (BLOCK_K, BLOCK_N)
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
 
-    # -- walk K; masked lanes load 0 so a ragged last slab adds nothing
+    # -- walk K; with EVEN_K (K a multiple of BLOCK_K) no slab is ragged and no load is masked,
+    #    otherwise masked lanes load 0 so a ragged last slab adds nothing
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if UPCAST_DOT:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -76,8 +87,10 @@ def _matmul_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     # -- write the tile in C's dtype (fp32 when the launcher emulates bf16)
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 def _check_block(name: str, value: int) -> None:
@@ -105,8 +118,50 @@ def matmul_launch(
     return {
         "grid": [n_programs],
         "block_m": block_m, "block_n": block_n, "block_k": block_k, "group_m": group_m,
+        "even_k": K % block_k == 0,  # the K loop's loads carry no mask
         "num_warps": num_warps, "num_stages": num_stages,
     }
+
+
+# --- autotuning (tile=auto / workgroup=auto): CUDA only ---------------------------------------
+# do_bench needs a GPU driver; under Triton's interpreter `auto` runs the given configuration
+# (posttrainllm.ops.attention.AUTO_CPU_NOTE). Configurations are pruned by the shared memory the
+# device reports: (BLOCK_M·BLOCK_K + BLOCK_K·BLOCK_N)·itemsize per pipeline stage.
+
+# (block_m, block_n, block_k, warps, stages): Triton's matmul tutorial's CUDA set, wide to narrow
+MATMUL_SPACE = [
+    (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+    (128, 256, 32, 8, 4), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 64, 4, 3),
+]
+
+
+def matmul_smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, itemsize: int) -> int:
+    """(BLOCK_M·BLOCK_K + BLOCK_K·BLOCK_N)·itemsize·num_stages: the A and B slabs in flight."""
+    return (block_m * block_k + block_k * block_n) * itemsize * num_stages
+
+
+_TUNERS: dict = {}
+LAST_AUTOTUNE: dict[str, dict] = {}  # "matmul" -> the configuration the autotuner chose at its last launch
+
+
+def _tuner(space, smem: int, itemsize: int):
+    key = (tuple(space), smem, itemsize)
+    if key not in _TUNERS:
+        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm}, num_warps=w,
+                                 num_stages=st)
+                   for bm, bn, bk, gm, w, st in space if matmul_smem_bytes(bm, bn, bk, st, itemsize) <= smem]
+        if not configs:
+            raise ValueError(f"no matmul autotune configuration fits {smem} B of shared memory")
+        even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_matmul_kernel)
+        _TUNERS[key] = triton.autotune(configs=configs, key=["M", "N", "K"])(even_k)
+    return _TUNERS[key]
+
+
+def _space(tile: tuple[int, int, int, int, int, int], tune_tiles: bool):
+    """Every (blocks, GROUP_M, warps, stages) when tiles are tuned; else the fixed blocks with warps x stages."""
+    if tune_tiles:
+        return [(bm, bn, bk, tile[3], w, st) for bm, bn, bk, w, st in MATMUL_SPACE]
+    return [(*tile[:4], w, st) for w in (4, 8) for st in (2, 3, 4)]
 
 
 def triton_matmul(
@@ -121,12 +176,15 @@ def triton_matmul(
     num_stages: int = 2,
     input_precision: str = "ieee",
     emulate_bf16: bool | None = None,
+    autotune: str | None = None,
 ) -> torch.Tensor:
     """a (M, K) @ b (K, N) -> (M, N) in a's dtype; any strides.
 
     input_precision is tl.dot's: "ieee" for true fp32, "tf32" for TF32 tensor cores
     (16-bit inputs ignore it). emulate_bf16: None = upcast bf16 dot operands only
-    under the interpreter; False/True force it off/on.
+    under the interpreter; False/True force it off/on. autotune: None = the given tile;
+    "tile" = blocks, warps and stages jointly; "workgroup" = warps and stages at the given
+    blocks; on CUDA only (elsewhere the given configuration runs).
     """
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"expected 2-D a (M, K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -148,16 +206,24 @@ def triton_matmul(
     )
     upcast = use_bf16_emulation(a.dtype, emulate_bf16)
     c = torch.empty((M, N), device=a.device, dtype=torch.float32 if upcast else a.dtype)
-    _matmul_kernel[tuple(launch["grid"])](
-        a, b, c,
-        M, N, K,
-        a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1),
-        c.stride(0), c.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        INPUT_PRECISION=input_precision, UPCAST_DOT=upcast,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    if autotune and a.is_cuda:
+        from posttrainllm.ops.attention import device_smem_bytes
+
+        tile = (block_m, block_n, block_k, group_m, num_warps, num_stages)
+        tuner = _tuner(_space(tile, autotune == "tile"), device_smem_bytes(a.device), a.element_size())
+        tuner[lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)](
+            *args, INPUT_PRECISION=input_precision, UPCAST_DOT=upcast)
+        config = tuner.best_config
+        LAST_AUTOTUNE["matmul"] = {**{k.lower(): v for k, v in config.kwargs.items()},
+                                   "num_warps": config.num_warps, "num_stages": config.num_stages}
+    else:
+        _matmul_kernel[tuple(launch["grid"])](
+            *args,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, EVEN_K=launch["even_k"],
+            INPUT_PRECISION=input_precision, UPCAST_DOT=upcast,
+            num_warps=num_warps, num_stages=num_stages,
+        )
     return c.to(a.dtype)
 
 
@@ -197,10 +263,12 @@ def matmul(
     num_warps: int = 4,
     num_stages: int = 2,
     input_precision: str = "ieee",
+    autotune: str | None = None,
 ) -> torch.Tensor:
-    """Differentiable a (M, K) @ b (K, N) -> (M, N) in a's dtype; forward and backward share the tiles."""
+    """Differentiable a (M, K) @ b (K, N) -> (M, N) in a's dtype; forward and backward share the tiles
+    (and, with autotune, the tuner: its key is (M, N, K), so dA and dB are tuned as their own problems)."""
     tile = dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m,
-                num_warps=num_warps, num_stages=num_stages, input_precision=input_precision)
+                num_warps=num_warps, num_stages=num_stages, input_precision=input_precision, autotune=autotune)
     return TritonMatmul.apply(a, b, tile)
 
 

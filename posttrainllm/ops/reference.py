@@ -70,3 +70,92 @@ def attention_logsumexp(
         future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
     return torch.logsumexp(scores, dim=-1)
+
+
+# --- a query chunk against a KV cache (decode, speculative verification) ------------------
+#     Sq   queries in the chunk (1: one decode step; K+1: a speculative verification)
+#     Sk   keys in the cache, the chunk's own included (Sq <= Sk)
+
+
+def chunk_causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """True where query i of the chunk may NOT see key j: (Sq, Sk), aligned bottom-right.
+
+    The chunk holds the last Sq positions of the Sk in the cache, so query i sits at position
+    i + Sk - Sq and sees keys j <= i + Sk - Sq. (torch SDPA's is_causal aligns top-left when
+    Sq != Sk, i.e. query i sees keys j <= i: wrong for a chunk at the end of a cache.)
+    """
+    if not 1 <= q_len <= kv_len:
+        raise ValueError(f"a query chunk needs 1 <= Sq <= Sk, got Sq={q_len}, Sk={kv_len}")
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).triu(kv_len - q_len + 1)
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None) -> torch.Tensor:
+    """softmax(Q Kᵀ · scale + bottom-right causal mask) · V for a query chunk at the end of a KV cache.
+
+    q: (B, H, Sq, D), k and v: (B, Hkv, Sk, D) with Sq <= Sk -> (B, H, Sq, D).
+    Sq == Sk is ordinary causal attention; Sq == 1 is one decode step (sees every key).
+    """
+    head_dim = q.shape[3]
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    k = repeat_kv(k, q.shape[1])  # (B, H, Sk, D)
+    v = repeat_kv(v, q.shape[1])  # (B, H, Sk, D)
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
+    scores = scores.masked_fill(chunk_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # (B, H, Sq, Sk), rows sum to 1
+    return probs @ v  # (B, H, Sq, D)
+
+
+# --- mixture of experts -----------------------------------------------------------------
+# Shape legend (MoE)
+#     T   tokens (rows of x)      d   model width       f   expert FFN width
+#     E   experts                 k   experts per token (top-k)
+# Expert weights are stacked "x @ W" style: w_gate, w_up (E, d, f), w_down (E, f, d).
+# The routing is two (T, k) tensors: route_idx (int64 expert ids, best first) and
+# route_weight (the renormalised probabilities of those experts).
+
+
+def moe_router(x: torch.Tensor, w_router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing, in the dtype of its inputs (the model and the lab call it in fp32).
+
+    x: (T, d), w_router: (d, E) -> route_idx (T, k) int64, route_weight (T, k).
+    logits = x · W_r; probs = softmax(logits); keep the k largest; weights = probs / Σ_k probs
+    (renormalised over the chosen k, as Mixtral does). Tie-break: equal logits go to the lower
+    expert index (a stable descending sort), so the rule is written down, not left to topk.
+    """
+    logits = x @ w_router  # (T, E)
+    probs = torch.softmax(logits, dim=-1)  # (T, E)
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices  # (T, E): ties keep index order
+    route_idx = order[:, :top_k]  # (T, k)
+    chosen = probs.gather(1, route_idx)  # (T, k)
+    return route_idx, chosen / chosen.sum(dim=-1, keepdim=True)
+
+
+def swiglu_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """One expert: (silu(x W_gate) * (x W_up)) W_down.   x: (..., d), w_gate/w_up: (d, f), w_down: (f, d)."""
+    return (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def moe_dense(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+              route_idx: torch.Tensor, route_weight: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, combined by a (T, E) gate that is zero for unchosen experts.
+
+    E x the active FLOPs (the honest dense baseline). x: (T, d) -> (T, d).
+    """
+    n_experts = w_gate.shape[0]
+    gate = torch.zeros(x.shape[0], n_experts, dtype=route_weight.dtype, device=x.device)  # (T, E)
+    gate = gate.scatter(1, route_idx, route_weight)  # (T, E): route_weight where chosen, else 0
+    expert_out = swiglu_expert(x.unsqueeze(0), w_gate, w_up, w_down)  # (1, T, d) through (E, ...) -> (E, T, d)
+    return torch.einsum("te,etd->td", gate.to(expert_out.dtype), expert_out)  # (T, d)
+
+
+def moe_sparse(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+               route_idx: torch.Tensor, route_weight: torch.Tensor) -> torch.Tensor:
+    """For each expert: gather its tokens, run it, scatter-add the weighted result. x: (T, d) -> (T, d)."""
+    out = torch.zeros_like(x)  # (T, d)
+    for e in range(w_gate.shape[0]):
+        token, slot = torch.nonzero(route_idx == e, as_tuple=True)  # (n_e,) each: which token, which of its k
+        if token.numel() == 0:
+            continue
+        y = swiglu_expert(x[token], w_gate[e], w_up[e], w_down[e])  # (n_e, d)
+        out = out.index_add(0, token, y * route_weight[token, slot, None].to(y.dtype))  # (T, d)
+    return out

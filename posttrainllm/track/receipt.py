@@ -394,3 +394,104 @@ def import_folder(folder: Path, uri: str | None = None,
         if on_logged:
             on_logged(path, run_id)
     return logged
+
+
+# --- draft heads: `posttrainllm experimental train-heads` (posttrainllm/lab/heads.py) -------------------
+
+HEADS_SCHEMA = "posttrainllm.track.receipt.heads/1"
+HEADS_ARTIFACTS = ("receipt.json", "heads.json", "decode.json")
+
+
+def build_heads(cfg: LabConfig, folder: Path, base_report: dict[str, Any], heads_report: dict[str, Any],
+                decode_report: dict[str, Any] | None) -> dict[str, Any]:
+    """The heads receipt: config, provenance, the base's summary, the heads' and the decode measurement's reports."""
+    base = {k: v for k, v in base_report.items() if k != "losses"}
+    base["losses_every_50"] = base_report["losses"][::50]
+    receipt = {
+        "schema": HEADS_SCHEMA,
+        "point": f"heads-{cfg.heads.name}",
+        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "provenance": {**git_revision(), "machine": devices.fingerprint(devices.resolve(cfg.device.name))},
+        "config": {"architecture": OmegaConf.to_container(OmegaConf.structured(cfg.architecture)),
+                   "heads": OmegaConf.to_container(OmegaConf.structured(cfg.heads)),
+                   "device": cfg.device.name, "bench.threads": cfg.bench.threads},
+        "base": base, "heads": heads_report, "decode": decode_report,
+        "verdict": "pass" if decode_report is not None and decode_report["lossless"] else "fail",
+    }
+    write_json(folder / "receipt.json", receipt)
+    write_json(folder / "metrics.json", heads_metrics(receipt))
+    return receipt
+
+
+def heads_metrics(receipt: dict[str, Any]) -> dict[str, float]:
+    """The heads receipt's numbers, flat: base and head losses, per-head accuracy, per-variant decode figures."""
+    flat: dict[str, float] = {"base.heldout_loss": receipt["base"]["heldout_loss"],
+                              "base.final_train_loss": receipt["base"]["final_train_loss"],
+                              "base.train_s": receipt["base"]["train_s"]}
+    heads = receipt["heads"]
+    if heads.get("losses"):
+        flat["heads.final_loss"] = heads["losses"][-1]
+    for k, acc in enumerate(heads.get("heldout_accuracy") or [], start=1):
+        flat.update({f"heads.head{k}.{name}": value for name, value in acc.items()})
+    decode = receipt.get("decode") or {}
+    for name, entry in (decode.get("variants") or {}).items():
+        for key in ("tokens_per_s", "decode_tokens_per_s", "mean_accepted_length"):
+            if key in entry:
+                flat[f"decode.{name}.{key}"] = entry[key]
+        for key in ("ttft_ms", "itl_ms"):
+            flat.update({f"decode.{name}.{key}.{q}": v for q, v in entry[key].items()})
+        flat[f"decode.{name}.peak_bytes"] = entry["peak_memory"]["peak_bytes"]
+        for k, rate in enumerate(entry.get("acceptance_rate_per_head") or [], start=1):
+            flat[f"decode.{name}.accept_rate.head{k}"] = rate
+    for name, entry in (decode.get("speedup") or {}).items():
+        if isinstance(entry, dict):
+            flat.update({f"decode.{name}.speedup.{k}": v for k, v in entry.items()})
+    if decode:
+        flat["decode.mismatches"] = decode["mismatches"]["count"]
+        flat["decode.near_ties"] = decode["mismatches"]["near_ties"]
+    return flat
+
+
+def record_heads(receipt: dict[str, Any], folder: Path, *, log_mlflow: bool = True,
+                 uri: str | None = None) -> str | None:
+    """The heads receipt as one MLflow run (tag role=heads; loss curves as stepped metrics); None if not logged.
+
+    Raises store.TrackingFailed when the store cannot be written (the JSON receipt is on disk by then).
+    """
+    if not log_mlflow or not mlflow_available():
+        return None
+    uri = uri or tracking_uri()
+    try:
+        return _log_heads(receipt, folder, uri)
+    except store.tracking_errors() as exc:
+        raise store.TrackingFailed(uri, store.short_reason(exc), unreachable=store.unreachable(exc),
+                                   folder=folder) from exc
+
+
+def _log_heads(receipt: dict[str, Any], folder: Path, uri: str) -> str:
+    from mlflow.entities import Metric, Param
+
+    client, experiment_id = store.open_store(uri, EXPERIMENT, artifact_location(uri))
+    machine = receipt["provenance"]["machine"]
+    tags = {"role": "heads", "point": receipt["point"], "verdict": receipt["verdict"],
+            "git.revision": receipt["provenance"]["revision"], "git.dirty": str(receipt["provenance"]["dirty"]),
+            "device": machine["device"], "threads": str(machine["threads"]), "receipt.schema": receipt["schema"],
+            "receipt.id": hashlib.sha256(json.dumps(receipt, sort_keys=True).encode()).hexdigest()[:16]}
+    with store.lock(uri):
+        run_id = client.create_run(experiment_id, run_name=receipt["point"], tags=tags).info.run_id
+        params: dict[str, str] = {}
+        _flatten("", receipt["config"], params)
+        now = int(dt.datetime.now().timestamp() * 1000)
+        values = [Metric(k, float(v), now, 0) for k, v in heads_metrics(receipt).items()]
+        values += [Metric("base.loss", loss, now, step * 50)
+                   for step, loss in enumerate(receipt["base"]["losses_every_50"])]
+        values += [Metric("heads.loss", loss, now, step) for step, loss in enumerate(receipt["heads"]["losses"])]
+        param_list = [Param(k, v[:6000]) for k, v in params.items()]
+        for i in range(0, max(len(param_list), len(values)), 100):
+            client.log_batch(run_id, metrics=values[i:i + 100], params=param_list[i:i + 100])
+        for name in HEADS_ARTIFACTS:
+            if (folder / name).exists():
+                client.log_artifact(run_id, str(folder / name))
+        client.set_tag(run_id, LOGGED_TAG, "true")
+        client.set_terminated(run_id, "FINISHED" if receipt["verdict"] == "pass" else "FAILED")
+    return run_id

@@ -80,6 +80,29 @@ def _peer(receipt: dict[str, Any]) -> str | None:
     return next((name for name, entry in paths.items() if entry.get("kind") == "peer"), None)
 
 
+def _vs_best_peer(receipt: dict[str, Any], mode: str) -> tuple[str | None, float | None, float | None]:
+    """Our kernel against the fastest valid peer (every SDPA backend is one) in `mode` ("forward" or
+    "forward_backward"): (best peer, best peer ms / triton ms, triton FLOP/s / calibrated GEMM peak).
+    A fraction >= 1 means ours is at least as fast; None where a side has no valid timing."""
+    micro = receipt.get("microbench") or {"paths": {}}
+    paths = (receipt.get("kernel") or {}).get("paths", {})
+
+    def timing(name: str) -> dict[str, Any] | None:
+        entry = micro["paths"].get(name) or {}
+        if not entry.get("valid"):
+            return None
+        timed = entry if mode == "forward" else entry.get("forward_backward")
+        return timed if timed and timed.get("median_ms") else None
+
+    peers = {name: t for name, entry in paths.items() if entry.get("kind") == "peer" and (t := timing(name))}
+    ours = timing("triton")
+    best = min(peers, key=lambda n: peers[n]["median_ms"]) if peers else None
+    fraction = peers[best]["median_ms"] / ours["median_ms"] if ours and best else None
+    peak = (micro.get("peaks") or {}).get("gemm_flops_per_s")
+    of_peak = ours["gflops_per_s"] * 1e9 / peak if ours and peak and ours.get("gflops_per_s") else None
+    return best, fraction, of_peak
+
+
 def point_failed(receipt: dict[str, Any]) -> bool:
     """A point failed when a path broke its numerical contract or its loss drift limit."""
     parity_failed = (receipt.get("parity") or {}).get("verdict", "fail") != "pass"
@@ -117,6 +140,10 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "peer_noisy": peer_entry.get("noisy"),
             "peer_bound": (peer_entry.get("roofline") or {}).get("classification"),
             "crossover": micro.get("curve", {}).get("crossover_vs_reference", {}).get(peer),
+            "best_peer": _vs_best_peer(receipt, "forward")[0],
+            "triton_vs_best": _vs_best_peer(receipt, "forward")[1],
+            "triton_fb_vs_best": _vs_best_peer(receipt, "forward_backward")[1],
+            "triton_of_peak": _vs_best_peer(receipt, "forward")[2],
             "train_ms": train["impls"].get(train.get("baseline"), {}).get("warm_ms_per_step"),
             "max_drift": max(train["drift"].values()) if train["drift"] else None,
             "amdahl_pred": amdahl.get("predicted_speedup"),
@@ -134,7 +161,7 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
 
 FORMATS = {"triton_err/allowed": ".3f", "ref_ms": ".3f", "peer_ms": ".3f", "peer_speedup": ".2f", "peer_fb_speedup": ".2f",
            "peer_vs_baseline": ".2f", "train_ms": ".1f", "max_drift": ".1e", "amdahl_pred": ".2f",
-           "amdahl_meas": ".2f"}
+           "amdahl_meas": ".2f", "triton_vs_best": ".2f", "triton_fb_vs_best": ".2f", "triton_of_peak": ".2f"}
 
 
 def _formatted(frame: pd.DataFrame) -> pd.DataFrame:
@@ -156,6 +183,10 @@ def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in frame.itertuples(index=False)]
     legend = [
         "", "Times are medians in ms on each point's own shape; `peer` is PyTorch's own optimized path.",
+        "`triton_vs_best` (`triton_fb_vs_best`): the fastest valid peer's (`best_peer`, every SDPA backend "
+        "counted) forward (forward + backward) median / our kernel's, >= 1 when ours is as fast; "
+        "`triton_of_peak`: our forward's FLOP/s / the calibrated GEMM peak. Empty where Triton is "
+        "interpreted (never speed).",
         "`verdict`: FAIL when a path broke its contract or its loss-drift limit (failing points come first; "
         "`first_failure` names the path and case).",
         "`peer_speedup`: reference forward time / peer forward time; `peer_fb_speedup`: the same for forward + "

@@ -81,6 +81,46 @@ def test_interpreter_bf16_is_wrong_without_emulation(device):
     assert o_err > 1 and lse_err > 1e3, f"interpreter bf16 looks fixed (O err {o_err}, L err {lse_err})"
 
 
+# Lengths where the causal split matters: a query block whose diagonal spans several KV blocks
+# (block_q > block_kv), one KV block holding several query blocks' diagonals (block_q < block_kv),
+# S a multiple of both (no ragged tail: the unmasked phase covers all but the diagonal), and S below one block.
+SPLIT_SHAPES = [
+    (1, 2, 1, 128, 32, 64, 16),
+    (1, 2, 2, 80, 32, 16, 64),
+    (1, 1, 1, 128, 32, 32, 32),
+    (1, 2, 2, 9, 32, 64, 64),
+]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("B, H, Hkv, S, D, block_q, block_kv", SPLIT_SHAPES)
+def test_causal_split_and_ragged_tail(B, H, Hkv, S, D, block_q, block_kv, causal, device):
+    q, k, v = _inputs(B, H, Hkv, S, D, torch.float32, device)
+    o, lse = triton_attention(q, k, v, causal=causal, block_q=block_q, block_kv=block_kv)
+    ref_o, ref_lse = _oracle(q, k, v, causal=causal)
+    torch.testing.assert_close(o.double(), ref_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_ATOL, rtol=0)
+
+
+def test_non_positive_scale_is_refused():
+    q = torch.randn(1, 1, 16, 16)
+    with pytest.raises(ValueError, match="sm_scale=-0.5 must be > 0"):
+        triton_attention(q, q, q, sm_scale=-0.5)
+
+
+def test_autotune_off_gpu_runs_the_given_configuration(device):
+    """`auto` cannot time configurations under the interpreter: the launcher runs the blocks it was given."""
+    from posttrainllm.ops import attention
+
+    if device != "cpu":
+        pytest.skip("CPU behaviour")
+    q, k, v = _inputs(1, 2, 2, 37, 16, torch.float32, device)
+    attention.LAST_AUTOTUNE.clear()
+    o, _ = triton_attention(q, k, v, block_q=16, block_kv=16, autotune="tile")
+    torch.testing.assert_close(o.double(), _oracle(q, k, v)[0], atol=1e-4, rtol=1e-4)
+    assert attention.LAST_AUTOTUNE == {}
+
+
 def test_launch_geometry():
     launch = attention_launch(2, 4, 100, 24, block_q=32, block_kv=16, num_warps=4, num_stages=2)
     assert launch == {

@@ -123,9 +123,41 @@ def test_backward_launch_geometry():
     launch = attention_backward_launch(2, 4, 2, 100, 24, block_q=32, block_kv=16, num_warps=4, num_stages=2)
     assert launch == {
         "preprocess_grid": [4, 8], "dkdv_grid": [7, 4], "dq_grid": [4, 8], "kv_group": 2,
-        "block_q": 32, "block_kv": 16, "block_d": 32, "num_warps": 4, "num_stages": 2,
+        "dkdv_block_q": 32, "dkdv_block_kv": 16, "dq_block_q": 32, "dq_block_kv": 16,
+        "block_d": 32, "num_warps": 4, "num_stages": 2,
     }
     json.dumps(launch)
+
+
+def test_backward_kernels_take_their_own_blocks():
+    """dK/dV: one program per dkdv_block_kv keys; dQ and the preprocess: one per dq_block_q queries."""
+    launch = attention_backward_launch(2, 4, 2, 100, 24, block_q=32, block_kv=16, num_warps=4, num_stages=2,
+                                       dkdv_block_q=16, dkdv_block_kv=64, dq_block_q=64, dq_block_kv=16)
+    assert launch["dkdv_grid"] == [2, 4] and launch["dq_grid"] == [2, 8] and launch["preprocess_grid"] == [2, 8]
+    assert (launch["dkdv_block_q"], launch["dkdv_block_kv"], launch["dq_block_q"], launch["dq_block_kv"]) == (
+        16, 64, 64, 16)
+    with pytest.raises(ValueError, match="dq_block_kv=24 must be a power of two"):
+        attention_backward_launch(1, 1, 1, 16, 16, block_q=16, block_kv=16, num_warps=4, num_stages=1,
+                                  dq_block_kv=24)
+
+
+# (S, block_q, block_kv, dkdv (q, kv), dq (q, kv)): lengths off every tile; the dK/dV kernel's diagonal
+# spans several query steps (16 < 64) and one (64 > 32); dQ's diagonal several KV steps and one.
+OWN_BLOCKS = [
+    (100, 32, 32, (16, 64), (64, 16)),
+    (77, 16, 16, (64, 32), (16, 32)),
+]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("S, block_q, block_kv, dkdv, dq", OWN_BLOCKS)
+def test_grads_with_backward_blocks_of_their_own(S, block_q, block_kv, dkdv, dq, causal, device):
+    q, k, v = _inputs(1, 4, 2, S, 32, torch.float32, device)  # GQA
+    o = flash_attention(q, k, v, causal=causal, block_q=block_q, block_kv=block_kv, dkdv_block_q=dkdv[0],
+                        dkdv_block_kv=dkdv[1], dq_block_q=dq[0], dq_block_kv=dq[1])
+    do = torch.randn_like(o)
+    o.backward(do)
+    _assert_grads_close(q, k, v, _oracle_grads(q, k, v, do, causal=causal), 1e-4, 1e-4)
 
 
 @pytest.mark.parametrize(

@@ -68,7 +68,8 @@ def test_interpreter_bf16_is_wrong_without_emulation(device):
 def test_launch_geometry():
     launch = matmul_launch(41, 77, 33, block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=3)
     assert launch == {
-        "grid": [3 * 3], "block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 3,
+        "grid": [3 * 3], "block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "even_k": False, "num_warps": 4,
+        "num_stages": 3,
     }
     json.dumps(launch)
 
@@ -91,3 +92,14 @@ def test_rejects_bad_input(a_shape, b_shape, kwargs, match):
 def test_rejects_mixed_dtypes():
     with pytest.raises(ValueError, match="dtype mismatch"):
         triton_matmul(torch.randn(16, 16), torch.randn(16, 16, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("M, N, K, block_k", [(37, 50, 64, 32), (37, 50, 48, 32), (16, 16, 16, 16)])
+def test_even_and_ragged_k_paths(M, N, K, block_k, device):
+    """EVEN_K (K a multiple of BLOCK_K: no load masked, edge rows wrap modulo M, N) and the ragged path agree."""
+    a = torch.randn(M, K, device=device)
+    b = torch.randn(K, N, device=device)
+    assert matmul_launch(M, N, K, block_m=16, block_n=32, block_k=block_k, group_m=2, num_warps=4,
+                         num_stages=2)["even_k"] == (K % block_k == 0)
+    c = triton_matmul(a, b, block_m=16, block_n=32, block_k=block_k, group_m=2)
+    torch.testing.assert_close(c.double(), a.double() @ b.double(), atol=1e-4, rtol=1e-4)

@@ -1,0 +1,480 @@
+"""Draft heads on a frozen base, and what they do to decoding: train base -> train heads -> measure decode -> receipt.
+
+    train_base    the `architecture` model trained on the offline corpus's head (loss curve, held-out loss),
+                  then frozen: <heads.out_dir>/base/ (shared by every K, reused while its settings match)
+    train_heads   K Medusa heads (posttrainllm/model/heads.py) self-distilled on the base's own greedy
+                  continuations of held-out prompts; per-head held-out top-1/top-5: <out_dir>/<heads.name>/
+    decode        plain greedy (KV cache, one token a step) against speculative decoding on the same eval
+                  prompts, measured the same way, with two controls: K = 0 through the speculative code path
+                  and untrained heads (accepted length ~1). Every speculative output must equal greedy token
+                  for token: a mismatch fails the run (LossyDecoding), a near-tie is named, never ignored.
+    receipt       receipt.json + one MLflow run (posttrainllm/track/receipt.py: record_heads)
+
+DVC runs them one process each (pipelines/train_base.py, train_heads.py, decode.py); `posttrainllm
+experimental train-heads` runs the same functions in one process. Prompts come from the corpus's
+held-out tail (heads.base.heldout_frac): its first half prompts the distillation, its second half the
+evaluation, so neither the base nor the heads ever trained on an eval prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrainllm.config import ConfigError, LabConfig
+from posttrainllm.files import read_json, write_json
+from posttrainllm.measure import device as devices
+from posttrainllm.model.corpus import Corpus, batch_at, load_corpus
+from posttrainllm.model.decode import Generation, first_mismatch, greedy_cached, speculative
+from posttrainllm.model.heads import MedusaHeads, head_accuracy, self_distillation_loss
+from posttrainllm.model.transformer import ModelConfig, Transformer
+
+NOT_MEMORY_BOUND = ("a decode step here moves {gbps:.2f} GB/s of weights and KV cache, {frac:.1%} of the calibrated "
+                    "copy bandwidth: the tiny model is not memory-bound on this device, a step's cost is per-op "
+                    "overhead, so a (K+1)-position verification costs {ratio:.2f}x a 1-position step")
+
+
+class LossyDecoding(RuntimeError):
+    """Speculative decoding produced a token plain greedy decoding did not; decode.json is already written."""
+
+
+# --- folders, corpus, prompts ---------------------------------------------------------------------
+
+
+def base_dir(cfg: LabConfig) -> Path:
+    return Path(cfg.heads.out_dir) / "base"
+
+
+def heads_dir(cfg: LabConfig) -> Path:
+    return Path(cfg.heads.out_dir) / cfg.heads.name
+
+
+def model_config(cfg: LabConfig) -> ModelConfig:
+    a = cfg.architecture
+    return ModelConfig(vocab_size=256, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
+                       n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, mlp_hidden=a.mlp_hidden,
+                       max_seq_len=cfg.heads.base.max_seq_len)
+
+
+def split_corpus(cfg: LabConfig) -> tuple[Corpus, Corpus, Corpus]:
+    """(train, held-out, the whole): the held-out part is the corpus's last heldout_frac of bytes."""
+    corpus = load_corpus()
+    cut = int(corpus.n_bytes * (1 - cfg.heads.base.heldout_frac))
+    train = dataclasses.replace(corpus, data=corpus.data[:cut], n_bytes=cut)
+    heldout = dataclasses.replace(corpus, data=corpus.data[cut:], n_bytes=corpus.n_bytes - cut)
+    return train, heldout, corpus
+
+
+def base_fingerprint(cfg: LabConfig, corpus: Corpus) -> str:
+    """What the base depends on: the architecture, heads.base and the exact corpus bytes."""
+    key = {"architecture": asdict(cfg.architecture), "base": asdict(cfg.heads.base), "corpus": corpus.sha256}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prompts(heldout: Corpus, count: int, length: int, part: str) -> torch.Tensor:
+    """`count` windows of `length` bytes, evenly spaced over the first ("distill") or second ("eval") half
+    of the held-out bytes: (count, length) int64."""
+    half = heldout.n_bytes // 2
+    lo, hi = (0, half) if part == "distill" else (half, heldout.n_bytes)
+    if hi - lo < length + count:
+        raise ConfigError(f"the held-out corpus half ({hi - lo} bytes) is too short for {count} prompts of {length}")
+    starts = torch.linspace(lo, hi - length - 1, count).long()  # (count,)
+    return heldout.data[starts[:, None] + torch.arange(length)].long()  # (count, length)
+
+
+def _lr(step: int, steps: int, warmup: int, peak: float) -> float:
+    """Linear warmup to `peak`, then cosine decay to peak / 10."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# --- train base -----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def heldout_loss(model: Transformer, heldout: Corpus, cfg: LabConfig) -> float:
+    b = cfg.heads.base
+    losses = [float(model(*batch_at(heldout, i, batch_size=b.batch_size, seq_len=b.seq_len, seed=b.seed + 1))[1])
+              for i in range(b.eval_batches)]
+    return sum(losses) / len(losses)
+
+
+def train_base(cfg: LabConfig) -> dict[str, Any]:
+    """Train the base on the corpus's head; write base.pt (weights) and base.json (curve, held-out loss, sample)."""
+    b = cfg.heads.base
+    device = devices.prepare(cfg.device.name, cfg.bench.threads)
+    train, heldout, corpus = split_corpus(cfg)
+    model = Transformer(model_config(cfg), seed=b.seed).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=b.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    losses, started = [], time.perf_counter()
+    initial_heldout = heldout_loss(model.eval(), heldout, cfg)
+    model.train()
+    for step in range(b.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, b.steps, b.warmup_steps, b.lr)
+        x, y = batch_at(train, step, batch_size=b.batch_size, seq_len=b.seq_len, seed=b.seed)  # (B, T) each
+        _, loss = model(x.to(device), y.to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+    seconds = time.perf_counter() - started
+    model.eval()
+    sample_prompt = prompts(heldout, 1, cfg.heads.prompt_len, "eval").to(device)
+    sample, _, _ = greedy_cached(model, sample_prompt, cfg.heads.new_tokens)
+    report = {
+        "fingerprint": base_fingerprint(cfg, corpus), "model": asdict(model.config), "params": model.num_params(),
+        "corpus": {"source": corpus.source, "sha256": corpus.sha256, "n_bytes": corpus.n_bytes,
+                   "train_bytes": train.n_bytes, "heldout_bytes": heldout.n_bytes},
+        "train": asdict(b), "device": device, "threads": torch.get_num_threads(), "train_s": seconds,
+        "losses": losses, "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
+        "heldout_loss_before": initial_heldout, "heldout_loss": heldout_loss(model, heldout, cfg),
+        "heldout_loss_rule": f"mean cross-entropy (nats/byte) over {b.eval_batches} batches of the held-out tail",
+        "sample": {"prompt": bytes(sample_prompt[0].tolist()).decode("utf-8", "replace"),
+                   "greedy": bytes(sample[0].tolist()).decode("utf-8", "replace")},
+    }
+    out = base_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), out / "base.pt")
+    write_json(out / "base.json", report)
+    return report
+
+
+def load_base(cfg: LabConfig, device: str) -> tuple[Transformer, dict[str, Any]]:
+    """The frozen base of these settings; ConfigError (one line) when it is missing or was trained otherwise."""
+    out = base_dir(cfg)
+    if not (out / "base.json").exists():
+        raise ConfigError(f"no base under {out}: run `python pipelines/train_base.py` or "
+                          "`posttrainllm experimental train-heads`")
+    info = read_json(out / "base.json")
+    want = base_fingerprint(cfg, split_corpus(cfg)[2])
+    if info["fingerprint"] != want:
+        raise ConfigError(f"the base under {out} was trained with other settings (fingerprint {info['fingerprint']}, "
+                          f"these give {want}): retrain it (`python pipelines/train_base.py`)")
+    model = Transformer(model_config(cfg)).to(device)
+    model.load_state_dict(torch.load(out / "base.pt", weights_only=True))
+    for p in model.parameters():
+        p.requires_grad_(False)  # frozen: heads never change the base
+    return model.eval(), info
+
+
+def ensure_base(cfg: LabConfig) -> tuple[dict[str, Any], bool]:
+    """The base's report, trained only if none matches these settings: (report, trained now)."""
+    try:
+        return load_base(cfg, devices.prepare(cfg.device.name, cfg.bench.threads))[1], False
+    except ConfigError:
+        return train_base(cfg), True
+
+
+# --- train heads ----------------------------------------------------------------------------------
+
+
+def _base_digest(model: Transformer) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def train_heads(cfg: LabConfig) -> dict[str, Any]:
+    """Self-distil K heads on the frozen base; write heads.pt and heads.json (loss curve, per-head accuracy)."""
+    h = cfg.heads
+    device = devices.prepare(cfg.device.name, cfg.bench.threads)
+    base, base_info = load_base(cfg, device)
+    digest_before = _base_digest(base)
+    _, heldout, _ = split_corpus(cfg)
+    started = time.perf_counter()
+    # the data: held-out prompts and the base's own greedy continuations, and its hidden states over them
+    distill_prompts = prompts(heldout, h.train_prompts, h.prompt_len, "distill").to(device)  # (N, P)
+    continuation, _, _ = greedy_cached(base, distill_prompts, h.continuation_len)  # (N, C)
+    tokens = torch.cat([distill_prompts, continuation], dim=1)  # (N, P + C)
+    eval_prompts = prompts(heldout, h.eval_prompts, h.prompt_len, "eval").to(device)  # (E, P)
+    eval_tokens = torch.cat([eval_prompts, greedy_cached(base, eval_prompts, h.new_tokens)[0]], dim=1)  # (E, P + N)
+    with torch.no_grad():
+        hidden, eval_hidden = base.hidden(tokens), base.hidden(eval_tokens)  # (N, T, C), (E, T', C)
+    data_s = time.perf_counter() - started
+    torch.manual_seed(h.seed)
+    heads = MedusaHeads(base.lm_head.weight.detach(), h.num_heads).to(device)
+    untrained = head_accuracy(heads(eval_hidden), eval_tokens, h.prompt_len) if h.num_heads else []
+    losses, per_head = [], []
+    if h.num_heads:
+        opt = torch.optim.AdamW(heads.parameters(), lr=h.lr, weight_decay=0.0)
+        gen = torch.Generator().manual_seed(h.seed)
+        for step in range(h.steps):
+            for group in opt.param_groups:
+                group["lr"] = _lr(step, h.steps, max(1, h.steps // 20), h.lr)
+            rows = torch.randint(0, tokens.shape[0], (h.batch_size,), generator=gen)  # (B,)
+            loss, ce = self_distillation_loss(heads(hidden[rows]), tokens[rows], h.prompt_len, h.loss_decay)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            per_head.append(ce)
+    with torch.no_grad():
+        accuracy = head_accuracy(heads(eval_hidden), eval_tokens, h.prompt_len) if h.num_heads else []
+    if _base_digest(base) != digest_before:
+        raise RuntimeError("training the heads changed the base's weights")  # never: the base is frozen
+    generated = eval_tokens[:, h.prompt_len:]  # (E, N): what the eval prompts' drafts must match
+    grams = [tuple(row[i:i + 4]) for row in generated.tolist() for i in range(len(row) - 3)]
+    report = {"num_heads": h.num_heads, "base_fingerprint": base_info["fingerprint"], "base_digest": digest_before,
+              "eval_continuations": {
+                  "distinct_4gram_fraction": len(set(grams)) / max(1, len(grams)),
+                  "note": "a tiny byte-level model's greedy continuations fall into loops (runs of spaces, repeated "
+                          "phrases); loops are easy to draft, so acceptance here runs higher than on a real model's "
+                          "text. Medusa-1 reports per-head top-1 ~0.56/0.32/0.20/0.15 on Vicuna-7B",
+                  "samples": [bytes(row).decode("utf-8", "replace") for row in generated[:3].tolist()]},
+              "data": {"distill_prompts": h.train_prompts, "prompt_len": h.prompt_len,
+                       "continuation_len": h.continuation_len, "eval_prompts": h.eval_prompts,
+                       "eval_new_tokens": h.new_tokens, "data_s": data_s,
+                       "targets": "the base's own greedy continuations (self-distillation)"},
+              "loss_weights": [h.loss_decay ** k for k in range(1, h.num_heads + 1)],
+              "losses": losses, "per_head_ce": per_head, "train_s": time.perf_counter() - started,
+              "heldout_accuracy": accuracy, "untrained_heldout_accuracy": untrained,
+              "accuracy_rule": "head k at position t vs the base's greedy token t+k+1, over the eval prompts' "
+                               "generated tokens (held-out: never trained on)"}
+    out = heads_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(heads.state_dict(), out / "heads.pt")
+    write_json(out / "heads.json", report)
+    return report
+
+
+def load_heads(cfg: LabConfig, base: Transformer, device: str) -> MedusaHeads:
+    heads = MedusaHeads(base.lm_head.weight.detach(), cfg.heads.num_heads).to(device)
+    heads.load_state_dict(torch.load(heads_dir(cfg) / "heads.pt", weights_only=True))
+    return heads.eval()
+
+
+# --- decode ---------------------------------------------------------------------------------------
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+    return {"median": statistics.median(ordered), "p20": at(0.2), "p80": at(0.8)}
+
+
+def _summarise(gens: list[Generation], peak: dict[str, Any], K: int) -> dict[str, Any]:
+    """Figures of one variant over the eval prompts (units in the keys)."""
+    produced = sum(len(g.tokens) for g in gens)
+    total_s = sum(g.ttft_s + g.decode_s for g in gens)
+    decode_tokens = sum(len(g.tokens) - 1 for g in gens)
+    steps = [m for g in gens for _, m in g.steps]
+    entry = {
+        "ttft_ms": {k: v * 1e3 for k, v in _quantiles([g.ttft_s for g in gens]).items()},
+        "itl_ms": {k: v * 1e3 for k, v in _quantiles([x for g in gens for x in g.token_latencies_s]).items()},
+        "tokens_per_s": produced / total_s,  # every generated token / (prefill + decode) time
+        "decode_tokens_per_s": decode_tokens / sum(g.decode_s for g in gens),  # tokens after the first / decode time
+        "step_ms": {k: v * 1e3 for k, v in _quantiles([dt for g in gens for dt, _ in g.steps]).items()},
+        "steps": len(steps), "tokens": produced, "peak_memory": peak,
+    }
+    accepted = [n for g in gens for n in g.accepted]
+    if accepted:
+        entry["mean_accepted_length"] = sum(n + 1 for n in accepted) / len(accepted)  # tokens per verification
+        entry["acceptance_rate_per_head"] = [sum(n >= k for n in accepted) / len(accepted) for k in range(1, K + 1)]
+    return entry
+
+
+def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Plain greedy vs speculative on the same eval prompts, the controls beside them; decode.json.
+
+    Raises LossyDecoding (after writing) when any speculative output differs from greedy.
+    """
+    from posttrainllm.measure.memory import peak_bytes
+
+    h = cfg.heads
+    device = devices.prepare(cfg.device.name, cfg.bench.threads)
+    base, base_info = load_base(cfg, device)
+    _, heldout, _ = split_corpus(cfg)
+    eval_prompts = prompts(heldout, h.eval_prompts, h.prompt_len, "eval").to(device)  # (E, P)
+    K = h.num_heads
+    variants: dict[str, MedusaHeads | None] = {"spec_k0": None}
+    if K:
+        torch.manual_seed(h.seed)
+        variants["untrained"] = MedusaHeads(base.lm_head.weight.detach(), K).to(device).eval()
+        variants["trained"] = load_heads(cfg, base, device)
+
+    def run(name: str, prompt: torch.Tensor) -> Generation:
+        if name == "greedy":
+            return greedy_cached(base, prompt, h.new_tokens, keep_logits=True)[1]
+        return speculative(base, variants[name], prompt, h.new_tokens)
+
+    names = ["greedy", *variants]
+    for name in names:  # untimed warmup, every variant alike
+        for i in range(min(h.warmup_prompts, h.eval_prompts)):
+            run(name, eval_prompts[i:i + 1])
+    gens: dict[str, list[Generation]] = {name: [] for name in names}
+    for i in range(h.eval_prompts):  # interleaved per prompt, so drifts in machine load hit every variant alike
+        for name in names:
+            gens[name].append(run(name, eval_prompts[i:i + 1]))
+    report: dict[str, Any] = {"device": device, "threads": torch.get_num_threads(), "num_heads": K,
+                              "prompts": h.eval_prompts, "prompt_len": h.prompt_len, "new_tokens": h.new_tokens,
+                              "base_fingerprint": base_info["fingerprint"], "variants": {}, "mismatches": {},
+                              "itl_rule": "a step that yields m tokens in dt gives m inter-token latencies of dt/m",
+                              "accepted_length_rule": "tokens per verification step: accepted drafts + the "
+                                                      "base's own next token (1 = nothing accepted)"}
+    for name in names:
+        peak = peak_bytes(lambda name=name: run(name, eval_prompts[:1]), device, warmup=0)
+        report["variants"][name] = _summarise(gens[name], peak, 0 if name == "spec_k0" else K)
+    mismatches = []
+    for name in names[1:]:
+        for i, (got, want) in enumerate(zip(gens[name], gens["greedy"])):
+            found = first_mismatch(got.tokens, want.tokens, want.logits, h.near_tie)
+            if found:
+                mismatches.append({"variant": name, "prompt": i, **found})
+    report["mismatches"] = {"count": len(mismatches), "near_ties": sum(bool(m.get("near_tie")) for m in mismatches),
+                            "first": mismatches[:10],
+                            "rule": "every speculative output must equal plain greedy token for token; a near-tie "
+                                    f"(top-2 logit gap < {h.near_tie:g}) is named and still counted"}
+    report["lossless"] = not mismatches
+    report["speedup"] = _speedup(report, base, calibration, cfg)
+    out = heads_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "decode.json", report)
+    if mismatches:
+        first = mismatches[0]
+        raise LossyDecoding(f"{len(mismatches)} speculative outputs differ from greedy decoding (first: {first['variant']} "
+                            f"prompt {first['prompt']} token {first['index']}"
+                            f"{', a near-tie' if first.get('near_tie') else ''})")
+    return report
+
+
+def _speedup(report: dict[str, Any], base: Transformer, calibration: dict[str, Any] | None,
+             cfg: LabConfig) -> dict[str, Any]:
+    """Measured speedups against plain greedy, the step-cost model that predicts them, and why (or why not)."""
+    v = report["variants"]
+    plain = v["greedy"]
+    out: dict[str, Any] = {"rule": "speedup = decode tokens/s of the variant / decode tokens/s of plain greedy; "
+                                   "predicted = mean accepted length x greedy step time / verification step time"}
+    step_s = plain["step_ms"]["median"] / 1e3
+    for name, entry in v.items():
+        if name == "greedy":
+            continue
+        item = {"measured": entry["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
+                "verify_over_step": entry["step_ms"]["median"] / plain["step_ms"]["median"]}
+        if "mean_accepted_length" in entry:
+            item["predicted"] = entry["mean_accepted_length"] / item["verify_over_step"]
+        out[name] = item
+    # Is a decode step memory-bound here? Bytes one step must move: every weight once, plus the KV cache read.
+    weight_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    c = base.config
+    kv_bytes = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4 * (report["prompt_len"] + report["new_tokens"] // 2)
+    achieved = (weight_bytes + kv_bytes) / step_s
+    out["step_bytes"] = weight_bytes + kv_bytes
+    out["step_bytes_formula"] = "all weights (fp32) + 2*layers*Hkv*D*4*(prompt + new_tokens/2) KV cache bytes"
+    out["step_gbytes_per_s"] = achieved / 1e9
+    if calibration:
+        bandwidth = calibration["peaks"]["copy_bytes_per_s"]
+        out["fraction_of_bandwidth"] = achieved / bandwidth
+        trained = out.get("trained") or out.get("spec_k0")
+        if achieved / bandwidth < 0.5:
+            out["why"] = NOT_MEMORY_BOUND.format(gbps=achieved / 1e9, frac=achieved / bandwidth,
+                                                 ratio=trained["verify_over_step"])
+        else:
+            out["why"] = (f"a decode step moves {achieved / 1e9:.2f} GB/s, {achieved / bandwidth:.1%} of the "
+                          "calibrated bandwidth: memory-bound, so verifying K+1 positions costs about one step")
+    trained = out.get("trained")
+    if trained is not None:
+        pays = trained["measured"] > 1.0
+        out["verdict"] = (f"speculation {'pays' if pays else 'does not pay'} here: {trained['measured']:.2f}x measured, "
+                          f"{trained.get('predicted', float('nan')):.2f}x predicted from accepted length "
+                          f"{v['trained']['mean_accepted_length']:.2f} and a verification costing "
+                          f"{trained['verify_over_step']:.2f}x a step")
+    return out
+
+
+# --- receipt and the one-process run --------------------------------------------------------------
+
+
+def record(cfg: LabConfig) -> tuple[dict[str, Any], str | None]:
+    """receipt.json (+ metrics.json) in the heads folder, then its MLflow run (track/receipt.py)."""
+    from posttrainllm.track import receipt
+
+    folder = heads_dir(cfg)
+    decode = read_json(folder / "decode.json") if (folder / "decode.json").exists() else None
+    built = receipt.build_heads(cfg, folder, read_json(base_dir(cfg) / "base.json"), read_json(folder / "heads.json"),
+                                decode)
+    return built, receipt.record_heads(built, folder, log_mlflow=cfg.run.log_mlflow)
+
+
+def table(receipt: dict[str, Any]) -> str:
+    """One row per decoding variant, then the per-head accuracy and the verdict, as plain text."""
+    decode, heads = receipt["decode"] or {"variants": {}, "speedup": {}}, receipt["heads"]
+    lines = [f"heads {receipt['point']}: K={heads['num_heads']} on a base with held-out loss "
+             f"{receipt['base']['heldout_loss']:.3f} nats/byte ({decode.get('device')}, {decode.get('threads')} threads)",
+             f"{'variant':>10} {'accepted':>8} {'tok/s':>9} {'speedup':>8} {'TTFT ms':>8} {'ITL ms p50 (p20-p80)':>22} "
+             f"{'peak MB':>8}"]
+    for name, v in decode["variants"].items():
+        speedup = (decode["speedup"].get(name) or {}).get("measured", 1.0 if name == "greedy" else float("nan"))
+        itl = v["itl_ms"]
+        lines.append(f"{name:>10} {v.get('mean_accepted_length', 1.0):>8.2f} {v['decode_tokens_per_s']:>9.1f} "
+                     f"{speedup:>7.2f}x {v['ttft_ms']['median']:>8.2f} "
+                     f"{itl['median']:>8.3f} ({itl['p20']:.3f}-{itl['p80']:.3f}) "
+                     f"{v['peak_memory']['peak_bytes'] / 2**20:>8.2f}")
+    for k, acc in enumerate(heads.get("heldout_accuracy") or [], start=1):
+        rate = (decode["variants"].get("trained") or {}).get("acceptance_rate_per_head") or []
+        lines.append(f"  head {k}: held-out top-1 {acc['top1']:.3f}, top-5 {acc['top5']:.3f}"
+                     + (f", accepted in {rate[k - 1]:.1%} of verifications" if len(rate) >= k else ""))
+    if decode.get("mismatches"):
+        lines.append(f"  lossless: {decode['lossless']} ({decode['mismatches']['count']} mismatches, "
+                     f"{decode['mismatches']['near_ties']} near-ties)")
+    for key in ("verdict", "why"):
+        if decode["speedup"].get(key):
+            lines.append(f"  {decode['speedup'][key]}")
+    return "\n".join(lines)
+
+
+def run_stage(stage: str, argv: list[str]) -> int:
+    """`python pipelines/<stage>.py [heads=NAME]`: one heads stage (DVC), config composed from conf/.
+
+    Exit codes as the point stages': 0 done, also when decoding was lossy (a verdict, recorded in
+    decode.json and the receipt: the pipeline runs on); 2 bad config or no matching base; 3 MLflow failed.
+    """
+    import sys
+
+    from posttrainllm.config import load
+    from posttrainllm.measure import calibrate
+    from posttrainllm.track.store import TrackingFailed
+
+    try:
+        cfg = load(["device=auto", *argv])
+        print(f"posttrainllm: {stage} heads={cfg.heads.name} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        if stage == "train_base":
+            train_base(cfg)
+        elif stage == "train_heads":
+            train_heads(cfg)
+        else:
+            device = devices.prepare(cfg.device.name, cfg.bench.threads)
+            calibration = calibrate.load_or_measure(Path("runs") / "calibration.json", device)
+            try:
+                measure_decode(cfg, calibration)
+            except LossyDecoding as exc:
+                print(f"posttrainllm: decode heads={cfg.heads.name}: recorded, pipeline continues: {exc}",
+                      file=sys.stderr)
+            print(table(record(cfg)[0]))
+        print(f"posttrainllm: {stage} heads={cfg.heads.name} done in {time.perf_counter() - started:.1f} s",
+              file=sys.stderr)
+    except ConfigError as exc:
+        print(f"posttrainllm: config error: {exc}", file=sys.stderr)
+        return 2
+    except TrackingFailed as exc:
+        print(exc.line(), file=sys.stderr)
+        return 3
+    return 0

@@ -1,0 +1,155 @@
+"""Greedy generation: full recomputation (the readable reference), KV-cached, and speculative (lossless).
+
+    greedy_recompute   every step runs the whole sequence again, no cache: the reference
+    greedy_cached      prefill the prompt into a KVCache, then one-token decode steps
+    speculative        Medusa chain verification: the heads propose K tokens; the base checks them
+                       in ONE forward of K + 1 positions over the cache; the longest prefix equal to
+                       the base's own greedy tokens is accepted, plus the base's next token; the
+                       cache is rolled back past the rejected positions. K = 0 is plain decoding
+                       through the same code path.
+
+Lossless means the speculative tokens equal greedy_cached's token for token: every accepted
+token IS the base's argmax at its position. Floating point can still differ (a (K+1)-row forward
+reduces in another order than a 1-row one), so an argmax whose top-2 logits are nearly tied can
+flip: `first_mismatch` finds it and names it a near-tie when the gap is below a threshold.
+
+Timing: each result carries the wall-clock time of its prefill (time to first token) and of
+every later step with the number of tokens it produced, so inter-token latency is per token:
+a step that yields m tokens in dt seconds contributes m latencies of dt / m.
+
+Shape legend
+    B   batch    P   prompt length    N   new tokens    K   draft heads    V   vocab
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from posttrainllm.model.heads import MedusaHeads
+from posttrainllm.model.transformer import KVCache, Transformer
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # the N generated tokens (prompt excluded)
+    ttft_s: float  # prefill + first token
+    steps: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens produced) per later step
+    accepted: list[int] = field(default_factory=list)  # speculative: draft tokens accepted per verification
+    logits: list[torch.Tensor] = field(default_factory=list)  # greedy: (V,) logits that chose each token
+
+    @property
+    def token_latencies_s(self) -> list[float]:
+        """Inter-token latency, per token after the first: a step of m tokens in dt gives m values dt / m."""
+        return [dt / m for dt, m in self.steps for _ in range(m)][: max(0, len(self.tokens) - 1)]
+
+    @property
+    def decode_s(self) -> float:
+        return sum(dt for dt, _ in self.steps)
+
+
+@torch.no_grad()
+def greedy_recompute(model: Transformer, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: prompt (B, P) -> tokens (B, N) and the logits that chose them (B, N, V), no cache."""
+    seq, logits = prompt, []
+    for _ in range(new_tokens):
+        last = model(seq)[0][:, -1]  # (B, V): the whole sequence recomputed
+        logits.append(last)
+        seq = torch.cat([seq, last.argmax(-1, keepdim=True)], dim=1)  # (B, P + i + 1)
+    return seq[:, prompt.shape[1]:], torch.stack(logits, dim=1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def greedy_cached(model: Transformer, prompt: torch.Tensor, new_tokens: int, *, keep_logits: bool = False
+                  ) -> tuple[torch.Tensor, Generation | None, torch.Tensor | None]:
+    """Prefill, then one-token steps: prompt (B, P) -> tokens (B, N); timed when B == 1; logits (B, N, V) if asked."""
+    B, P = prompt.shape
+    device = prompt.device
+    cache = KVCache(model.config, B, P + new_tokens, device=device, dtype=model.tok_emb.weight.dtype)
+    _sync(device)
+    start = time.perf_counter()
+    last = model(prompt, cache=cache)[0][:, -1]  # (B, V)
+    tokens, logits = [last.argmax(-1)], [last] if keep_logits else []
+    _sync(device)
+    gen = Generation(tokens=[], ttft_s=time.perf_counter() - start)
+    for _ in range(new_tokens - 1):
+        t0 = time.perf_counter()
+        last = model(tokens[-1][:, None], cache=cache)[0][:, -1]  # (B, V): one new position over the cache
+        tokens.append(last.argmax(-1))
+        if keep_logits:
+            logits.append(last)
+        _sync(device)
+        gen.steps.append((time.perf_counter() - t0, 1))
+    out = torch.stack(tokens, dim=1)  # (B, N)
+    if B == 1:
+        gen.tokens = out[0].tolist()
+        gen.logits = [row[0] for row in logits] if keep_logits else []
+    return out, (gen if B == 1 else None), (torch.stack(logits, dim=1) if keep_logits else None)
+
+
+@torch.no_grad()
+def speculative(model: Transformer, heads: MedusaHeads | None, prompt: torch.Tensor, new_tokens: int) -> Generation:
+    """Medusa chain decoding of one prompt (1, P): lossless by construction (module docstring).
+
+    Each verification forwards [last token, p_1..p_K] at positions L..L+K over the cache: g_i, the
+    base's argmax after chunk[:i+1]; n = the longest run with p_j == g_{j-1}; emit p_1..p_n and g_n;
+    keep positions up to L+n (rollback to L+n+1); the heads then propose from the hidden state at n.
+    """
+    if prompt.shape[0] != 1:
+        raise ValueError(f"speculative decoding here is batch 1, got a prompt of shape {tuple(prompt.shape)}")
+    K = 0 if heads is None else heads.num_heads
+    device = prompt.device
+    P = prompt.shape[1]
+    cache = KVCache(model.config, 1, P + new_tokens + K + 1, device=device, dtype=model.tok_emb.weight.dtype)
+    _sync(device)
+    start = time.perf_counter()
+    hidden = model.hidden(prompt, cache)[:, -1]  # (1, C)
+    nxt = model.lm_head(hidden).argmax(-1)  # (1,)
+    drafts = heads.propose(hidden) if K else prompt.new_zeros((1, 0))  # (1, K)
+    _sync(device)
+    gen = Generation(tokens=[int(nxt)], ttft_s=time.perf_counter() - start)
+    while len(gen.tokens) < new_tokens:
+        t0 = time.perf_counter()
+        length = cache.length
+        chunk = torch.cat([nxt[:, None], drafts], dim=1)  # (1, K + 1)
+        hidden = model.hidden(chunk, cache)  # (1, K + 1, C), the cache now holds L + K + 1 positions
+        greedy = model.lm_head(hidden).argmax(-1)[0]  # (K + 1,): g_i, the base's token after chunk[:i+1]
+        match = (drafts[0] == greedy[:K]).long()  # (K,)
+        n = int(match.cumprod(0).sum()) if K else 0  # accepted drafts: the leading run of matches
+        cache.rollback(length + n + 1)  # keep the last token and the n accepted drafts
+        emitted = [*drafts[0, :n].tolist(), int(greedy[n])]
+        nxt = greedy[n:n + 1]  # (1,): g_n, not yet in the cache
+        drafts = heads.propose(hidden[:, n]) if K else drafts  # (1, K): from the state that chose g_n
+        _sync(device)
+        gen.steps.append((time.perf_counter() - t0, len(emitted)))
+        gen.accepted.append(n)
+        gen.tokens += emitted
+    extra = len(gen.tokens) - new_tokens  # the last step may overshoot: its surplus is dropped, its time kept
+    if extra:
+        gen.tokens = gen.tokens[:new_tokens]
+        dt, m = gen.steps[-1]
+        gen.steps[-1] = (dt, m - extra)
+    return gen
+
+
+def first_mismatch(got: list[int], want: list[int], want_logits: list[torch.Tensor], near_tie: float
+                   ) -> dict | None:
+    """None when equal; else where they part, both tokens, and the reference's top-2 logit gap there
+    (`near_tie`: the gap is below the threshold, so a different reduction order can flip the argmax)."""
+    if got == want:
+        return None
+    index = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    entry: dict = {"index": index, "got": got[index] if index < len(got) else None,
+                   "want": want[index] if index < len(want) else None}
+    if index < len(want_logits):
+        top2 = want_logits[index].float().topk(2).values
+        entry["top2_gap"] = float(top2[0] - top2[1])
+        entry["near_tie"] = entry["top2_gap"] < near_tie
+    return entry

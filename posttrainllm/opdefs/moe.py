@@ -1,0 +1,295 @@
+"""Routed experts (MoE) as a lab op: out = Σ_k route_weight · SwiGLU_expert(x), top-k of E experts per token.
+
+Paths (one function each: checked, timed and trained as the experts of an MoE MLP):
+    reference   posttrainllm.ops.reference.moe_dense: every expert on every token, combined by a
+                (T, E) gate that is zero for unchosen experts (E x the active FLOPs: the dense baseline)
+    sparse      posttrainllm.ops.reference.moe_sparse: per expert, gather its tokens, run it, scatter-add
+    grouped_mm  torch.nn.functional.grouped_mm: tokens sorted by expert, one grouped GEMM per projection
+    triton      posttrainllm.ops.moe: our grouped GEMM (gate+up with the SwiGLU epilogue, down with the
+                routing weight, un-permute), forward and backward
+
+The routing is an input, not part of the paths: the reference stage computes it once per case with
+the reference router in fp32 (logits = x·W_r, softmax, top-k, renormalised over the k, ties to the
+lower expert index) and every path runs on that same routing, so a near-tie flipped by low
+precision can neither hide nor fake an expert bug. The router itself is checked apart
+(`_router_check`, in parity.json's "inputs"): its fp32 expert ids must equal the float64 router's
+exactly, and its fp32 weights must meet the fp32-level contract (precision.lse_contract).
+
+Shapes: x (T, d); w_gate, w_up (E, d, f); w_down (E, f, d); route_weight (T, k) in the point's dtype;
+route_idx (T, k) int64 (not differentiable) -> out (T, d).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from posttrainllm.config import ConfigError, LabConfig, itemsize
+from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.ops import reference
+
+ROUTING_KINDS = ("one_expert", "empty_expert")
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+GROUPED_MM_MISSING = "torch.nn.functional.grouped_mm is not in this PyTorch: no grouped_mm peer"
+EXPERTS = ("x", "w_gate", "w_up", "w_down", "route_idx", "route_weight")
+
+
+# --- the paths -------------------------------------------------------------------------
+
+
+def _args(x: Tensors) -> list[torch.Tensor]:
+    return [x[name] for name in EXPERTS]
+
+
+def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
+    return {"out": reference.moe_dense(*_args(x))}
+
+
+def _sparse(x: Tensors, cfg: LabConfig) -> Tensors:
+    return {"out": reference.moe_sparse(*_args(x))}
+
+
+def _grouped_mm(x: Tensors, cfg: LabConfig) -> Tensors:
+    """PyTorch's grouped GEMM: rows sorted by expert, `offs` the end row of each expert's group."""
+    tokens, w_gate, w_up, w_down, route_idx, route_weight = _args(x)
+    flat = route_idx.reshape(-1)  # (A,) A = T·k
+    order = torch.sort(flat, stable=True).indices  # (A,) assignments grouped by expert
+    offs = torch.cumsum(torch.bincount(flat, minlength=w_gate.shape[0]), 0).to(torch.int32)  # (E,)
+    rows = tokens[order // route_idx.shape[1]]  # (A, d)
+    h = F.silu(GROUPED_MM(rows, w_gate, offs=offs)) * GROUPED_MM(rows, w_up, offs=offs)  # (A, f)
+    y = GROUPED_MM(h, w_down, offs=offs) * route_weight.reshape(-1)[order, None]  # (A, d)
+    return {"out": torch.zeros_like(tokens).index_add(0, order // route_idx.shape[1], y)}  # (T, d)
+
+
+def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
+    from posttrainllm.ops.moe import moe
+
+    t, w = cfg.tile, cfg.workgroup
+    return {"out": moe(*_args(x), block_m=t.block_m, block_n=t.block_n, block_k=t.block_k, num_warps=w.num_warps,
+                       num_stages=w.num_stages, input_precision=cfg.precision.dot_precision)}
+
+
+def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
+    from posttrainllm.ops.moe import moe_launch
+
+    d, t, w = case.dims, cfg.tile, cfg.workgroup
+    return moe_launch(d["tokens"], d["d_model"], d["ffn"], d["experts"], d["top_k"], block_m=t.block_m,
+                      block_n=t.block_n, block_k=t.block_k, num_warps=w.num_warps, num_stages=w.num_stages)
+
+
+IMPLS = {
+    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.moe_dense"),
+    "sparse": Impl("sparse", "peer", _sparse, backend="posttrainllm.ops.reference.moe_sparse (per-expert loop)"),
+    **({"grouped_mm": Impl("grouped_mm", "peer", _grouped_mm, backend="torch.nn.functional.grouped_mm")}
+       if GROUPED_MM is not None else {}),
+    "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry, backend="posttrainllm.ops.moe.moe"),
+}
+
+
+# --- cases and inputs -------------------------------------------------------------------
+
+
+def _dims(cfg: LabConfig, tokens: int, d_model: int, ffn: int, top_k: int | None = None) -> dict[str, int]:
+    shape = cfg.shape
+    return dict(tokens=tokens, d_model=d_model, ffn=ffn, experts=shape.moe_experts,
+                top_k=shape.moe_top_k if top_k is None else top_k)
+
+
+def _cases(cfg: LabConfig) -> list[Case]:
+    """Per seed: the point's shape, a single token, sizes off every tile. On the first seed: every token
+    routed to expert 0 (and expert 1 next), the last expert receiving no token, and top-k = E (sparse
+    must then equal dense)."""
+    shape = cfg.shape
+    main = (shape.moe_tokens, shape.moe_d_model, shape.moe_ffn)
+    out = []
+    for seed in cfg.parity.seeds:
+        out.append(Case(f"T{main[0]}-seed{seed}", seed, _dims(cfg, *main), True))
+        out += [Case(f"T{t}-d{d}-f{f}-seed{seed}", seed, _dims(cfg, t, d, f), False) for t, d, f in shape.moe_edge]
+    seed = cfg.parity.seeds[0]
+    out += [Case(f"T{main[0]}-{kind}", seed, _dims(cfg, *main), False, kind) for kind in ROUTING_KINDS]
+    if shape.moe_top_k != shape.moe_experts:
+        out.append(Case(f"T{main[0]}-top{shape.moe_experts}", seed, _dims(cfg, *main, top_k=shape.moe_experts), False))
+    return out
+
+
+def _router_inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """x (T, d) and the router W_r (d, E) in fp32, shaped by the case's routing kind; then the draw for the rest.
+
+    one_expert    feature 0 of x is 4 for every token and W_r[0] = (5, 2.5, 0, ...): logits of expert 0
+                  and 1 sit ~20 and ~10 above the rest (std ~1), so every token picks expert 0 first, 1 next
+    empty_expert  feature 0 is 4 and W_r[0, E-1] = -5: the last expert's logit sits ~20 below, no token picks it
+    """
+    d = case.dims
+    randn = seeded_randn(case.seed, torch.float32, "cpu")
+    x = randn(d["tokens"], d["d_model"])  # (T, d)
+    w_router = randn(d["d_model"], d["experts"], scale=d["d_model"] ** -0.5)  # (d, E): logits of std ~1
+    if case.inputs in ROUTING_KINDS:
+        x[:, 0] = 4.0
+        w_router[0] = 0.0
+        if case.inputs == "one_expert":
+            w_router[0, 0], w_router[0, 1 % d["experts"]] = 5.0, 2.5
+        else:
+            w_router[0, -1] = -5.0
+    elif case.inputs != "normal":
+        raise ValueError(f"unknown moe input kind {case.inputs!r}: valid are normal, {', '.join(ROUTING_KINDS)}")
+    return x, w_router, randn
+
+
+def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
+    """x, the router and the experts drawn in fp32 from the case's seed (experts scaled so each projection keeps
+    unit scale), cast to the point's dtype; the routing from the reference router in fp32 on the cast x."""
+    d = case.dims
+    x, w_router, randn = _router_inputs(case)
+    n_exp, dm, f = d["experts"], d["d_model"], d["ffn"]
+    w_gate, w_up = randn(n_exp, dm, f, scale=dm ** -0.5), randn(n_exp, dm, f, scale=dm ** -0.5)  # (E, d, f)
+    w_down = randn(n_exp, f, dm, scale=f ** -0.5)  # (E, f, d)
+    x = x.to(dtype)
+    route_idx, route_weight = reference.moe_router(x.float(), w_router, d["top_k"])  # (T, k) each, fp32 router
+    tensors = {"x": x, "w_gate": w_gate, "w_up": w_up, "w_down": w_down, "route_weight": route_weight}
+    return {**{k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, "route_idx": route_idx.to(device)}
+
+
+def _router_check(case: Case, inputs: Tensors, cfg: LabConfig) -> dict[str, Any]:
+    """The routing every path ran on, against the float64 router on the same x: ids exactly, weights under the
+    fp32-level contract (max|w32 − w64| <= error_multiple · max|round_fp32(w64) − w64| + floor_rel · max|w64|)."""
+    contract, k = cfg.precision.lse_contract, case.dims["top_k"]
+    x, w_router, _ = _router_inputs(case)
+    x = inputs["x"].cpu()
+    idx32, w32 = reference.moe_router(x.float(), w_router, k)
+    idx64, w64 = reference.moe_router(x.double(), w_router.double(), k)
+    logits = torch.sort(x.double() @ w_router.double(), dim=-1, descending=True).values  # (T, E)
+    margin = (logits[:, k - 1] - logits[:, k]).min().item() if k < logits.shape[1] else None
+    err = (w32.double() - w64).abs().max().item()
+    allowed = contract.error_multiple * (w64.float().double() - w64).abs().max().item() \
+        + contract.floor_rel * w64.abs().max().item()
+    reasons = []
+    if not torch.equal(idx32, idx64):
+        reasons.append(f"fp32 router picks other experts than the float64 router for "
+                       f"{int((idx32 != idx64).any(1).sum())} tokens")
+    if not torch.equal(inputs["route_idx"].cpu(), idx32):
+        reasons.append("the recorded route_idx is not the fp32 router's")
+    if err > allowed:
+        reasons.append(f"route weights max_abs_err {err:.3g} > allowed {allowed:.3g}")
+    counts = torch.bincount(idx32.reshape(-1), minlength=case.dims["experts"])
+    return {"verdict": "fail" if reasons else "pass", "reason": "; ".join(reasons),
+            "route_weight_max_abs_err": err, "route_weight_allowed": allowed,
+            "min_topk_logit_margin": margin, "tokens_per_expert": counts.tolist()}
+
+
+def _problem(case: Case) -> str:
+    d = case.dims
+    return f"T={d['tokens']} d={d['d_model']} f={d['ffn']} E={d['experts']} k={d['top_k']}"
+
+
+def _touched_experts(case: Case) -> int:
+    """Experts that receive at least one token under the case's routing (their weights are read)."""
+    x, w_router, _ = _router_inputs(case)
+    idx, _ = reference.moe_router(x, w_router, case.dims["top_k"])
+    return int(idx.unique().numel())
+
+
+def _costs(case: Case, cfg: LabConfig) -> Costs:
+    """Active FLOPs: each of the T·k assignments runs gate, up and down (d x f each): 2·T·k·3·d·f; the routing
+    weight and SwiGLU are O(T·k·f) and left out. The dense reference runs all E experts: 2·T·E·3·d·f.
+    Bytes: read x and write out (T·d each), the weights of the experts actually touched (3·d·f each), the
+    routing (T·k ids of 8 B and weights). Backward: 2x (dX and dW, one GEMM each per projection)."""
+    d, size = case.dims, itemsize(cfg.precision.dtype)
+    t, dm, f, k = d["tokens"], d["d_model"], d["ffn"], d["top_k"]
+    flops = 2 * t * k * 3 * dm * f
+    nbytes = (2 * t * dm + _touched_experts(case) * 3 * dm * f) * size + t * k * (8 + size)
+    return Costs(flops, nbytes, 2.0, "2*T*k*3*d*f (active; dense reference: 2*T*E*3*d*f)",
+                 "(2*T*d + E_touched*3*d*f)*itemsize + T*k*(8 + itemsize)",
+                 "backward = 2 x forward (dX and dW of gate, up and down)")
+
+
+def _describe(case: Case, inputs: Tensors, cfg: LabConfig) -> dict[str, Any]:
+    """What the microbench records beyond time: the routing's histogram and the sparse-vs-dense cost gap."""
+    d, size = case.dims, itemsize(cfg.precision.dtype)
+    t, dm, f, n_exp, k = d["tokens"], d["d_model"], d["ffn"], d["experts"], d["top_k"]
+    counts = torch.bincount(inputs["route_idx"].reshape(-1).cpu(), minlength=n_exp)
+    touched = int((counts > 0).sum())
+    return {
+        "tokens_per_expert": counts.tolist(),
+        "experts_touched": touched,
+        "active_flops": 2 * t * k * 3 * dm * f, "active_flops_formula": "2*T*k*3*d*f",
+        "dense_flops": 2 * t * n_exp * 3 * dm * f, "dense_flops_formula": "2*T*E*3*d*f (E/k x the active)",
+        "expert_weight_bytes_touched": touched * 3 * dm * f * size,
+        "expert_weight_bytes_total": n_exp * 3 * dm * f * size,
+        "expert_weight_bytes_formula": "E_touched*3*d*f*itemsize (total: E*3*d*f*itemsize)",
+        "active_params": k * 3 * dm * f, "total_params": n_exp * 3 * dm * f,
+        "decode_note": "at T=1 every touched expert's 3*d*f weights are read for 2*k*3*d*f FLOPs: intensity "
+                       "~1/itemsize FLOP/B, memory-bound on expert weights (the curve starts at T=1)",
+        "unavailable": {} if GROUPED_MM is not None else {"grouped_mm": GROUPED_MM_MISSING},
+    }
+
+
+def _curve_case(cfg: LabConfig, x: int) -> Case:
+    shape, seed = cfg.shape, cfg.parity.seeds[0]
+    return Case(f"T{x}-seed{seed}", seed, _dims(cfg, x, shape.moe_d_model, shape.moe_ffn), True)
+
+
+# --- the model --------------------------------------------------------------------------
+
+
+def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
+    """Each MoE MLP's experts run `impl.fn` on its rows, its weights and its router's routing."""
+
+    def moe(x, w_gate, w_up, w_down, route_idx, route_weight):
+        tensors = dict(zip(EXPERTS, (x, w_gate, w_up, w_down, route_idx, route_weight)))
+        return impl.fn(tensors, cfg)["out"]
+
+    return ModelHooks(moe=moe)
+
+
+def _model_problem(cfg: LabConfig) -> str:
+    arch, train = cfg.architecture, cfg.train
+    return (f"T={train.batch_size * train.seq_len} d={arch.d_model} f={arch.expert_hidden} E={arch.n_experts} "
+            f"k={arch.top_k}")
+
+
+def _model_overrides(cfg: LabConfig) -> dict[str, Any]:
+    """The op=moe point trains an MoE model: an MoE architecture as it is; a dense one gets an MoE MLP of
+    architecture.n_experts experts, top_k each, of width mlp_hidden / top_k (the dense MLP's active parameters)."""
+    arch = cfg.architecture
+    return {} if arch.mlp == "moe" else {"mlp": "moe", "expert_hidden": max(1, arch.mlp_hidden // arch.top_k)}
+
+
+def _check_config(cfg: LabConfig) -> None:
+    """grouped_mm reads rows of 16 bytes (d and f multiples of 16 / itemsize); gate+up hold an X tile and two
+    weight tiles per pipeline stage: (BLOCK_M·BLOCK_K + 2·BLOCK_K·BLOCK_N) · itemsize · num_stages of shared memory."""
+    shape, tile, size = cfg.shape, cfg.tile, itemsize(cfg.precision.dtype)
+    align = 16 // size
+    for t, d, f in [(shape.moe_tokens, shape.moe_d_model, shape.moe_ffn), *shape.moe_edge]:
+        if GROUPED_MM is not None and (d % align or f % align):
+            raise ConfigError(f"moe sizes d={d}, f={f}: torch grouped_mm needs multiples of {align} in "
+                              f"{cfg.precision.dtype} (16-byte rows)")
+    smem = (tile.block_m * tile.block_k + 2 * tile.block_k * tile.block_n) * size * cfg.workgroup.num_stages
+    if smem > cfg.device.smem_bytes:
+        raise ConfigError(f"tile {tile.name} with num_stages={cfg.workgroup.num_stages} needs {smem} B of shared "
+                          f"memory per program, over device.smem_bytes={cfg.device.smem_bytes}")
+
+
+def _reference_bytes(case: Case, cfg: LabConfig) -> int:
+    """The dense float64 oracle: ~8 (E, T, f) tensors through autograd (g, u, h and their gradients), ~4 (E, T, d),
+    and the expert weights with their gradients in float64, fp32 and the point's precision (~8 copies)."""
+    d = case.dims
+    t, dm, f, n_exp = d["tokens"], d["d_model"], d["ffn"], d["experts"]
+    return 8 * (8 * n_exp * t * f + 4 * n_exp * t * dm + 8 * 3 * n_exp * dm * f)
+
+
+OP = OpDef(
+    name="moe", x_name="tokens", input_names=("x", "w_gate", "w_up", "w_down", "route_weight", "route_idx"),
+    impls=IMPLS, cases=_cases, make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case,
+    model_hooks=_model_hooks, model_problem=_model_problem, profiled_range="moe", check_config=_check_config,
+    reference_bytes=_reference_bytes, nondiff_inputs=("route_idx",), input_checks=_router_check,
+    curve_sizes=lambda cfg: list(cfg.shape.moe_curve), model_overrides=_model_overrides,
+    describe=_describe,
+    # Weight and routing-weight gradients are sums over tokens that cancel: at their magnitudes (to ~20-80 with
+    # unit dO) the dense reference math in bf16/fp16 is itself outside atol/rtol on up to 8% (grad_route_weight)
+    # and 0.7% (grad_w_down) of elements (measured on the tiny cases, seeds 0-1), over max_mismatch=1e-3.
+    max_error_only=("grad_w_gate", "grad_w_up", "grad_w_down", "grad_route_weight"),
+    max_error_only_reason="sums over tokens that cancel: the dense reference math in bf16/fp16 is itself outside "
+                          "atol/rtol on up to 8% (grad_route_weight) and 0.7% (grad_w_down) of elements",
+)

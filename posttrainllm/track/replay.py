@@ -1,0 +1,450 @@
+"""Replay a receipt: its tables, verdicts, timing summaries and plots again, from what was stored only.
+
+    posttrainllm replay TARGET [--out DIR]
+
+TARGET is a point's folder, its receipt.json, a folder of point folders (a sweep's runs/, a
+gpu-check OUTDIR), or an MLflow run id (a point's run, or a sweep's run: its points), whose
+artifacts are downloaded to a temporary folder first. Nothing is measured: no kernel is launched
+and no timing loop runs; the plots are drawn again from curve.csv and the microbench's roofline
+into DIR (default runs/replay/<point>/), and the point's own folder is only read.
+
+Replay also checks that the receipt adds up (`verify`), and names what does not:
+
+* every timing summary (median, p20/p80, min, IQR, CV, reps, noisy) recomputed from the raw
+  samples in timings.csv (measure.timing.summarize, the function that made them; the receipt's
+  microbench entries hold summaries only, Timing.summary() drops the samples), and every speedup
+  and band verdict against the reference recomputed from those summaries;
+* every parity verdict from the stored errors and the stored contract: the allowance
+  (error_multiple * baseline error + floor_rel * max|oracle|, per tensor and for the worst row),
+  the output's verdict, the path's, the point's; the contract in the parity report must be the
+  config's; with parity.json beside the receipt, every case, not only the worst;
+* the loss drifts from the stored losses, and their verdicts from the contract's train_loss_drift;
+* the crossover sizes from curve.csv; metrics.json from the receipt.
+
+The stored revision and device are shown next to this checkout's and this machine's.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from posttrainllm.files import read_json
+from posttrainllm.measure.timing import summarize
+
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+MODES = ("forward", "forward_backward")
+SUMMARY_KEYS = ("median_ms", "p20_ms", "p80_ms", "min_ms", "iqr_ms", "cv")
+REL_TOL = 1e-9  # floats in JSON and CSV round-trip exactly; this only absorbs summation order
+
+
+class ReplayError(ValueError):
+    """A target that cannot be replayed (missing, not a receipt, unknown run): one line."""
+
+
+@dataclass
+class Stored:
+    """One receipt as stored: its point name, the folder of its files, where it came from."""
+
+    name: str
+    folder: Path
+    receipt: dict[str, Any]
+    source: str
+
+
+# --- finding receipts ---------------------------------------------------------------------
+
+
+def _read(path: Path, source: str) -> Stored:
+    from posttrainllm.track.receipt import check
+
+    receipt, why = check(path)
+    if why is not None:
+        raise ReplayError(f"{path}: {why}")
+    return Stored(receipt["point"], path.parent, receipt, source)
+
+
+def load(target: str) -> list[Stored]:
+    """The receipts a TARGET names (module docstring), sorted by point; ReplayError when none."""
+    path = Path(target)
+    if path.is_file():
+        return [_read(path, str(path))]
+    if path.is_dir():
+        if (path / "receipt.json").exists():
+            return [_read(path / "receipt.json", str(path))]
+        found = sorted(path.rglob("receipt.json"))
+        if not found:
+            raise ReplayError(f"{target}: no receipt.json in this folder or below it")
+        return [_read(p, str(p.parent)) for p in found]
+    if RUN_ID.fullmatch(target):
+        return _read_run(target)
+    raise ReplayError(f"{target}: not a point folder, a receipt.json, a folder of points, or an MLflow run id "
+                      "(32 hex digits)")
+
+
+def _read_run(run_id: str) -> list[Stored]:
+    """An MLflow run's artifacts, downloaded to a temporary folder: one point, or each point of a sweep's run."""
+    from posttrainllm.track import store
+    from posttrainllm.track.receipt import LOGGED_TAG, tracking_uri
+
+    uri = tracking_uri()
+    store.configure_http()
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per problem, no bars
+    try:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+    except ImportError as exc:
+        raise ReplayError(f"{run_id}: mlflow is not installed here (pip install -e '.[track]')") from exc
+    store.quiet_loggers()
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        run = client.get_run(run_id)
+        runs = [run]
+        if run.data.tags.get("role") == "sweep":
+            children = client.search_runs([run.info.experiment_id], max_results=5000,
+                                          filter_string=f"tags.`mlflow.parentRunId` = '{run_id}'",
+                                          order_by=["attributes.start_time DESC"])
+            latest: dict[str, Any] = {}
+            for child in children:  # the latest complete run of each point
+                if child.data.tags.get(LOGGED_TAG) == "true":
+                    latest.setdefault(child.data.tags.get("point", child.info.run_id), child)
+            runs = [latest[name] for name in sorted(latest)]
+        into = Path(tempfile.mkdtemp(prefix=f"posttrainllm-replay-{run_id[:8]}-"))
+        stored = []
+        for one in runs:
+            folder = into / one.info.run_id
+            mlflow.artifacts.download_artifacts(run_id=one.info.run_id, artifact_path="", dst_path=str(folder),
+                                                tracking_uri=uri)
+            if not (folder / "receipt.json").exists():
+                raise ReplayError(f"mlflow run {one.info.run_id}: no receipt.json among its artifacts")
+            stored.append(_read(folder / "receipt.json", f"mlflow run {one.info.run_id} ({uri})"))
+    except store.tracking_errors() as exc:
+        raise ReplayError(f"mlflow run {run_id} ({uri}): {store.short_reason(exc)}") from exc
+    if not stored:
+        raise ReplayError(f"mlflow run {run_id}: a sweep's run with no complete point run under it")
+    return stored
+
+
+# --- raw samples ------------------------------------------------------------------------------
+
+
+def raw_samples(folder: Path) -> dict[tuple[str, str], list[float]] | None:
+    """timings.csv as {(impl, mode): samples in rep order}; None when the file is not there."""
+    path = folder / "timings.csv"
+    if not path.exists():
+        return None
+    samples: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            samples.setdefault((row["impl"], row["mode"]), []).append((int(row["rep"]), float(row["ms"])))
+    return {key: [ms for _, ms in sorted(rows)] for key, rows in samples.items()}
+
+
+def timed_entries(receipt: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The valid timing summaries of the microbench: {(impl, mode): summary}."""
+    entries = {}
+    for name, entry in ((receipt.get("microbench") or {}).get("paths") or {}).items():
+        if entry.get("valid"):
+            entries[name, "forward"] = entry
+            entries[name, "forward_backward"] = entry["forward_backward"]
+    return entries
+
+
+# --- verification -----------------------------------------------------------------------------
+
+
+def _close(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    a, b = float(a), float(b)
+    if math.isinf(a) or math.isinf(b) or math.isnan(a) or math.isnan(b):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return math.isclose(a, b, rel_tol=REL_TOL, abs_tol=1e-15)
+
+
+def _band(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """microbench's BAND_RULE (posttrainllm/lab/stages.py compare), from two stored summaries."""
+    if a["p80_ms"] < b["p20_ms"]:
+        return "faster"
+    if a["p20_ms"] > b["p80_ms"]:
+        return "slower"
+    return "no measurable difference"
+
+
+def verify_timings(receipt: dict[str, Any], folder: Path) -> list[str]:
+    bench = receipt.get("microbench")
+    entries = timed_entries(receipt)
+    if not bench or not entries:
+        return []
+    samples = raw_samples(folder)
+    if samples is None:
+        return [f"timings.csv (the raw samples) is not beside the receipt in {folder}: its "
+                f"{len(entries)} timing summaries cannot be checked"]
+    problems = [f"timings.csv has samples of {impl}/{mode}, which the receipt gives no valid timing"
+                for impl, mode in sorted(set(samples) - set(entries))]
+    for (impl, mode), stored in entries.items():
+        if (impl, mode) not in samples:
+            problems.append(f"microbench {impl}/{mode}: no raw samples in timings.csv")
+            continue
+        again = summarize(samples[impl, mode]).summary()
+        if stored.get("reps") != again["reps"]:
+            problems.append(f"microbench {impl}/{mode}: reps={stored.get('reps')} stored, "
+                            f"{again['reps']} samples in timings.csv")
+        for key in SUMMARY_KEYS:
+            if not _close(stored.get(key), again[key]):
+                problems.append(f"microbench {impl}/{mode}: {key}={stored.get(key)!r} stored, "
+                                f"{again[key]!r} from the raw samples")
+        if stored.get("noisy") != again["noisy"]:
+            problems.append(f"microbench {impl}/{mode}: noisy={stored.get('noisy')} stored, "
+                            f"{again['noisy']} from the raw samples")
+        ms = stored.get("median_ms")
+        flops = bench.get("flops") if mode == "forward" else bench.get("train_flops")
+        if ms and flops and "gflops_per_s" in stored and not _close(stored["gflops_per_s"], flops / (ms / 1e3) / 1e9):
+            problems.append(f"microbench {impl}/{mode}: gflops_per_s={stored['gflops_per_s']!r} does not follow "
+                            f"from flops={flops} and median_ms={ms!r}")
+    reference = {mode: entries.get(("reference", mode)) for mode in MODES}
+    for (impl, mode), stored in entries.items():
+        ref = reference[mode]
+        if impl == "reference" or ref is None:
+            continue
+        if "speedup_vs_reference" in stored and not _close(stored["speedup_vs_reference"],
+                                                           ref["median_ms"] / stored["median_ms"]):
+            problems.append(f"microbench {impl}/{mode}: speedup_vs_reference={stored['speedup_vs_reference']!r} "
+                            f"is not reference median / its median = {ref['median_ms'] / stored['median_ms']!r}")
+        if "vs_reference" in stored and stored["vs_reference"] != _band(stored, ref):
+            problems.append(f"microbench {impl}/{mode}: vs_reference={stored['vs_reference']!r}, but its p20-p80 "
+                            f"band against the reference's says {_band(stored, ref)!r}")
+    return problems
+
+
+def _output_problems(where: str, output: str, entry: dict[str, Any], contract: dict[str, Any]) -> list[str]:
+    """One stored output check (a case's or the worst) against the contract: allowances, then the verdict."""
+    if "max_abs_err" not in entry:  # a missing output or case: its verdict is fail by construction
+        return [] if entry.get("verdict") == "fail" else [f"{where}/{output}: no errors stored, yet verdict "
+                                                          f"{entry.get('verdict')!r}"]
+    problems = []
+    scale = entry.get("oracle_max_abs") or 0.0
+    allowed = entry.get("allowed_abs_err")
+    if scale > 0:  # with a zero oracle the floor used the case's forward scale, which is not stored
+        expected = contract["error_multiple"] * entry["baseline_max_abs_err"] + contract["floor_rel"] * scale
+        if not _close(allowed, expected):
+            problems.append(f"{where}/{output}: allowed_abs_err={allowed!r} stored, the contract gives "
+                            f"{expected!r} (error_multiple {contract['error_multiple']} x baseline "
+                            f"{entry['baseline_max_abs_err']!r} + floor_rel {contract['floor_rel']} x {scale!r})")
+            allowed = expected
+    row = entry.get("worst_row")
+    row_ok = True
+    if row:
+        floor = contract["grad_row_floor_rel"] if output.startswith("grad_") else contract["row_floor_rel"]
+        row_allowed = row["allowed_abs_err"]
+        if scale > 0:
+            expected = (contract["error_multiple"] * row["baseline_max_abs_err"]
+                        + contract["floor_rel"] * row["oracle_max_abs"] + floor * scale)
+            if not _close(row_allowed, expected):
+                problems.append(f"{where}/{output}: worst row's allowed_abs_err={row_allowed!r} stored, the contract "
+                                f"gives {expected!r}")
+                row_allowed = expected
+        row_ok = row["max_abs_err"] <= row_allowed
+        if row_ok != (entry.get("rows_failed", 0) == 0):
+            problems.append(f"{where}/{output}: rows_failed={entry.get('rows_failed')} but the worst row errs "
+                            f"{row['max_abs_err']!r} against {row_allowed!r} allowed")
+    ok = (entry.get("finite", True) and entry["max_abs_err"] <= allowed
+          and entry.get("mismatch_frac", 0.0) <= contract["max_mismatch"] and row_ok
+          and entry.get("rows_failed", 0) == 0)
+    if entry.get("verdict") != ("pass" if ok else "fail"):
+        problems.append(f"{where}/{output}: verdict {entry.get('verdict')!r} stored, but max_abs_err "
+                        f"{entry['max_abs_err']!r} against allowed {allowed!r} (mismatch_frac "
+                        f"{entry.get('mismatch_frac')!r}, max_mismatch {contract['max_mismatch']}) says "
+                        f"{'pass' if ok else 'fail'!r}")
+    return problems
+
+
+def verify_parity(receipt: dict[str, Any], folder: Path) -> list[str]:
+    parity = receipt.get("parity")
+    if not parity:
+        return []
+    problems = []
+    configured = (receipt.get("config") or {}).get("precision", {})
+    for key in ("contract", "lse_contract"):
+        if key in configured and parity.get(key) is not None and parity[key] != configured[key]:
+            problems.append(f"parity.{key} differs from the config's precision.{key}")
+
+    def contract(output: str) -> dict[str, Any]:
+        return parity["lse_contract"] if output == "lse" and parity.get("lse_contract") else parity["contract"]
+
+    full = read_json(folder / "parity.json") if (folder / "parity.json").exists() else None
+    verdicts = {}
+    for name, path in parity["paths"].items():
+        for output, worst in path["worst"].items():
+            problems += _output_problems(f"parity {name} worst ({worst.get('case')})", output, worst, contract(output))
+        cases = ((full or {}).get("paths", {}).get(name) or {}).get("cases")
+        failed_cases = list(path["failed_cases"])
+        if cases is not None:
+            for case in cases:
+                problems += _output_problems(f"parity {name} {case['case']}", case["output"], case,
+                                             contract(case["output"]) if case["case"] != "*" else parity["contract"])
+            failing = [c for c in cases if c["verdict"] != "pass"]
+            if len(failing) != len(failed_cases):
+                problems.append(f"parity {name}: {len(failing)} failing cases in parity.json, "
+                                f"{len(failed_cases)} listed in the receipt")
+        ok = not failed_cases and all(w.get("verdict") == "pass" for w in path["worst"].values())
+        verdicts[name] = "pass" if ok else "fail"
+        if path["verdict"] != verdicts[name]:
+            problems.append(f"parity {name}: verdict {path['verdict']!r} stored, its failed cases and worst "
+                            f"outputs say {verdicts[name]!r}")
+    point = "pass" if all(v == "pass" for v in verdicts.values()) else "fail"
+    if parity["verdict"] != point:
+        problems.append(f"parity: point verdict {parity['verdict']!r} stored, its paths say {point!r}")
+    return problems
+
+
+def verify_train(receipt: dict[str, Any]) -> list[str]:
+    train = receipt.get("bench_train")
+    if not train:
+        return []
+    problems = []
+    limit = receipt["config"]["precision"]["contract"]["train_loss_drift"]
+    baseline = train["impls"][train["baseline"]]["losses"]
+    for name, drift in train["drift"].items():
+        losses = train["impls"][name]["losses"]
+        again = abs(losses[-1] - baseline[len(losses) - 1])
+        if not _close(drift, again):
+            problems.append(f"bench_train {name}: drift {drift!r} stored, its losses give {again!r}")
+        verdict = "pass" if drift <= limit else "fail"
+        if (train.get("drift_verdict") or {}).get(name) != verdict:
+            problems.append(f"bench_train {name}: drift verdict {(train.get('drift_verdict') or {}).get(name)!r} "
+                            f"stored, drift {drift!r} against train_loss_drift {limit} says {verdict!r}")
+    return problems
+
+
+def verify_curve(receipt: dict[str, Any], folder: Path) -> list[str]:
+    import pandas as pd
+
+    from posttrainllm.measure import curves
+
+    curve = (receipt.get("microbench") or {}).get("curve") or {}
+    crossovers = curve.get("crossover_vs_reference") or {}
+    if not crossovers:
+        return []
+    if not (folder / "curve.csv").exists():
+        return [f"curve.csv is not beside the receipt in {folder}: its crossovers cannot be checked"]
+    frame = pd.read_csv(folder / "curve.csv")
+    problems = []
+    for name, stored in crossovers.items():
+        try:
+            again = curves.crossover(frame, impl=name)
+        except ValueError as exc:
+            problems.append(f"curve {name}: {exc}")
+            continue
+        if stored != again:
+            problems.append(f"curve {name}: crossover {stored!r} stored, curve.csv gives {again!r}")
+    return problems
+
+
+def verify_metrics(receipt: dict[str, Any], folder: Path) -> list[str]:
+    from posttrainllm.track.receipt import metrics
+
+    if not (folder / "metrics.json").exists():
+        return []
+    stored, again = read_json(folder / "metrics.json"), metrics(receipt)
+    differ = sorted(k for k in set(stored) | set(again) if not _close(stored.get(k), again.get(k)))
+    return [f"metrics.json differs from the receipt at {', '.join(differ[:5])}"
+            f"{f' and {len(differ) - 5} more' if len(differ) > 5 else ''}"] if differ else []
+
+
+def verify(stored: Stored) -> list[str]:
+    """Everything that does not add up in one receipt (empty: it does). Each item is one line."""
+    receipt, folder = stored.receipt, stored.folder
+    try:
+        return (verify_timings(receipt, folder) + verify_parity(receipt, folder) + verify_train(receipt)
+                + verify_curve(receipt, folder) + verify_metrics(receipt, folder))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # truncated below the top level
+        what = f"no {exc.args[0]!r} field" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        return [f"incomplete or malformed receipt ({what})"]
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+
+def provenance_text(receipt: dict[str, Any]) -> str:
+    """The stored revision and device next to this checkout's and this machine's."""
+    from posttrainllm.measure import device as devices
+    from posttrainllm.track.provenance import git_revision
+
+    prov, machine = receipt["provenance"], receipt["provenance"]["machine"]
+    here, now = git_revision(), devices.machine_fingerprint()
+    rev = lambda r: f"{r['revision'][:12]}{' (dirty)' if r.get('dirty') else ''}"  # noqa: E731
+    lines = [f"  revision  stored {rev(prov):<22} here {rev(here)}"]
+    differ = sorted(k for k in set(machine) | set(now) if machine.get(k) != now.get(k))
+    lines.append(f"  device    stored {machine['device']} {machine['device_name']} ({machine['threads']} threads)   "
+                 f"here {now['device']} {now['device_name']} ({now['threads']} threads)"
+                 + (f"   differs: {', '.join(differ)}" if differ else "   same fingerprint"))
+    return "\n".join(lines)
+
+
+def parity_table(receipt: dict[str, Any]) -> str:
+    import pandas as pd
+
+    rows = []
+    for name, path in ((receipt.get("parity") or {}).get("paths") or {}).items():
+        for output, worst in path["worst"].items():
+            rows.append({"path": name, "output": output, "worst case": worst.get("case", "-"),
+                         "max_abs_err": f"{worst['max_abs_err']:.2e}" if "max_abs_err" in worst else "-",
+                         "allowed": f"{worst['allowed_abs_err']:.2e}" if "allowed_abs_err" in worst else "-",
+                         "err/bound": f"{worst['bound_ratio']:.3f}" if "bound_ratio" in worst else "-",
+                         "verdict": worst.get("verdict", "-"), "path verdict": path["verdict"]})
+    return pd.DataFrame(rows).to_string(index=False) if rows else "(no parity report)"
+
+
+def render_plots(stored: Stored, out: Path) -> list[Path]:
+    """time_vs_size, memory_vs_size (from curve.csv) and the roofline (from the microbench), into `out`."""
+    import pandas as pd
+
+    from posttrainllm.track import plots
+
+    written = []
+    if (stored.folder / "curve.csv").exists():
+        frame = pd.read_csv(stored.folder / "curve.csv")
+        for draw, name in ((plots.time_vs_size, "time_vs_size.png"), (plots.memory_vs_size, "memory_vs_size.png")):
+            try:
+                written.append(draw(frame, out / name))
+            except ValueError:  # no valid rows: nothing to draw, as when it was measured
+                pass
+    bench = stored.receipt.get("microbench") or {}
+    lines = [{"label": name, **entry["roofline"]} for name, entry in (bench.get("paths") or {}).items()
+             if entry.get("valid") and entry.get("roofline")]
+    if lines and bench.get("peaks", {}).get("gemm_flops_per_s"):
+        written.append(plots.roofline_plot(lines, bench["peaks"], out / "roofline.png",
+                                           title=f"{bench.get('op', '')} {bench.get('problem', '')}".strip()))
+    return written
+
+
+def render(stored: Stored, out: Path) -> str:
+    """The replay of one receipt as text (its plots written under `out`)."""
+    from posttrainllm.track import report
+
+    receipt = stored.receipt
+    parts = [f"replay of {stored.source}"]
+    try:
+        parts += [provenance_text(receipt), report.point_table(receipt), "parity (worst case per output):",
+                  parity_table(receipt)]
+        entries = timed_entries(receipt)
+        samples = raw_samples(stored.folder) or {}
+        if entries:
+            parts.append("timings: " + ", ".join(f"{impl}/{mode} {len(samples.get((impl, mode), []))} samples"
+                                                  for impl, mode in entries))
+        if receipt.get("bench_train"):
+            parts.append(report.train_table(receipt))
+        plots = render_plots(stored, out)
+        if plots:
+            parts.append("plots: " + ", ".join(str(p) for p in plots))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # verify() names what is wrong
+        what = f"no {exc.args[0]!r} field" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        parts.append(f"(the rest cannot be rendered: incomplete or malformed receipt, {what})")
+    return "\n".join(parts)

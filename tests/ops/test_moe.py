@@ -1,0 +1,110 @@
+"""Our Triton grouped-GEMM MoE (posttrainllm/ops/moe.py) against the readable math, forward and backward.
+
+Odd sizes (37 tokens, d=40, f=72 are off every tile), a single token, every token on one expert, an
+expert with no token, top-k = E; the plan's padding and bookkeeping; bad input refused.
+"""
+
+import pytest
+import torch
+
+from posttrainllm.ops import reference
+from posttrainllm.ops.moe import moe, moe_launch, plan
+
+TILE = dict(block_m=16, block_n=32, block_k=16)
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # max err / max|oracle|
+
+
+def _problem(tokens, d, f, experts, top_k, *, seed=0, skew=None):
+    gen = torch.Generator().manual_seed(seed)
+    randn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x = randn(tokens, d)
+    w = randn(experts, d, f) / d ** 0.5, randn(experts, d, f) / d ** 0.5, randn(experts, f, d) / f ** 0.5
+    w_router = randn(d, experts)
+    if skew is not None:  # column `skew` of the logits far above (or below) the rest
+        x[:, 0], w_router[0] = 4.0, 0.0
+        w_router[0, abs(skew)] = 10.0 if skew >= 0 else -10.0
+    route_idx, route_weight = reference.moe_router(x, w_router, top_k)
+    return x, *w, route_idx, route_weight
+
+
+def _check(problem, dtype):
+    x, wg, wu, wd, idx, weight = problem
+    leaves = [t.to(dtype).requires_grad_() for t in (x, wg, wu, wd, weight)]
+    out = moe(leaves[0], *leaves[1:4], idx, leaves[4], **TILE)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    ref = reference.moe_dense(exact[0], *exact[1:4], idx, exact[4])
+    ref_grads = torch.autograd.grad(ref, exact, grad_out.double())
+    for name, got, want in zip(("out", "x", "w_gate", "w_up", "w_down", "route_weight"),
+                               (out, *grads), (ref, *ref_grads)):
+        scale = want.abs().max().item() or 1.0
+        assert got.dtype == dtype and got.shape == want.shape, name
+        assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * scale, name
+    return grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_forward_and_backward_match_the_dense_math_off_every_tile(dtype):
+    _check(_problem(37, 40, 72, 4, 2), dtype)
+
+
+@pytest.mark.parametrize("case", ["one token", "all to one expert", "an empty expert", "top-k = E"])
+def test_routing_edge_cases(case):
+    args = {"one token": (1, 40, 72, 4, 2), "all to one expert": (37, 40, 72, 4, 1),
+            "an empty expert": (37, 40, 72, 4, 2), "top-k = E": (20, 40, 72, 4, 4)}[case]
+    skew = {"all to one expert": 2, "an empty expert": -3}.get(case)
+    problem = _problem(*args, skew=skew)
+    idx = problem[4]
+    if case == "all to one expert":
+        assert (idx == 2).all()
+    if case == "an empty expert":
+        assert not (idx == 3).any()
+    grads = _check(problem, torch.float32)
+    if case == "an empty expert":  # its weights got no token: exactly zero gradient, not stale memory
+        assert all(g[3].abs().max() == 0 for g in grads[1:4])
+
+
+def test_sparse_equals_dense_when_every_expert_is_chosen():
+    x, wg, wu, wd, idx, weight = (t.double() if t.is_floating_point() else t for t in _problem(9, 16, 24, 3, 3))
+    assert torch.allclose(reference.moe_sparse(x, wg, wu, wd, idx, weight),
+                          reference.moe_dense(x, wg, wu, wd, idx, weight), rtol=0, atol=1e-12)
+
+
+def test_router_renormalises_over_k_and_breaks_ties_to_the_lower_index():
+    x = torch.ones(1, 2)
+    w_router = torch.tensor([[1.0, 2.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # logits (1, 2, 2, 0): a tie
+    idx, weight = reference.moe_router(x, w_router, 2)
+    assert idx.tolist() == [[1, 2]]
+    assert torch.allclose(weight, torch.tensor([[0.5, 0.5]]))
+
+
+def test_plan_sorts_pads_and_inverts():
+    idx = torch.tensor([[2, 0], [2, 1], [0, 2]])  # expert 0: 2 rows, 1: 1 row, 2: 3 rows, 3: none
+    weight = torch.rand(3, 2)
+    p = plan(idx, weight, 4, 16)
+    assert p.tokens_per_expert.tolist() == [2, 1, 3, 0]
+    assert p.block_expert.tolist() == [0, 1, 2] and p.block_rows.tolist() == [2, 1, 3]
+    assert p.expert_blocks.tolist() == [0, 1, 2, 3, 3] and p.padded_rows == 48
+    for t in range(3):
+        for slot in range(2):
+            row = int(p.inv[t, slot])
+            assert int(p.row_token[row]) == t and p.row_weight[row] == weight[t, slot]
+            assert row // 16 == int(idx[t, slot])  # the row sits in its expert's block
+    padding = torch.ones(48, dtype=torch.bool)
+    padding[p.inv.reshape(-1).long()] = False
+    assert p.row_weight[padding].isnan().all()  # the poison: a padding row that leaks shows
+
+
+def test_launch_geometry_and_bad_input():
+    launch = moe_launch(37, 40, 72, 4, 2, block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=2)
+    assert launch["row_blocks_max"] == 5 + 3 and launch["forward"]["gate_up"] == [8, 3]
+    x, wg, wu, wd, idx, weight = _problem(5, 16, 24, 3, 2)
+    with pytest.raises(ValueError, match="route_idx must lie in"):
+        moe(x, wg, wu, wd, idx + 5, weight, **TILE)
+    with pytest.raises(ValueError, match="w_down"):
+        moe(x, wg, wu, wd.transpose(1, 2), idx, weight, **TILE)
+    with pytest.raises(ValueError, match="block_m=24"):
+        moe(x, wg, wu, wd, idx, weight, block_m=24)
+    with pytest.raises(ValueError, match="top_k=5"):
+        moe_launch(5, 16, 24, 3, 5, block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)

@@ -1,0 +1,99 @@
+"""Fresh device loops need approval on a GPU (lab/approval.py); the GPU is faked by the resolved device."""
+
+import pytest
+
+from posttrainllm import cli
+from posttrainllm.config import load
+from posttrainllm.lab import approval, gpucheck, pipeline, sweep
+from posttrainllm.measure import device as devices
+from posttrainllm.opdefs import get_op
+
+SMALL = ["parity.seeds=[0]", "bench.reps=3", "bench.min_time_s=0.5", "shape.curve=[64,128]"]
+
+
+@pytest.fixture
+def gpu(monkeypatch, tmp_path):
+    """`auto` (and `cuda`) resolve to a GPU; nothing may start: the stages and the commands' jobs raise."""
+    from posttrainllm.lab import stages
+
+    monkeypatch.setattr(devices, "resolve", lambda name: "cuda" if name in ("auto", "cuda") else name)
+    monkeypatch.setattr(devices, "check_available", lambda name: None)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("work started before approval")
+
+    for name in ("run_reference", "run_kernel", "run_parity", "run_microbench", "run_bench_train"):
+        monkeypatch.setattr(stages, name, forbidden)
+    monkeypatch.delenv(approval.ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_the_cpu_needs_no_approval():
+    lab = load(["device=cpu"])
+    assert approval.check([lab], train=True, what="bench") is None
+
+
+def test_bench_on_a_gpu_refuses_without_approval_and_states_the_estimate(gpu, monkeypatch, capsys):
+    assert cli.main(["bench", "device=auto", *SMALL]) == 2
+    err = capsys.readouterr().err.strip()
+    paths = len(get_op("attention").impls)
+    loops = paths * (2 + 2)  # forward and forward+backward on the point's shape, and two curve sizes
+    assert err == (f"posttrainllm: not approved: posttrainllm bench would run timing loops on the GPU: 1 point(s): "
+                   f"{loops} timing loops, at least ~{loops * 0.5:.0f} s of device time; approve with "
+                   "run.approve=true or POSTTRAINLLM_APPROVE=1")
+    assert not (gpu / "runs").exists()  # nothing written
+    # a multirun counts every point; bench-train its training steps too
+    assert cli.main(["bench-train", "-m", "device=auto", *SMALL, "precision=fp32,fp16", "train.steps=4",
+                     "train.warmup_steps=1"]) == 2
+    assert f"2 point(s): {2 * loops} timing loops + {2 * paths * 4} training steps" in capsys.readouterr().err
+    # experimental train-heads: the base's and the heads' training steps, and the decode measurement
+    assert cli.main(["experimental", "train-heads", "device=auto"]) == 2
+    assert "posttrainllm experimental train-heads would run timing loops on the GPU: 1 point(s): 2 timing loops + " \
+           in capsys.readouterr().err
+    # the CPU, named explicitly, needs none (the job itself is replaced: nothing may run here)
+    ran = []
+    monkeypatch.setitem(cli.COMMANDS, "bench", lambda cfg: ran.append(cfg))
+    assert cli.main(["bench", "device=cpu", *SMALL]) == 0 and len(ran) == 1
+
+
+@pytest.mark.parametrize("how", ["override", "environment"])
+def test_approval_lets_the_command_start_and_prints_the_estimate(gpu, monkeypatch, capsys, how):
+    ran = []
+    monkeypatch.setitem(cli.COMMANDS, "bench", lambda cfg: ran.append(cfg))
+    args = ["bench", "device=auto", *SMALL]
+    if how == "override":
+        args.append("run.approve=true")
+    else:
+        monkeypatch.setenv(approval.ENV, "1")
+    assert cli.main(args) == 0 and len(ran) == 1
+    assert "posttrainllm: approved: 1 point(s):" in capsys.readouterr().err
+
+
+def test_inspecting_the_config_needs_no_approval(gpu, capsys):
+    assert cli.main(["bench", "device=auto", "--cfg", "job"]) == 0
+    assert "approve: false" in capsys.readouterr().out
+
+
+def test_a_timed_dvc_stage_refuses_without_approval(gpu, monkeypatch, capsys):
+    sweep.write_params(sweep.plan(load(["sweep=default"]).sweep), pipeline.PARAMS)  # device: auto
+    point = next(iter(sweep.read_points(pipeline.PARAMS)["points"]))
+    assert pipeline.run_stage("microbench", [point]) == 2
+    err = capsys.readouterr().err
+    assert f"not approved: stage microbench {point} would run timing loops on the GPU" in err
+    assert "POSTTRAINLLM_APPROVE=1" in err and not (gpu / "runs").exists()
+    cfg, _ = pipeline.load_point(point)
+    assert pipeline._approved("bench_train", point, cfg) is False
+    assert "training steps" in capsys.readouterr().err
+    monkeypatch.setenv(approval.ENV, "1")
+    assert pipeline._approved("microbench", point, cfg) is True
+    assert "approved: microbench" in capsys.readouterr().err
+
+
+def test_the_prepared_gpu_check_prints_its_estimate_and_needs_approve(gpu, monkeypatch, capsys):
+    monkeypatch.setattr(devices, "prepare", lambda name, threads=0: name)
+    assert gpucheck.main([str(gpu / "out"), "--no-train"]) == 2
+    captured = capsys.readouterr()
+    assert "posttrainllm gpucheck: gpu sweep on cuda:" in captured.out and "timing loops" in captured.out
+    assert "not approved: these timing loops need --approve or POSTTRAINLLM_APPROVE=1" in captured.err
+    assert not (gpu / "out").exists()

@@ -1,0 +1,84 @@
+"""KV-cached and speculative decoding against full recomputation: same logits within fp32, same tokens."""
+
+import pytest
+import torch
+
+from posttrainllm.model.decode import first_mismatch, greedy_cached, greedy_recompute, speculative
+from posttrainllm.model.heads import MedusaHeads
+from posttrainllm.model.transformer import KVCache, ModelConfig, Transformer
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96), seed=3).eval()
+    with torch.no_grad():  # sharper logits than the N(0, 0.02) init, so greedy tokens vary
+        m.lm_head.weight.mul_(30)
+    return m
+
+
+def test_cached_decoding_matches_recomputation(model):
+    prompt = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(1))
+    want_tokens, want_logits = greedy_recompute(model, prompt, 24)
+    got_tokens, _, got_logits = greedy_cached(model, prompt, 24, keep_logits=True)
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_tokens, want_tokens)
+    assert len(set(want_tokens[0].tolist())) > 3  # not one token repeated: the check has teeth
+
+
+def test_a_chunk_over_the_cache_equals_the_whole_sequence(model):
+    seq = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(2))
+    whole = model(seq)[0]  # (1, 30, V)
+    cache = KVCache(model.config, 1, 40)
+    parts = [model(seq[:, :20], cache=cache)[0], model(seq[:, 20:21], cache=cache)[0], model(seq[:, 21:], cache=cache)[0]]
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=1e-5)
+    assert cache.length == 30
+    cache.rollback(21)  # forget 21..29, then write them again
+    again = model(seq[:, 21:], cache=cache)[0]
+    torch.testing.assert_close(again, whole[:, 21:], atol=1e-5, rtol=1e-5)
+
+
+def test_a_cache_that_forgets_rope_offsets_is_caught(model, monkeypatch):
+    """Planted bug: positions restart at 0 for each chunk. The equality above must then fail."""
+    seq = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    cache = KVCache(model.config, 1, 12)
+    model(seq[:, :8], cache=cache)
+    cache.length, saved = 0, cache.length  # RoPE of the next chunk computed as if at position 0 ...
+    monkeypatch.setattr(cache, "append", lambda layer, k, v: (torch.cat([cache.k[layer][:, :, :saved], k], 2),
+                                                               torch.cat([cache.v[layer][:, :, :saved], v], 2)))
+    wrong = model(seq[:, 8:], cache=cache)[0]
+    assert not torch.allclose(wrong, model(seq)[0][:, 8:], atol=1e-3)
+
+
+def test_cache_bounds_are_refused(model):
+    cache = KVCache(model.config, 1, 4)
+    with pytest.raises(ValueError, match="KV cache full"):
+        model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="rollback to 3"):
+        cache.rollback(3)
+    with pytest.raises(ValueError, match="max_len=200"):
+        KVCache(model.config, 1, 200)
+
+
+@pytest.mark.parametrize("num_heads", [0, 1, 3])
+def test_speculative_decoding_is_lossless_whatever_the_heads_propose(model, num_heads):
+    """Random heads propose nonsense, zero-init heads propose the base's own next token: the output is greedy's."""
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(4))
+    want = greedy_cached(model, prompt, 30, keep_logits=True)[1]
+    heads = MedusaHeads(model.lm_head.weight.detach(), num_heads)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for block in heads.blocks:
+            block.linear.weight.normal_(0, 0.5)
+    got = speculative(model, heads if num_heads else None, prompt, 30)
+    assert got.tokens == want.tokens
+    assert len(got.accepted) == len(got.steps) and sum(m for _, m in got.steps) == 29
+    assert len(got.token_latencies_s) == 29
+
+
+def test_a_mismatch_is_found_and_a_near_tie_is_named():
+    logits = [torch.tensor([1.0, 0.0]), torch.tensor([2.0, 2.0 - 1e-5])]
+    assert first_mismatch([0, 0], [0, 0], logits, 1e-3) is None
+    found = first_mismatch([0, 1], [0, 0], logits, 1e-3)
+    assert found["index"] == 1 and found["near_tie"] and found["top2_gap"] == pytest.approx(1e-5, rel=1e-2)
+    assert not first_mismatch([1, 0], [0, 0], logits, 1e-3)["near_tie"]

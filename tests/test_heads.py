@@ -1,0 +1,128 @@
+"""Draft heads end to end on a tiny base: `posttrainllm experimental train-heads` -> base, heads, decode, receipt."""
+
+import json
+
+import pytest
+import torch
+
+from posttrainllm.config import load
+from posttrainllm.model.heads import MedusaHeads, self_distillation_loss
+
+TINY = ["device=cpu", "architecture.d_model=64", "architecture.mlp_hidden=128", "architecture.head_dim=16",
+        "heads.base.steps=40", "heads.base.warmup_steps=4", "heads.base.batch_size=8", "heads.base.seq_len=48",
+        "heads.base.eval_batches=2", "heads.base.max_seq_len=64", "heads.prompt_len=16", "heads.continuation_len=24",
+        "heads.train_prompts=16", "heads.steps=30", "heads.batch_size=8", "heads.lr=3e-3", "heads.eval_prompts=3",
+        "heads.new_tokens=16", "heads.warmup_prompts=0"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, mlflow_uri):
+    """One CLI run with K = 2 on the tiny base (MLflow: the session's store), then its files."""
+    import os
+
+    from posttrainllm import cli
+
+    out = tmp_path_factory.mktemp("heads")
+    os.environ["MLFLOW_TRACKING_URI"] = mlflow_uri
+    try:
+        code = cli.main(["experimental", "train-heads", "heads=k2", f"heads.out_dir={out}",
+                         f"run.out_dir={out / 'runs'}", *TINY])
+    finally:
+        os.environ.pop("MLFLOW_TRACKING_URI")
+    return code, out
+
+
+def test_the_command_runs_base_heads_decode_and_writes_a_receipt(run, capsys):
+    code, out = run
+    assert code == 0
+    receipt = json.loads((out / "k2" / "receipt.json").read_text())
+    assert receipt["schema"] == "posttrainllm.track.receipt.heads/1" and receipt["verdict"] == "pass"
+    base = receipt["base"]
+    assert base["heldout_loss"] < base["heldout_loss_before"]  # the base learned something
+    variants = receipt["decode"]["variants"]
+    assert set(variants) == {"greedy", "spec_k0", "untrained", "trained"}
+    assert variants["spec_k0"]["mean_accepted_length"] == 1.0  # the K = 0 control
+    assert len(variants["trained"]["acceptance_rate_per_head"]) == 2
+    for entry in variants.values():
+        assert entry["tokens"] == 3 * 16 and entry["decode_tokens_per_s"] > 0
+        assert entry["itl_ms"]["p20"] <= entry["itl_ms"]["median"] <= entry["itl_ms"]["p80"]
+    assert receipt["decode"]["mismatches"]["count"] == 0 and receipt["decode"]["lossless"]
+    assert "measured" in receipt["decode"]["speedup"]["trained"] and receipt["decode"]["speedup"]["why"]
+    metrics = json.loads((out / "k2" / "metrics.json").read_text())
+    assert "decode.trained.mean_accepted_length" in metrics and "heads.head2.top5" in metrics
+
+
+def test_the_receipt_is_an_mlflow_run(run, mlflow_uri):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("posttrainllm").experiment_id],
+                              filter_string="tags.role = 'heads'")
+    assert any(r.data.tags["point"] == "heads-k2" and r.info.status == "FINISHED" for r in runs)
+
+
+def test_heads_learn_and_the_base_stays_frozen(run):
+    _, out = run
+    heads = json.loads((out / "k2" / "heads.json").read_text())
+    assert heads["losses"][-1] < heads["losses"][0]
+    assert heads["heldout_accuracy"][0]["top5"] >= heads["heldout_accuracy"][0]["top1"]
+    cfg = load([*TINY, "heads=k2", f"heads.out_dir={out}"])
+    from posttrainllm.lab import heads as lab
+
+    base, _ = lab.load_base(cfg, "cpu")
+    assert lab._base_digest(base) == heads["base_digest"]  # after training, bit for bit the base it started from
+
+
+def test_a_second_k_reuses_the_base_and_other_settings_refuse_it(run, capsys):
+    from posttrainllm.config import ConfigError
+    from posttrainllm.lab import heads as lab
+
+    _, out = run
+    mtime = (out / "base" / "base.pt").stat().st_mtime_ns
+    cfg = load([*TINY, "heads=k1", f"heads.out_dir={out}"])
+    assert lab.ensure_base(cfg)[1] is False and (out / "base" / "base.pt").stat().st_mtime_ns == mtime
+    other = load([*TINY, "heads=k1", f"heads.out_dir={out}", "heads.base.steps=41"])
+    with pytest.raises(ConfigError, match="trained with other settings"):
+        lab.load_base(other, "cpu")
+
+
+def test_zero_initialised_heads_start_as_the_base_and_the_loss_weights_decay():
+    torch.manual_seed(0)
+    weight = torch.randn(256, 32)
+    heads = MedusaHeads(weight, 3)
+    hidden = torch.randn(2, 5, 32)
+    logits = heads(hidden)  # (K, B, T, V)
+    assert logits.shape == (3, 2, 5, 256)
+    for k in range(3):
+        torch.testing.assert_close(logits[k], hidden @ weight.T)
+    tokens = torch.randint(0, 256, (2, 5))
+    total, per_head = self_distillation_loss(logits, tokens, first_target=0, decay=0.8)
+    assert float(total) == pytest.approx(sum(0.8 ** k * ce for k, ce in enumerate(per_head, start=1)), rel=1e-5)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["heads=k9"], "unknown heads 'k9': valid choices are k1, k2, k3, k4"),
+    (["heads.num_heads=9"], "heads.num_heads=9: must be in [0, 8]"),
+    (["heads.new_tokens=500"], "exceeds heads.base.max_seq_len=256"),
+])
+def test_bad_heads_config_is_one_line_and_exit_2(args, says, capsys, tmp_path):
+    from posttrainllm import cli
+
+    assert cli.main(["experimental", "train-heads", f"heads.out_dir={tmp_path}", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+    assert not any(tmp_path.iterdir())
+
+
+def test_dvc_runs_the_heads_stages_one_k_at_a_time():
+    import yaml
+
+    from posttrainllm.config import PROJECT_ROOT, group_options
+
+    stages = yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())["stages"]
+    assert stages["train_base"]["cmd"] == "python pipelines/train_base.py"
+    for name in ("train_heads", "decode"):
+        ks = stages[name]["foreach"]
+        assert set(ks) <= set(group_options("heads")) and len(ks) >= 2
+        assert f"posttrainllm/lab/heads.py" in stages[name]["do"]["deps"]
+    assert "runs/heads/base/base.pt" in stages["decode"]["do"]["deps"]

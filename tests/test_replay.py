@@ -1,0 +1,166 @@
+"""`posttrainllm replay TARGET`: tables, verdicts and plots from a stored receipt, nothing run, and checked."""
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import types
+
+import pytest
+
+from posttrainllm import cli
+from posttrainllm.track import replay
+
+QUICK = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "bench.reps=3", "bench.min_time_s=0",
+         "shape.curve=[64,128]", "run.log_mlflow=false"]
+
+
+@pytest.fixture(scope="module")
+def point(tmp_path_factory, calibration):
+    """One real point folder (bench, no MLflow)."""
+    root = tmp_path_factory.mktemp("replay")
+    (root / "runs" / "bench").mkdir(parents=True)
+    shutil.copy(calibration, root / "runs" / "bench" / "calibration.json")
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        assert cli.main(["bench", *QUICK, "run.name=stored"]) == 0
+    finally:
+        os.chdir(cwd)
+    return root / "runs" / "bench" / "stored"
+
+
+def _hashes(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def nothing_may_run(monkeypatch):
+    """Every way to launch a kernel or start a timing loop raises."""
+    import torch
+    import triton.runtime.jit
+
+    from posttrainllm.measure import calibrate, curves, timing
+    from posttrainllm.opdefs import OPS
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("replay launched a kernel or a timer")
+
+    for name in ("measure", "_clock_ms", "_cuda_event_ms", "l2_flush"):
+        monkeypatch.setattr(timing, name, forbidden)
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=forbidden))
+    monkeypatch.setattr(curves, "measure_row", forbidden)
+    monkeypatch.setattr(calibrate, "calibrate", forbidden)
+    monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", forbidden)
+    monkeypatch.setattr(torch.cuda, "Event", forbidden)
+    for op in OPS.values():
+        for name, impl in list(op.impls.items()):
+            monkeypatch.setitem(op.impls, name, dataclasses.replace(impl, fn=forbidden))
+
+
+def test_replay_renders_from_storage_runs_nothing_and_writes_nothing_there(point, tmp_path, nothing_may_run, capsys):
+    before = _hashes(point)
+    assert cli.main(["replay", str(point), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert f"replay of {point}" in out
+    assert "revision  stored" in out and "device    stored cpu" in out and "here cpu" in out
+    assert "sdpa     pass" in out and "interpreted: not speed" in out  # the point table
+    assert "grad_q" in out and "lse" in out  # the parity table: every output of every path
+    assert "sdpa/forward_backward 3 samples" in out and "verified: ok" in out
+    assert {p.name for p in (tmp_path / "out" / "stored").iterdir()} == {"time_vs_size.png", "memory_vs_size.png",
+                                                                         "roofline.png"}
+    assert _hashes(point) == before  # the point's folder is only read
+    # the receipt.json itself, and a folder of points (a sweep's runs/), give the same
+    assert cli.main(["replay", str(point / "receipt.json"), "--out", str(tmp_path / "out2")]) == 0
+    for name in ("stored", "twin"):
+        shutil.copytree(point, tmp_path / "runs" / name)
+    assert cli.main(["replay", str(tmp_path / "runs"), "--out", str(tmp_path / "out3")]) == 0
+    assert capsys.readouterr().out.count("verified: ok") == 3
+
+
+def _tampered(point, tmp_path, edit=None, csv_edit=None):
+    folder = tmp_path / "tampered"
+    shutil.copytree(point, folder)
+    if edit:
+        receipt = json.loads((folder / "receipt.json").read_text())
+        edit(receipt)
+        (folder / "receipt.json").write_text(json.dumps(receipt))
+    if csv_edit:
+        (folder / "timings.csv").write_text(csv_edit((folder / "timings.csv").read_text()))
+    return folder
+
+
+def test_a_tampered_timing_summary_is_named(point, tmp_path, capsys):
+    def faster(receipt):
+        receipt["microbench"]["paths"]["sdpa"]["forward_backward"]["median_ms"] *= 0.5
+        receipt["microbench"]["paths"]["sdpa"]["forward_backward"]["speedup_vs_reference"] *= 2
+
+    folder = _tampered(point, tmp_path, faster)
+    assert cli.main(["replay", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "does not add up: microbench sdpa/forward_backward: median_ms=" in err
+    assert "from the raw samples" in err and "1 of 1 receipts do not add up" in err
+    assert "metrics.json differs from the receipt at bench.sdpa.fwd_bwd.median_ms" in err
+
+
+def test_a_dropped_sample_and_a_missing_samples_file_are_named(point, tmp_path, capsys):
+    last = (point / "timings.csv").read_text().splitlines()[-1].split(",")  # op, impl, mode, rep, ms, ...
+    drop_last = lambda text: "\n".join(text.splitlines()[:-1]) + "\n"  # noqa: E731
+    folder = _tampered(point, tmp_path, csv_edit=drop_last)
+    assert cli.main(["replay", str(folder), "--out", str(tmp_path / "out")]) == 2
+    assert f"{last[1]}/{last[2]}: reps=3 stored, 2 samples in timings.csv" in capsys.readouterr().err
+    (folder / "timings.csv").unlink()
+    assert cli.main(["replay", str(folder), "--out", str(tmp_path / "out")]) == 2
+    assert "timings.csv (the raw samples) is not beside the receipt" in capsys.readouterr().err
+
+
+def test_a_verdict_that_does_not_follow_from_its_errors_is_named(point, tmp_path, capsys):
+    def hide_failure(receipt):  # an error above its allowance, still called a pass
+        worst = receipt["parity"]["paths"]["triton"]["worst"]["out"]
+        worst["max_abs_err"] = worst["allowed_abs_err"] * 2
+
+    folder = _tampered(point, tmp_path, hide_failure)
+    assert cli.main(["replay", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "parity triton worst (" in err and "/out: verdict 'pass' stored, but max_abs_err" in err and "says 'fail'" in err
+
+    def loose_contract(receipt):
+        receipt["parity"]["contract"]["error_multiple"] = 80.0
+
+    folder = _tampered(point, tmp_path / "2", loose_contract)
+    assert cli.main(["replay", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "parity.contract differs from the config's precision.contract" in err
+    assert "allowed_abs_err=" in err and "the contract gives" in err
+
+
+def test_loss_drift_verdicts_follow_from_the_losses():
+    receipt = {"config": {"precision": {"contract": {"train_loss_drift": 1e-4}}},
+               "bench_train": {"baseline": "reference", "impls": {"reference": {"losses": [3.0, 2.5]},
+                                                                  "sdpa": {"losses": [3.0, 2.5003]}},
+                               "drift": {"sdpa": 3e-4}, "drift_verdict": {"sdpa": "pass"}}}
+    problems = replay.verify_train(receipt)
+    assert problems == ["bench_train sdpa: drift verdict 'pass' stored, drift 0.0003 against train_loss_drift "
+                        "0.0001 says 'fail'"]
+    receipt["bench_train"]["drift"]["sdpa"] = 1e-5
+    assert "drift 1e-05 stored, its losses give" in replay.verify_train(receipt)[0]
+
+
+def test_truncated_receipt_and_bad_targets_get_one_line(point, tmp_path, capsys):
+    folder = _tampered(point, tmp_path)
+    text = (folder / "receipt.json").read_text()
+    (folder / "receipt.json").write_text(text[: len(text) // 2])
+    assert cli.main(["replay", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("posttrainllm: cannot replay") and "not valid JSON" in err and "truncated?" in err
+    assert len(err.strip().splitlines()) == 1
+    receipt = json.loads(text)
+    del receipt["microbench"]["paths"]["sdpa"]["forward_backward"]
+    (folder / "receipt.json").write_text(json.dumps(receipt))
+    assert cli.main(["replay", str(folder), "--out", str(tmp_path / "out")]) == 2
+    assert "incomplete or malformed receipt (no 'forward_backward' field)" in capsys.readouterr().err
+    assert cli.main(["replay", str(tmp_path / "nowhere")]) == 2
+    assert "not a point folder, a receipt.json, a folder of points, or an MLflow run id" in capsys.readouterr().err
+    assert cli.main(["replay"]) == 2
+    assert "usage: posttrainllm replay TARGET" in capsys.readouterr().err
