@@ -37,7 +37,9 @@ def test_the_cpu_needs_no_approval():
 def test_bench_on_a_gpu_refuses_without_approval_and_states_the_estimate(gpu, monkeypatch, capsys):
     assert cli.main(["bench", "device=auto", *SMALL]) == 2
     err = capsys.readouterr().err.strip()
-    paths = len(get_op("attention").impls)
+    op, lab = get_op("attention"), load(["device=auto", *SMALL])
+    paths = len(op.paths(lab))  # the registry as it stands for this point (the SDPA backends that run here)
+    trained = len(op.train_impls(lab))  # backend-pinned peers are timed, not trained
     loops = paths * (2 + 2)  # forward and forward+backward on the point's shape, and two curve sizes
     assert err == (f"posttrainllm: not approved: posttrainllm bench would run timing loops on the GPU: 1 point(s): "
                    f"{loops} timing loops, at least ~{loops * 0.5:.0f} s of device time; approve with "
@@ -46,7 +48,7 @@ def test_bench_on_a_gpu_refuses_without_approval_and_states_the_estimate(gpu, mo
     # a multirun counts every point; bench-train its training steps too
     assert cli.main(["bench-train", "-m", "device=auto", *SMALL, "precision=fp32,fp16", "train.steps=4",
                      "train.warmup_steps=1"]) == 2
-    assert f"2 point(s): {2 * loops} timing loops + {2 * paths * 4} training steps" in capsys.readouterr().err
+    assert f"2 point(s): {2 * loops} timing loops + {2 * trained * 4} training steps" in capsys.readouterr().err
     # experimental train-heads: the base's and the heads' training steps, and the decode measurement
     assert cli.main(["experimental", "train-heads", "device=auto"]) == 2
     assert "posttrainllm experimental train-heads would run timing loops on the GPU: 1 point(s): 2 timing loops + " \

@@ -68,7 +68,10 @@ def test_verdict_needs_both_the_interval_and_p():
 
 def test_a_planted_slowdown_is_a_regression(points, tmp_path, capsys):
     out = tmp_path / "compare.md"
-    assert cli.main(["compare", str(points / "base"), str(points / "slow"), "--out", str(out)]) == 1
+    # judged at a 25 % threshold: the other paths of these two separate runs drift by up to 12 % on 2 shared
+    # cores (measured), while the planted sleep makes sdpa ~10x slower
+    noisy = "compare.threshold=0.25"
+    assert cli.main(["compare", str(points / "base"), str(points / "slow"), "--out", str(out), noisy]) == 1
     printed = capsys.readouterr().out
     rows = [line for line in printed.splitlines() if " sdpa " in line and "time forward " in line]
     assert len(rows) == 1 and "slower REGRESSION" in rows[0], printed
@@ -77,7 +80,7 @@ def test_a_planted_slowdown_is_a_regression(points, tmp_path, capsys):
     assert "| base vs slow | sdpa | time forward |" in markdown and "REGRESSION" in markdown
     assert "regression(s): base vs slow/sdpa time forward" in markdown
     # the other way round it is faster, and nothing regressed
-    assert cli.main(["compare", str(points / "slow"), str(points / "base"), "--out", str(out)]) == 0
+    assert cli.main(["compare", str(points / "slow"), str(points / "base"), "--out", str(out), noisy]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if " sdpa " in line and "time forward " in line]
     assert "faster" in rows[0]
 

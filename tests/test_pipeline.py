@@ -1,6 +1,14 @@
-"""The whole pipeline: `dvc repro` of a small sweep in a copy of the project, receipts read back from MLflow."""
+"""The whole pipeline: `dvc repro` of a small sweep in a copy of the project, receipts read back from MLflow.
+
+The copy carries a planted fp16-only bug in the Triton attention (its output scaled by 1.01 in fp16 only),
+so one point of the smoke sweep breaks its contract. A failure is evidence: the sweep must run to the end,
+every point keeps its receipt and MLflow run (the failing one tagged with its verdict and first failing
+case), the failed path has no speed anywhere, and `posttrainllm report` lists it first and exits 1.
+"""
 
 import json
+
+import sys
 
 import pytest
 from conftest import run_command
@@ -8,11 +16,21 @@ from conftest import run_command
 pytestmark = pytest.mark.slow
 
 
+ORIGINAL = "return o.to(q.dtype), lse"
+PLANTED = "return (o * (1.01 if q.dtype == torch.float16 else 1.0)).to(q.dtype), lse"
+
+
 @pytest.fixture(scope="module")
 def project(project_copy):
-    """A committed copy of the project with the smoke sweep planned and reproduced."""
-    root, env = project_copy("project", sweep="smoke")
-    repro = run_command(["dvc", "repro"], root, env)
+    """A committed copy of the project, the fp16-only bug planted, the smoke sweep planned and reproduced."""
+    def plant(root):
+        kernel = root / "posttrainllm" / "ops" / "attention.py"
+        source = kernel.read_text()
+        assert source.count(ORIGINAL) == 1, "the planted bug's target line moved"
+        kernel.write_text(source.replace(ORIGINAL, PLANTED))
+
+    root, env = project_copy("project", sweep="smoke", edit=plant)
+    repro = run_command(["dvc", "repro"], root, env)  # exit 0: a broken contract is recorded, not fatal
     return root, env, repro
 
 
@@ -22,7 +40,7 @@ def test_every_stage_of_every_point_ran(project):
         for stage in ("reference", "kernel", "parity", "microbench", "bench_train", "receipt"):
             assert f"'{stage}@{point}'" in repro.stdout
         receipt = json.loads((root / "runs" / point / "receipt.json").read_text())
-        assert receipt["parity"]["verdict"] == "pass"
+        assert receipt["parity"]["verdict"] == ("fail" if point == "precision-fp16" else "pass")
         assert receipt["sweep"]["name"] == "smoke"
         assert receipt["bench_train"]["impls"]["sdpa"]["losses"]
         assert set(receipt["stamps"]) == {"reference", "kernel", "parity", "microbench", "bench_train"}
@@ -43,12 +61,15 @@ def test_receipts_are_in_mlflow_nested_under_one_sweep_run(project, mlflow_uri):
     parent_ids = {r.data.tags["mlflow.parentRunId"] for r in runs}
     assert len(parent_ids) == 1
     assert client.get_run(parent_ids.pop()).data.tags["role"] == "sweep"
+    assert children["baseline"].info.status == "FINISHED" and children["precision-fp16"].info.status == "FAILED"
+    assert children["precision-fp16"].data.tags["parity.verdict"] == "fail"
     for point, run in children.items():
         tags, metrics, params = run.data.tags, run.data.metrics, run.data.params
         assert tags["git.dirty"] == "False"
         assert tags["device"] == "cpu" and tags["triton.interpreted"] == "True"
         assert params["precision.name"] == ("fp16" if point == "precision-fp16" else "fp32")
-        assert metrics["parity.triton.pass"] == 1.0 and metrics["parity.sdpa.pass"] == 1.0
+        assert metrics["parity.triton.pass"] == (0.0 if point == "precision-fp16" else 1.0)
+        assert metrics["parity.sdpa.pass"] == 1.0
         assert metrics["bench.sdpa.median_ms"] > 0 and metrics["bench.sdpa.speedup_vs_reference"] > 0
         assert not any(k.startswith("bench.triton.") for k in metrics), "interpreter timings are not speed"
         assert "train.sdpa.loss_drift" in metrics
@@ -87,6 +108,29 @@ def test_plots_render_offline_and_report_is_written(project):
     for name in ("time_vs_size", "memory_vs_size", "roofline"):
         assert f"runs_baseline_{name}.png" in page
     assert "https://" not in page  # no CDN: PNGs render offline
-    report = run_command(["python", "-m", "posttrainllm", "report"], root, env).stdout
-    assert "precision-fp16" in report and "sdpa:pass,triton:pass" in report
+    report = run_command([sys.executable, "-m", "posttrainllm", "report"], root, env, check=False)
+    assert report.returncode == 1  # a point failed: `dvc repro && posttrainllm report` fails a CI job
+    rows = [line.strip() for line in report.stdout.splitlines() if line.strip().startswith(("baseline", "precision-"))]
+    assert rows[0].startswith("precision-fp16") and "FAIL" in rows[0] and "triton:fail" in rows[0]
+    assert rows[1].startswith("baseline") and "triton:pass" in rows[1] and "sdpa:pass" in rows[1]
     assert (root / "runs" / "report.md").read_text().startswith("| point | verdict | first_failure | change |")
+
+
+def test_the_sweep_runs_on_past_a_broken_contract(project):
+    root, _, repro = project
+    assert "recorded, sweep continues" in repro.stderr
+    failed = json.loads((root / "runs" / "precision-fp16" / "receipt.json").read_text())
+    assert failed["parity"]["first_failure"].startswith("triton: ")
+
+
+def test_the_failed_path_has_no_speed_anywhere(project):
+    root, _, _ = project
+    point = root / "runs" / "precision-fp16"
+    receipt = json.loads((point / "receipt.json").read_text())
+    assert receipt["microbench"]["paths"]["triton"] == {"valid": False, "reason": "failed parity: no speed number"}
+    assert "triton" not in receipt["bench_train"]["impls"]
+    assert receipt["bench_train"]["skipped"] == {"triton": "failed parity: no speed number"}
+    assert ",triton," not in (point / "curve.csv").read_text()
+    assert "triton" not in (point / "timings.csv").read_text()
+    metrics = json.loads((point / "metrics.json").read_text())
+    assert not any(k.startswith(("bench.triton.", "train.triton.", "curve.triton.")) for k in metrics)

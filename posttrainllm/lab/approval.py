@@ -61,13 +61,14 @@ def estimate(labs: list[LabConfig], *, train: bool, microbench: bool = True, hea
             seconds += (h.base.steps + h.steps) * NOMINAL_STEP_S
             seconds += 2 * (h.eval_prompts + h.warmup_prompts) * h.new_tokens * NOMINAL_CALL_S
             continue
-        paths = len(get_op(lab.op.name).impls)  # every path passes parity at best; Triton included on a GPU
+        op = get_op(lab.op.name)
+        paths = len(op.paths(lab))  # every path passes parity at best; Triton included on a GPU
         if microbench:
-            n = paths * (2 + len(lab.shape.curve))
+            n = paths * (2 + len(op.curve_sizes(lab)))
             loops += n
             seconds += n * max(lab.bench.min_time_s, lab.bench.reps * NOMINAL_CALL_S)
         if train:
-            s = paths * lab.train.steps
+            s = len(op.train_impls(lab)) * lab.train.steps
             steps += s
             seconds += s * NOMINAL_STEP_S
     return Estimate(points=len(labs), loops=loops, train_steps=steps, seconds=seconds)

@@ -194,7 +194,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     outputs: dict[str, list[Tensors] | None] = {}
     report: dict[str, Any] = {"device": device, "triton_interpreted": devices.triton_interpreted(), "paths": {}}
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
-        for impl in op.optimized():
+        for impl in op.optimized(cfg):
             entry: dict[str, Any] = {"kind": impl.kind, "backend": impl.backend, "problem": op.problem(main_case),
                                      "geometry": op.geometry(impl, main_case, cfg), "emulation": _emulation(impl, cfg),
                                      "violations": []}
@@ -244,7 +244,7 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
                                f"count: {op.max_error_only_reason}")
     if cfg.precision.allow_tf32 and kernel_report["device"] != "cuda":
         report["notes"].append("tf32 requested, but CPU torch and Triton's interpreter compute true fp32 here")
-    for impl in op.optimized():
+    for impl in op.optimized(cfg):
         outputs = kernel_outputs.get(impl.name)
         entry = kernel_report["paths"].get(impl.name, {"error": "not run by the kernel stage"})
         if outputs is None:
@@ -384,7 +384,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     settings = dict(warmup=bench.warmup, reps=bench.reps, min_time_s=bench.min_time_s, max_reps=bench.max_reps)
     rows, timings = [], {}
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
-        for name, impl in op.impls.items():
+        for name, impl in op.paths(cfg).items():
             if not passed.get(name, False):
                 report["paths"][name] = {"valid": False, "reason": FAILED_PARITY}
                 continue
@@ -451,7 +451,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) 
             inputs = op.make_inputs(case, _dtype(cfg), device)
             checks = _check_at(op, cfg, case, inputs, timed)
             for name in timed:
-                impl = op.impls[name]
+                impl = op.paths(cfg)[name]
                 rows.append(curves.measure_row(
                     lambda impl=impl: impl.fn(inputs, cfg), device=device, settings=settings,
                     check=checks[name],
@@ -464,7 +464,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) 
     plots.time_vs_size(frame, out / "time_vs_size.png")
     plots.memory_vs_size(frame, out / "memory_vs_size.png")
     skipped = {name: (INTERPRETER_NOT_SPEED if _interpreted(impl) else FAILED_PARITY)
-               for name, impl in op.impls.items() if name not in timed}
+               for name, impl in op.paths(cfg).items() if name not in timed}
     return {"x_name": op.x_name, "x_values": sorted(op.curve_sizes(cfg)), "skipped": skipped, "band_rule": BAND_RULE,
             "crossover_vs_reference": {name: curves.crossover(frame, impl=name) for name in timed
                                        if name != REFERENCE},
@@ -481,7 +481,7 @@ def _check_at(op: OpDef, cfg: LabConfig, case: Case, inputs: Tensors, names: lis
             verdicts[name] = "pass"  # the in-precision baseline the contract is relative to
             continue
         try:
-            got = op.impls[name].fn(inputs, cfg)["out"]
+            got = op.paths(cfg)[name].fn(inputs, cfg)["out"]
             check = parity.check_output(got.cpu(), oracle.cpu(), baseline.cpu(), cfg.precision.contract)
             verdicts[name] = "pass" if check["verdict"] == "pass" else f"failed parity: {check['reason']}"
         except Exception as exc:
@@ -519,8 +519,8 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
         if not passed.get(name, False):
             skipped[name] = FAILED_PARITY
             continue
-        hooks = op.model_hooks(op.impls[name], cfg)
-        interpreted = _interpreted(op.impls[name])
+        hooks = op.model_hooks(op.paths(cfg)[name], cfg)
+        interpreted = _interpreted(op.paths(cfg)[name])
         variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, moe=hooks.moe,
                                 interpreted=interpreted,
                                 steps=min(train.interpreted_steps, train.steps) if interpreted else None))

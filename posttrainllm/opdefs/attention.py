@@ -57,7 +57,6 @@ def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION",
                  "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_math": "MATH"}
 _NATIVE_GQA = ("sdpa_flash", "sdpa_math")
-ABSENT: dict[str, str] = {}  # backend peer -> why it is not registered for the last validated point
 
 
 def _pinned_sdpa(name: str):
@@ -108,28 +107,30 @@ def _probe(name: str, device: str, dtype: torch.dtype, heads: int, kv_heads: int
 _PROBE_CFG = LabConfig()
 
 
-def register_backend_peers(cfg: LabConfig) -> dict[str, str]:
-    """Register in IMPLS the SDPA backend peers that run on the point's device, dtype, head dim and causal
-    mask, before the `triton` path; drop the others. Returns {absent peer: why}; each registered peer's
-    `backend` names the absent ones, so kernel.json and the receipt say what this device lacks."""
+def absent_backends(cfg: LabConfig) -> dict[str, str]:
+    """{SDPA backend peer: why it does not run} on the point's device, dtype, head dim and causal mask."""
     device, dtype = _point_device(cfg), getattr(torch, cfg.precision.dtype)
     arch = cfg.architecture
-    absent = {name: why for name in SDPA_BACKENDS
-              if (why := _probe(name, device, dtype, arch.n_heads, arch.n_kv_heads, arch.head_dim, cfg.op.causal))}
-    note = (f"; absent on {device} {cfg.precision.dtype} D={arch.head_dim}: {', '.join(absent)}" if absent else "")
-    kept = {name: impl for name, impl in IMPLS.items() if name not in SDPA_BACKENDS}
-    IMPLS.clear()
-    for name, impl in kept.items():
+    return {name: why for name in SDPA_BACKENDS
+            if (why := _probe(name, device, dtype, arch.n_heads, arch.n_kv_heads, arch.head_dim, cfg.op.causal))}
+
+
+def _impls_for(cfg: LabConfig) -> dict[str, Impl]:
+    """The registry for this point: the SDPA backend peers that run here, placed before the `triton` path.
+    Each one's `backend` names the absent ones, so kernel.json and the receipt say what this device lacks."""
+    absent = absent_backends(cfg)
+    note = (f"; absent on {_point_device(cfg)} {cfg.precision.dtype} D={cfg.architecture.head_dim}: "
+            f"{', '.join(absent)}" if absent else "")
+    paths: dict[str, Impl] = {}
+    for name, impl in IMPLS.items():
         if name == "triton":
             for peer in SDPA_BACKENDS:
                 if peer not in absent:
-                    IMPLS[peer] = Impl(peer, "peer", _pinned_sdpa(peer), train=False, backend=(
+                    paths[peer] = Impl(peer, "peer", _pinned_sdpa(peer), train=False, backend=(
                         "torch.nn.functional.scaled_dot_product_attention under "
                         f"sdpa_kernel(SDPBackend.{SDPA_BACKENDS[peer]}){note}"))
-        IMPLS[name] = impl
-    ABSENT.clear()
-    ABSENT.update(absent)
-    return absent
+        paths[name] = impl
+    return paths
 
 
 # --- ours ------------------------------------------------------------------------------------
@@ -282,12 +283,10 @@ def _model_problem(cfg: LabConfig) -> str:
 
 
 def _check_config(cfg: LabConfig) -> None:
-    """Registers the SDPA backend peers this point's device has; then a block larger than the sequence, or
-    Q + (K, V) per pipeline stage over the shared memory, is refused.
+    """A block larger than the sequence, or Q + (K, V) per pipeline stage over the shared memory, is refused.
 
     Shared memory per program: (BLOCK_Q + 2·BLOCK_KV·num_stages) · D · itemsize.
     """
-    register_backend_peers(cfg)
     tile, shape = cfg.tile, cfg.shape
     bound = max(16, next_power_of_two(shape.seq_len))
     for block in ("block_q", "block_kv", "dkdv_block_q", "dkdv_block_kv", "dq_block_q", "dq_block_kv"):
@@ -334,4 +333,5 @@ OP = OpDef(
     forward_only_inputs=("near_one_hot",),
     oracle_chunks=_oracle_chunks, reference_bytes=_reference_bytes,
     output_follows={"out": "q", "lse": "q", "grad_q": "q", "grad_k": "k", "grad_v": "v"},
+    point_impls=_impls_for,
 )

@@ -131,13 +131,20 @@ class OpDef:
     # Extra measurements of the point's own case for the microbench report (MoE: tokens per expert)
     describe: Callable[[Case, Tensors, LabConfig], dict[str, Any]] | None = None
 
+    # The paths that exist for one point (e.g. only the SDPA backends its device has); None: `impls`
+    point_impls: Callable[[LabConfig], dict[str, Impl]] | None = None
+
     @property
     def reference(self) -> Impl:
         return self.impls[REFERENCE]
 
-    def optimized(self) -> list[Impl]:
+    def paths(self, cfg: LabConfig) -> dict[str, Impl]:
+        """The registry as it stands for this point: `impls`, or what `point_impls` makes of it."""
+        return self.point_impls(cfg) if self.point_impls is not None else self.impls
+
+    def optimized(self, cfg: LabConfig) -> list[Impl]:
         """The paths checked against the reference (everything but the reference itself)."""
-        return [impl for name, impl in self.impls.items() if name != REFERENCE]
+        return [impl for name, impl in self.paths(cfg).items() if name != REFERENCE]
 
     def expected_outputs(self, impl: Impl) -> list[str]:
         """What parity requires of `impl`: its declared forward outputs, then a gradient per input."""
@@ -145,7 +152,7 @@ class OpDef:
 
     def train_impls(self, cfg: LabConfig) -> list[str]:
         """The implementations bench-train runs (train.impls, or all): the reference first, the drift baseline."""
-        return list(cfg.train.impls) or [name for name, impl in self.impls.items() if impl.train]
+        return list(cfg.train.impls) or [name for name, impl in self.paths(cfg).items() if impl.train]
 
     def geometry(self, impl: Impl, case: Case, cfg: LabConfig) -> dict[str, Any]:
         return impl.geometry(case, cfg) if impl.geometry else {"backend": impl.backend}

@@ -19,7 +19,6 @@ bandwidth (the roofline), over the context length Sk (`shape.curve` as Sk, Sq = 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch

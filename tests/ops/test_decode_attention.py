@@ -113,7 +113,7 @@ def test_the_op_passes_its_parity_cases_and_states_its_bytes():
     for case in cases:
         x = op.make_inputs(case, torch.float32, "cpu")
         want = op.reference.fn({k: t.double() for k, t in x.items()}, cfg)["out"]
-        for impl in op.optimized():
+        for impl in op.optimized(cfg):
             torch.testing.assert_close(impl.fn(x, cfg)["out"].double(), want, atol=2e-5, rtol=1e-5,
                                        msg=lambda m: f"{impl.name} {case.name}: {m}")
     costs = op.costs(next(c for c in cases if c.main), cfg)
