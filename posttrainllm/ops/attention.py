@@ -33,6 +33,7 @@ Shapes: q (B, H, S, D), k and v (B, Hkv, S, D) -> o (B, H, S, D), lse (B, H, S).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -816,34 +817,14 @@ class TritonAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def flash_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = True,
-    sm_scale: float | None = None,
-    block_q: int = 64,
-    block_kv: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    input_precision: str = "ieee",
-    dkdv_block_q: int | None = None,
-    dkdv_block_kv: int | None = None,
-    dq_block_q: int | None = None,
-    dq_block_kv: int | None = None,
-    autotune: str | None = None,
-) -> torch.Tensor:
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
     """Differentiable softmax(Q Kᵀ · scale + mask) · V -> o (B, H, S, D) in q's dtype.
 
-    Same arguments as triton_attention; the backward kernels take their own blocks
-    (dkdv_block_*, dq_block_*; None: the forward's) and share warps and stages.
-    q (B, H, S, D), k and v (B, Hkv, S, D) with H % Hkv == 0.
+    `options` are flash_attention_with_lse's keywords (the same as triton_attention's; the backward
+    kernels take their own blocks, dkdv_block_* and dq_block_*, None: the forward's, and share warps
+    and stages). q (B, H, S, D), k and v (B, Hkv, S, D) with H % Hkv == 0.
     """
-    return flash_attention_with_lse(q, k, v, causal=causal, sm_scale=sm_scale, block_q=block_q, block_kv=block_kv,
-                                    num_warps=num_warps, num_stages=num_stages, input_precision=input_precision,
-                                    dkdv_block_q=dkdv_block_q, dkdv_block_kv=dkdv_block_kv, dq_block_q=dq_block_q,
-                                    dq_block_kv=dq_block_kv, autotune=autotune)[0]
+    return flash_attention_with_lse(q, k, v, **options)[0]
 
 
 def flash_attention_with_lse(
