@@ -87,3 +87,37 @@ def project_copy(tmp_path_factory, mlflow_uri):
         return root, environ
 
     return make
+
+
+def kernel_mutant(tmp_path, module: str, original: str, planted: str):
+    """posttrainllm/ops/<module>.py with one line replaced, imported from a copy: a planted bug in the real source.
+
+    The line must exist exactly once, so a refactor cannot turn a planted bug into a silent no-op.
+    """
+    import importlib.util
+
+    from posttrainllm.config import PROJECT_ROOT
+
+    source = (PROJECT_ROOT / "posttrainllm" / "ops" / f"{module}.py").read_text()
+    assert source.count(original) == 1, f"mutation target not found once in {module}.py: {original!r}"
+    path = tmp_path / f"mutant_{module}.py"
+    path.write_text(source.replace(original, planted))
+    spec = importlib.util.spec_from_file_location(f"mutant_{module}_{tmp_path.name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def parity_report(cfg, out) -> dict:
+    """reference -> kernel -> parity of one point into `out`; parity.json (written also when a contract broke)."""
+    import json
+
+    from posttrainllm.lab import stages
+
+    stages.run_reference(cfg, out)
+    stages.run_kernel(cfg, out)
+    try:
+        stages.run_parity(cfg, out)
+    except stages.ContractBroken:
+        pass
+    return json.loads((out / "parity.json").read_text())

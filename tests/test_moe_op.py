@@ -5,14 +5,14 @@ does); the test first checks that line exists exactly once.
 """
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import kernel_mutant, parity_report
 import torch
 
-from posttrainllm.config import PROJECT_ROOT, ConfigError, load
+from posttrainllm.config import ConfigError, load
 from posttrainllm.lab import stages
 from posttrainllm.model.train import Variant, bench_train
 from posttrainllm.model.transformer import ModelConfig, MoEMLP, Transformer, moe_aux_loss
@@ -24,24 +24,10 @@ QUICK = ["op=moe", "device=cpu", "parity.seeds=[0]", "shape.moe_tokens=24", "sha
 
 
 def _mutant(tmp_path: Path, original: str, planted: str):
-    source = (PROJECT_ROOT / "posttrainllm" / "ops" / "moe.py").read_text()
-    assert source.count(original) == 1, f"mutation target not found once in moe.py: {original!r}"
-    path = tmp_path / "mutant_moe.py"
-    path.write_text(source.replace(original, planted))
-    spec = importlib.util.spec_from_file_location(f"mutant_moe_{tmp_path.name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return kernel_mutant(tmp_path, "moe", original, planted)
 
 
-def _parity(cfg, out: Path) -> dict:
-    stages.run_reference(cfg, out)
-    stages.run_kernel(cfg, out)
-    try:
-        stages.run_parity(cfg, out)
-    except stages.ContractBroken:
-        pass
-    return json.loads((out / "parity.json").read_text())
+_parity = parity_report
 
 
 def test_every_path_passes_and_the_router_is_checked_apart(tmp_path):

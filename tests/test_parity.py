@@ -6,44 +6,30 @@ refactor cannot turn a planted bug into a silent no-op.
 """
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import kernel_mutant, parity_report
 import torch
 
-from posttrainllm.config import PROJECT_ROOT, Contract, load
+from posttrainllm.config import Contract, load
 from posttrainllm.lab import parity, stages
 from posttrainllm.opdefs import attention, matmul
 from posttrainllm.opdefs.base import Impl
 
-OPS = PROJECT_ROOT / "posttrainllm" / "ops"
 REGISTRY = {"attention": attention.IMPLS, "matmul": matmul.IMPLS}
 
 
 def _mutant(tmp_path: Path, module: str, original: str, planted: str):
-    source = (OPS / f"{module}.py").read_text()
-    assert source.count(original) == 1, f"mutation target not found once in {module}.py: {original!r}"
-    path = tmp_path / f"mutant_{module}.py"
-    path.write_text(source.replace(original, planted))
-    spec = importlib.util.spec_from_file_location(f"mutant_{module}_{tmp_path.name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return kernel_mutant(tmp_path, module, original, planted)
 
 
 def _run_stages(cfg, out: Path, monkeypatch, op: str, impl: Impl | None = None, name: str = "triton") -> dict:
     """reference -> kernel -> parity with the registry's `name` path replaced by `impl`; returns parity.json."""
     if impl is not None:
         monkeypatch.setitem(REGISTRY[op], name, impl)
-    stages.run_reference(cfg, out)
-    stages.run_kernel(cfg, out)
-    try:
-        stages.run_parity(cfg, out)
-    except stages.ContractBroken:
-        pass
-    return json.loads((out / "parity.json").read_text())
+    return parity_report(cfg, out)
 
 
 def _flash_impl(module) -> Impl:
@@ -173,8 +159,16 @@ def test_kernel_that_raises_fails_parity_without_stopping_others(tmp_path, monke
     assert report["paths"]["sdpa"]["verdict"] == "pass"
 
 
-def test_matmul_dropping_the_ragged_k_slab_is_caught_only_by_the_edge_shape(tmp_path, monkeypatch):
-    mutant = _mutant(tmp_path, "matmul", "for k in range(0, tl.cdiv(K, BLOCK_K)):", "for k in range(0, K // BLOCK_K):")
+PLANTED_MATMUL_BUGS = {
+    "the ragged K slab dropped": ("for k in range(0, tl.cdiv(K, BLOCK_K)):", "for k in range(0, K // BLOCK_K):"),
+    # the ragged path (EVEN_K false) lets one element past K into the last slab; the even path never masks
+    "the ragged K mask off by one": ("k_left = K - k * BLOCK_K", "k_left = K - k * BLOCK_K + 1"),
+}
+
+
+@pytest.mark.parametrize("bug", PLANTED_MATMUL_BUGS)
+def test_planted_matmul_bug_is_caught_only_by_the_edge_shape(bug, tmp_path, monkeypatch):
+    mutant = _mutant(tmp_path, "matmul", *PLANTED_MATMUL_BUGS[bug])
 
     def fn(x, cfg):
         return {"out": mutant.matmul(x["a"], x["b"], block_m=32, block_n=32, block_k=32)}
@@ -186,20 +180,6 @@ def test_matmul_dropping_the_ragged_k_slab_is_caught_only_by_the_edge_shape(tmp_
     assert report["paths"]["triton"]["verdict"] == "fail"
     assert failed and all(f.startswith("41x77x33-seed0/") for f in failed)  # the forward and both gradients
 
-
-def test_matmul_ragged_k_mask_off_by_one_is_caught_only_by_the_edge_shape(tmp_path, monkeypatch):
-    """The ragged path (EVEN_K false) lets one element past K into the last slab; the even path never masks."""
-    mutant = _mutant(tmp_path, "matmul", "k_left = K - k * BLOCK_K", "k_left = K - k * BLOCK_K + 1")
-
-    def fn(x, cfg):
-        return {"out": mutant.matmul(x["a"], x["b"], block_m=32, block_n=32, block_k=32)}
-    impl = dataclasses.replace(matmul.IMPLS["triton"], fn=fn)
-    cfg = load(["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.m=64", "shape.n=64", "shape.k=64",
-                "shape.edge_mnk=[[41,77,33]]"])
-    report = _run_stages(cfg, tmp_path, monkeypatch, "matmul", impl)
-    failed = report["paths"]["triton"]["failed_cases"]
-    assert report["paths"]["triton"]["verdict"] == "fail"
-    assert failed and all(f.startswith("41x77x33-seed0/") for f in failed)
 
 
 def test_interpreter_bf16_as_shipped_is_caught(tmp_path, monkeypatch):
