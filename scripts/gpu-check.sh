@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# The prepared GPU check, for a CUDA machine with PyTorch and Triton but no network, MLflow or DVC.
+# The prepared GPU check, for a CUDA machine with PyTorch and Triton but no network, MLflow or DVC: ~8 minutes
+# on one H200 (conf/sweep/gpu_check.yaml): bf16 attention at head dim 128, causal and non-causal, S = 1k..16k, and
+# bf16 matmul at 4096³ and 8192³, forward and forward + backward, against every peer; then tile=auto.
 #
-#   scripts/gpu-check.sh OUTDIR [WHEELS_DIR] [-- extra gpucheck flags]
+#   scripts/gpu-check.sh OUTDIR [WHEELS_DIR] [gpucheck flags: --train, --budget-s S, --sweep NAME]
 #   scripts/gpu-check.sh OUTDIR --dry-run        # CPU, tiny shapes: what the tests run
+#
+# It prints each point's rough device time first (posttrainllm/lab/approval.py) and starts no point that would,
+# by that estimate, end after --budget-s (450 s); summary.json has each point's estimate and its measured time.
 #
 # WHEELS_DIR holds the few pure-Python wheels such a machine lacks (hydra-core, omegaconf,
 # antlr4-python3-runtime); the project itself runs from this checkout, not installed.

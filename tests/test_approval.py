@@ -96,6 +96,29 @@ def test_the_prepared_gpu_check_prints_its_estimate_and_needs_approve(gpu, monke
     monkeypatch.setattr(devices, "prepare", lambda name, threads=0: name)
     assert gpucheck.main([str(gpu / "out"), "--no-train"]) == 2
     captured = capsys.readouterr()
-    assert "posttrainllm gpucheck: gpu sweep on cuda:" in captured.out and "timing loops" in captured.out
+    assert "posttrainllm gpucheck: gpu_check sweep on cuda:" in captured.out and "timing loops" in captured.out
+    # a rough estimate per point, in the order they run
+    table = [line.split()[0] for line in captured.out.splitlines()[2:]]
+    assert table == ["(calibrate)", "baseline", "op-matmul", "op-attention_noncausal", "tile-auto"]
     assert "not approved: these timing loops need --approve or POSTTRAINLLM_APPROVE=1" in captured.err
     assert not (gpu / "out").exists()
+
+
+def test_loops_count_every_curve_axis_and_mode_and_the_rough_estimate_follows_the_config():
+    moe = get_op("moe")
+    lab = load(["op=moe", "device=cpu"])
+    sizes = len(lab.shape.moe_curve) + len(lab.shape.moe_expert_curve)  # tokens, and experts at fixed active params
+    assert approval.estimate([lab], train=False).loops == len(moe.paths(lab)) * (2 + sizes)
+    both = load(["op=moe", "device=cpu", "bench.curve_backward=true"])
+    assert approval.estimate([both], train=False).loops == len(moe.paths(lab)) * (2 + 2 * sizes)
+    assert approval.rough_seconds(both, train=False) > approval.rough_seconds(lab, train=False)
+    # the autotuner's compile-and-time pass, and bench-train, are counted
+    plain, auto = load(["tile=b64"]), load(["tile=auto"])
+    assert approval.rough_seconds(auto, train=False) - approval.rough_seconds(plain, train=False) == pytest.approx(
+        approval.ROUGH_AUTOTUNE_S)
+    assert approval.rough_seconds(plain, train=True) > approval.rough_seconds(plain, train=False)
+    # a bigger size costs more: the call time comes from the op's FLOPs at that size
+    big = load(["tile=b64", "shape.curve=[64,128,256,16384]"])  # plain's curve: [64,128,256,512]
+    assert approval.rough_seconds(big, train=False) > approval.rough_seconds(plain, train=False)
+    found = approval.estimate([plain], train=False)
+    assert [p.rough_s for p in found.per_point] == [approval.rough_seconds(plain, train=False)]

@@ -15,7 +15,7 @@ def test_default_config_is_valid():
 @pytest.mark.parametrize("overrides, message", [
     (["precision=fp64"], "unknown precision 'fp64': valid choices are bf16, fp16, fp32, tf32"),
     (["tile=b48"], "valid choices are auto, b128, b16, b32, b64"),
-    (["architecture=mixtral"], "valid choices are gpu_gqa, gpu_mha, gqa, hd64, mha, moe, mqa"),
+    (["architecture=mixtral"], "valid choices are gpu_gqa, gpu_mha, gpu_moe, gqa, hd64, mha, moe, mqa"),
     (["tile.block_q=48"], "tile.block_q=48: must be a power of two >= 16"),
     (["tile.block_m=8"], "tile.block_m=8: must be a power of two >= 16"),
     (["tile=b64", "shape.seq_len=20"], "tile.block_q=64 does not fit shape.seq_len=20: use a block <= 32"),
@@ -69,3 +69,20 @@ def test_cli_bad_override_exits_2_with_one_line_and_touches_nothing(args, tmp_pa
 def test_cli_without_a_command_prints_usage(capsys):
     assert cli.main([]) == 2
     assert "posttrainllm bench" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["op=moe", "op.max_error_only.outputs=[grad_w_gate,grad_w_gat]"],
+     "op.max_error_only.outputs: unknown moe output 'grad_w_gat': valid choices are out, grad_x, grad_w_gate, "
+     "grad_w_up, grad_w_down, grad_route_weight"),
+    (["op=matmul", "+op.max_error_only.outputs=[lse]", "+op.max_error_only.precisions=[bf16]",  # not in matmul.yaml
+      "+op.max_error_only.reason=measured"], "unknown matmul output 'lse': valid choices are out, grad_a, grad_b"),
+    (["op=moe", "op.max_error_only.precisions=[fp32,fp8]"],
+     "op.max_error_only.precisions: unknown precision 'fp8': valid choices are bf16, fp16, fp32, tf32"),
+    (["op=moe", "op.max_error_only.reason="], "op.max_error_only: give outputs, precisions and the reason"),
+])
+def test_a_bad_max_error_only_override_is_refused_naming_the_valid_outputs(overrides, message):
+    """The exemption from the elementwise count lives in config (conf/op/moe.yaml): a typo cannot widen or void it."""
+    with pytest.raises(ConfigError) as err:
+        load(overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)

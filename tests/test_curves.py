@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from posttrainllm.measure.curves import COLUMNS, crossover, frame, measure_row
+from posttrainllm.measure.curves import COLUMNS, crossover, crossovers, frame, measure_row, select
 
 QUICK = dict(warmup=1, reps=3, min_time_s=0.0, max_reps=3)
 
@@ -54,8 +54,33 @@ def test_crossover_refuses_mixed_curves_and_unknown_impls():
         crossover(synthetic([1], [2], xs=[64]), impl="sdpa")
 
 
-LABELS = dict(op="matmul", impl="torch", kind="peer", x_name="size", x_value=32, flops=2 * 32 ** 3, bytes=1,
-              minimal_bytes=1, device="cpu", revision="r")
+def test_crossover_per_axis_and_mode():
+    """Forward and forward+backward cross at different sizes; a second axis has its own; a curve.csv written
+    before modes existed reads as forward."""
+    forward = synthetic([1, 2, 4, 8, 16], [3, 3, 3, 5, 6]).assign(mode="forward")  # from 256
+    backward = synthetic([1, 2, 4, 8, 16], [0.5, 1, 2, 4, 8]).assign(mode="forward_backward")  # from 64
+    experts = synthetic([1, 2, 4, 8], [2, 1, 1, 1], xs=(2, 4, 8, 16)).assign(mode="forward", x_name="experts")
+    df = pd.concat([forward, backward, experts])
+    with pytest.raises(ValueError, match="one mode"):
+        crossover(df[df.x_name == "seq_len"], impl="fast")
+    assert crossover(select(df, x_name="seq_len", mode="forward_backward"), impl="fast") == 64
+    found = {(c["x_name"], c["mode"]): c for c in crossovers(df, ["fast"])}
+    assert {k: c["vs_reference"] for k, c in found.items()} == {
+        ("seq_len", "forward"): {"fast": 256}, ("seq_len", "forward_backward"): {"fast": 64},
+        ("experts", "forward"): {"fast": 4}}
+    assert found[("experts", "forward")]["x_values"] == [2, 4, 8, 16]
+    old = synthetic([1, 2, 4, 8, 16], [3, 3, 3, 5, 6])  # no mode column
+    assert [(c["mode"], c["vs_reference"]) for c in crossovers(old, ["fast"])] == [("forward", {"fast": 256})]
+
+
+def test_a_path_with_no_valid_size_has_no_crossover():
+    df = synthetic([1, 2, 4, 8, 16], [0.5, 1, 2, 4, 8]).assign(mode="forward")
+    df.loc[df.impl == "fast", "valid"] = False  # every size failed its check (or raised)
+    assert crossovers(df, ["fast"])[0]["vs_reference"] == {"fast": None}
+
+
+LABELS = dict(op="matmul", impl="torch", kind="peer", x_name="size", x_value=32, mode="forward", flops=2 * 32 ** 3,
+              bytes=1, minimal_bytes=1, device="cpu", revision="r")
 
 
 def test_checked_row_is_timed_with_memory():

@@ -1,4 +1,5 @@
-"""The prepared GPU check in its CPU dry-run mode: receipts as JSON, no MLflow, big tensors removed."""
+"""The prepared GPU check: its plan (what the H200 run measures), and its CPU dry run: receipts as JSON, no
+MLflow, big tensors removed, curves in both modes."""
 
 import json
 import os
@@ -6,29 +7,67 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
-from posttrainllm.config import PROJECT_ROOT
+from posttrainllm.config import PROJECT_ROOT, load, validate
+from posttrainllm.lab import sweep
+from posttrainllm.opdefs import get_op
 
-pytestmark = pytest.mark.slow
+
+def test_the_gpu_plan_is_the_issues_run_one_dimension_at_a_time():
+    """bf16 attention at head dim 128, causal then non-causal, S from 1k to 16k, forward and forward+backward;
+    bf16 matmul at 4096³ and 8192³; tile=auto last. The most important points first."""
+    points = sweep.plan(load(["sweep=gpu_check"]).sweep)["points"]
+    assert list(points) == ["baseline", "op-matmul", "op-attention_noncausal", "tile-auto"]
+    assert all(len(spec["changes"]) <= 1 for spec in points.values())  # the planner's rule holds
+    labs = {name: validate(spec["config"]) for name, spec in points.items()}
+    for lab in labs.values():
+        assert (lab.precision.dtype, lab.device.name, lab.bench.curve_backward) == ("bfloat16", "cuda", True)
+    attention = {name: lab for name, lab in labs.items() if lab.op.name == "attention"}
+    assert {name: lab.op.causal for name, lab in attention.items()} == {
+        "baseline": True, "op-attention_noncausal": False, "tile-auto": True}
+    for lab in attention.values():
+        assert lab.architecture.head_dim == 128 and lab.architecture.n_heads == lab.architecture.n_kv_heads
+        assert get_op("attention").curve_sizes(lab) == [1024, 2048, 4096, 8192, 16384]
+    matmul = labs["op-matmul"]
+    assert get_op("matmul").curve_sizes(matmul) == [4096, 8192] and "torch" in get_op("matmul").paths(matmul)
+    assert labs["tile-auto"].tile.autotune and not labs["baseline"].tile.autotune
 
 
+@pytest.mark.slow
 def test_dry_run_writes_importable_receipts(tmp_path, monkeypatch, mlflow_uri, capsys):
     out = tmp_path / "gpu"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run([str(PROJECT_ROOT / "scripts" / "gpu-check.sh"), str(out), "--dry-run", "--no-train"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "rough_s" in done.stdout  # the per-point estimate, printed before anything runs
     summary = json.loads((out / "summary.json").read_text())
     assert summary["sweep"] == "smoke" and summary["skipped"] == []
     assert {p: s["status"] for p, s in summary["points"].items()} == {"baseline": "pass", "precision-fp16": "pass"}
+    assert all(s["estimated_s"] > 0 for s in summary["points"].values())
     assert summary["peaks"]["copy_bytes_per_s"] > 0
     for point in summary["points"]:
         folder = out / point
         receipt = json.loads((folder / "receipt.json").read_text())
         assert receipt["parity"]["verdict"] == "pass" and receipt["sweep"]["name"] == "smoke"
         assert not (folder / "reference.pt").exists() and not (folder / "kernel.pt").exists()
-        assert (folder / "curve.csv").exists() and (folder / "roofline.png").exists()
+        assert (folder / "roofline.png").exists() and (folder / "time_vs_size.png").exists()
+        # every timed path over every size, in both modes, checked first; a crossover per mode
+        curve = pd.read_csv(folder / "curve.csv")
+        timed = set(curve["impl"])
+        assert "reference" in timed and "sdpa" in timed
+        for mode in ("forward", "forward_backward"):
+            rows = curve[curve["mode"] == mode]
+            assert set(rows["impl"]) == timed and sorted(set(rows["x_value"])) == [64, 128, 256, 512]
+            assert rows["valid"].all() and (rows["check"] == "pass").all()
+        backward, forward = (curve[curve["mode"] == m].set_index(["impl", "x_value"]) for m in
+                             ("forward_backward", "forward"))
+        assert (backward["flops"] > forward["flops"]).all()  # forward + backward: 3.5x the forward FLOPs
+        stored = receipt["microbench"]["curve"]
+        assert [(c["x_name"], c["mode"]) for c in stored["crossovers"]] == [("seq_len", "forward"),
+                                                                              ("seq_len", "forward_backward")]
 
     from posttrainllm import cli
 
@@ -38,6 +77,7 @@ def test_dry_run_writes_importable_receipts(tmp_path, monkeypatch, mlflow_uri, c
     assert "2 receipts in" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_budget_skips_whole_points(tmp_path):
     from posttrainllm.lab import gpucheck
 

@@ -42,6 +42,25 @@ def test_every_path_passes_and_the_router_is_checked_apart(tmp_path):
     assert cases["T24-one_expert"]["tokens_per_expert"] == [24, 24, 0, 0]  # every token: expert 0, then 1
     assert cases["T24-empty_expert"]["tokens_per_expert"][-1] == 0
     assert cases["T24-top4"]["tokens_per_expert"] == [24] * 4
+    # the weight and routing-weight gradients' exemption from the elementwise count, from config, with its reason
+    exempt = ["grad_w_gate", "grad_w_up", "grad_w_down", "grad_route_weight"]
+    reason = load(QUICK).op.max_error_only.reason
+    assert report["max_error_only"] == {"outputs": exempt, "reason": reason} and "measured" in reason
+    assert any(note.startswith(", ".join(exempt)) and note.endswith(reason) for note in report["notes"])
+
+
+def test_without_the_config_exemption_the_bf16_peers_miss_the_elementwise_count(tmp_path):
+    """op.max_error_only is what the bf16 peers need: torch's own bf16 math (as the baseline) misses the count on
+    d route_weight; our Triton path keeps fp32 intermediates and passes. Under a precision it does not list, it
+    is off."""
+    report = _parity(load([*QUICK, "precision=bf16", "op.max_error_only.outputs=[]",
+                           "op.max_error_only.precisions=[]"]), tmp_path)
+    assert "max_error_only" not in report
+    for path in ("sparse", "grouped_mm"):
+        failed = report["paths"][path]["failed_cases"]
+        assert failed and all("/grad_route_weight: mismatch_frac" in f for f in failed)
+    assert report["paths"]["triton"]["verdict"] == "pass"
+    assert load([*QUICK, "op.max_error_only.precisions=[bf16]"]).op.max_error_only.outputs_for("fp32") == []
 
 
 def test_a_router_that_disagrees_with_the_float64_router_fails(tmp_path, monkeypatch):
@@ -70,10 +89,27 @@ PLANTED = {
     "gradients into the wrong expert": (
         "    dw_off = expert * stride_we", "    dw_off = ((expert + 1) % tl.num_programs(0)) * stride_we"),
 }
+# Per bug: an output that must fail, and outputs that must not (the bug leaves them alone). Measured margins
+# (largest error / allowance over the 4 QUICK cases; fp32 / bf16 / fp16):
+#   wrong expert id        x4e5 / x65 / x514 (every output). In T24-one_expert `out` passes under bf16 and fp16:
+#                          expert 1's routing weight there is ~e^-10, so its wrong output moves `out` by ~1e-4,
+#                          under the bf16/fp16 bounds (0.13 / 0.012); grad_route_weight (x44 / x438) catches it
+#   dropped padding mask   non-finite dW (padding rows carry the NaN routing weight); the forward is untouched
+#   weight not applied     out x7.8e5 / x105 / x1.1e3
+#   dW to wrong expert     x4.6e5 / x125 / x1e3, on dW_gate/up/down alone, by the max-error rules (conf/op/moe.yaml
+#                          exempts them from the elementwise count)
+PLANTED_OUTPUTS = {
+    "wrong expert id for one row block": ("out", ()),
+    "dropped padding mask": ("grad_w_up", ("out", "grad_x")),
+    "routing weight not applied": ("out", ()),
+    "gradients into the wrong expert": ("grad_w_gate", ("out", "grad_x", "grad_route_weight")),
+}
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("bug", PLANTED)
-def test_planted_bug_is_caught(bug, tmp_path, monkeypatch):
+def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch):
+    """Under every precision's contract (bf16 through the interpreter's emulation, ops/__init__.py)."""
     mutant = _mutant(tmp_path, *PLANTED[bug])
 
     def fn(x, cfg):
@@ -82,14 +118,18 @@ def test_planted_bug_is_caught(bug, tmp_path, monkeypatch):
                                   block_k=t.block_k)}
 
     monkeypatch.setitem(moe.IMPLS, "triton", dataclasses.replace(moe.IMPLS["triton"], fn=fn))
-    cfg = load(QUICK)
+    cfg = load([*QUICK, f"precision={precision}"])
     stages.run_reference(cfg, tmp_path)
     stages.run_kernel(cfg, tmp_path)
-    with pytest.raises(stages.ContractBroken, match="triton broke the fp32 contract"):
+    with pytest.raises(stages.ContractBroken, match=f"triton broke the {precision} contract"):
         stages.run_parity(cfg, tmp_path)
     report = json.loads((tmp_path / "parity.json").read_text())
-    assert report["paths"]["triton"]["verdict"] == "fail"
+    triton = report["paths"]["triton"]
+    assert triton["verdict"] == "fail"
     assert report["paths"]["sparse"]["verdict"] == "pass" and report["inputs"]["verdict"] == "pass"
+    caught_by, untouched = PLANTED_OUTPUTS[bug]
+    assert any(f"/{caught_by}:" in failure for failure in triton["failed_cases"])
+    assert not any(f"/{name}:" in failure for name in untouched for failure in triton["failed_cases"])
 
 
 def test_costs_curve_and_config_rules():
@@ -129,8 +169,14 @@ def test_moe_model_trains_with_each_expert_path_and_counts_its_routing():
     reference_run = result["impls"]["reference"]
     assert reference_run["profile"]["moe"]["calls"] == 1 and reference_run["profile"]["moe"]["fraction"] > 0
     routing = reference_run["moe_routing"]
-    assert routing["dropped"] == [0] and routing["assignments"] == [2 * 16 * 2]
-    assert sum(routing["tokens_per_expert"][0]) == 64
+    assert routing["dropped"] == [0] and routing["dropped_counted_over_steps"] == 2
+    assert routing["assignments"] == [2 * 16 * 2] and sum(routing["tokens_per_expert"][0]) == 64
+    per_step = routing["tokens_per_expert_per_step"]  # (steps, layers, E): every trained step's histogram
+    assert len(per_step) == 2 and per_step[-1] == routing["tokens_per_expert"]
+    assert all(sum(layer) == 64 and len(layer) == 4 for hist in per_step for layer in hist)
+    balance = routing["load_balance_loss_per_step"]  # ~1 balanced, at most E/k = 2 (each f_e <= 1/k)
+    assert len(balance) == 2 and all(0.0 < b[0] <= 2.0 for b in balance)
+    assert len(result["impls"]["triton"]["moe_routing"]["tokens_per_expert_per_step"]) == 1
 
 
 def test_op_moe_trains_an_moe_model_on_a_dense_architecture():
@@ -139,3 +185,47 @@ def test_op_moe_trains_an_moe_model_on_a_dense_architecture():
     x = torch.randn(3, 8, dtype=torch.float64)
     idx, weight = reference.moe_router(x, torch.randn(8, 4, dtype=torch.float64), 2)
     assert torch.allclose(weight.sum(-1), torch.ones(3, dtype=torch.float64))
+
+
+def test_the_expert_curve_holds_active_parameters_and_checks_each_size_before_timing(tmp_path, monkeypatch):
+    """A second curve over E at fixed tokens, d, f and top-k (dense FLOPs grow with E, active ones do not), in the
+    same curve.csv; a path wrong at one E only is not timed there, and is timed at the others."""
+    import pandas as pd
+
+    cfg = load([*QUICK, "bench.warmup=0", "bench.reps=1", "bench.min_time_s=0", "shape.moe_curve=[1,24]",
+                "shape.moe_expert_curve=[2,8]"])
+    op = get_op("moe")
+    axis = next(a for a in op.curve_axes if a.x_name == "experts")
+    cases = [axis.case(cfg, x) for x in axis.sizes(cfg)]
+    assert [c.dims["experts"] for c in cases] == [2, 8]
+    assert {(c.dims["tokens"], c.dims["d_model"], c.dims["ffn"], c.dims["top_k"]) for c in cases} == {(24, 64, 96, 2)}
+    assert len({op.costs(c, cfg).flops for c in cases}) == 1  # active FLOPs: 2*T*k*3*d*f, whatever E
+    with pytest.raises(ConfigError, match="moe_expert_curve=\\[1, 8\\]: give at least two expert counts >= "):
+        load(["op=moe", "shape.moe_expert_curve=[1,8]"])  # top-2 of 1 expert
+
+    sparse = moe.IMPLS["sparse"]
+
+    def wrong_with_eight_experts(x, cfg):
+        out = sparse.fn(x, cfg)["out"]
+        return {"out": out + 1.0 if x["w_gate"].shape[0] == 8 else out}
+
+    monkeypatch.setitem(moe.IMPLS, "sparse", dataclasses.replace(sparse, fn=wrong_with_eight_experts))
+    report = stages._curve(cfg, op, tmp_path, "cpu", ["reference", "sparse"])
+    rows = pd.read_csv(tmp_path / "curve.csv").set_index(["impl", "x_name", "x_value"])
+    assert rows.loc[("sparse", "experts", 8), "check"].startswith("failed parity")
+    assert not rows.loc[("sparse", "experts", 8), "valid"] and pd.isna(rows.loc[("sparse", "experts", 8), "median"])
+    assert rows.loc[("sparse", "experts", 2), "valid"] and rows.loc[("reference", "experts", 8), "valid"]
+    assert rows.loc[("sparse", "tokens", 24), "valid"]  # the tokens curve runs with the point's E=4
+    assert report["unchecked_or_failed"] == ["sparse@experts=8"]
+    assert [(c["x_name"], c["mode"], c["x_values"]) for c in report["crossovers"]] == [
+        ("tokens", "forward", [1, 24]), ("experts", "forward", [2, 8])]
+
+
+def test_gpu_moe_trains_the_expert_layer_the_gpu_parity_point_checks():
+    """architecture=gpu_moe (Qwen3-30B-A3B's block, 16 of its 128 experts) and shape=gpu's op=moe point share
+    the expert geometry, so the layer bench-train times on the GPU is the one parity checked."""
+    cfg = load(["op=moe", "architecture=gpu_moe", "shape=gpu", "device=cuda", "precision=bf16"])
+    arch, shape = cfg.architecture, cfg.shape
+    assert (arch.d_model, arch.expert_hidden, arch.n_experts, arch.top_k) == \
+        (shape.moe_d_model, shape.moe_ffn, shape.moe_experts, shape.moe_top_k) == (2048, 768, 16, 8)
+    assert moe.OP.model_overrides(cfg) == {}  # an MoE architecture is trained as it is

@@ -13,7 +13,7 @@ from posttrainllm import cli
 from posttrainllm.track import replay
 
 QUICK = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "bench.reps=3", "bench.min_time_s=0",
-         "shape.curve=[64,128]", "run.log_mlflow=false"]
+         "shape.curve=[64,128]", "bench.curve_backward=true", "run.log_mlflow=false"]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,31 @@ def test_a_tampered_timing_summary_is_named(point, tmp_path, capsys):
     assert "does not add up: microbench sdpa/forward_backward: median_ms=" in err
     assert "from the raw samples" in err and "1 of 1 receipts do not add up" in err
     assert "metrics.json differs from the receipt at bench.sdpa.fwd_bwd.median_ms" in err
+
+
+def test_crossovers_are_checked_per_mode_and_an_old_curve_without_modes_reads_as_forward(point, tmp_path, capsys):
+    import pandas as pd
+
+    def moved(receipt):  # the forward + backward crossover of sdpa, moved
+        entry = next(c for c in receipt["microbench"]["curve"]["crossovers"] if c["mode"] == "forward_backward")
+        entry["vs_reference"]["sdpa"] = 12345
+
+    folder = _tampered(point, tmp_path, moved)
+    assert cli.main(["replay", str(folder), "--out", str(tmp_path / "out")]) == 2
+    assert "curve sdpa (seq_len/forward_backward): crossover 12345 stored, curve.csv gives" in capsys.readouterr().err
+    shutil.rmtree(folder)
+
+    def before_modes(receipt):  # a receipt written before curves had modes: forward crossovers of x_name only
+        for key in ("crossovers", "modes"):
+            del receipt["microbench"]["curve"][key]
+
+    folder = _tampered(point, tmp_path, before_modes)
+    curve = pd.read_csv(folder / "curve.csv")
+    assert set(curve["mode"]) == {"forward", "forward_backward"}
+    curve[curve["mode"] == "forward"].drop(columns="mode").to_csv(folder / "curve.csv", index=False)
+    assert cli.main(["replay", str(folder), "--out", str(tmp_path / "old")]) == 0
+    assert "verified: ok" in capsys.readouterr().out
+    assert (tmp_path / "old" / "stored" / "time_vs_size.png").exists()
 
 
 def test_a_dropped_sample_and_a_missing_samples_file_are_named(point, tmp_path, capsys):

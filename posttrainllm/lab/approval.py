@@ -7,17 +7,26 @@ from the config, and refuses (exit 2, one line with the estimate) unless approva
 batch job use). The CPU needs no approval: its loops cost nothing scarce.
 
 The estimate is a floor, from config alone (nothing is run to make it):
-    loops   = points x timed paths x (2 modes on the point's shape + one per curve size)
+    loops   = points x timed paths x (2 modes on the point's shape + curve sizes x curve modes)
     seconds = loops x max(bench.min_time_s, bench.reps x call_s)  +  points x timed paths x train.steps x step_s
 where a timing loop runs at least `bench.reps` calls and until `bench.min_time_s` is spent
 (posttrainllm/measure/timing.py), and call_s / step_s are a nominal 1 ms call and 50 ms
-training step (a loop can take longer: at most `bench.max_reps` calls).
+training step (a loop can take longer: at most `bench.max_reps` calls). The curve sizes are those of
+every curve axis of the op; its modes are forward, and forward + backward with bench.curve_backward.
+
+Each point also gets a rough expectation on a GPU (`PointEstimate.rough_s`, what the prepared GPU
+check prints and budgets with), from the op's own FLOP formulas and the ROUGH_* constants below. No
+GPU run has measured them yet: they are readings of an H200 made elsewhere (~790 TFLOP/s for an
+8192³ bf16 matmul through PyTorch, ~4.3 TB/s device copy) derated for unfused paths, plus guesses of
+the fixed costs. Compare them with the
+`seconds` each point took (summary.json) after the first run, and correct them here.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from posttrainllm.config import LabConfig
 from posttrainllm.measure import device as devices
@@ -27,22 +36,74 @@ ENV = "POSTTRAINLLM_APPROVE"
 NOMINAL_CALL_S = 1e-3
 NOMINAL_STEP_S = 50e-3
 
+# The rough expectation on a GPU (module docstring): rough, unmeasured; correct them after a first run.
+ROUGH_FLOPS_PER_S = 2e14  # a quarter of the H200's measured bf16 GEMM rate: the unfused reference paths, memory-bound
+ROUGH_MIN_CALL_S = 2e-5  # a launch-bound call (small sizes)
+ROUGH_REP_OVERHEAD_S = 2e-4  # per timed call: the 256 MB L2 flush (~0.1 ms at ~4 TB/s) and the event sync
+# reference (float64 oracle of every case, saved: ~1-3 GB at the GPU check's shapes), kernel (every path, saved),
+# parity on the CPU (~1.2 s per 8M-element output on one 2-core-machine thread, measured; the GPU check uses every
+# core), receipt, Triton JIT compiles
+ROUGH_POINT_S = 40.0
+ROUGH_CHECK_S = 2.0  # per curve size: the float64 oracle, every path's output compared on the CPU
+ROUGH_AUTOTUNE_S = 60.0  # tile/workgroup=auto: ~30 configurations of forward, dK/dV and dQ compiled and timed
+ROUGH_TRAIN_S = 15.0  # bench-train's fixed cost per point: model, corpus, profiled steps
+
 
 class NotApproved(RuntimeError):
     """Timing loops on a GPU without approval; the message is the one line to print."""
 
 
 @dataclass
+class PointEstimate:
+    name: str  # run.name
+    loops: int
+    train_steps: int
+    seconds: float  # the floor
+    rough_s: float  # the rough expectation on a GPU (ROUGH_*)
+
+
+@dataclass
 class Estimate:
     points: int
-    loops: int  # timing loops of the microbench (point's shape, both modes, and every curve size)
+    loops: int  # timing loops of the microbench (point's shape, both modes, and every curve size and mode)
     train_steps: int  # training steps of bench-train, every variant
     seconds: float
+    per_point: list[PointEstimate] = field(default_factory=list)
 
     def line(self) -> str:
         train = f" + {self.train_steps} training steps" if self.train_steps else ""
         return (f"{self.points} point(s): {self.loops} timing loops{train}, at least ~{self.seconds:.0f} s "
                 "of device time")
+
+
+def _loop_s(call_s: float, lab: LabConfig) -> float:
+    """One timing loop (timing.measure), then one memory call: warmup + n calls, each with the flush."""
+    b = lab.bench
+    n = min(b.max_reps, max(b.reps, math.ceil(b.min_time_s / call_s)))
+    return (b.warmup + n + 1) * (call_s + ROUGH_REP_OVERHEAD_S)
+
+
+def _call_s(flops: float) -> float:
+    return max(ROUGH_MIN_CALL_S, flops / ROUGH_FLOPS_PER_S)
+
+
+def rough_seconds(lab: LabConfig, *, train: bool) -> float:
+    """The rough expectation of one point on a GPU (module docstring): fixed costs, then every timing loop
+    with its call time from the op's FLOPs at that size and mode."""
+    op = get_op(lab.op.name)
+    paths = len(op.paths(lab))
+    seconds = ROUGH_POINT_S + (ROUGH_AUTOTUNE_S if lab.tile.autotune or lab.workgroup.autotune else 0.0)
+    main = op.costs(next(c for c in op.cases(lab) if c.main), lab)
+    seconds += paths * (_loop_s(_call_s(main.flops), lab) + _loop_s(_call_s(main.train_flops), lab))
+    for axis in op.curve_axes:
+        for x in axis.sizes(lab):
+            costs = op.costs(axis.case(lab, x), lab)
+            seconds += ROUGH_CHECK_S + paths * _loop_s(_call_s(costs.flops), lab)
+            if lab.bench.curve_backward:
+                seconds += paths * _loop_s(_call_s(costs.train_flops), lab)
+    if train:
+        seconds += ROUGH_TRAIN_S + len(op.train_impls(lab)) * lab.train.steps * NOMINAL_STEP_S
+    return seconds
 
 
 def estimate(labs: list[LabConfig], *, train: bool, microbench: bool = True, heads: bool = False) -> Estimate:
@@ -51,8 +112,9 @@ def estimate(labs: list[LabConfig], *, train: bool, microbench: bool = True, hea
     heads (`experimental train-heads`): the base's and the heads' training steps (the base's even when it
     will be reused: a ceiling there), and the decode measurement, plain and speculative, over
     (eval_prompts + warmup_prompts) prompts of new_tokens tokens, one nominal call per token.
+    Op points (microbench) also get their rough expectation on a GPU, per point.
     """
-    loops, steps, seconds = 0, 0, 0.0
+    loops, steps, seconds, per_point = 0, 0, 0.0, []
     for lab in labs:
         if heads:
             h = lab.heads
@@ -63,15 +125,19 @@ def estimate(labs: list[LabConfig], *, train: bool, microbench: bool = True, hea
             continue
         op = get_op(lab.op.name)
         paths = len(op.paths(lab))  # every path passes parity at best; Triton included on a GPU
+        n = s = 0
+        floor = 0.0
         if microbench:
-            n = paths * (2 + len(op.curve_sizes(lab)))
-            loops += n
-            seconds += n * max(lab.bench.min_time_s, lab.bench.reps * NOMINAL_CALL_S)
+            modes = 2 if lab.bench.curve_backward else 1
+            n = paths * (2 + modes * sum(len(axis.sizes(lab)) for axis in op.curve_axes))
+            floor += n * max(lab.bench.min_time_s, lab.bench.reps * NOMINAL_CALL_S)
         if train:
             s = len(op.train_impls(lab)) * lab.train.steps
-            steps += s
-            seconds += s * NOMINAL_STEP_S
-    return Estimate(points=len(labs), loops=loops, train_steps=steps, seconds=seconds)
+            floor += s * NOMINAL_STEP_S
+        loops, steps, seconds = loops + n, steps + s, seconds + floor
+        if microbench:
+            per_point.append(PointEstimate(lab.run.name, n, s, floor, rough_seconds(lab, train=train)))
+    return Estimate(points=len(labs), loops=loops, train_steps=steps, seconds=seconds, per_point=per_point)
 
 
 def approved(lab: LabConfig | None = None) -> bool:

@@ -1,16 +1,27 @@
 """The prepared GPU check: one run, no network, no MLflow, no DVC, receipts as JSON.
 
-    python -m posttrainllm.lab.gpucheck OUTDIR [--dry-run] [--budget-s 420] [--no-train]
+    python -m posttrainllm.lab.gpucheck OUTDIR [--dry-run] [--budget-s 450] [--train] [--sweep gpu_check]
 
-Calibrates the device, then runs every point of the `gpu` sweep (conf/sweep/gpu.yaml:
-GPU-sized shapes, one dimension at a time) through the same stage functions as
-`dvc repro`: reference, kernel, parity, microbench and, for attention points,
-bench-train. Each point's receipt and evidence land in OUTDIR/<point>/; the big
-tensors (reference.pt, kernel.pt) are deleted once parity has read them. Points
-that would start after `budget_s` are listed as skipped, never half-run. Bring the
-folder back and run `posttrainllm receipt import OUTDIR` where MLflow lives.
+Calibrates the device, then runs every point of the `gpu_check` sweep (conf/sweep/gpu_check.yaml)
+through the same stage functions as `dvc repro`: reference, kernel, parity, microbench (and,
+with --train, bench-train). In order: bf16 attention at head dim 128, causal; bf16 matmul
+(cuBLAS as the peer); the same attention non-causal; then tile=auto (Triton's autotuner). Each
+curve runs S = 1k..16k (M=N=K = 4096, 8192 for matmul), forward and forward + backward, against
+every peer the device has. Each point's receipt and evidence land in OUTDIR/<point>/; the big
+tensors (reference.pt, kernel.pt) are deleted once parity has read them.
 
---dry-run runs the `smoke` sweep on the CPU with tiny shapes: what the tests run.
+Before anything runs it prints each point's rough device time (lab/approval.py: ROUGH_*, not yet
+measured on a GPU) and starts no point that, by that estimate, would end after `--budget-s`
+seconds from the start: such points are listed as skipped, never half-run. summary.json holds each
+point's estimate next to the seconds it took. Bring the folder back and run
+`posttrainllm receipt import OUTDIR` where MLflow lives.
+
+bench-train is off by default: by the rough estimate the four points end at ~5.5 minutes on an H200
+with every SDPA backend, and training adds ~1 minute (ROUGH_TRAIN_S and 50 ms steps, guessed), which
+leaves no margin for an estimate that is off; the issue's run does not ask for it. --train adds it.
+
+--dry-run runs the `smoke` sweep on the CPU with tiny shapes, its curves timed in both modes as
+on the GPU: what the tests run.
 """
 
 from __future__ import annotations
@@ -58,48 +69,80 @@ def run_point(cfg: Any, calibration: dict[str, Any], sweep_info: dict[str, Any],
     return status
 
 
+DRY_RUN_SWEEP = "smoke"
+DRY_RUN_BENCH = {"curve_backward": True}  # as the GPU check's sweep sets it
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m posttrainllm.lab.gpucheck", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder for calibration.json, summary.json and <point>/ receipts")
     parser.add_argument("--dry-run", action="store_true", help="the smoke sweep on the CPU (tiny shapes)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="start no point after this many seconds")
-    parser.add_argument("--no-train", action="store_true", help="skip bench-train")
+    parser.add_argument("--sweep", default="gpu_check", help="the sweep to run on the GPU (conf/sweep/)")
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="start no point whose rough estimate ends it after this many seconds")
+    parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=False,
+                        help="bench-train each point too (off by default: no margin left in the 8-minute budget)")
     parser.add_argument("--approve", action="store_true", help="approve the GPU timing loops (lab/approval.py); "
                         "scripts/gpu-check.sh passes it")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    name = "smoke" if args.dry_run else "gpu"
+    name = DRY_RUN_SWEEP if args.dry_run else args.sweep
     try:
         plan = sweep.plan(load([f"sweep={name}"]).sweep)
-        device = devices.prepare("cpu" if args.dry_run else "cuda", load().bench.threads)
-        labs = [validate({**spec["config"], "run": {"name": point, "approve": args.approve}})
-                for point, spec in plan["points"].items()]
-        found = approval.estimate(labs, train=not args.no_train)
+        configs = {point: _point_config(spec["config"], args.dry_run) for point, spec in plan["points"].items()}
+        threads = next(iter(configs.values()))["bench"]["threads"] if configs else load().bench.threads
+        device = devices.prepare("cpu" if args.dry_run else "cuda", threads)  # 0: torch's default, every core
+        labs = [validate({**config, "run": {"name": point, "approve": args.approve}})
+                for point, config in configs.items()]
+        found = approval.estimate(labs, train=args.train)
         print(f"posttrainllm gpucheck: {name} sweep on {device}: {found.line()}", flush=True)
+        print(_estimate_table(found, args.budget_s), flush=True)
         if device == "cuda" and not (args.approve or approval.approved()):
             raise approval.NotApproved(f"not approved: these timing loops need --approve or {approval.ENV}=1")
     except (ConfigError, approval.NotApproved) as exc:
         print(f"posttrainllm gpucheck: {exc}", file=sys.stderr)
         return 2
+    rough = {p.name: p.rough_s for p in found.per_point}
     args.out.mkdir(parents=True, exist_ok=True)
     calibration = calibrate.load_or_measure(args.out / "calibration.json", device)
     summary: dict[str, Any] = {"sweep": name, "device": devices.fingerprint(device), "peaks": calibration["peaks"],
-                               "published": calibration.get("published"), "points": {}, "skipped": []}
+                               "published": calibration.get("published"), "budget_s": args.budget_s,
+                               "estimate": "rough: posttrainllm/lab/approval.py ROUGH_*", "points": {},
+                               "skipped": []}
     info = {"name": name, "id": sweep_id(plan["points"])}
     for point, spec in plan["points"].items():
         elapsed = time.perf_counter() - started
-        if elapsed > args.budget_s:
+        if elapsed + rough[point] > args.budget_s:
             summary["skipped"].append(point)
             continue
-        cfg = validate({**spec["config"], "run": {"name": point, "out_dir": str(args.out), "log_mlflow": False}})
+        cfg = validate({**configs[point], "run": {"name": point, "out_dir": str(args.out), "log_mlflow": False}})
         t0 = time.perf_counter()
-        status = run_point(cfg, calibration, {**info, "changes": spec["changes"]}, train=not args.no_train)
-        summary["points"][point] = {"status": status, "seconds": time.perf_counter() - t0}
-        print(f"{point}: {status} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        status = run_point(cfg, calibration, {**info, "changes": spec["changes"]}, train=args.train)
+        seconds = time.perf_counter() - t0
+        summary["points"][point] = {"status": status, "seconds": seconds, "estimated_s": rough[point]}
+        print(f"{point}: {status} ({seconds:.1f} s; estimated {rough[point]:.0f} s)", flush=True)
     summary["seconds"] = time.perf_counter() - started
     write_json(args.out / "summary.json", summary)
     print(f"{len(summary['points'])} points in {summary['seconds']:.0f} s, skipped: {summary['skipped'] or 'none'}")
     return 0 if all(p["status"] == "pass" for p in summary["points"].values()) else 1
+
+
+def _point_config(config: dict[str, Any], dry_run: bool) -> dict[str, Any]:
+    """A planned point's config; the dry run times its curves in both modes, as the GPU check does."""
+    return {**config, "bench": {**config["bench"], **DRY_RUN_BENCH}} if dry_run else config
+
+
+def _estimate_table(found: approval.Estimate, budget_s: float) -> str:
+    """Each point's rough device time and when it would end, in the order they run."""
+    lines = [f"  {'point':<28} {'loops':>5} {'rough_s':>8} {'ends_by_s':>9}  (rough: lab/approval.py ROUGH_*; "
+             f"budget {budget_s:.0f} s)"]
+    total = calibrate.DEFAULT_BUDGET_S
+    lines.append(f"  {'(calibrate)':<28} {'':>5} {total:>8.0f} {total:>9.0f}")
+    for p in found.per_point:
+        total += p.rough_s
+        late = "  over budget: skipped unless earlier points run faster" if total > budget_s else ""
+        lines.append(f"  {p.name:<28} {p.loops:>5} {p.rough_s:>8.0f} {total:>9.0f}{late}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -239,9 +239,11 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
                               "cases": case_names, "paths": {}, "notes": []}
     if any(r["case"]["inputs"] != "normal" for r in records):
         report["notes"].append(ADVERSARIAL_NOTE)
-    if op.max_error_only:
-        report["notes"].append(f"{', '.join(op.max_error_only)}: max-error rules only, no elementwise atol/rtol "
-                               f"count: {op.max_error_only_reason}")
+    exempt = cfg.op.max_error_only.outputs_for(cfg.precision.name)
+    if exempt:  # config (conf/op/<op>.yaml op.max_error_only), with its measured reason
+        report["max_error_only"] = {"outputs": exempt, "reason": cfg.op.max_error_only.reason}
+        report["notes"].append(f"{', '.join(exempt)}: max-error rules only, no elementwise atol/rtol "
+                               f"count (op.max_error_only): {cfg.op.max_error_only.reason}")
     if cfg.precision.allow_tf32 and kernel_report["device"] != "cuda":
         report["notes"].append("tf32 requested, but CPU torch and Triton's interpreter compute true fp32 here")
     for impl in op.optimized(cfg):
@@ -289,8 +291,10 @@ def _check_path(op: OpDef, impl: Impl, cfg: LabConfig, records: list[dict[str, A
     def no_elementwise_count(output: str) -> Any:
         return dataclasses.replace(contract(output), atol=float("inf"))
 
-    def op_contract(output: str) -> Any:  # the op's max_error_only outputs: the max-error rules alone
-        return no_elementwise_count(output) if output in op.max_error_only else contract(output)
+    exempt = cfg.op.max_error_only.outputs_for(cfg.precision.name)
+
+    def op_contract(output: str) -> Any:  # op.max_error_only's outputs: the max-error rules alone
+        return no_elementwise_count(output) if output in exempt else contract(output)
 
     groups: dict[tuple[bool, bool], list[int]] = {}
     for i, record in enumerate(records):
@@ -359,8 +363,9 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     its achieved FLOP/s from the op's formulas (the backward's multiple written beside it),
     the peak memory of one forward, and the roofline class against `calibration`'s peaks. A
     speedup is a ratio of medians; "faster" is declared only when the spread bands do not
-    overlap. Then every valid path over `shape.curve` sizes, each size parity-checked first
-    (curve.csv, plots, crossover). Triton through its interpreter is never timed.
+    overlap. Then every valid path over the op's curve axes (`shape.curve`, ...), each size
+    parity-checked first, forward and with bench.curve_backward forward + backward too (curve.csv,
+    plots, crossovers: _curve). Triton through its interpreter is never timed.
     """
     from posttrainllm.track import plots  # matplotlib: imported by the one stage that draws
 
@@ -435,46 +440,69 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
 
 
 def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) -> dict[str, Any]:
-    """The timed paths over shape.curve, each size parity-checked before it is timed: curve.csv + plots,
-    and each path's crossover with the reference."""
+    """The timed paths over every curve axis of the op (shape.curve; its extra_curves), forward and, with
+    bench.curve_backward, forward + backward; each size parity-checked before it is timed: curve.csv + plots,
+    and each path's crossover with the reference per axis and mode.
+
+    The check is the forward output's against the float64 oracle (_check_at); it gates both modes. The
+    gradients of the same function are checked by the parity stage on the point's cases, not per size."""
     from posttrainllm.measure import curves
     from posttrainllm.track import plots  # pandas, matplotlib: only this stage needs them
 
     revision = git_revision()["revision"]
     bench = cfg.bench
     settings = dict(warmup=bench.warmup, reps=bench.reps, min_time_s=bench.min_time_s, max_reps=bench.max_reps)
+    modes = [curves.FORWARD, curves.FORWARD_BACKWARD] if bench.curve_backward else [curves.FORWARD]
+    paths = op.paths(cfg)
     rows = []
-    with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32), torch.no_grad():
-        for x in sorted(op.curve_sizes(cfg)):
-            case = op.curve_case(cfg, x)
-            costs = op.costs(case, cfg)
-            inputs = op.make_inputs(case, _dtype(cfg), device)
-            checks = _check_at(op, cfg, case, inputs, timed)
-            for name in timed:
-                impl = op.paths(cfg)[name]
-                rows.append(curves.measure_row(
-                    lambda impl=impl: impl.fn(inputs, cfg), device=device, settings=settings,
-                    check=checks[name],
-                    labels=dict(op=op.name, impl=name, kind=impl.kind, x_name=op.x_name, x_value=x,
-                                flops=costs.flops, bytes=costs.bytes, minimal_bytes=costs.bytes, device=device,
-                                revision=revision)))
-            del inputs
+    with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
+        for axis in op.curve_axes:
+            for x in sorted(axis.sizes(cfg)):
+                case = axis.case(cfg, x)
+                costs = op.costs(case, cfg)
+                inputs = op.make_inputs(case, _dtype(cfg), device)
+                with torch.no_grad():
+                    checks = _check_at(op, cfg, case, inputs, timed)
+                    grad_out = (upstream_gradient(case, op.reference.fn(inputs, cfg)["out"])
+                                if curves.FORWARD_BACKWARD in modes else None)
+                for name in timed:
+                    impl = paths[name]
+                    labels = dict(op=op.name, impl=name, kind=impl.kind, x_name=axis.x_name, x_value=x,
+                                  bytes=costs.bytes, minimal_bytes=costs.bytes, device=device, revision=revision)
+                    for mode in modes:
+                        if mode == curves.FORWARD:
+                            call, flops = (lambda impl=impl: impl.fn(inputs, cfg)), costs.flops
+                        else:
+                            call, flops = _forward_backward(impl, inputs, grad_out, cfg), costs.train_flops
+                        with torch.set_grad_enabled(mode != curves.FORWARD):
+                            rows.append(curves.measure_row(call, device=device, settings=settings,
+                                                           check=checks[name],
+                                                           labels=dict(labels, mode=mode, flops=flops)))
+                del inputs, grad_out
     frame = curves.frame(rows)
     frame.to_csv(out / "curve.csv", index=False)
     plots.time_vs_size(frame, out / "time_vs_size.png")
     plots.memory_vs_size(frame, out / "memory_vs_size.png")
     skipped = {name: (INTERPRETER_NOT_SPEED if _interpreted(impl) else FAILED_PARITY)
-               for name, impl in op.paths(cfg).items() if name not in timed}
-    return {"x_name": op.x_name, "x_values": sorted(op.curve_sizes(cfg)), "skipped": skipped, "band_rule": BAND_RULE,
-            "crossover_vs_reference": {name: curves.crossover(frame, impl=name) for name in timed
-                                       if name != REFERENCE},
-            "unchecked_or_failed": sorted({f"{r['impl']}@{r['x_value']}" for r in rows if r["check"] != "pass"})}
+               for name, impl in paths.items() if name not in timed}
+    found = curves.crossovers(frame, [name for name in timed if name != REFERENCE])
+    headline = next(c for c in found if c["x_name"] == op.x_name and c["mode"] == curves.FORWARD)
+    return {"x_name": op.x_name, "x_values": sorted(op.curve_sizes(cfg)), "modes": modes, "skipped": skipped,
+            "band_rule": BAND_RULE, "check": CURVE_CHECK,
+            "crossover_vs_reference": headline["vs_reference"],  # x_name, forward: what the report shows
+            "crossovers": found,  # every axis and mode
+            "unchecked_or_failed": sorted({f"{r['impl']}@{r['x_name']}={r['x_value']}" for r in rows
+                                           if r["check"] != "pass"})}
+
+
+CURVE_CHECK = ("each size: every timed path's forward output against the float64 oracle under the point's "
+               "contract; a size that fails is timed in no mode (gradients: the parity stage's cases)")
 
 
 def _check_at(op: OpDef, cfg: LabConfig, case: Case, inputs: Tensors, names: list[str]) -> dict[str, str]:
     """Each path's forward output at one curve size against the float64 oracle: "pass", or why not."""
-    oracle = reference_outputs(op, cfg, cast_floats(inputs, torch.float64), case)["out"]
-    baseline = reference_outputs(op, cfg, inputs, case)["out"]
+    oracle = reference_outputs(op, cfg, cast_floats(inputs, torch.float64), case)["out"].cpu()
+    baseline = reference_outputs(op, cfg, inputs, case)["out"].cpu()
     verdicts = {}
     for name in names:
         if name == REFERENCE:
@@ -482,7 +510,7 @@ def _check_at(op: OpDef, cfg: LabConfig, case: Case, inputs: Tensors, names: lis
             continue
         try:
             got = op.paths(cfg)[name].fn(inputs, cfg)["out"]
-            check = parity.check_output(got.cpu(), oracle.cpu(), baseline.cpu(), cfg.precision.contract)
+            check = parity.check_output(got.cpu(), oracle, baseline, cfg.precision.contract)
             verdicts[name] = "pass" if check["verdict"] == "pass" else f"failed parity: {check['reason']}"
         except Exception as exc:
             verdicts[name] = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]

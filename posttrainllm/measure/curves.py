@@ -1,18 +1,20 @@
 """Measured curves over problem size: time and memory of every path, in long format.
 
-One row per (impl, x): the warmed timing (timing.measure) and the peak memory the call
+One row per (impl, x, mode): the warmed timing (timing.measure) and the peak memory the call
 allocates (memory.peak_bytes), next to the op's cost model at that size. The caller (the
 microbench stage) builds the problem at each x from the op's module and checks each path's
-output there first: a size whose check did not pass is recorded, never timed.
+output there first: a size whose check did not pass is recorded, never timed. An op may have
+more than one axis (MoE: tokens, and experts at fixed active parameters): each row names its own.
 
 Columns
     op, impl, kind, x_name, x_value   what was measured
+    mode                              "forward", or "forward_backward" (forward, then backward of out)
     check                             "pass", or why the path's output at this x was not trusted
     median, p20, p80, unit            the timing, in `unit` (ms)
     noisy, reps, threads              timing.NOISY_RULE, timed calls, CPU intra-op threads
     valid, reason                     False (with the reason) when unchecked, failed, or raised at this x
     peak_bytes                        memory.peak_bytes of one call [B]
-    flops                             the op's forward FLOPs at this x (its module writes the formula)
+    flops                             the op's FLOPs at this x in this mode (its module writes the formula)
     minimal_bytes                     inputs read once + outputs written once [B]
     bytes                             the traffic a roofline uses for this row [B]; today = minimal_bytes
     device, revision                  where, and which source revision
@@ -30,9 +32,10 @@ from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import measure
 
 UNIT = "ms"
-COLUMNS = ["op", "impl", "kind", "x_name", "x_value", "check", "median", "p20", "p80", "unit", "noisy", "reps",
+COLUMNS = ["op", "impl", "kind", "x_name", "x_value", "mode", "check", "median", "p20", "p80", "unit", "noisy", "reps",
            "threads", "valid", "reason", "peak_bytes", "flops", "bytes", "minimal_bytes", "device", "revision"]
 BASELINE = "reference"
+FORWARD, FORWARD_BACKWARD = "forward", "forward_backward"
 
 
 def measure_row(call: Callable[[], object], *, device: str, settings: dict[str, Any], check: str,
@@ -57,15 +60,31 @@ def frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return df
 
 
+def with_mode(df: pd.DataFrame) -> pd.DataFrame:
+    """A curve with its `mode` column: a curve.csv written before curves had modes timed the forward only."""
+    return df if "mode" in df else df.assign(mode=FORWARD)
+
+
+def select(df: pd.DataFrame, *, x_name: str, mode: str) -> pd.DataFrame:
+    """The rows of one axis in one mode: what `crossover` takes."""
+    df = with_mode(df)
+    return df[(df["x_name"] == x_name) & (df["mode"] == mode)]
+
+
+def series(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """The (x_name, mode) pairs a curve holds, in the order they first appear."""
+    return list(dict.fromkeys(zip(with_mode(df)["x_name"], with_mode(df)["mode"])))
+
+
 def crossover(df: pd.DataFrame, *, baseline: str = BASELINE, impl: str) -> int | None:
     """The smallest x from which `impl` is measurably faster than `baseline` at every larger x; None if never.
 
     Measurably faster: impl's p80 below the baseline's p20 (the spread bands do not overlap);
     overlapping bands are "no measurable difference", which is not a win. Only x values where
-    both have a valid timing count.
+    both have a valid timing count. Give one axis in one mode (`select`).
     """
-    if df["x_name"].nunique() > 1 or ("op" in df and df["op"].nunique() > 1):
-        raise ValueError("crossover: give one op's curve (one x_name)")
+    if df["x_name"].nunique() > 1 or ("op" in df and df["op"].nunique() > 1) or with_mode(df)["mode"].nunique() > 1:
+        raise ValueError("crossover: give one op's curve (one x_name, one mode)")
     valid = df[df["valid"].astype(bool)] if "valid" in df else df
 
     def bands(name: str) -> pd.DataFrame:
@@ -81,3 +100,20 @@ def crossover(df: pd.DataFrame, *, baseline: str = BASELINE, impl: str) -> int |
             break
         answer = int(x)
     return answer
+
+
+def crossovers(df: pd.DataFrame, impls: list[str], *, baseline: str = BASELINE) -> list[dict[str, Any]]:
+    """Each (axis, mode) of a curve: its x values and every impl's crossover with the baseline.
+
+    [{"x_name", "mode", "x_values", "vs_reference": {impl: x or None}}]. An impl (or the baseline) with no
+    valid timing on an axis in a mode (every size unchecked, failed or raised) has None: never measurably faster.
+    """
+    df = with_mode(df)
+    out = []
+    for x_name, mode in series(df):
+        rows = select(df, x_name=x_name, mode=mode)
+        valid = set(rows[rows["valid"].astype(bool)]["impl"])
+        out.append({"x_name": x_name, "mode": mode, "x_values": sorted(int(x) for x in rows["x_value"].unique()),
+                    "vs_reference": {impl: crossover(rows, baseline=baseline, impl=impl)
+                                     if {impl, baseline} <= valid else None for impl in impls}})
+    return out

@@ -183,11 +183,14 @@ def _train_one(
 
     losses: list[float] = []
     step_ms: list[float] = []
+    routing_steps: list[dict] = []  # MoE models: each step's routing, read after its clock stopped
     for x, y in batches[:variant.steps or len(batches)]:
         t0 = time.perf_counter()
         loss = step(x, y)
         step_ms.append((time.perf_counter() - t0) * 1e3)
         losses.append(loss.item())
+        if (routing := moe_stats(model)) is not None:
+            routing_steps.append(routing)
 
     interpreted = variant.interpreted
     if dev.type == "cuda":
@@ -197,7 +200,6 @@ def _train_one(
     # One more step under the profiler (not in the losses), where its times mean something.
     profiled = None if interpreted else profile_step(lambda: step(*batches[-1]), cuda=dev.type == "cuda")
     n_params = model.num_params()
-    routing = moe_stats(model)  # the last step's tokens per expert (MoE models), dropless
     del model, optimizer
     warm = summarize(step_ms[warmup_steps:] or step_ms)
     tokens_per_step = batches[0][0].numel()
@@ -214,8 +216,19 @@ def _train_one(
         # Triton through its interpreter: the losses are real, the step times are not speed
         "timing_valid": not interpreted,
         "profile": profiled,
-        **({"moe_routing": routing} if routing else {}),
+        **({"moe_routing": _routing_summary(routing_steps)} if routing_steps else {}),
     }, n_params
+
+
+def _routing_summary(steps: list[dict]) -> dict[str, Any]:
+    """An MoE model's routing over the trained steps: the last step's histogram (tokens per expert, per layer),
+    every step's histogram and load-balancing loss, and the assignments dropped, counted over all steps."""
+    last = steps[-1]
+    return {**last,
+            "dropped": [sum(s["dropped"][layer] for s in steps) for layer in range(len(last["dropped"]))],
+            "dropped_counted_over_steps": len(steps),
+            "tokens_per_expert_per_step": [s["tokens_per_expert"] for s in steps],  # (steps, layers, E)
+            "load_balance_loss_per_step": [s["load_balance_loss"] for s in steps]}  # (steps, layers)
 
 
 def profile_step(run_step: Any, *, cuda: bool) -> dict[str, Any]:

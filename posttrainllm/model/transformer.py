@@ -318,8 +318,12 @@ def moe_stats(model: nn.Module) -> dict | None:
     if not layers:
         return None
     assignments = [m.assignments for m in model.modules() if isinstance(m, MoEMLP) and m.assignments]
+    balance = [m.aux_loss.item() for m in model.modules() if isinstance(m, MoEMLP) and m.aux_loss is not None]
     return {"tokens_per_expert": layers, "assignments": assignments,
             "dropped": [a - sum(c) for a, c in zip(assignments, layers)],  # T·k routed − Σ computed per expert
+            # E·Σ_e f_e·P_e per layer, before router_aux_coef: ~1 when balanced, at most E/k (f_e <= 1/k),
+            # reached when every token goes to the same k experts
+            "load_balance_loss": balance,
             "dropless": "every (token, expert) assignment is computed: no capacity factor, nothing dropped"}
 
 

@@ -10,6 +10,7 @@ An op module (attention.py, matmul.py) builds one `OpDef`:
     oracle_extra  outputs the float64 reference checks beyond "out" (attention: the logsumexp)
     costs         forward FLOPs and minimal bytes, with the backward's FLOP multiple
     curve_case    the problem at one size of the measured curve (x_name: its axis)
+    extra_curves  more curve axes, if any (MoE: experts at fixed active parameters)
     model_hooks   how bench-train swaps an implementation into the model
     check_config  the op's own config rules (a tile that does not fit its problem)
 
@@ -89,6 +90,15 @@ class ModelHooks:
     moe: Callable[..., torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class CurveAxis:
+    """One axis of the measured curve: its name, its sizes from the config, and the problem at one size."""
+
+    x_name: str
+    sizes: Callable[[LabConfig], list[int]]
+    case: Callable[[LabConfig, int], Case]
+
+
 @dataclass
 class OpDef:
     name: str
@@ -114,11 +124,6 @@ class OpDef:
     output_follows: dict[str, str] = field(default_factory=dict)
     # Peak bytes of the reference stage on one case (one chunk of the oracle at a time), for the memory check
     reference_bytes: Callable[[Case, LabConfig], int] = lambda case, cfg: 0
-    # Outputs held to the max-error rules (tensor-wide and per row) without the elementwise atol/rtol count,
-    # because the plain reference math in the point's precision itself misses that count (measured; the op says
-    # where): as for adversarial inputs (stages.ADVERSARIAL_NOTE)
-    max_error_only: tuple[str, ...] = ()
-    max_error_only_reason: str = ""
     # Inputs no gradient is asked for (integer ids such as MoE's route_idx): parity expects no grad_<name>
     nondiff_inputs: tuple[str, ...] = ()
     # Checks of a case's inputs themselves, run once by the reference stage and reported by parity (MoE: the
@@ -126,6 +131,8 @@ class OpDef:
     input_checks: Callable[[Case, Tensors, LabConfig], dict[str, Any]] | None = None
     # The microbench curve's sizes (default: shape.curve)
     curve_sizes: Callable[[LabConfig], list[int]] = lambda cfg: list(cfg.shape.curve)
+    # More measured curves over other axes (MoE: experts at fixed active parameters), in the same curve.csv
+    extra_curves: tuple[CurveAxis, ...] = ()
     # ModelConfig fields bench-train sets for this op (MoE: an MoE MLP for the expert hook to swap into)
     model_overrides: Callable[[LabConfig], dict[str, Any]] = lambda cfg: {}
     # Extra measurements of the point's own case for the microbench report (MoE: tokens per expert)
@@ -137,6 +144,11 @@ class OpDef:
     @property
     def reference(self) -> Impl:
         return self.impls[REFERENCE]
+
+    @property
+    def curve_axes(self) -> list[CurveAxis]:
+        """Every axis the microbench measures a curve over: x_name (curve_sizes, curve_case) first."""
+        return [CurveAxis(self.x_name, self.curve_sizes, self.curve_case), *self.extra_curves]
 
     def paths(self, cfg: LabConfig) -> dict[str, Impl]:
         """The registry as it stands for this point: `impls`, or what `point_impls` makes of it."""

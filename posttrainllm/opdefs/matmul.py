@@ -154,4 +154,5 @@ OP = OpDef(
     name="matmul", x_name="size", input_names=("a", "b"), impls=IMPLS, cases=_cases, make_inputs=_make_inputs,
     problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks, model_problem=_model_problem,
     profiled_range="matmul", check_config=_check_config, reference_bytes=_reference_bytes,
+    curve_sizes=lambda cfg: list(cfg.shape.matmul_curve or cfg.shape.curve),
 )

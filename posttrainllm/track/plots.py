@@ -24,38 +24,65 @@ def _save(fig: Figure, path: str | Path) -> Path:
     return path
 
 
+LINESTYLES = {"forward": "-", "forward_backward": "--"}
+
+
+def _facets(valid: pd.DataFrame, *, height: float = 4.4) -> tuple[Figure, list[tuple[Any, str, pd.DataFrame]]]:
+    """One subplot per curve axis (x_name), side by side: [(ax, x_name, its rows)]."""
+    names = list(dict.fromkeys(valid["x_name"])) if "x_name" in valid else ["x"]
+    fig = Figure(figsize=(6.4 * len(names), height))
+    axes = fig.subplots(1, len(names), squeeze=False)[0]
+    return fig, [(ax, name, valid[valid["x_name"] == name] if "x_name" in valid else valid)
+                 for ax, name in zip(axes, names)]
+
+
+def _lines(rows: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
+    """(impl, mode, its rows sorted by x) per line: a curve.csv without `mode` timed the forward only."""
+    rows = rows if "mode" in rows else rows.assign(mode="forward")
+    return [(str(impl), str(mode), group.sort_values("x_value"))
+            for (impl, mode), group in rows.groupby(["impl", "mode"], sort=False)]
+
+
+def _log2_x(ax: Any, rows: pd.DataFrame, x_name: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    xs = sorted(rows["x_value"].unique())
+    ax.set_xticks(xs, [str(int(x)) for x in xs])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(x_name)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def time_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = None) -> Path:
-    """Median time against x on log-log axes, one line per impl, the p20-p80 band shaded.
+    """Median time against x on log-log axes, one line per impl and mode (forward solid, forward + backward
+    dashed, one colour per impl), the p20-p80 band shaded; one panel per curve axis (x_name).
 
     Only valid rows are drawn; noisy points (timing.NOISY_RULE) are hollow markers.
     """
     valid = df[df["valid"].astype(bool)] if "valid" in df else df
     if valid.empty:
         raise ValueError("time_vs_size: no valid rows to plot")
-    fig = Figure(figsize=(6.4, 4.4))
-    ax = fig.add_subplot()
-    for impl, rows in valid.sort_values("x_value").groupby("impl", sort=False):
-        x, median = rows["x_value"].to_numpy(), rows["median"].to_numpy()
-        (line,) = ax.plot(x, median, marker="o", label=str(impl))
-        ax.fill_between(x, rows["p20"].to_numpy(), rows["p80"].to_numpy(), color=line.get_color(), alpha=0.2,
-                        linewidth=0)
-        if "noisy" in rows:
-            noisy = rows["noisy"].astype(bool).to_numpy()
-            ax.plot(x[noisy], median[noisy], linestyle="none", marker="o", markersize=9, markerfacecolor="white",
-                    color=line.get_color())
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    xs = sorted(valid["x_value"].unique())
-    ax.set_xticks(xs, [str(int(x)) for x in xs])
-    ax.xaxis.set_minor_locator(NullLocator())
+    fig, facets = _facets(valid)
     unit = valid["unit"].iloc[0] if "unit" in valid else "ms"
-    ax.set_xlabel(str(valid["x_name"].iloc[0]) if "x_name" in valid else "x")
-    ax.set_ylabel(f"median time [{unit}] (band: p20-p80; hollow: noisy)")
     op = valid["op"].iloc[0] if "op" in valid else ""
     device = valid["device"].iloc[0] if "device" in valid else ""
-    ax.set_title(title or f"{op} on {device}".strip())
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    for ax, x_name, rows in facets:
+        colours: dict[str, str] = {}
+        for impl, mode, line_rows in _lines(rows):
+            x, median = line_rows["x_value"].to_numpy(), line_rows["median"].to_numpy()
+            (line,) = ax.plot(x, median, marker="o", linestyle=LINESTYLES.get(mode, ":"), color=colours.get(impl),
+                              label=impl if mode == "forward" else f"{impl} ({mode})")
+            colours.setdefault(impl, line.get_color())
+            ax.fill_between(x, line_rows["p20"].to_numpy(), line_rows["p80"].to_numpy(), color=line.get_color(),
+                            alpha=0.2, linewidth=0)
+            if "noisy" in line_rows:
+                noisy = line_rows["noisy"].astype(bool).to_numpy()
+                ax.plot(x[noisy], median[noisy], linestyle="none", marker="o", markersize=9,
+                        markerfacecolor="white", color=line.get_color())
+        _log2_x(ax, rows, x_name)
+        ax.set_ylabel(f"median time [{unit}] (band: p20-p80; hollow: noisy)")
+        ax.set_title(title or f"{op} on {device}".strip())
+        ax.legend(fontsize=8)
     return _save(fig, path)
 
 
@@ -108,29 +135,28 @@ def roofline_plot(points: Iterable[Mapping[str, Any]], peaks: Mapping[str, Any],
 
 
 def memory_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = None) -> Path:
-    """Peak memory of one call against x on log-log axes, one line per impl, next to the byte model.
+    """Peak memory of one call against x on log-log axes, one line per impl and mode, next to the byte model;
+    one panel per curve axis (x_name).
 
     A path that materialises the (S, S) scores grows ~4x per doubling of S; a fused one ~2x,
-    like the minimal bytes (inputs + outputs) drawn dashed.
+    like the minimal bytes (inputs + outputs) drawn dashed grey.
     """
     valid = df[df["valid"].astype(bool) & df["peak_bytes"].notna()]
     if valid.empty:
         raise ValueError("memory_vs_size: no rows with a peak memory to plot")
-    fig = Figure(figsize=(6.4, 4.4))
-    ax = fig.add_subplot()
-    for impl, rows in valid.sort_values("x_value").groupby("impl", sort=False):
-        ax.plot(rows["x_value"].to_numpy(), rows["peak_bytes"].astype(float).to_numpy(), marker="o", label=str(impl))
-    model = valid.drop_duplicates("x_value").sort_values("x_value")
-    ax.plot(model["x_value"].to_numpy(), model["minimal_bytes"].astype(float).to_numpy(), linestyle="--",
-            color="grey", label="minimal bytes (inputs + outputs)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    xs = sorted(valid["x_value"].unique())
-    ax.set_xticks(xs, [str(int(x)) for x in xs])
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xlabel(str(valid["x_name"].iloc[0]))
-    ax.set_ylabel("peak memory of one call [B]")
-    ax.set_title(title or f"{valid['op'].iloc[0]} memory on {valid['device'].iloc[0]}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    fig, facets = _facets(valid)
+    for ax, x_name, rows in facets:
+        colours: dict[str, str] = {}
+        for impl, mode, line_rows in _lines(rows):
+            (line,) = ax.plot(line_rows["x_value"].to_numpy(), line_rows["peak_bytes"].astype(float).to_numpy(),
+                              marker="o", linestyle=LINESTYLES.get(mode, ":"), color=colours.get(impl),
+                              label=impl if mode == "forward" else f"{impl} ({mode})")
+            colours.setdefault(impl, line.get_color())
+        model = rows.drop_duplicates("x_value").sort_values("x_value")
+        ax.plot(model["x_value"].to_numpy(), model["minimal_bytes"].astype(float).to_numpy(), linestyle="--",
+                color="grey", label="minimal bytes (inputs + outputs)")
+        _log2_x(ax, rows, x_name)
+        ax.set_ylabel("peak memory of one call [B]")
+        ax.set_title(title or f"{rows['op'].iloc[0]} memory on {rows['device'].iloc[0]}")
+        ax.legend(fontsize=8)
     return _save(fig, path)

@@ -324,26 +324,35 @@ def verify_train(receipt: dict[str, Any]) -> list[str]:
 
 
 def verify_curve(receipt: dict[str, Any], folder: Path) -> list[str]:
+    """The stored crossovers, every axis and mode, recomputed from curve.csv (curves.crossovers). A receipt from
+    before curves had modes stores the forward crossovers of its x_name only; its curve.csv is read as forward."""
     import pandas as pd
 
     from posttrainllm.measure import curves
 
     curve = (receipt.get("microbench") or {}).get("curve") or {}
-    crossovers = curve.get("crossover_vs_reference") or {}
-    if not crossovers:
+    headline = curve.get("crossover_vs_reference") or {}
+    stored = curve.get("crossovers") or ([{"x_name": curve.get("x_name"), "mode": curves.FORWARD,
+                                           "vs_reference": headline}] if headline else [])
+    if not stored:
         return []
     if not (folder / "curve.csv").exists():
         return [f"curve.csv is not beside the receipt in {folder}: its crossovers cannot be checked"]
     frame = pd.read_csv(folder / "curve.csv")
     problems = []
-    for name, stored in crossovers.items():
-        try:
-            again = curves.crossover(frame, impl=name)
-        except ValueError as exc:
-            problems.append(f"curve {name}: {exc}")
+    impls = sorted({name for entry in stored for name in entry["vs_reference"]})
+    again = {(c["x_name"], c["mode"]): c["vs_reference"] for c in curves.crossovers(frame, impls)}
+    if curve.get("crossovers") and headline:
+        stored = [*stored, {"x_name": curve.get("x_name"), "mode": curves.FORWARD, "vs_reference": headline}]
+    for entry in stored:
+        where = f"{entry['x_name']}/{entry['mode']}"
+        found = again.get((entry["x_name"], entry["mode"]))
+        if found is None:
+            problems.append(f"curve {where}: stored, but curve.csv has no such rows")
             continue
-        if stored != again:
-            problems.append(f"curve {name}: crossover {stored!r} stored, curve.csv gives {again!r}")
+        for name, x in entry["vs_reference"].items():
+            if x != found.get(name):
+                problems.append(f"curve {name} ({where}): crossover {x!r} stored, curve.csv gives {found.get(name)!r}")
     return problems
 
 

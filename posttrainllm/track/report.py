@@ -103,6 +103,12 @@ def _vs_best_peer(receipt: dict[str, Any], mode: str) -> tuple[str | None, float
     return best, fraction, of_peak
 
 
+def _crossover(curve: dict[str, Any], mode: str, peer: str | None) -> Any:
+    """The peer's crossover along the curve's own x_name in `mode` (None where that mode was not timed)."""
+    found = [c for c in curve.get("crossovers") or [] if c["x_name"] == curve.get("x_name") and c["mode"] == mode]
+    return found[0]["vs_reference"].get(peer) if found else None
+
+
 def point_failed(receipt: dict[str, Any]) -> bool:
     """A point failed when a path broke its numerical contract or its loss drift limit."""
     parity_failed = (receipt.get("parity") or {}).get("verdict", "fail") != "pass"
@@ -140,6 +146,7 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "peer_noisy": peer_entry.get("noisy"),
             "peer_bound": (peer_entry.get("roofline") or {}).get("classification"),
             "crossover": micro.get("curve", {}).get("crossover_vs_reference", {}).get(peer),
+            "crossover_fb": _crossover(micro.get("curve", {}), "forward_backward", peer),
             "best_peer": _vs_best_peer(receipt, "forward")[0],
             "triton_vs_best": _vs_best_peer(receipt, "forward")[1],
             "triton_fb_vs_best": _vs_best_peer(receipt, "forward_backward")[1],
@@ -194,7 +201,8 @@ def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
         "Speedups are ratios of medians. `peer_vs_baseline`: the baseline point's peer time / this "
         "point's (same op only). `peer_bound`: roofline class against the calibrated peaks.",
         "`crossover`: the smallest size of the curve from which the peer stays measurably faster (bands apart) "
-        "than the reference at every larger size.",
+        "than the reference at every larger size; `crossover_fb`: the same for forward + backward (curves timed "
+        "with bench.curve_backward). Other curve axes (MoE: experts) are in microbench.json's `crossovers`.",
         "`triton_err/allowed`: the worst of the Triton path's outputs and gradients, as a fraction of its "
         "contract's bound. Triton timings through the interpreter are never shown.",
         "`amdahl_pred`/`amdahl_meas`: the end-to-end step speedup predicted from the microbench and the op's "
