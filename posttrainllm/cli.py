@@ -163,29 +163,24 @@ TIMED = ("bench", "bench-train", "experimental train-heads")
 def train_heads_point(cfg: DictConfig) -> None:
     """Base (reused when its settings match) -> heads -> decode measurement -> receipt, then a table."""
     from posttrainllm.lab import heads
-    from posttrainllm.measure import calibrate
-    from posttrainllm.measure import device as devices
+    from posttrainllm.lab.pipeline import stamped
     from posttrainllm.track import store
 
     lab = _point(cfg, "heads")
-    device = devices.prepare(lab.device.name, lab.bench.threads)
     base, trained = heads.ensure_base(lab)
     print(f"base: {'trained' if trained else 'reused'} {heads.base_dir(lab)} (held-out loss "
           f"{base['heldout_loss']:.3f}, {base['train_s']:.0f} s to train)")
-    heads.train_heads(lab)
-    calibration = calibrate.load_or_measure(Path(lab.run.out_dir) / "calibration.json", device)
+    stamped("train_heads", heads.stage_run("train_heads", lab))  # each stage stamped, as under DVC
+    decode = heads.stage_run("decode", lab, Path(lab.run.out_dir) / "calibration.json")  # prints the table
+    run_id = None
     try:
-        heads.measure_decode(lab, calibration)
+        _, run_id = stamped("decode", decode, written=(heads.LossyDecoding, store.TrackingFailed))
     except heads.LossyDecoding as exc:
         _broken.append(f"heads-{lab.heads.name}: {exc}")
-    try:
-        done, run_id = heads.record(lab)
     except store.TrackingFailed as exc:
         print(exc.line(), file=sys.stderr)
         _untracked.append(exc.line())
-        done, run_id = exc.receipt or heads.read_json(heads.heads_dir(lab) / "receipt.json"), None
     print(f"receipt: {heads.heads_dir(lab) / 'receipt.json'}" + (f"  mlflow run {run_id}" if run_id else ""))
-    print(heads.table(done))
 
 
 COMMANDS: dict[str, Callable[[DictConfig], None]] = {

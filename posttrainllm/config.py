@@ -407,6 +407,7 @@ class HeadsConfig:
     eval_prompts: int = 8
     new_tokens: int = 64
     warmup_prompts: int = 1        # untimed runs first (allocator, lazy init)
+    decode_attention: str = "reference"  # the attention of cached decoding and verification: a decode_attention path
     near_tie: float = 1e-3         # a mismatch whose top-2 logit gap is below this is named a near-tie (still a failure)
 
     def __post_init__(self) -> None:
@@ -476,7 +477,17 @@ def validate(cfg: DictConfig | dict[str, Any]) -> LabConfig:
         where = f" (at {key})" if key else ""
         raise ConfigError(f"{_one_line(exc)}{where}") from None
     _check_op_rules(lab)
+    _check_heads_rules(lab)
     return lab
+
+
+def _check_heads_rules(cfg: LabConfig) -> None:
+    """heads.decode_attention names a path of the decode_attention op's registry (the one list of them)."""
+    from posttrainllm.opdefs import get_op
+
+    paths = get_op("decode_attention").impls
+    _require(cfg.heads.decode_attention in paths, f"heads.decode_attention={cfg.heads.decode_attention!r}: valid "
+                                                  f"choices are {', '.join(paths)}")
 
 
 def _check_op_rules(cfg: LabConfig) -> None:
@@ -489,6 +500,10 @@ def _check_op_rules(cfg: LabConfig) -> None:
 
     op = get_op(cfg.op.name)
     op.check_config(cfg)
+    outputs = list(dict.fromkeys(name for impl in op.impls.values() for name in op.expected_outputs(impl)))
+    for name in cfg.op.max_error_only.outputs:
+        _require(name in outputs, f"op.max_error_only.outputs: unknown {cfg.op.name} output {name!r}: valid choices "
+                                  f"are {', '.join(outputs)}")
     impls = list(cfg.train.impls)
     for impl in impls:
         _require(impl in op.impls, f"train.impls: unknown {cfg.op.name} implementation {impl!r}: valid choices are "
@@ -500,10 +515,6 @@ def _check_op_rules(cfg: LabConfig) -> None:
 def to_plain(cfg: LabConfig | DictConfig) -> dict[str, Any]:
     """The config as plain dicts and lists (for params.yaml, receipts and MLflow params)."""
     node = OmegaConf.structured(cfg) if isinstance(cfg, LabConfig) else cfg
-    outputs = list(dict.fromkeys(name for impl in op.impls.values() for name in op.expected_outputs(impl)))
-    for name in cfg.op.max_error_only.outputs:
-        _require(name in outputs, f"op.max_error_only.outputs: unknown {cfg.op.name} output {name!r}: valid choices "
-                                  f"are {', '.join(outputs)}")
     return OmegaConf.to_container(node, resolve=True)
 
 

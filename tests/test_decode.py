@@ -82,3 +82,35 @@ def test_a_mismatch_is_found_and_a_near_tie_is_named():
     found = first_mismatch([0, 1], [0, 0], logits, 1e-3)
     assert found["index"] == 1 and found["near_tie"] and found["top2_gap"] == pytest.approx(1e-5, rel=1e-2)
     assert not first_mismatch([1, 0], [0, 0], logits, 1e-3)["near_tie"]
+
+
+def test_speculative_decoding_through_the_triton_decode_kernel_equals_greedy(model, tmp_path):
+    """heads.decode_attention=triton (interpreted on a CPU): greedy and speculative decoding attend with our
+    kernel, chunks of 1 and K + 1 queries, and give greedy-with-the-reference's tokens; a planted mask bug does not."""
+    from conftest import kernel_mutant
+
+    from posttrainllm.config import load
+    from posttrainllm.lab.heads import decode_attention
+    from posttrainllm.model.transformer import reference_chunk_attention
+
+    fn, info = decode_attention(load(["device=cpu", "heads.decode_attention=triton"]))
+    assert info["path"] == "triton" and info["timed"] is not info["triton_interpreted"]
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(6))
+    want = greedy_cached(model, prompt, 8, keep_logits=True)[1]
+    heads = MedusaHeads(model.lm_head.weight.detach(), 2)
+    chunks = []
+
+    def counted(q, k, v):
+        chunks.append(q.shape[2])
+        return fn(q, k, v)
+
+    model.set_decode_attention(counted)
+    try:
+        assert greedy_cached(model, prompt, 8)[1].tokens == want.tokens
+        assert speculative(model, heads, prompt, 8).tokens == want.tokens
+        mutant = kernel_mutant(tmp_path, "decode_attention", "limit = query + SK - SQ", "limit = query")
+        model.set_decode_attention(lambda q, k, v: mutant.decode_attention(q, k, v))  # top-left: wrong in a cache
+        assert greedy_cached(model, prompt, 8)[1].tokens != want.tokens
+    finally:
+        model.set_decode_attention(reference_chunk_attention)
+    assert {1, 3} <= set(chunks)  # one-token steps and K + 1 = 3 position verifications ran through the kernel

@@ -10,6 +10,7 @@ disagree about shared code, and a speed-only kernel edit reruns the timed stages
 """
 
 import copy
+import functools
 import json
 import shutil
 import sys
@@ -54,21 +55,22 @@ IMPORTS = (
 
 
 def stage_spec(dvc: dict, stage: str, point: str = POINT) -> dict:
-    """A stage's deps and params from dvc.yaml's dict, `${key}` of a foreach stage set to `point`."""
+    """A stage's deps, params and outs from dvc.yaml's dict, `${key}` / `${item}` of a foreach stage set to `point`."""
     spec = dvc["stages"][stage]
     spec = spec.get("do", spec)
 
     def sub(text: str) -> str:
-        return text.replace("${key}", point)
+        return text.replace("${key}", point).replace("${item}", point)
 
     deps = [sub(next(iter(d)) if isinstance(d, dict) else d) for d in spec.get("deps", [])]
     params: list[str] = []
     for p in spec.get("params", []):
         if isinstance(p, dict):  # {file: [keys]}: keys of another params file
-            params += [f"{file}:{key}" for file, keys in p.items() for key in keys]
+            params += [f"{sub(file)}:{key}" for file, keys in p.items() for key in keys]
         else:
             params.append(sub(p))
-    return {"deps": deps, "params": params}
+    outs = [sub(next(iter(o)) if isinstance(o, dict) else o) for o in spec.get("outs", [])]
+    return {"deps": deps, "params": params, "outs": outs}
 
 
 def uncovered_sources(sources, deps: list[str]) -> list[str]:
@@ -245,6 +247,121 @@ def test_a_speed_only_kernel_edit_reruns_the_timed_stages_not_reference(project)
         kernel.write_text(original)
     assert {f"kernel@{POINT}", f"microbench@{POINT}", f"bench_train@{POINT}"} <= listed
     assert f"reference@{POINT}" not in listed and f"parity@{POINT}" not in listed and "calibrate" not in listed
+
+
+# --- (e) the heads stages (posttrainllm/lab/heads.py): the same checks, config keys mapped to conf/ files ----
+
+HEADS_ITEM = "k1"
+HEADS_STAGES = {"train_base": "base", "train_heads": HEADS_ITEM, "decode": HEADS_ITEM}  # stage: its folder
+# a tiny base and few tokens: what the stages load and read does not depend on the sizes
+HEADS_TINY = ["architecture.d_model=64", "architecture.mlp_hidden=128", "architecture.head_dim=16",
+              "heads.base.steps=6", "heads.base.warmup_steps=1", "heads.base.batch_size=4", "heads.base.seq_len=32",
+              "heads.base.eval_batches=1", "heads.base.max_seq_len=48", "heads.prompt_len=12",
+              "heads.continuation_len=12", "heads.train_prompts=4", "heads.steps=2", "heads.batch_size=4",
+              "heads.eval_prompts=1", "heads.new_tokens=4", "heads.warmup_prompts=0", "run.log_mlflow=false"]
+
+
+@pytest.fixture(scope="module")
+def heads_stamps(project):
+    """train_base, train_heads and decode of K = 1 in the project copy (the scripts DVC runs, tiny sizes by
+    override), decode once more with heads.decode_attention=triton (interpreted): {stage: [stamps]}."""
+    root, env = project
+    out = root / "runs" / "heads"
+    run = [sys.executable, "pipelines/{}.py", f"heads={HEADS_ITEM}", *HEADS_TINY]
+    for stage in ("train_base", "train_heads", "decode"):
+        _run([a.format(stage) for a in run] + (["heads.decode_attention=triton"] if stage == "decode" else []), root, env)
+    triton = stamp.read_stamps(out / HEADS_ITEM)["decode"]
+    _run([a.format("decode") for a in run], root, env)  # the default (reference) last: its receipt stays
+    made = {stage: stamp.read_stamps(out / folder)[stage] for stage, folder in HEADS_STAGES.items()}
+    assert "posttrainllm/ops/decode_attention.py" in triton["sources"] and "tile.block_q" in triton["config_keys"]
+    return {stage: [made[stage], *([triton] if stage == "decode" else [])] for stage in HEADS_STAGES}
+
+
+@functools.cache
+def conf_source(root: Path, key: str, item: str) -> str | None:
+    """Where a heads stage's config value is set: "conf/<file>:<key in it>", or None (posttrainllm/config.py's default).
+
+    A group's value comes from the option conf/config.yaml picks (heads: the stage's item, device: auto, as the
+    scripts pass), else from the option it builds on (its `defaults`); any other key from conf/config.yaml.
+    """
+    def has(data, dotted: str) -> bool:
+        for part in dotted.split("."):
+            if not isinstance(data, dict) or part not in data:
+                return False
+            data = data[part]
+        return True
+
+    config = yaml.safe_load((root / "conf" / "config.yaml").read_text())
+    choices = {k: v for d in config["defaults"] if isinstance(d, dict) for k, v in d.items()}
+    choices.update(heads=item, device="auto")
+    group, _, rest = key.partition(".")
+    if group not in choices:
+        return f"conf/config.yaml:{key}" if has(config, key) else None
+    option = choices[group]
+    while option:
+        file = f"conf/{group}/{option}.yaml"
+        data = yaml.safe_load((root / file).read_text())
+        if has(data, rest):
+            return f"{file}:{rest}"
+        option = next((d for d in data.get("defaults", []) if isinstance(d, str) and d != "_self_"), None)
+    return None
+
+
+def uncovered_conf_keys(root: Path, keys, spec: dict, item: str) -> list[str]:
+    """The keys whose conf/ value no param (file:key or a parent) and no whole-file dep covers."""
+    def covered(key: str) -> bool:
+        source = conf_source(root, key, item)
+        if source is None:
+            return "posttrainllm/config.py" in spec["deps"]
+        return source.split(":")[0] in spec["deps"] or any(source == p or source.startswith(p + ".")
+                                                           for p in spec["params"])
+
+    return sorted(k for k in keys if not covered(k))
+
+
+@pytest.mark.slow
+def test_the_heads_stages_depend_on_every_module_they_load_and_list_every_key_they_read(project, dvc, heads_stamps):
+    root, _ = project
+    for stage, made in heads_stamps.items():
+        spec = stage_spec(dvc, stage, HEADS_ITEM)
+        sources = set().union(*(m["sources"] for m in made))
+        keys = set().union(*(m["config_keys"] for m in made))
+        assert f"pipelines/{stage}.py" in sources and "posttrainllm/lab/pipeline.py" in sources
+        assert {"architecture.d_model", "heads.base.steps", "bench.threads"} <= keys
+        assert uncovered_sources(sources, spec["deps"]) == [], f"dvc.yaml: stage {stage} misses deps"
+        assert uncovered_conf_keys(root, keys, spec, HEADS_ITEM) == [], f"dvc.yaml: stage {stage} misses params"
+        # and the checks bite: without any one dep or param, what it covered is reported
+        for dep in spec["deps"]:
+            covered = [s for s in sources if s == dep or s.startswith(dep + "/")]
+            fewer = {**spec, "deps": [d for d in spec["deps"] if d != dep]}
+            assert set(covered) <= set(uncovered_sources(sources, fewer["deps"])), (stage, dep)
+            read = [k for k in keys if (conf_source(root, k, HEADS_ITEM) or "").split(":")[0] == dep]
+            assert set(read) <= set(uncovered_conf_keys(root, keys, fewer, HEADS_ITEM)), (stage, dep)
+        for param in spec["params"]:
+            read = [k for k in keys if (source := conf_source(root, k, HEADS_ITEM) or "") == param
+                    or source.startswith(param + ".")]
+            fewer = {**spec, "params": [p for p in spec["params"] if p != param]}
+            assert set(read) <= set(uncovered_conf_keys(root, keys, fewer, HEADS_ITEM)), (stage, param)
+    # the bug this guards against: the heads.* keys train_base read were listed, heads.out_dir was not
+    base = stage_spec(dvc, "train_base")
+    fewer = {**base, "params": [p for p in base["params"] if p != "conf/heads/k3.yaml:out_dir"]}
+    assert uncovered_conf_keys(root, heads_stamps["train_base"][0]["config_keys"], fewer, "k3") == ["heads.out_dir"]
+
+
+@pytest.mark.slow
+def test_the_heads_stamps_are_outs_carry_the_revision_and_are_in_the_receipt(project, dvc, heads_stamps):
+    root, env = project
+    head = _run(["git", "rev-parse", "HEAD"], root, env).stdout.strip()
+    for stage, folder in HEADS_STAGES.items():
+        made = heads_stamps[stage][0]
+        assert made["stage"] == stage and made["point"] == f"heads-{folder}"
+        assert made["revision"] == head and made["dirty"] is False and made["device"]["threads"] == 1
+        assert f"runs/heads/{folder}/stamps/{stage}.json" in stage_spec(dvc, stage, HEADS_ITEM)["outs"]
+        for path, digest in made["sources"].items():
+            assert stamp.file_sha256(root / path) == digest
+    receipt = json.loads((root / "runs" / "heads" / HEADS_ITEM / "receipt.json").read_text())
+    assert receipt["stamps"] == {s: heads_stamps[s][0] for s in ("train_base", "train_heads")}
+    assert receipt["decode"]["attention"]["path"] == "reference" and receipt["decode"]["lossless"]
 
 
 # --- (c) the receipt refuses stamps that disagree --------------------------------------------------

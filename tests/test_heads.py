@@ -50,6 +50,23 @@ def test_the_command_runs_base_heads_decode_and_writes_a_receipt(run, capsys):
     assert "measured" in receipt["decode"]["speedup"]["trained"] and receipt["decode"]["speedup"]["why"]
     metrics = json.loads((out / "k2" / "metrics.json").read_text())
     assert "decode.trained.mean_accepted_length" in metrics and "heads.head2.top5" in metrics
+    assert receipt["decode"]["attention"] == {"path": "reference", "backend": "posttrainllm.ops.reference."
+                                              "chunk_attention", "triton_interpreted": False, "timed": True}
+    cache = {name: v["peak_memory"]["kv_cache_bytes"] for name, v in variants.items()}
+    per_position = 2 * 2 * 4 * 16 * 4  # K and V, 2 layers, 4 KV heads, head_dim 16, fp32
+    assert cache == {"greedy": (16 + 16) * per_position, "spec_k0": (16 + 16 + 1) * per_position,
+                     "untrained": (16 + 16 + 3) * per_position, "trained": (16 + 16 + 3) * per_position}
+
+
+def test_each_stage_is_stamped_and_the_receipt_records_the_stamps_before_it(run):
+    _, out = run
+    receipt = json.loads((out / "k2" / "receipt.json").read_text())
+    made = {"train_base": json.loads((out / "base" / "stamps" / "train_base.json").read_text()),
+            "train_heads": json.loads((out / "k2" / "stamps" / "train_heads.json").read_text())}
+    assert receipt["stamps"] == made
+    decode = json.loads((out / "k2" / "stamps" / "decode.json").read_text())
+    assert decode["point"] == "heads-k2" and "posttrainllm/track/receipt.py" in decode["sources"]
+    assert "heads.base.steps" in made["train_base"]["config_keys"] and "heads.steps" not in made["train_base"]["config_keys"]
 
 
 def test_the_receipt_is_an_mlflow_run(run, mlflow_uri):
@@ -86,6 +103,27 @@ def test_a_second_k_reuses_the_base_and_other_settings_refuse_it(run, capsys):
         lab.load_base(other, "cpu")
 
 
+def test_a_base_stamped_with_other_code_is_retrained_and_a_receipt_refuses_it(run, tmp_path):
+    import shutil
+
+    from posttrainllm.lab import heads as lab
+    from posttrainllm.track import stamp
+
+    _, out = run
+    copy = tmp_path / "heads"
+    shutil.copytree(out, copy)
+    cfg = load([*TINY, "heads=k2", f"heads.out_dir={copy}", "run.log_mlflow=false"])
+    path = copy / "base" / "stamps" / "train_base.json"
+    made = json.loads(path.read_text())
+    made["sources"]["posttrainllm/lab/heads.py"] = "0" * 64  # the base came from another lab/heads.py
+    path.write_text(json.dumps(made))
+    with pytest.raises(stamp.StampMismatch, match="ran different versions of posttrainllm/lab/heads.py"):
+        lab.record(cfg)
+    assert (copy / "k2" / "receipt.json").read_text() == (out / "k2" / "receipt.json").read_text()  # not rewritten
+    assert lab.ensure_base(cfg)[1] is True  # retrained, stamped anew
+    assert json.loads(path.read_text())["sources"]["posttrainllm/lab/heads.py"] != "0" * 64
+
+
 def test_zero_initialised_heads_start_as_the_base_and_the_loss_weights_decay():
     torch.manual_seed(0)
     weight = torch.randn(256, 32)
@@ -104,6 +142,7 @@ def test_zero_initialised_heads_start_as_the_base_and_the_loss_weights_decay():
     (["heads=k9"], "unknown heads 'k9': valid choices are k1, k2, k3, k4"),
     (["heads.num_heads=9"], "heads.num_heads=9: must be in [0, 8]"),
     (["heads.new_tokens=500"], "exceeds heads.base.max_seq_len=256"),
+    (["heads.decode_attention=flash"], "heads.decode_attention='flash': valid choices are reference, sdpa, triton"),
 ])
 def test_bad_heads_config_is_one_line_and_exit_2(args, says, capsys, tmp_path):
     from posttrainllm import cli

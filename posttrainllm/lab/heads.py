@@ -10,8 +10,15 @@
                   for token: a mismatch fails the run (LossyDecoding), a near-tie is named, never ignored.
     receipt       receipt.json + one MLflow run (posttrainllm/track/receipt.py: record_heads)
 
-DVC runs them one process each (pipelines/train_base.py, train_heads.py, decode.py); `posttrainllm
-experimental train-heads` runs the same functions in one process. Prompts come from the corpus's
+DVC runs them one process each (pipelines/train_base.py, train_heads.py, decode.py; decode writes the
+receipt too); `posttrainllm experimental train-heads` runs the same functions in one process. Either way
+each stage leaves a stamp (posttrainllm/track/stamp.py, written by lab/pipeline.py `stamped`): train_base
+in <out_dir>/base/stamps/, train_heads and decode in <out_dir>/<heads.name>/stamps/; the receipt records
+them and refuses stamps that ran different code.
+
+Cached decoding and verification attend with heads.decode_attention, a path of the decode_attention op's
+registry (posttrainllm/opdefs/decode_attention.py). Triton through its interpreter (CPU) is checked token
+for token like any path, but its timings are not speed: the receipt leaves them out and says why. Prompts come from the corpus's
 held-out tail (heads.base.heldout_frac): its first half prompts the distillation, its second half the
 evaluation, so neither the base nor the heads ever trained on an eval prompt.
 """
@@ -32,15 +39,22 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
+from posttrainllm.lab.pipeline import StageRun, execute, stamped
 from posttrainllm.measure import device as devices
 from posttrainllm.model.corpus import Corpus, batch_at, load_corpus
 from posttrainllm.model.decode import Generation, first_mismatch, greedy_cached, speculative
 from posttrainllm.model.heads import MedusaHeads, head_accuracy, self_distillation_loss
-from posttrainllm.model.transformer import ModelConfig, Transformer
+from posttrainllm.model.transformer import AttentionFn, KVCache, ModelConfig, Transformer, reference_chunk_attention
 
 NOT_MEMORY_BOUND = ("a decode step here moves {gbps:.2f} GB/s of weights and KV cache, {frac:.1%} of the calibrated "
                     "copy bandwidth: the tiny model is not memory-bound on this device, a step's cost is per-op "
                     "overhead, so a (K+1)-position verification costs {ratio:.2f}x a 1-position step")
+
+
+INTERPRETED = ("the decode attention is Triton through its interpreter (TRITON_INTERPRET=1): tokens checked, "
+               "timings not speed (left out, as lab/stages.py does for interpreted paths)")
+PREALLOCATED = ("the KV cache is preallocated for prompt + new tokens (+ K + 1 when verifying), so peak memory does "
+                "not grow with the tokens generated; kv_cache_bytes is the cache's share of it")
 
 
 class LossyDecoding(RuntimeError):
@@ -171,11 +185,17 @@ def load_base(cfg: LabConfig, device: str) -> tuple[Transformer, dict[str, Any]]
 
 
 def ensure_base(cfg: LabConfig) -> tuple[dict[str, Any], bool]:
-    """The base's report, trained only if none matches these settings: (report, trained now)."""
+    """The base's report, trained (and stamped) unless one matches these settings and this code: (report, trained)."""
+    from posttrainllm.track import stamp
+
     try:
-        return load_base(cfg, devices.prepare(cfg.device.name, cfg.bench.threads))[1], False
-    except ConfigError:
-        return train_base(cfg), True
+        info = load_base(cfg, devices.prepare(cfg.device.name, cfg.bench.threads))[1]
+        made = stamp.read_stamps(base_dir(cfg)).get("train_base")
+        if made is not None:
+            stamp.check_consistent({"train_base": made, "now": {"sources": stamp.loaded_sources()}}, base_dir(cfg))
+        return info, False
+    except (ConfigError, stamp.StampMismatch):
+        return stamped("train_base", stage_run("train_base", cfg)), True
 
 
 # --- train heads ----------------------------------------------------------------------------------
@@ -270,20 +290,20 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(ordered), "p20": at(0.2), "p80": at(0.8)}
 
 
-def _summarise(gens: list[Generation], peak: dict[str, Any], K: int) -> dict[str, Any]:
-    """Figures of one variant over the eval prompts (units in the keys)."""
+def _summarise(gens: list[Generation], peak: dict[str, Any], K: int, timed: bool) -> dict[str, Any]:
+    """Figures of one variant over the eval prompts (units in the keys); no timings unless `timed`."""
     produced = sum(len(g.tokens) for g in gens)
-    total_s = sum(g.ttft_s + g.decode_s for g in gens)
-    decode_tokens = sum(len(g.tokens) - 1 for g in gens)
-    steps = [m for g in gens for _, m in g.steps]
-    entry = {
-        "ttft_ms": {k: v * 1e3 for k, v in _quantiles([g.ttft_s for g in gens]).items()},
-        "itl_ms": {k: v * 1e3 for k, v in _quantiles([x for g in gens for x in g.token_latencies_s]).items()},
-        "tokens_per_s": produced / total_s,  # every generated token / (prefill + decode) time
-        "decode_tokens_per_s": decode_tokens / sum(g.decode_s for g in gens),  # tokens after the first / decode time
-        "step_ms": {k: v * 1e3 for k, v in _quantiles([dt for g in gens for dt, _ in g.steps]).items()},
-        "steps": len(steps), "tokens": produced, "peak_memory": peak,
-    }
+    entry: dict[str, Any] = {"steps": sum(len(g.steps) for g in gens), "tokens": produced, "peak_memory": peak}
+    if timed:
+        total_s = sum(g.ttft_s + g.decode_s for g in gens)
+        decode_tokens = sum(len(g.tokens) - 1 for g in gens)
+        entry.update({
+            "ttft_ms": {k: v * 1e3 for k, v in _quantiles([g.ttft_s for g in gens]).items()},
+            "itl_ms": {k: v * 1e3 for k, v in _quantiles([x for g in gens for x in g.token_latencies_s]).items()},
+            "tokens_per_s": produced / total_s,  # every generated token / (prefill + decode) time
+            "decode_tokens_per_s": decode_tokens / sum(g.decode_s for g in gens),  # after the first / decode time
+            "step_ms": {k: v * 1e3 for k, v in _quantiles([dt for g in gens for dt, _ in g.steps]).items()},
+        })
     accepted = [n for g in gens for n in g.accepted]
     if accepted:
         entry["mean_accepted_length"] = sum(n + 1 for n in accepted) / len(accepted)  # tokens per verification
@@ -291,16 +311,30 @@ def _summarise(gens: list[Generation], peak: dict[str, Any], K: int) -> dict[str
     return entry
 
 
+def decode_attention(cfg: LabConfig) -> tuple[AttentionFn, dict[str, Any]]:
+    """heads.decode_attention as a (q, k, v) -> o function from the decode_attention op's registry, and what it is."""
+    from posttrainllm.opdefs import get_op
+
+    op = get_op("decode_attention")
+    impl = op.paths(cfg)[cfg.heads.decode_attention]
+    interpreted = impl.kind == "triton" and devices.triton_interpreted()
+    return op.model_hooks(impl, cfg).attention, {"path": impl.name, "backend": impl.backend,
+                                                 "triton_interpreted": interpreted, "timed": not interpreted}
+
+
 def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
     """Plain greedy vs speculative on the same eval prompts, the controls beside them; decode.json.
 
-    Raises LossyDecoding (after writing) when any speculative output differs from greedy.
+    Every variant attends with heads.decode_attention. Raises LossyDecoding (after writing) when any
+    speculative output differs from greedy, or (another attention than the reference) greedy decoding
+    differs from greedy decoding with the reference attention.
     """
     from posttrainllm.measure.memory import peak_bytes
 
     h = cfg.heads
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     base, base_info = load_base(cfg, device)
+    attention, attention_info = decode_attention(cfg)
     _, heldout, _ = split_corpus(cfg)
     eval_prompts = prompts(heldout, h.eval_prompts, h.prompt_len, "eval").to(device)  # (E, P)
     K = h.num_heads
@@ -316,6 +350,7 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
         return speculative(base, variants[name], prompt, h.new_tokens)
 
     names = ["greedy", *variants]
+    base.set_decode_attention(attention)
     for name in names:  # untimed warmup, every variant alike
         for i in range(min(h.warmup_prompts, h.eval_prompts)):
             run(name, eval_prompts[i:i + 1])
@@ -323,27 +358,43 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
     for i in range(h.eval_prompts):  # interleaved per prompt, so drifts in machine load hit every variant alike
         for name in names:
             gens[name].append(run(name, eval_prompts[i:i + 1]))
+    timed = attention_info["timed"]
     report: dict[str, Any] = {"device": device, "threads": torch.get_num_threads(), "num_heads": K,
                               "prompts": h.eval_prompts, "prompt_len": h.prompt_len, "new_tokens": h.new_tokens,
-                              "base_fingerprint": base_info["fingerprint"], "variants": {}, "mismatches": {},
+                              "base_fingerprint": base_info["fingerprint"], "attention": attention_info,
+                              "variants": {}, "mismatches": {},
                               "itl_rule": "a step that yields m tokens in dt gives m inter-token latencies of dt/m",
                               "accepted_length_rule": "tokens per verification step: accepted drafts + the "
                                                       "base's own next token (1 = nothing accepted)"}
+    if not timed:
+        report["timings"] = {"valid": False, "reason": INTERPRETED}
     for name in names:
         peak = peak_bytes(lambda name=name: run(name, eval_prompts[:1]), device, warmup=0)
-        report["variants"][name] = _summarise(gens[name], peak, 0 if name == "spec_k0" else K)
+        spare = 0 if name == "greedy" else (0 if name == "spec_k0" else K) + 1  # speculative: room for a chunk
+        cache = KVCache(base.config, 1, h.prompt_len + h.new_tokens + spare, dtype=base.tok_emb.weight.dtype)
+        peak.update(kv_cache_bytes=cache.nbytes(), note=PREALLOCATED)  # what greedy_cached / speculative allocate
+        report["variants"][name] = _summarise(gens[name], peak, 0 if name == "spec_k0" else K, timed)
     mismatches = []
     for name in names[1:]:
         for i, (got, want) in enumerate(zip(gens[name], gens["greedy"])):
             found = first_mismatch(got.tokens, want.tokens, want.logits, h.near_tie)
             if found:
                 mismatches.append({"variant": name, "prompt": i, **found})
+    if h.decode_attention != "reference":  # the path itself: greedy with it against greedy with the reference
+        base.set_decode_attention(reference_chunk_attention)
+        for i, got in enumerate(gens["greedy"]):
+            want = greedy_cached(base, eval_prompts[i:i + 1], h.new_tokens, keep_logits=True)[1]
+            found = first_mismatch(got.tokens, want.tokens, want.logits, h.near_tie)
+            if found:
+                mismatches.append({"variant": "greedy vs reference attention", "prompt": i, **found})
+        base.set_decode_attention(attention)
     report["mismatches"] = {"count": len(mismatches), "near_ties": sum(bool(m.get("near_tie")) for m in mismatches),
                             "first": mismatches[:10],
-                            "rule": "every speculative output must equal plain greedy token for token; a near-tie "
-                                    f"(top-2 logit gap < {h.near_tie:g}) is named and still counted"}
+                            "rule": "every speculative output must equal plain greedy token for token, and plain "
+                                    "greedy with heads.decode_attention greedy with the reference attention; a "
+                                    f"near-tie (top-2 logit gap < {h.near_tie:g}) is named and still counted"}
     report["lossless"] = not mismatches
-    report["speedup"] = _speedup(report, base, calibration, cfg)
+    report["speedup"] = _speedup(report, base, calibration, cfg) if timed else {"valid": False, "reason": INTERPRETED}
     out = heads_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "decode.json", report)
@@ -409,24 +460,45 @@ def record(cfg: LabConfig) -> tuple[dict[str, Any], str | None]:
     folder = heads_dir(cfg)
     decode = read_json(folder / "decode.json") if (folder / "decode.json").exists() else None
     built = receipt.build_heads(cfg, folder, read_json(base_dir(cfg) / "base.json"), read_json(folder / "heads.json"),
-                                decode)
+                                decode, stamps(cfg))
     return built, receipt.record_heads(built, folder, log_mlflow=cfg.run.log_mlflow)
+
+
+def stamps(cfg: LabConfig) -> dict[str, dict[str, Any]]:
+    """The stamps of train_base and train_heads, checked against each other and this process's code (StampMismatch).
+
+    The decode stage's own stamp is written when it ends, after the receipt (as the point receipt
+    stage's): it lies beside the receipt, in <heads.name>/stamps/decode.json.
+    """
+    from posttrainllm.track import stamp
+
+    found = {**stamp.read_stamps(base_dir(cfg), exclude=("decode",)),
+             **stamp.read_stamps(heads_dir(cfg), exclude=("train_base", "decode"))}
+    if found:
+        stamp.check_consistent({**found, "decode": {"sources": stamp.loaded_sources()}},
+                               f"{base_dir(cfg) / stamp.STAMPS} and {heads_dir(cfg) / stamp.STAMPS}")
+    return found
 
 
 def table(receipt: dict[str, Any]) -> str:
     """One row per decoding variant, then the per-head accuracy and the verdict, as plain text."""
     decode, heads = receipt["decode"] or {"variants": {}, "speedup": {}}, receipt["heads"]
     lines = [f"heads {receipt['point']}: K={heads['num_heads']} on a base with held-out loss "
-             f"{receipt['base']['heldout_loss']:.3f} nats/byte ({decode.get('device')}, {decode.get('threads')} threads)",
+             f"{receipt['base']['heldout_loss']:.3f} nats/byte ({decode.get('device')}, {decode.get('threads')} threads, "
+             f"{(decode.get('attention') or {}).get('path', 'reference')} decode attention)",
              f"{'variant':>10} {'accepted':>8} {'tok/s':>9} {'speedup':>8} {'TTFT ms':>8} {'ITL ms p50 (p20-p80)':>22} "
              f"{'peak MB':>8}"]
     for name, v in decode["variants"].items():
+        peak_mb = f"{v['peak_memory']['peak_bytes'] / 2**20:>8.2f}"
+        if "itl_ms" not in v:  # interpreted: no timings
+            lines.append(f"{name:>10} {v.get('mean_accepted_length', 1.0):>8.2f} {'-':>9} {'-':>8} {'-':>8} "
+                         f"{'-':>22} {peak_mb}")
+            continue
         speedup = (decode["speedup"].get(name) or {}).get("measured", 1.0 if name == "greedy" else float("nan"))
         itl = v["itl_ms"]
         lines.append(f"{name:>10} {v.get('mean_accepted_length', 1.0):>8.2f} {v['decode_tokens_per_s']:>9.1f} "
                      f"{speedup:>7.2f}x {v['ttft_ms']['median']:>8.2f} "
-                     f"{itl['median']:>8.3f} ({itl['p20']:.3f}-{itl['p80']:.3f}) "
-                     f"{v['peak_memory']['peak_bytes'] / 2**20:>8.2f}")
+                     f"{itl['median']:>8.3f} ({itl['p20']:.3f}-{itl['p80']:.3f}) {peak_mb}")
     for k, acc in enumerate(heads.get("heldout_accuracy") or [], start=1):
         rate = (decode["variants"].get("trained") or {}).get("acceptance_rate_per_head") or []
         lines.append(f"  head {k}: held-out top-1 {acc['top1']:.3f}, top-5 {acc['top5']:.3f}"
@@ -434,47 +506,60 @@ def table(receipt: dict[str, Any]) -> str:
     if decode.get("mismatches"):
         lines.append(f"  lossless: {decode['lossless']} ({decode['mismatches']['count']} mismatches, "
                      f"{decode['mismatches']['near_ties']} near-ties)")
-    for key in ("verdict", "why"):
+    for key in ("verdict", "why", "reason"):
         if decode["speedup"].get(key):
             lines.append(f"  {decode['speedup'][key]}")
     return "\n".join(lines)
 
 
-def run_stage(stage: str, argv: list[str]) -> int:
-    """`python pipelines/<stage>.py [heads=NAME]`: one heads stage (DVC), config composed from conf/.
-
-    Exit codes as the point stages': 0 done, also when decoding was lossy (a verdict, recorded in
-    decode.json and the receipt: the pipeline runs on); 2 bad config or no matching base; 3 MLflow failed.
-    """
-    import sys
-
-    from posttrainllm.config import load
+def decode_and_record(cfg: LabConfig, calibration_path: Path) -> tuple[dict[str, Any], str | None]:
+    """measure_decode, then the receipt (also after a lossy decode, whose LossyDecoding is raised after it)."""
     from posttrainllm.measure import calibrate
-    from posttrainllm.track.store import TrackingFailed
 
+    device = devices.prepare(cfg.device.name, cfg.bench.threads)
+    lossy: LossyDecoding | None = None
     try:
-        cfg = load(["device=auto", *argv])
-        print(f"posttrainllm: {stage} heads={cfg.heads.name} ...", file=sys.stderr, flush=True)
-        started = time.perf_counter()
-        if stage == "train_base":
-            train_base(cfg)
-        elif stage == "train_heads":
-            train_heads(cfg)
-        else:
-            device = devices.prepare(cfg.device.name, cfg.bench.threads)
-            calibration = calibrate.load_or_measure(Path("runs") / "calibration.json", device)
+        measure_decode(cfg, calibrate.load_or_measure(calibration_path, device))
+    except LossyDecoding as exc:
+        lossy = exc
+    done = record(cfg)
+    if lossy is not None:
+        raise lossy
+    return done
+
+
+def stage_run(stage: str, cfg: LabConfig, calibration_path: Path = Path("runs") / "calibration.json") -> StageRun:
+    """One heads stage, set up for lab/pipeline.py's `stamped` (DVC and the CLI alike)."""
+    if stage == "train_base":
+        return StageRun(cfg, "heads-base", base_dir(cfg), lambda: train_base(cfg))
+    point = f"heads-{cfg.heads.name}"
+    if stage == "train_heads":
+        return StageRun(cfg, point, heads_dir(cfg), lambda: train_heads(cfg))
+    if stage == "decode":
+        def work() -> tuple[dict[str, Any], str | None]:
+            from posttrainllm.track.store import TrackingFailed
+
             try:
-                measure_decode(cfg, calibration)
-            except LossyDecoding as exc:
-                print(f"posttrainllm: decode heads={cfg.heads.name}: recorded, pipeline continues: {exc}",
-                      file=sys.stderr)
-            print(table(record(cfg)[0]))
-        print(f"posttrainllm: {stage} heads={cfg.heads.name} done in {time.perf_counter() - started:.1f} s",
-              file=sys.stderr)
-    except ConfigError as exc:
-        print(f"posttrainllm: config error: {exc}", file=sys.stderr)
-        return 2
-    except TrackingFailed as exc:
-        print(exc.line(), file=sys.stderr)
-        return 3
-    return 0
+                done = decode_and_record(cfg, calibration_path)
+            except (LossyDecoding, TrackingFailed):  # the receipt was written all the same
+                print(table(read_json(heads_dir(cfg) / "receipt.json")))
+                raise
+            print(table(done[0]))
+            return done
+        return StageRun(cfg, point, heads_dir(cfg), work)
+    raise ValueError(f"unknown heads stage {stage!r}: valid are train_base, train_heads, decode")
+
+
+def run_stage(stage: str, argv: list[str]) -> int:
+    """`python pipelines/<stage>.py [heads=NAME] [overrides]`: one heads stage (DVC), config composed from conf/.
+
+    Exit codes as the point stages' (lab/pipeline.py `execute`): 0 done, also when decoding was lossy (a
+    verdict, recorded in decode.json and the receipt: the pipeline runs on); 2 bad config, no matching base,
+    or stamps that disagree; 3 MLflow failed.
+    """
+    from posttrainllm.config import load
+
+    def setup() -> StageRun:
+        return stage_run(stage, load(["device=auto", *argv]))
+
+    return execute(stage, setup, verdicts=(LossyDecoding,))

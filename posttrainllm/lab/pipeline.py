@@ -1,9 +1,12 @@
-"""What DVC's stage scripts share: load a point from params.yaml, run one stage, map errors to exit codes.
+"""What DVC's stage scripts share: load a point from params.yaml, run one stage, stamp it, map errors to exit codes.
 
-Exit codes: 0 done, including a point whose contract broke (a verdict, recorded in its
-report: the sweep runs on, and `posttrainllm report` exits 1 on it); 2 bad config, a point that
-does not fit in memory, or stages whose stamps disagree about the code they shared;
-3 the receipt's MLflow run could not be logged (its JSON is kept).
+`stamped` runs one stage and writes its stamp (track/stamp.py); `execute` adds the exit codes. The
+point stages (`run_stage`) and the heads stages (lab/heads.py) both go through them.
+
+Exit codes: 0 done, including a point whose contract broke or a lossy speculative decode (a
+verdict, recorded in its report: the sweep runs on, and `posttrainllm report` exits 1 on a broken
+contract); 2 bad config, a point that does not fit in memory, or stages whose stamps disagree
+about the code they shared; 3 the receipt's MLflow run could not be logged (its JSON is kept).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -80,6 +84,73 @@ def _approved(stage: str, point: str, cfg: LabConfig) -> bool:
     return True
 
 
+@dataclass
+class StageRun:
+    """One stage, set up: its config, the point its stamp names, where the stamp goes, and the work itself."""
+
+    cfg: LabConfig
+    point: str  # the stamp's point: a sweep point, or heads-base / heads-<K name> (lab/heads.py)
+    folder: Path  # the stamp goes to folder/stamps/<stage>.json
+    work: Callable[[], Any]
+    label: str = ""  # shown in the progress lines (default: the point)
+
+
+def stamped(stage: str, run: StageRun, *, written: tuple[type[Exception], ...] = ()) -> Any:
+    """run.work() with the config keys it reads recorded, then its stamp (track/stamp.py); its result.
+
+    An exception of a `written` type was raised after the stage had written its files (a broken
+    contract, a lossy decode, an MLflow failure): it is stamped too, then re-raised.
+    """
+    from posttrainllm.track import stamp
+
+    cfg = run.cfg
+    started = time.perf_counter()
+    raised: Exception | None = None
+    result = None
+    with stamp.recording(stage, cfg) as reads:  # the config keys read, from here to the stage's end
+        devices.prepare(cfg.device.name, cfg.bench.threads)
+        try:
+            result = run.work()
+        except written as exc:
+            raised = exc
+    timing = {"stage_s": time.perf_counter() - started, "process_s": stamp.process_seconds()}
+    stamp.write_stage_stamp(stage, cfg, reads, timing, folder=run.folder, point=run.point)
+    print(f"posttrainllm: {stage} {run.label or run.point} done in {timing['stage_s']:.1f} s", file=sys.stderr,
+          flush=True)
+    if raised is not None:
+        raise raised
+    return result
+
+
+def execute(stage: str, setup: Callable[[], StageRun | None], verdicts: tuple[type[Exception], ...] = ()) -> int:
+    """One DVC stage in this process: setup() (None: refused, nothing run), then `stamped`; errors to exit codes.
+
+    `verdicts` are exceptions that record a verdict in the stage's files (exit 0, the pipeline runs on).
+    """
+    from posttrainllm.track import stamp
+    from posttrainllm.track.store import TrackingFailed
+
+    try:
+        run = setup()
+        if run is None:
+            return 2
+        print(f"posttrainllm: {stage} {run.label or run.point} ...", file=sys.stderr, flush=True)
+        stamped(stage, run, written=(*verdicts, TrackingFailed))
+    except ConfigError as exc:
+        print(f"posttrainllm: config error: {exc}", file=sys.stderr)
+        return 2
+    except stamp.StampMismatch as exc:  # a receipt: outputs of different code or devices; nothing written
+        print(f"posttrainllm: {stage} {run.point}: {exc}", file=sys.stderr)
+        return 2
+    except verdicts as exc:  # a verdict, recorded in the stage's report: the sweep runs on
+        print(f"posttrainllm: {stage} {run.point}: recorded, sweep continues: {exc}", file=sys.stderr)
+        return 0
+    except TrackingFailed as exc:  # a receipt: receipt.json written, MLflow not
+        print(exc.line(), file=sys.stderr)
+        return 3
+    return 0
+
+
 def run_stage(stage: str, argv: list[str]) -> int:
     """`python pipelines/<stage>.py POINT`: one stage of one point, then its stamp.
 
@@ -89,45 +160,20 @@ def run_stage(stage: str, argv: list[str]) -> int:
     or an MLflow failure). The receipt stage refuses stamps that disagree (exit 2, one line).
     """
     from posttrainllm.lab.stages import ContractBroken
-    from posttrainllm.track import stamp
-    from posttrainllm.track.store import TrackingFailed
 
     if len(argv) != 1:
         print(f"usage: python pipelines/{stage}.py POINT", file=sys.stderr)
         return 2
-    try:
+
+    def setup() -> StageRun | None:
         cfg, sweep = load_point(argv[0])
         if stage in TIMED_STAGES and not _approved(stage, argv[0], cfg):  # nothing run, nothing written
-            return 2
+            return None
         points = sweep.get("points") or [argv[0]]
-        where = f"({points.index(argv[0]) + 1}/{len(points)})" if argv[0] in points else ""
-        print(f"posttrainllm: {stage} {argv[0]} {where} ...", file=sys.stderr, flush=True)
-        started = time.perf_counter()
-        written: Exception | None = None  # raised after the stage had written its files: stamp them too
-        with stamp.recording(stage, cfg) as reads:  # the config keys read, from here to the stage's end
-            devices.prepare(cfg.device.name, cfg.bench.threads)
-            try:
-                _stage(stage)(cfg, sweep)
-            except (ContractBroken, TrackingFailed) as exc:
-                written = exc
-        timing = {"stage_s": time.perf_counter() - started, "process_s": stamp.process_seconds()}
-        stamp.write_stage_stamp(stage, cfg, reads, timing)
-        print(f"posttrainllm: {stage} {argv[0]} done in {timing['stage_s']:.1f} s", file=sys.stderr, flush=True)
-        if written is not None:
-            raise written
-    except ConfigError as exc:
-        print(f"posttrainllm: config error: {exc}", file=sys.stderr)
-        return 2
-    except stamp.StampMismatch as exc:  # the receipt stage: outputs of different code or devices; nothing written
-        print(f"posttrainllm: {stage} {argv[0]}: {exc}", file=sys.stderr)
-        return 2
-    except ContractBroken as exc:  # a verdict, recorded in the stage's report: the sweep runs on
-        print(f"posttrainllm: {stage} {argv[0]}: recorded, sweep continues: {exc}", file=sys.stderr)
-        return 0
-    except TrackingFailed as exc:  # the receipt stage: receipt.json written, MLflow not
-        print(exc.line(), file=sys.stderr)
-        return 3
-    return 0
+        where = f" ({points.index(argv[0]) + 1}/{len(points)})" if argv[0] in points else ""
+        return StageRun(cfg, argv[0], point_dir(cfg), lambda: _stage(stage)(cfg, sweep), label=argv[0] + where)
+
+    return execute(stage, setup, verdicts=(ContractBroken,))
 
 
 def write_fingerprint(path: Path) -> int:

@@ -404,8 +404,10 @@ HEADS_ARTIFACTS = ("receipt.json", "heads.json", "decode.json")
 
 
 def build_heads(cfg: LabConfig, folder: Path, base_report: dict[str, Any], heads_report: dict[str, Any],
-                decode_report: dict[str, Any] | None) -> dict[str, Any]:
-    """The heads receipt: config, provenance, the base's summary, the heads' and the decode measurement's reports."""
+                decode_report: dict[str, Any] | None, stamps: dict[str, dict[str, Any]] | None = None
+                ) -> dict[str, Any]:
+    """The heads receipt: config, provenance, the base's summary, the heads' and the decode measurement's reports,
+    and the stamps of the stages before it (lab/heads.py `stamps`, already checked against each other)."""
     base = {k: v for k, v in base_report.items() if k != "losses"}
     base["losses_every_50"] = base_report["losses"][::50]
     receipt = {
@@ -431,6 +433,7 @@ def heads_metrics(receipt: dict[str, Any]) -> dict[str, float]:
                               "base.train_s": receipt["base"]["train_s"]}
     heads = receipt["heads"]
     if heads.get("losses"):
+        "stamps": stamps or {},
         flat["heads.final_loss"] = heads["losses"][-1]
     for k, acc in enumerate(heads.get("heldout_accuracy") or [], start=1):
         flat.update({f"heads.head{k}.{name}": value for name, value in acc.items()})
@@ -439,8 +442,8 @@ def heads_metrics(receipt: dict[str, Any]) -> dict[str, float]:
         for key in ("tokens_per_s", "decode_tokens_per_s", "mean_accepted_length"):
             if key in entry:
                 flat[f"decode.{name}.{key}"] = entry[key]
-        for key in ("ttft_ms", "itl_ms"):
-            flat.update({f"decode.{name}.{key}.{q}": v for q, v in entry[key].items()})
+        for key in ("ttft_ms", "itl_ms"):  # absent when the timings are not speed (interpreted Triton)
+            flat.update({f"decode.{name}.{key}.{q}": v for q, v in (entry.get(key) or {}).items()})
         flat[f"decode.{name}.peak_bytes"] = entry["peak_memory"]["peak_bytes"]
         for k, rate in enumerate(entry.get("acceptance_rate_per_head") or [], start=1):
             flat[f"decode.{name}.accept_rate.head{k}"] = rate
@@ -455,6 +458,8 @@ def heads_metrics(receipt: dict[str, Any]) -> dict[str, float]:
 
 def record_heads(receipt: dict[str, Any], folder: Path, *, log_mlflow: bool = True,
                  uri: str | None = None) -> str | None:
+        if "kv_cache_bytes" in entry["peak_memory"]:
+            flat[f"decode.{name}.kv_cache_bytes"] = entry["peak_memory"]["kv_cache_bytes"]
     """The heads receipt as one MLflow run (tag role=heads; loss curves as stepped metrics); None if not logged.
 
     Raises store.TrackingFailed when the store cannot be written (the JSON receipt is on disk by then).

@@ -1,7 +1,8 @@
 """Stamps: what one stage's output of one point was made from.
 
 Each DVC stage of a point leaves `runs/<point>/stamps/<stage>.json` beside its output
-(written by lab/pipeline.py `run_stage`, declared as an out of the stage in dvc.yaml):
+(written by lab/pipeline.py `stamped`, declared as an out of the stage in dvc.yaml; the
+heads stages write theirs in runs/heads/base/ and runs/heads/<K name>/):
 
     stage, point, created_at
     revision, dirty    git HEAD and whether the tree differed from it (track/provenance.py)
@@ -41,7 +42,7 @@ from posttrainllm import config as config_module
 from posttrainllm.config import PROJECT_ROOT, LabConfig
 
 STAMPS = "stamps"  # runs/<point>/stamps/<stage>.json
-TIMED_STAGES = ("microbench", "bench_train")  # their timings are only comparable on one device
+TIMED_STAGES = ("microbench", "bench_train", "decode")  # their timings are only comparable on one device
 NOT_COMPUTED = ("run", "sweep")  # config groups that say where to write and what was planned, not what is computed
 # Recording config reads adds a Python call to every config attribute access, also inside timed calls
 # (~0.2 us each): the timed stages record only when this is "1" (tests/test_dvc_deps.py sets it).
@@ -230,17 +231,21 @@ def stage_stamp(stage: str, point: str, device: dict[str, Any], config_keys: lis
 
 
 def write_stage_stamp(stage: str, cfg: LabConfig, reads: ConfigReads | None,
-                      timing: dict[str, float | None] | None = None) -> Path:
-    """After a stage ran in this process: its stamp, in runs/<point>/stamps/<stage>.json.
+                      timing: dict[str, float | None] | None = None, *, folder: Path | None = None,
+                      point: str | None = None) -> Path:
+    """After a stage ran in this process: its stamp, in <folder>/stamps/<stage>.json.
 
-    config_keys is None where the reads were not recorded (a timed stage, see RECORD_ENV).
+    folder and point default to the sweep point's (runs/<point>/, cfg.run.name); the heads stages
+    pass theirs (lab/heads.py). config_keys is None where the reads were not recorded (a timed
+    stage, see RECORD_ENV).
     """
     from posttrainllm.files import point_dir
     from posttrainllm.measure import device as devices
 
     device = devices.fingerprint(devices.resolve(cfg.device.name))
     keys = reads.keys() if reads is not None else None
-    return write_stamp(point_dir(cfg), stage_stamp(stage, cfg.run.name, device, keys, timing=timing))
+    return write_stamp(folder if folder is not None else point_dir(cfg),
+                       stage_stamp(stage, point or cfg.run.name, device, keys, timing=timing))
 
 
 def write_stamp(point_dir: Path, stamp: dict[str, Any]) -> Path:
