@@ -20,6 +20,7 @@ without it they print the device time they would take and exit with 2.
 
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 import sys
@@ -355,11 +356,29 @@ def _collect_launched(labs: list[LabConfig], started: float) -> None:
     found = sorted({path for lab in labs for path in Path(lab.run.out_dir).glob("*/receipt.json")
                     if path.stat().st_mtime >= started})
     for path in found:
-        receipt = read_json(path)
-        print(report.point_table(receipt))
-        if report.point_failed(receipt):
-            _broken.append(f"{receipt['point']}: a contract broke (see {path})")
+        stored = read_json(path)
+        print(report.point_table(stored))
+        if report.point_failed(stored):
+            _broken.append(f"{stored['point']}: a contract broke (see {path})")
+        if labs[0].run.log_mlflow:  # a job that could not log kept its JSON: say so here, as a job run here would
+            _check_logged(stored, path.parent)
     print(f"posttrainllm: {len(found)} point(s) from the launcher's jobs: {', '.join(p.parent.name for p in found)}")
+
+
+def _check_logged(stored: dict[str, Any], folder: Path) -> None:
+    """A launched job's receipt that is not in MLflow goes to `_untracked` (exit 3), with its import command."""
+    from posttrainllm.track import receipt, store
+
+    try:
+        if receipt.logged_run(stored) is not None:
+            return
+        line = store.TrackingFailed(receipt.tracking_uri(), "its job did not log this receipt", unreachable=False,
+                                    folder=folder).line()
+    except store.TrackingFailed as exc:
+        exc.folder = folder
+        line = exc.line()
+    print(line, file=sys.stderr)
+    _untracked.append(line)
 
 
 def _overrides(args: list[str]) -> list[str]:
@@ -387,12 +406,11 @@ def _check_before_running(args: list[str], grid: bool) -> list[LabConfig]:
     refuse_multi_dimension_multirun(overrides, grid)
     parsed = OverridesParser.create().parse_overrides(overrides)
     sweeps = {i: list(o.sweep_string_iterator()) for i, o in enumerate(parsed) if o.is_sweep_override()}
-    first = [f"{o.input_line.split('=')[0]}={sweeps[i][0]}" if i in sweeps else overrides[i]
-             for i, o in enumerate(parsed)]
-    composed = [load(first)]
-    for i, values in sweeps.items():
-        for value in values[1:]:
-            composed.append(load(first[:i] + [f"{parsed[i].input_line.split('=')[0]}={value}"] + first[i + 1:]))
+    # every job the multirun will launch: the product of the swept values (one dimension without --grid)
+    keys = [o.input_line.split("=")[0] for o in parsed]
+    composed = [load([f"{keys[i]}={combo[list(sweeps).index(i)]}" if i in sweeps else overrides[i]
+                      for i in range(len(parsed))])
+                for combo in itertools.product(*sweeps.values())]
     if not any(a.split("=")[0] in _INSPECT_FLAGS for a in args):  # `--cfg job device=cuda` only prints
         for lab in composed:
             devices.check_available(lab.device.name)

@@ -49,6 +49,9 @@ def test_bench_on_a_gpu_refuses_without_approval_and_states_the_estimate(gpu, mo
     assert cli.main(["bench-train", "-m", "device=auto", *SMALL, "precision=fp32,fp16", "train.steps=4",
                      "train.warmup_steps=1"]) == 2
     assert f"2 point(s): {2 * loops} timing loops + {2 * trained * 4} training steps" in capsys.readouterr().err
+    # a --grid multirun launches the product of its sweeps (2 x 2 points here), not their sum
+    assert cli.main(["bench", "-m", "--grid", "device=auto", *SMALL, "precision=fp32,fp16", "tile=b32,b64"]) == 2
+    assert f"4 point(s): {4 * loops} timing loops" in capsys.readouterr().err
     # experimental train-heads: the base's and the heads' training steps, and the decode measurement
     assert cli.main(["experimental", "train-heads", "device=auto"]) == 2
     assert "posttrainllm experimental train-heads would run timing loops on the GPU: 1 point(s): 2 timing loops + " \

@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from posttrainllm import cli
+from posttrainllm.config import load
 from posttrainllm.track import receipt
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[track]'")
@@ -44,3 +45,13 @@ def test_parallel_jobs_each_leave_their_receipt_and_one_mlflow_run(tmp_path, mon
         runs = client.search_runs([experiment], filter_string=f"tags.`receipt.id` = '{receipt._tags(stored)['receipt.id']}'")
         assert len(runs) == 1 and runs[0].data.tags["receipt.logged"] == "true"  # none lost, none twice
         assert runs[0].info.status == ("FINISHED" if stored["parity"]["verdict"] == "pass" else "FAILED")
+    # the parent checks what its jobs logged: a receipt missing from the store (here: another, empty store)
+    # is reported with its import command and makes the command exit 3, as a job run in-process would
+    cli._untracked.clear()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'other.db'}")
+    cli._collect_launched([load(["run.out_dir=runs/launched"])], started=0)
+    assert len(cli._untracked) == 2 and all("posttrainllm receipt import" in line for line in cli._untracked)
+    cli._untracked.clear()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    cli._collect_launched([load(["run.out_dir=runs/launched"])], started=0)
+    assert cli._untracked == []

@@ -329,6 +329,19 @@ def _log(receipt: dict[str, Any], folder: Path, uri: str) -> str:
     return run_id
 
 
+def logged_run(receipt: dict[str, Any], uri: str | None = None) -> str | None:
+    """The id of the receipt's complete MLflow run, or None; raises store.TrackingFailed when the store cannot
+    be read (a launcher's parent checks what its jobs logged this way)."""
+    uri = uri or tracking_uri()
+    try:
+        client, experiment_id = store.open_store(uri, EXPERIMENT, artifact_location(uri))
+        found = client.search_runs([experiment_id], filter_string=f"tags.`receipt.id` = '{_tags(receipt)['receipt.id']}'",
+                                   max_results=100)
+    except store.tracking_errors() as exc:
+        raise store.TrackingFailed(uri, store.short_reason(exc), unreachable=store.unreachable(exc)) from exc
+    return next((run.info.run_id for run in found if _complete(run)), None)
+
+
 class InvalidReceipts(ValueError):
     """Receipts that cannot be logged: (path, what is wrong) for each, out of `total` found."""
 
@@ -420,6 +433,7 @@ def build_heads(cfg: LabConfig, folder: Path, base_report: dict[str, Any], heads
                    "device": cfg.device.name, "bench.threads": cfg.bench.threads},
         "base": base, "heads": heads_report, "decode": decode_report,
         "verdict": "pass" if decode_report is not None and decode_report["lossless"] else "fail",
+        "stamps": stamps or {},
     }
     write_json(folder / "receipt.json", receipt)
     write_json(folder / "metrics.json", heads_metrics(receipt))
@@ -433,7 +447,6 @@ def heads_metrics(receipt: dict[str, Any]) -> dict[str, float]:
                               "base.train_s": receipt["base"]["train_s"]}
     heads = receipt["heads"]
     if heads.get("losses"):
-        "stamps": stamps or {},
         flat["heads.final_loss"] = heads["losses"][-1]
     for k, acc in enumerate(heads.get("heldout_accuracy") or [], start=1):
         flat.update({f"heads.head{k}.{name}": value for name, value in acc.items()})
@@ -445,6 +458,8 @@ def heads_metrics(receipt: dict[str, Any]) -> dict[str, float]:
         for key in ("ttft_ms", "itl_ms"):  # absent when the timings are not speed (interpreted Triton)
             flat.update({f"decode.{name}.{key}.{q}": v for q, v in (entry.get(key) or {}).items()})
         flat[f"decode.{name}.peak_bytes"] = entry["peak_memory"]["peak_bytes"]
+        if "kv_cache_bytes" in entry["peak_memory"]:
+            flat[f"decode.{name}.kv_cache_bytes"] = entry["peak_memory"]["kv_cache_bytes"]
         for k, rate in enumerate(entry.get("acceptance_rate_per_head") or [], start=1):
             flat[f"decode.{name}.accept_rate.head{k}"] = rate
     for name, entry in (decode.get("speedup") or {}).items():
@@ -458,8 +473,6 @@ def heads_metrics(receipt: dict[str, Any]) -> dict[str, float]:
 
 def record_heads(receipt: dict[str, Any], folder: Path, *, log_mlflow: bool = True,
                  uri: str | None = None) -> str | None:
-        if "kv_cache_bytes" in entry["peak_memory"]:
-            flat[f"decode.{name}.kv_cache_bytes"] = entry["peak_memory"]["kv_cache_bytes"]
     """The heads receipt as one MLflow run (tag role=heads; loss curves as stepped metrics); None if not logged.
 
     Raises store.TrackingFailed when the store cannot be written (the JSON receipt is on disk by then).
