@@ -125,3 +125,13 @@ def test_loops_count_every_curve_axis_and_mode_and_the_rough_estimate_follows_th
     assert approval.rough_seconds(big, train=False) > approval.rough_seconds(plain, train=False)
     found = approval.estimate([plain], train=False)
     assert [p.rough_s for p in found.per_point] == [approval.rough_seconds(plain, train=False)]
+
+
+@pytest.mark.parametrize("stage", ["train_base", "train_heads", "decode"])
+def test_a_heads_dvc_stage_on_a_gpu_refuses_without_approval(gpu, stage, capsys):
+    from posttrainllm.lab import heads
+
+    assert heads.run_stage(stage, ["heads=k1"]) == 2
+    err = capsys.readouterr().err
+    assert f"not approved: stage {stage} heads-k1 would run timing loops on the GPU" in err
+    assert "POSTTRAINLLM_APPROVE=1" in err and not (gpu / "runs").exists()  # nothing run, nothing written

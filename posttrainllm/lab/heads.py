@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -559,7 +560,17 @@ def run_stage(stage: str, argv: list[str]) -> int:
     """
     from posttrainllm.config import load
 
-    def setup() -> StageRun:
-        return stage_run(stage, load(["device=auto", *argv]))
+    def setup() -> StageRun | None:
+        from posttrainllm.lab import approval
+
+        cfg = load(["device=auto", *argv])
+        try:  # on a GPU its training and timing loops need approval, as the timed point stages do
+            found = approval.check([cfg], train=False, heads=True, what=f"stage {stage} heads-{cfg.heads.name}")
+        except approval.NotApproved as exc:  # nothing run, nothing written
+            print(f"posttrainllm: not approved: {exc}", file=sys.stderr)
+            return None
+        if found:
+            print(f"posttrainllm: approved: {stage} heads-{cfg.heads.name}: {found.line()}", file=sys.stderr)
+        return stage_run(stage, cfg)
 
     return execute(stage, setup, verdicts=(LossyDecoding,))
