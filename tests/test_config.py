@@ -75,8 +75,8 @@ def test_cli_without_a_command_prints_usage(capsys):
     (["op=moe", "op.max_error_only.outputs=[grad_w_gate,grad_w_gat]"],
      "op.max_error_only.outputs: unknown moe output 'grad_w_gat': valid choices are out, grad_x, grad_w_gate, "
      "grad_w_up, grad_w_down, grad_route_weight"),
-    (["op=matmul", "+op.max_error_only.outputs=[lse]", "+op.max_error_only.precisions=[bf16]",  # not in matmul.yaml
-      "+op.max_error_only.reason=measured"], "unknown matmul output 'lse': valid choices are out, grad_a, grad_b"),
+    (["op=matmul", "op.max_error_only.outputs=[lse]", "op.max_error_only.precisions=[bf16]",  # empty in matmul.yaml
+      "op.max_error_only.reason=measured"], "unknown matmul output 'lse': valid choices are out, grad_a, grad_b"),
     (["op=moe", "op.max_error_only.precisions=[fp32,fp8]"],
      "op.max_error_only.precisions: unknown precision 'fp8': valid choices are bf16, fp16, fp32, tf32"),
     (["op=moe", "op.max_error_only.reason="], "op.max_error_only: give outputs, precisions and the reason"),
