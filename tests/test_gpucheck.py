@@ -44,7 +44,7 @@ def test_dry_run_writes_importable_receipts(tmp_path, monkeypatch, mlflow_uri, c
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "rough_s" in done.stdout  # the per-point estimate, printed before anything runs
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["sweep"] == "smoke" and summary["skipped"] == []
+    assert summary["sweep"] == "smoke" and summary["skipped"] == [] and summary["complete"] is True
     assert {p: s["status"] for p, s in summary["points"].items()} == {"baseline": "pass", "precision-fp16": "pass"}
     assert all(s["estimated_s"] > 0 for s in summary["points"].values())
     assert summary["peaks"]["copy_bytes_per_s"] > 0
@@ -84,3 +84,33 @@ def test_budget_skips_whole_points(tmp_path):
     assert gpucheck.main([str(tmp_path), "--dry-run", "--no-train", "--budget-s", "0"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["points"] == {} and summary["skipped"] == ["baseline", "precision-fp16"]
+
+
+def test_sdpa_backends_are_probed_at_the_kernel_stages_lengths_on_cuda():
+    """On the GPU a backend is probed at every length the kernel stage runs (S=1, S=1000 are off every tile), so
+    one that refuses an edge length is absent, not a failed path; the CPU keeps its one small probe."""
+    from posttrainllm.opdefs.attention import _probe_lengths
+
+    lab = validate(sweep.plan(load(["sweep=gpu_check"]).sweep)["points"]["baseline"]["config"])
+    assert _probe_lengths(lab, "cuda") == (1, 64, 1000, 4096)
+    assert _probe_lengths(lab, "cpu") == (64,)
+
+
+def test_gpu_wheels_install_and_import_as_gpu_check_does(tmp_path):
+    """scripts/gpu-wheels.sh --offline: hydra-core, omegaconf and antlr4 repacked from this environment, then
+    installed with gpu-check.sh's pip flags into a folder and imported from there with posttrainllm.lab.gpucheck."""
+    import importlib.metadata as md
+
+    for name in ("hydra-core", "omegaconf", "antlr4-python3-runtime"):
+        try:
+            if md.distribution(name).files is None:
+                pytest.skip(f"{name} is installed without a RECORD: nothing to repack offline")
+        except md.PackageNotFoundError:
+            pytest.skip(f"{name} is not installed here")
+    out = tmp_path / "whl"
+    done = subprocess.run(["bash", str(PROJECT_ROOT / "scripts" / "gpu-wheels.sh"), str(out), "--offline"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name.split("-")[0] for p in out.glob("*.whl")) == ["antlr4_python3_runtime", "hydra_core",
+                                                                       "omegaconf"]
+    assert "installs and imports as scripts/gpu-check.sh does" in done.stdout

@@ -99,3 +99,37 @@ def test_counters_nest_and_restore_what_they_patch():
         pass
     triton_matmul(a, a, block_m=16, block_n=16, block_k=16)  # outside any counter: counted by none
     assert after.total == 0
+
+
+class _Metadata:
+    """What a compiled launch passes its launch hook: Triton's LazyDict, whose plain data holds the name."""
+
+    def __init__(self, name: str) -> None:
+        self.data = {"name": name, "function": None, "stream": 0}
+
+
+def test_compiled_launch_hook_counts_by_kernel_name():
+    """The GPU path without a GPU: call the hook the way a compiled launch does (HookChain, triton >= 3.5)."""
+    import triton
+
+    with count_triton_launches() as launches:
+        triton.knobs.runtime.launch_enter_hook(_Metadata("_attn_fwd_kernel"))
+        triton.knobs.runtime.launch_enter_hook(None)  # triton skips the metadata when no hook wants it
+    assert launches.total == 2 and launches.by_kernel == {"_attn_fwd_kernel": 1, "<unknown>": 1}
+
+
+@pytest.mark.parametrize("previous", [None, "a hook"])
+def test_a_single_attribute_launch_hook_is_chained_and_restored(monkeypatch, previous):
+    """triton 3.4 kept one callable (or None) in knobs.runtime.launch_enter_hook, not a HookChain: ours runs
+    first, then the one that was there, which is put back when the last counter closes."""
+    import triton
+
+    seen = []
+    hook = (lambda metadata: seen.append(metadata.data["name"])) if previous else None
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hook)
+    with count_triton_launches() as launches:
+        assert triton.knobs.runtime.launch_enter_hook is not hook
+        triton.knobs.runtime.launch_enter_hook(_Metadata("_matmul_kernel"))
+    assert launches.by_kernel == {"_matmul_kernel": 1}
+    assert seen == (["_matmul_kernel"] if previous else [])
+    assert triton.knobs.runtime.launch_enter_hook is hook

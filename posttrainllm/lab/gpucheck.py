@@ -120,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         status = run_point(cfg, calibration, {**info, "changes": spec["changes"]}, train=args.train)
         seconds = time.perf_counter() - t0
         summary["points"][point] = {"status": status, "seconds": seconds, "estimated_s": rough[point]}
+        summary["seconds"] = time.perf_counter() - started
+        write_json(args.out / "summary.json", {**summary, "complete": False})  # kept if the run is killed later
         print(f"{point}: {status} ({seconds:.1f} s; estimated {rough[point]:.0f} s)", flush=True)
     summary["seconds"] = time.perf_counter() - started
-    write_json(args.out / "summary.json", summary)
+    write_json(args.out / "summary.json", {**summary, "complete": True})
     print(f"{len(summary['points'])} points in {summary['seconds']:.0f} s, skipped: {summary['skipped'] or 'none'}")
     return 0 if all(p["status"] == "pass" for p in summary["points"].values()) else 1
 

@@ -7,8 +7,12 @@ falls back to torch instead of launching its Triton kernel (its numbers then pas
 and its timings describe the wrong code). `run_guarded` checks all three around one call.
 
 Counting Triton launches (`count_triton_launches`), two mechanisms, each firing in one mode:
-- Compiled (GPU): Triton's launch hook, `triton.knobs.runtime.launch_enter_hook` (a HookChain).
-  Every compiled launch calls it with the kernel's metadata (its "name") before it runs.
+- Compiled (GPU): Triton's launch hook, `triton.knobs.runtime.launch_enter_hook`. Every compiled
+  launch calls it with the kernel's metadata (its "name") before it runs. Triton >= 3.5 (triton-lang/
+  triton#7866; torch 2.11's triton 3.6 and this venv's 3.9) makes it a HookChain (`.add` / `.remove`);
+  triton 3.4 has a plain attribute there (None or one callable), and triton <= 3.3 has it on
+  `triton.compiler.CompiledKernel`: there we chain ours in front of whatever hook was set, and put
+  that one back when done.
 - Interpreter (TRITON_INTERPRET=1, CPU): the interpreter never calls that hook (checked on
   triton 3.9: `InterpretedFunction.run` goes straight to its GridExecutor). We wrap
   `InterpretedFunction.run` at class level and count each call that is not a warmup.
@@ -59,8 +63,20 @@ def _launch_enter_hook(metadata: Any) -> None:
     _record(str(name) if name is not None else "<unknown>")
 
 
-def _install() -> None:
+def _hook_owner() -> Any:
+    """The object whose `launch_enter_hook` compiled launches call: triton.knobs.runtime (>= 3.4), else
+    CompiledKernel (<= 3.3)."""
     import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs.runtime, "launch_enter_hook"):
+        return knobs.runtime
+    from triton.compiler.compiler import CompiledKernel
+
+    return CompiledKernel
+
+
+def _install() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     original_run = InterpretedFunction.run
@@ -71,14 +87,29 @@ def _install() -> None:
         return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = counted_run
-    triton.knobs.runtime.launch_enter_hook.add(_launch_enter_hook)
-    _installed.update(cls=InterpretedFunction, run=original_run, chain=triton.knobs.runtime.launch_enter_hook)
+    _installed.update(cls=InterpretedFunction, run=original_run)
+    owner = _hook_owner()
+    hook = owner.launch_enter_hook
+    if hasattr(hook, "add") and hasattr(hook, "remove"):  # a HookChain (triton >= 3.5)
+        hook.add(_launch_enter_hook)
+        _installed.update(chain=hook)
+    else:  # one hook or None (triton <= 3.4): ours first, then the one that was there
+        def chained(metadata: Any, _previous: Any = hook) -> None:
+            _launch_enter_hook(metadata)
+            if _previous is not None:
+                _previous(metadata)
+
+        owner.launch_enter_hook = chained
+        _installed.update(owner=owner, previous=hook)
 
 
 def _uninstall() -> None:
-    cls, run, chain = _installed.pop("cls"), _installed.pop("run"), _installed.pop("chain")
+    cls, run = _installed.pop("cls"), _installed.pop("run")
     cls.run = run
-    chain.remove(_launch_enter_hook)
+    if "chain" in _installed:
+        _installed.pop("chain").remove(_launch_enter_hook)
+    else:
+        _installed.pop("owner").launch_enter_hook = _installed.pop("previous")
 
 
 @contextlib.contextmanager

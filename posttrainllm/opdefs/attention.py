@@ -86,22 +86,38 @@ _PROBES: dict[tuple, str | None] = {}
 
 
 def _probe(name: str, device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-           causal: bool) -> str | None:
-    """None if the backend runs forward and backward on a small problem of the point's kind, else why not."""
-    key = (name, device, dtype, heads, kv_heads, head_dim, causal)
+           causal: bool, seq_lens: tuple[int, ...] = (64,)) -> str | None:
+    """None if the backend runs forward and backward on a batch of one at each of `seq_lens` (a problem of the
+    point's kind), else why not. Any exception is a refusal: torch raises RuntimeError ("No available kernel")
+    for a backend that cannot take the inputs, but a backend's own checks may raise other types."""
+    key = (name, device, dtype, heads, kv_heads, head_dim, causal, seq_lens)
     if key not in _PROBES:
         if device == "cuda" and not torch.cuda.is_available():
             _PROBES[key] = "no CUDA device"
         else:
             try:
-                q = torch.randn(1, heads, 64, head_dim, device=device, dtype=dtype, requires_grad=True)
-                k = torch.randn(1, kv_heads, 64, head_dim, device=device, dtype=dtype, requires_grad=True)
-                probe_cfg = dataclasses.replace(_PROBE_CFG, op=dataclasses.replace(_PROBE_CFG.op, causal=causal))
-                _pinned_sdpa(name)({"q": q, "k": k, "v": k}, probe_cfg)["out"].sum().backward()
+                for s in seq_lens:
+                    q = torch.randn(1, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True)
+                    k = torch.randn(1, kv_heads, s, head_dim, device=device, dtype=dtype, requires_grad=True)
+                    probe_cfg = dataclasses.replace(_PROBE_CFG, op=dataclasses.replace(_PROBE_CFG.op, causal=causal))
+                    out = _pinned_sdpa(name)({"q": q, "k": k, "v": k}, probe_cfg)["out"]
+                    out.backward(torch.randn_like(out))  # a dO of out's strides, as the stages pass (not a
+                    # stride-0 `.sum()` gradient, which some fused backwards refuse or copy)
                 _PROBES[key] = None
-            except RuntimeError as exc:
-                _PROBES[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            except Exception as exc:
+                message = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
+                at = f" at S={s}" if len(seq_lens) > 1 else ""
+                _PROBES[key] = f"{type(exc).__name__}{at}: {message}" if message else f"{type(exc).__name__}{at}"
     return _PROBES[key]
+
+
+def _probe_lengths(cfg: LabConfig, device: str) -> tuple[int, ...]:
+    """S=64; on CUDA also the lengths the kernel stage runs (the point's own and its edges: S=1, S=1000 are off
+    every tile), so that a backend refusing one of them (cuDNN's, say) is absent, not a failed path. On the GPU
+    each probe takes milliseconds; the CPU keeps the one small probe."""
+    if device != "cuda":
+        return (64,)
+    return tuple(sorted({64, cfg.shape.seq_len, *cfg.shape.edge_seq_lens}))
 
 
 _PROBE_CFG = LabConfig()
@@ -111,8 +127,10 @@ def absent_backends(cfg: LabConfig) -> dict[str, str]:
     """{SDPA backend peer: why it does not run} on the point's device, dtype, head dim and causal mask."""
     device, dtype = _point_device(cfg), getattr(torch, cfg.precision.dtype)
     arch = cfg.architecture
+    lengths = _probe_lengths(cfg, device)
     return {name: why for name in SDPA_BACKENDS
-            if (why := _probe(name, device, dtype, arch.n_heads, arch.n_kv_heads, arch.head_dim, cfg.op.causal))}
+            if (why := _probe(name, device, dtype, arch.n_heads, arch.n_kv_heads, arch.head_dim, cfg.op.causal,
+                              lengths))}
 
 
 def _impls_for(cfg: LabConfig) -> dict[str, Impl]:
@@ -175,7 +193,16 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
     x = {name: t.requires_grad_() for name, t in _make_inputs(case, getattr(torch, cfg.precision.dtype),
                                                                 "cuda").items()}
     LAST_AUTOTUNE.clear()
-    _triton(x, cfg)["out"].sum().backward()  # tunes (or reuses the tuning for) the forward, dK/dV and dQ
+    try:
+        out = _triton(x, cfg)["out"]  # tunes (or reuses the tuning for) the forward, then dK/dV and dQ on a dO
+        out.backward(torch.randn_like(out))  # of real strides (`.sum()`'s would be a stride-0 broadcast)
+    except Exception as exc:  # the geometry is read outside the kernel stage's per-path guard: the path's own
+        # cases raise again there and record the failure against this path; here, say why nothing was chosen
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return {**geometry, "autotune": {"mode": mode, "chosen": dict(LAST_AUTOTUNE) or None,
+                                         "error": f"{type(exc).__name__}: {message}"}}
+    # The tuners' key is (HEAD_DIM, CAUSAL, KV_GROUP) and the tensors' dtypes, not S: this choice, made at the
+    # point's own shape, is the one every other S of the point (edges, curve) runs with.
     return {**geometry, "autotune": {"mode": mode, "chosen": dict(LAST_AUTOTUNE),
                                      "note": "chosen by triton.autotune on this device (smem-pruned)"}}
 

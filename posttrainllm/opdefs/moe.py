@@ -32,6 +32,11 @@ from posttrainllm.opdefs.base import (REFERENCE, Case, Costs, CurveAxis, Impl, M
 from posttrainllm.ops import reference
 
 ROUTING_KINDS = ("one_expert", "empty_expert")
+# torch >= 2.9: F.grouped_mm(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None) over aten::_grouped_mm (same
+# arguments; offs int32, the end row of each group). CUDA (torch 2.10/2.11, aten/native/cuda/GroupedBlas.cpp): a
+# CUTLASS kernel when A, B and the output are bf16 on sm90/sm100 (rows of 16 bytes: _check_config), else a loop of
+# mm over the groups (offs read on the host). Where it refuses the point's dtype or sizes it is probed out
+# (grouped_mm_refusal) and named in microbench.json's describe.unavailable instead of failing the point.
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 GROUPED_MM_MISSING = "torch.nn.functional.grouped_mm is not in this PyTorch: no grouped_mm peer"
 EXPERTS = ("x", "w_gate", "w_up", "w_down", "route_idx", "route_weight")
@@ -62,6 +67,42 @@ def _grouped_mm(x: Tensors, cfg: LabConfig) -> Tensors:
     h = F.silu(GROUPED_MM(rows, w_gate, offs=offs)) * GROUPED_MM(rows, w_up, offs=offs)  # (A, f)
     y = GROUPED_MM(h, w_down, offs=offs) * route_weight.reshape(-1)[order, None]  # (A, d)
     return {"out": torch.zeros_like(tokens).index_add(0, order // route_idx.shape[1], y)}  # (T, d)
+
+
+_GROUPED_MM_PROBES: dict[tuple, str | None] = {}
+
+
+def grouped_mm_refusal(cfg: LabConfig) -> str | None:
+    """None if the grouped_mm path runs forward and backward on the point's device, dtype, d and f (a small
+    problem: 8 tokens, top-2 of 3 experts, the last one empty), else why not."""
+    if GROUPED_MM is None:
+        return GROUPED_MM_MISSING
+    device = cfg.device.name if cfg.device.name != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    dtype, d, f = getattr(torch, cfg.precision.dtype), cfg.shape.moe_d_model, cfg.shape.moe_ffn
+    key = (device, dtype, d, f)
+    if key not in _GROUPED_MM_PROBES:
+        if device == "cuda" and not torch.cuda.is_available():
+            _GROUPED_MM_PROBES[key] = "no CUDA device"
+        else:
+            try:
+                gen = torch.Generator().manual_seed(0)
+                draw = lambda *size: torch.randn(*size, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+                x = {"x": draw(8, d), "w_gate": draw(3, d, f), "w_up": draw(3, d, f), "w_down": draw(3, f, d),
+                     "route_weight": draw(8, 2).abs()}
+                x = {name: t.requires_grad_() for name, t in x.items()}
+                x["route_idx"] = torch.tensor([[0, 1], [1, 0]] * 4, device=device)  # expert 2: no token
+                out = _grouped_mm(x, cfg)["out"]
+                out.backward(torch.ones_like(out))
+                _GROUPED_MM_PROBES[key] = None
+            except Exception as exc:  # a refusal (dtype, alignment, device) is this path's absence, not a crash
+                _GROUPED_MM_PROBES[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}" \
+                    if str(exc).strip() else type(exc).__name__
+    return _GROUPED_MM_PROBES[key]
+
+
+def _impls_for(cfg: LabConfig) -> dict[str, Impl]:
+    """The registry for this point: grouped_mm only where it runs (grouped_mm_refusal)."""
+    return {name: impl for name, impl in IMPLS.items() if name != "grouped_mm" or grouped_mm_refusal(cfg) is None}
 
 
 def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -223,7 +264,7 @@ def _describe(case: Case, inputs: Tensors, cfg: LabConfig) -> dict[str, Any]:
         "active_params": k * 3 * dm * f, "total_params": n_exp * 3 * dm * f,
         "decode_note": "at T=1 every touched expert's 3*d*f weights are read for 2*k*3*d*f FLOPs: intensity "
                        "~1/itemsize FLOP/B, memory-bound on expert weights (the curve starts at T=1)",
-        "unavailable": {} if GROUPED_MM is not None else {"grouped_mm": GROUPED_MM_MISSING},
+        "unavailable": {"grouped_mm": why} if (why := grouped_mm_refusal(cfg)) else {},
     }
 
 
@@ -297,4 +338,5 @@ OP = OpDef(
     curve_sizes=lambda cfg: list(cfg.shape.moe_curve), model_overrides=_model_overrides,
     extra_curves=(CurveAxis("experts", lambda cfg: list(cfg.shape.moe_expert_curve), _expert_curve_case),),
     describe=_describe,  # the weight and routing-weight gradients' max_error_only: conf/op/moe.yaml
+    point_impls=_impls_for,
 )

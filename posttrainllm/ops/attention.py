@@ -584,6 +584,15 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_preci
 # configuration there (autotune_note says so, and the receipt records it). Configurations are
 # pruned by the shared memory the device itself reports, not a constant.
 
+# Triton versions (torch 2.11's GPU machine runs triton 3.6; this venv 3.9): the calls below exist with these
+# signatures in both. triton.autotune(configs, key, prune_configs_by=None, reset_to_zero=None, restore_value=None,
+# ...); the autotuner sets `.best_config` (a Config: .kwargs, .num_warps, .num_stages) on every run; a config that
+# overflows shared memory or registers raises OutOfResources / PTXASError inside its benchmark, which the autotuner
+# scores as inf. Every tuned kernel writes its outputs with plain stores (no atomics, no accumulation into an
+# input), so re-running it while benchmarking needs no reset_to_zero / restore_value.
+# driver.active.utils.get_device_properties(index)["max_shared_mem"]: the NVIDIA driver's dict (also
+# "multiprocessor_count", "max_num_regs"); an H100/H200 reports 232448 B (227 KiB, conf/device/cuda.yaml).
+
 AUTO_CPU_NOTE = ("autotune needs a GPU (triton.testing.do_bench and @triton.autotune have no driver under "
                  "Triton's interpreter): fixed configuration used")
 
