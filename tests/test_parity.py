@@ -292,3 +292,25 @@ def test_exactly_zero_oracle_gradient_uses_the_forward_scale():
                                ["grad_q"])
     assert result["verdict"] == "pass"
     assert result["worst"]["grad_q"]["allowed_abs_err"] == pytest.approx(3e-6)
+
+
+def test_a_geometry_that_raises_is_the_paths_failure_not_the_points(tmp_path, monkeypatch):
+    """tile=auto runs the autotuner while the kernel stage reads the geometry: if that raises, the error is recorded
+    on the path and the kernel stage still runs every path (the point is not lost)."""
+    import json
+
+    from posttrainllm.lab import stages
+    from posttrainllm.opdefs import get_op
+
+    op = get_op("matmul")
+
+    def broken(impl, case, cfg):
+        raise RuntimeError("autotune: no config fits")
+
+    monkeypatch.setattr(op, "geometry", broken)
+    cfg = load(["device=cpu", "op=matmul", "parity.seeds=[0]"])
+    stages.run_reference(cfg, tmp_path)
+    report = stages.run_kernel(cfg, tmp_path)
+    assert report["paths"]["triton"]["geometry"] == {"error": "RuntimeError: autotune: no config fits"}
+    assert "error" not in report["paths"]["triton"]  # its cases still ran
+    assert json.loads((tmp_path / "kernel.json").read_text())["paths"]["triton"]["geometry"]["error"]

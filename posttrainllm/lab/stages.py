@@ -195,9 +195,12 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     report: dict[str, Any] = {"device": device, "triton_interpreted": devices.triton_interpreted(), "paths": {}}
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for impl in op.optimized(cfg):
+            try:  # tile=auto runs the autotuner here: a failure is this path's, recorded, not the point's
+                geometry = op.geometry(impl, main_case, cfg)
+            except Exception as exc:
+                geometry = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
             entry: dict[str, Any] = {"kind": impl.kind, "backend": impl.backend, "problem": op.problem(main_case),
-                                     "geometry": op.geometry(impl, main_case, cfg), "emulation": _emulation(impl, cfg),
-                                     "violations": []}
+                                     "geometry": geometry, "emulation": _emulation(impl, cfg), "violations": []}
             try:
                 results = []
                 for record in ref["records"]:
