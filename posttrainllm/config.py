@@ -409,9 +409,25 @@ class HeadsConfig:
     warmup_prompts: int = 1        # untimed runs first (allocator, lazy init)
     decode_attention: str = "reference"  # the attention of cached decoding and verification: a decode_attention path
     near_tie: float = 1e-3         # a mismatch whose top-2 logit gap is below this is named a near-tie (still a failure)
+    # opt-in tree verification (the trained_tree variant): widths [w_1..w_D], D <= K, each >= 1: the top-w_d of
+    # head d under every depth-(d-1) candidate (posttrainllm/model/decode.py candidate_tree); empty: off
+    tree: list[int] = field(default_factory=list)
+
+    def tree_size(self) -> int:
+        """Entries of one tree verification: the root (the base's token) and every candidate (0: no tree)."""
+        size, level = (1, 1) if self.tree else (0, 1)
+        for width in self.tree:
+            level *= width
+            size += level
+        return size
 
     def __post_init__(self) -> None:
         _require(0 <= self.num_heads <= 8, f"heads.num_heads={self.num_heads}: must be in [0, 8]")
+        tree = list(self.tree)
+        _require(len(tree) <= self.num_heads,
+                 f"heads.tree={tree}: one width per head, so at most heads.num_heads={self.num_heads} widths")
+        _require(all(isinstance(w, int) and w >= 1 for w in tree),
+                 f"heads.tree={tree}: every width (top-w of a head) must be an int >= 1")
         _positive("heads", steps=self.steps, batch_size=self.batch_size, lr=self.lr, loss_decay=self.loss_decay,
                   train_prompts=self.train_prompts, prompt_len=self.prompt_len,
                   continuation_len=self.continuation_len, eval_prompts=self.eval_prompts, new_tokens=self.new_tokens)
@@ -420,6 +436,11 @@ class HeadsConfig:
         _require(longest <= self.base.max_seq_len,
                  f"heads: prompt_len + generated tokens + K + 1 = {longest} exceeds heads.base.max_seq_len="
                  f"{self.base.max_seq_len}")
+        if tree:
+            longest = self.prompt_len + self.new_tokens + self.tree_size()
+            _require(longest <= self.base.max_seq_len,
+                     f"heads: prompt_len + new_tokens + tree entries = {longest} exceeds heads.base.max_seq_len="
+                     f"{self.base.max_seq_len}")
 
 
 @dataclass

@@ -114,3 +114,113 @@ def test_speculative_decoding_through_the_triton_decode_kernel_equals_greedy(mod
     finally:
         model.set_decode_attention(reference_chunk_attention)
     assert {1, 3} <= set(chunks)  # one-token steps and K + 1 = 3 position verifications ran through the kernel
+
+
+# --- tree verification (opt-in: heads.tree) ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_ish(model):
+    """K = 3 heads overfit (a few Adam steps) to the base's greedy continuation of one prompt: they guess it well,
+    so tree verifications accept deep paths (and compaction has entries to move), yet not always the top-1."""
+    from posttrainllm.model.heads import self_distillation_loss
+
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(7))
+    tokens = torch.cat([prompt, greedy_cached(model, prompt, 40)[0]], dim=1)  # (1, 49)
+    with torch.no_grad():
+        hidden = model.hidden(tokens)  # (1, 49, C)
+    torch.manual_seed(8)
+    heads = MedusaHeads(model.lm_head.weight.detach(), 3)
+    opt = torch.optim.Adam(heads.parameters(), lr=1e-2)
+    for _ in range(25):
+        loss, _ = self_distillation_loss(heads(hidden), tokens, 9, 0.8)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return heads.eval(), prompt
+
+
+def _random_heads(model, num_heads):
+    heads = MedusaHeads(model.lm_head.weight.detach(), num_heads)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for block in heads.blocks:
+            block.linear.weight.normal_(0, 0.5)
+    return heads
+
+
+def test_a_candidate_tree_is_breadth_first_and_each_entry_sees_its_ancestors_only():
+    from posttrainllm.model.decode import candidate_tree
+
+    tree = candidate_tree([2, 2, 1])
+    assert tree.size == 1 + 2 + 4 + 4 and tree.parent == (-1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6)
+    assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+    assert tree.choice.tolist() == [0, 0, 1, 0, 1, 0, 1, 0, 0, 0, 0]
+    assert tree.visible[9].nonzero().flatten().tolist() == [0, 2, 5, 9]  # root, its grandparent, parent, itself
+    assert not tree.visible[2, 1]  # siblings do not see each other
+    with pytest.raises(ValueError, match="each >= 1"):
+        candidate_tree([2, 0])
+
+
+@pytest.mark.parametrize("widths", [[2, 2, 1], [3, 1]])
+def test_tree_speculative_decoding_is_lossless_with_random_and_trained_heads(model, trained_ish, widths):
+    from posttrainllm.model.decode import speculative_tree
+
+    heads, prompt = trained_ish
+    for proposer in (_random_heads(model, 3), heads):
+        want = greedy_cached(model, prompt, 30, keep_logits=True)[1]
+        got = speculative_tree(model, proposer, prompt, 30, widths)
+        assert got.tokens == want.tokens
+        assert len(got.accepted) == len(got.steps) and sum(m for _, m in got.steps) == 29
+    assert max(got.accepted) == len(widths)  # the trained heads' deepest paths were accepted
+
+
+def test_each_tree_entry_sees_the_cache_and_its_path_only(model):
+    """One tree forward gives each entry the logits of prompt + its own root-to-entry path run as a sequence.
+    A mask that lets an entry see every earlier entry of the flattened chunk (its siblings' subtrees) fails."""
+    from posttrainllm.model.decode import candidate_tree
+
+    prompt = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(9))
+    tree = candidate_tree([2, 2, 1])
+    chunk = torch.randint(0, 256, (1, tree.size), generator=torch.Generator().manual_seed(10))  # any tokens
+
+    def tree_logits(visible):
+        cache = KVCache(model.config, 1, 40)
+        model(prompt, cache=cache)
+        return model.lm_head(model.hidden(chunk, cache, tree=(tree.depth, visible)))[0]  # (T, V)
+
+    def path_logits():
+        rows = []
+        for i in range(tree.size):
+            path = tree.visible[i].nonzero().flatten()  # ancestors and itself, in flattened (= depth) order
+            rows.append(model(torch.cat([prompt, chunk[:, path]], dim=1))[0][0, -1])
+        return torch.stack(rows)  # (T, V)
+
+    want = path_logits()
+    torch.testing.assert_close(tree_logits(tree.visible), want, atol=1e-4, rtol=1e-4)
+    flattened = torch.ones(tree.size, tree.size, dtype=torch.bool).tril()  # planted bug: causal over the chunk
+    assert not torch.allclose(tree_logits(flattened), want, atol=1e-3)
+
+
+def test_tree_cache_compaction_leaves_greedys_cache(model, trained_ish, monkeypatch):
+    """After tree decoding, the cache holds exactly the accepted tokens' keys and values: greedy_cached's."""
+    from posttrainllm.model import decode
+
+    made = []
+
+    class Kept(KVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(decode, "KVCache", Kept)
+    heads, prompt = trained_ish
+    want = decode.greedy_cached(model, prompt, 30)[1]
+    got = decode.speculative_tree(model, heads, prompt, 30, [2, 2, 1])
+    assert got.tokens == want.tokens and max(got.accepted) >= 2  # depth >= 2 was accepted: entries were moved
+    greedy, tree = made
+    n = 9 + 30 - 1  # the prompt and every generated token but the last
+    assert greedy.length == n and tree.length >= n
+    for layer in range(model.config.n_layers):
+        torch.testing.assert_close(tree.k[layer][:, :, :n], greedy.k[layer][:, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tree.v[layer][:, :, :n], greedy.v[layer][:, :, :n], atol=1e-5, rtol=1e-5)

@@ -165,3 +165,44 @@ def test_dvc_runs_the_heads_stages_one_k_at_a_time():
         assert set(ks) <= set(group_options("heads")) and len(ks) >= 2
         assert f"posttrainllm/lab/heads.py" in stages[name]["do"]["deps"]
     assert "runs/heads/base/base.pt" in stages["decode"]["do"]["deps"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["heads.tree=[2,2,1,1]"], "heads.tree=[2, 2, 1, 1]: one width per head, so at most heads.num_heads=3 widths"),
+    (["heads.tree=[2,0,1]"], "heads.tree=[2, 0, 1]: every width (top-w of a head) must be an int >= 1"),
+    (["heads.tree=[-1]"], "heads.tree=[-1]: every width (top-w of a head) must be an int >= 1"),
+])
+def test_a_bad_tree_is_refused_in_one_line(args, says, capsys, tmp_path):
+    from posttrainllm import cli
+
+    assert cli.main(["experimental", "train-heads", f"heads.out_dir={tmp_path}", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_tree_adds_the_trained_tree_variant_lossless_and_recorded(run, tmp_path):
+    """heads.tree=[2, 1] on the K = 2 run's base and heads (a copy): one more variant, checked token for token
+    like the others, with the chain's figures, the tree's verification attention named, and a row in the table."""
+    import shutil
+
+    from posttrainllm.lab import heads as lab
+
+    _, out = run
+    copy = tmp_path / "heads"
+    shutil.copytree(out, copy)
+    cfg = load([*TINY, "heads=k2", f"heads.out_dir={copy}", "run.log_mlflow=false", "heads.tree=[2,1]"])
+    report = lab.measure_decode(cfg)
+    variants = report["variants"]
+    assert list(variants) == ["greedy", "spec_k0", "untrained", "trained", "trained_tree"]
+    assert report["lossless"] and report["mismatches"]["count"] == 0
+    tree = variants["trained_tree"]
+    assert tree["tokens"] == 3 * 16 and tree["mean_accepted_length"] >= 1.0
+    assert len(tree["acceptance_rate_per_head"]) == 2 and tree["verification_attention"].startswith("reference")
+    assert tree["peak_memory"]["kv_cache_bytes"] == (16 + 16 + 1 + 2 + 2) * 2 * 2 * 4 * 16 * 4
+    assert report["tree"]["entries"] == 5 and "masked_chunk_attention" in report["tree"]["verification_attention"]
+    assert {"measured", "predicted"} <= set(report["speedup"]["trained_tree"]) and report["speedup"]["tree_verdict"]
+    receipt, _ = lab.record(cfg)
+    assert "decode.trained_tree.mean_accepted_length" in json.loads((copy / "k2" / "metrics.json").read_text())
+    text = lab.table(receipt)
+    assert "trained_tree" in text and "masked_chunk_attention" in text

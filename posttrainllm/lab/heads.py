@@ -43,7 +43,7 @@ from posttrainllm.files import read_json, write_json
 from posttrainllm.lab.pipeline import StageRun, execute, stamped
 from posttrainllm.measure import device as devices
 from posttrainllm.model.corpus import Corpus, batch_at, load_corpus
-from posttrainllm.model.decode import Generation, first_mismatch, greedy_cached, speculative
+from posttrainllm.model.decode import Generation, first_mismatch, greedy_cached, speculative, speculative_tree
 from posttrainllm.model.heads import MedusaHeads, head_accuracy, self_distillation_loss
 from posttrainllm.model.transformer import AttentionFn, KVCache, ModelConfig, Transformer, reference_chunk_attention
 
@@ -56,6 +56,10 @@ INTERPRETED = ("the decode attention is Triton through its interpreter (TRITON_I
                "timings not speed (left out, as lab/stages.py does for interpreted paths)")
 PREALLOCATED = ("the KV cache is preallocated for prompt + new tokens (+ K + 1 when verifying), so peak memory does "
                 "not grow with the tokens generated; kv_cache_bytes is the cache's share of it")
+TREE_ATTENTION = ("posttrainllm.ops.reference.masked_chunk_attention: the tree verification's explicit ancestor mask "
+                  "is an arbitrary mask, which no decode_attention path takes (the Triton kernel's is bottom-right "
+                  "causal), so tree verification always attends with the reference math; cached decoding and chain "
+                  "verification use heads.decode_attention")
 
 
 class LossyDecoding(RuntimeError):
@@ -326,7 +330,8 @@ def decode_attention(cfg: LabConfig) -> tuple[AttentionFn, dict[str, Any]]:
 def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
     """Plain greedy vs speculative on the same eval prompts, the controls beside them; decode.json.
 
-    Every variant attends with heads.decode_attention. Raises LossyDecoding (after writing) when any
+    Every variant attends with heads.decode_attention, but for trained_tree's tree verifications (opt-in:
+    heads.tree; TREE_ATTENTION says why and what instead). Raises LossyDecoding (after writing) when any
     speculative output differs from greedy, or (another attention than the reference) greedy decoding
     differs from greedy decoding with the reference attention.
     """
@@ -344,13 +349,16 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
         torch.manual_seed(h.seed)
         variants["untrained"] = MedusaHeads(base.lm_head.weight.detach(), K).to(device).eval()
         variants["trained"] = load_heads(cfg, base, device)
+    tree = list(h.tree) if K else []  # the trained heads again, verified as a tree of candidates
 
     def run(name: str, prompt: torch.Tensor) -> Generation:
         if name == "greedy":
             return greedy_cached(base, prompt, h.new_tokens, keep_logits=True)[1]
+        if name == "trained_tree":
+            return speculative_tree(base, variants["trained"], prompt, h.new_tokens, tree)
         return speculative(base, variants[name], prompt, h.new_tokens)
 
-    names = ["greedy", *variants]
+    names = ["greedy", *variants, *(["trained_tree"] if tree else [])]
     base.set_decode_attention(attention)
     for name in names:  # untimed warmup, every variant alike
         for i in range(min(h.warmup_prompts, h.eval_prompts)):
@@ -367,14 +375,25 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
                               "itl_rule": "a step that yields m tokens in dt gives m inter-token latencies of dt/m",
                               "accepted_length_rule": "tokens per verification step: accepted drafts + the "
                                                       "base's own next token (1 = nothing accepted)"}
+    if tree:
+        report["tree"] = {"widths": tree, "entries": h.tree_size(), "verification_attention": TREE_ATTENTION,
+                          "rule": "a Cartesian tree: under every candidate at depth d-1, the top-w_d tokens of head "
+                                  "d; one forward over root + candidates, each at position L + depth seeing the "
+                                  "cache and its ancestors; the deepest candidate whose path equals the base's "
+                                  "greedy tokens is accepted, plus the base's next token"}
     if not timed:
         report["timings"] = {"valid": False, "reason": INTERPRETED}
     for name in names:
         peak = peak_bytes(lambda name=name: run(name, eval_prompts[:1]), device, warmup=0)
         spare = 0 if name == "greedy" else (0 if name == "spec_k0" else K) + 1  # speculative: room for a chunk
+        if name == "trained_tree":
+            spare = h.tree_size()
         cache = KVCache(base.config, 1, h.prompt_len + h.new_tokens + spare, dtype=base.tok_emb.weight.dtype)
         peak.update(kv_cache_bytes=cache.nbytes(), note=PREALLOCATED)  # what greedy_cached / speculative allocate
-        report["variants"][name] = _summarise(gens[name], peak, 0 if name == "spec_k0" else K, timed)
+        depth = len(tree) if name == "trained_tree" else 0 if name == "spec_k0" else K
+        report["variants"][name] = _summarise(gens[name], peak, depth, timed)
+        if name == "trained_tree":
+            report["variants"][name]["verification_attention"] = "reference (masked_chunk_attention)"
     mismatches = []
     for name in names[1:]:
         for i, (got, want) in enumerate(zip(gens[name], gens["greedy"])):
@@ -448,6 +467,17 @@ def _speedup(report: dict[str, Any], base: Transformer, calibration: dict[str, A
                           f"{trained.get('predicted', float('nan')):.2f}x predicted from accepted length "
                           f"{v['trained']['mean_accepted_length']:.2f} and a verification costing "
                           f"{trained['verify_over_step']:.2f}x a step")
+    tree = out.get("trained_tree")
+    if tree is not None and trained is not None:
+        out["tree_vs_chain"] = {"accepted_length_ratio": v["trained_tree"]["mean_accepted_length"]
+                                / v["trained"]["mean_accepted_length"],
+                                "measured": tree["measured"] / trained["measured"],
+                                "verify_over_chain_verify": tree["verify_over_step"] / trained["verify_over_step"]}
+        out["tree_verdict"] = (f"tree {report['tree']['widths']} ({report['tree']['entries']} entries): accepted length "
+                               f"{v['trained_tree']['mean_accepted_length']:.2f} vs chain "
+                               f"{v['trained']['mean_accepted_length']:.2f}, {tree['measured']:.2f}x measured vs "
+                               f"{trained['measured']:.2f}x, {tree.get('predicted', float('nan')):.2f}x predicted "
+                               f"(a tree verification costs {tree['verify_over_step']:.2f}x a step)")
     return out
 
 
@@ -484,20 +514,21 @@ def stamps(cfg: LabConfig) -> dict[str, dict[str, Any]]:
 def table(receipt: dict[str, Any]) -> str:
     """One row per decoding variant, then the per-head accuracy and the verdict, as plain text."""
     decode, heads = receipt["decode"] or {"variants": {}, "speedup": {}}, receipt["heads"]
+    w = max([10, *map(len, decode["variants"])])  # the name column: 10 unless trained_tree is there
     lines = [f"heads {receipt['point']}: K={heads['num_heads']} on a base with held-out loss "
              f"{receipt['base']['heldout_loss']:.3f} nats/byte ({decode.get('device')}, {decode.get('threads')} threads, "
              f"{(decode.get('attention') or {}).get('path', 'reference')} decode attention)",
-             f"{'variant':>10} {'accepted':>8} {'tok/s':>9} {'speedup':>8} {'TTFT ms':>8} {'ITL ms p50 (p20-p80)':>22} "
-             f"{'peak MB':>8}"]
+             f"{'variant':>{w}} {'accepted':>8} {'tok/s':>9} {'speedup':>8} {'TTFT ms':>8} "
+             f"{'ITL ms p50 (p20-p80)':>22} {'peak MB':>8}"]
     for name, v in decode["variants"].items():
         peak_mb = f"{v['peak_memory']['peak_bytes'] / 2**20:>8.2f}"
         if "itl_ms" not in v:  # interpreted: no timings
-            lines.append(f"{name:>10} {v.get('mean_accepted_length', 1.0):>8.2f} {'-':>9} {'-':>8} {'-':>8} "
+            lines.append(f"{name:>{w}} {v.get('mean_accepted_length', 1.0):>8.2f} {'-':>9} {'-':>8} {'-':>8} "
                          f"{'-':>22} {peak_mb}")
             continue
         speedup = (decode["speedup"].get(name) or {}).get("measured", 1.0 if name == "greedy" else float("nan"))
         itl = v["itl_ms"]
-        lines.append(f"{name:>10} {v.get('mean_accepted_length', 1.0):>8.2f} {v['decode_tokens_per_s']:>9.1f} "
+        lines.append(f"{name:>{w}} {v.get('mean_accepted_length', 1.0):>8.2f} {v['decode_tokens_per_s']:>9.1f} "
                      f"{speedup:>7.2f}x {v['ttft_ms']['median']:>8.2f} "
                      f"{itl['median']:>8.3f} ({itl['p20']:.3f}-{itl['p80']:.3f}) {peak_mb}")
     for k, acc in enumerate(heads.get("heldout_accuracy") or [], start=1):
@@ -507,7 +538,10 @@ def table(receipt: dict[str, Any]) -> str:
     if decode.get("mismatches"):
         lines.append(f"  lossless: {decode['lossless']} ({decode['mismatches']['count']} mismatches, "
                      f"{decode['mismatches']['near_ties']} near-ties)")
-    for key in ("verdict", "why", "reason"):
+    if decode.get("tree"):
+        lines.append(f"  trained_tree verifies with {decode['tree']['verification_attention'].split(':')[0]} "
+                     "(an explicit tree mask; no decode_attention path takes one)")
+    for key in ("verdict", "tree_verdict", "why", "reason"):
         if decode["speedup"].get(key):
             lines.append(f"  {decode['speedup'][key]}")
     return "\n".join(lines)

@@ -7,6 +7,10 @@
                        the base's own greedy tokens is accepted, plus the base's next token; the
                        cache is rolled back past the rejected positions. K = 0 is plain decoding
                        through the same code path.
+    speculative_tree   Medusa tree verification (opt-in: heads.tree): the heads' top-w lists span a tree
+                       of candidate continuations (`candidate_tree`), verified in ONE forward with a tree
+                       attention mask; the longest root-to-node path the base agrees with is accepted,
+                       plus the base's next token, and its cache entries compacted into place.
 
 Lossless means the speculative tokens equal greedy_cached's token for token: every accepted
 token IS the base's argmax at its position. Floating point can still differ (a (K+1)-row forward
@@ -130,6 +134,128 @@ def speculative(model: Transformer, heads: MedusaHeads | None, prompt: torch.Ten
         _sync(device)
         gen.steps.append((time.perf_counter() - t0, len(emitted)))
         gen.accepted.append(n)
+        gen.tokens += emitted
+    extra = len(gen.tokens) - new_tokens  # the last step may overshoot: its surplus is dropped, its time kept
+    if extra:
+        gen.tokens = gen.tokens[:new_tokens]
+        dt, m = gen.steps[-1]
+        gen.steps[-1] = (dt, m - extra)
+    return gen
+
+
+@dataclass(frozen=True)
+class CandidateTree:
+    """A Cartesian tree of candidates (Medusa's, before its sparse trees): widths (w_1..w_D), D <= K.
+
+    Entry 0 is the root, the base's current token (not yet in the cache). Every entry at depth d-1 has w_d
+    children, the top-w_d tokens of head d (the same list under every parent: the heads all read the hidden
+    state that chose the root). Entries are flattened breadth first, so a parent precedes its children:
+    1 + w_1 + w_1·w_2 + ... + w_1···w_D entries. [1] * K is the chain of `speculative`.
+    """
+
+    widths: tuple[int, ...]
+    parent: tuple[int, ...]  # (T,): the parent's flattened index, -1 for the root
+    depth: torch.Tensor  # (T,) int64: 0 for the root; the RoPE position is cache.length + depth
+    choice: torch.Tensor  # (T,) int64: the rank of the entry's token in its head's top-w list (root: 0)
+    visible: torch.Tensor  # (T, T) bool: True where entry i may see entry j (j is i or one of its ancestors)
+
+    @property
+    def size(self) -> int:
+        return len(self.parent)
+
+
+def candidate_tree(widths: list[int] | tuple[int, ...]) -> CandidateTree:
+    """The flattened tree of `widths` (module docstring): parents, depths, ranks and the ancestor mask."""
+    widths = tuple(int(w) for w in widths)
+    if not widths or min(widths) < 1:
+        raise ValueError(f"a candidate tree needs one or more widths, each >= 1, got {list(widths)}")
+    parent, depth, choice, level = [-1], [0], [0], [0]
+    for d, width in enumerate(widths, start=1):
+        below = []
+        for p in level:
+            for rank in range(width):
+                parent.append(p)
+                depth.append(d)
+                choice.append(rank)
+                below.append(len(parent) - 1)
+        level = below
+    visible = torch.zeros(len(parent), len(parent), dtype=torch.bool)  # (T, T)
+    for i in range(len(parent)):
+        j = i
+        while j >= 0:  # itself, then up to the root
+            visible[i, j] = True
+            j = parent[j]
+    return CandidateTree(widths, tuple(parent), torch.tensor(depth), torch.tensor(choice), visible)
+
+
+def compact(cache: KVCache, start: int, sources: list[int]) -> None:
+    """Move every layer's cache entries at positions `sources` to [start, start + len(sources)), in order."""
+    if not sources:
+        return
+    index = torch.tensor(sources, device=cache.k[0].device)
+    for keys, values in zip(cache.k, cache.v):
+        keys[:, :, start:start + len(sources)] = keys[:, :, index]  # the gather copies first: overlaps are safe
+        values[:, :, start:start + len(sources)] = values[:, :, index]
+
+
+@torch.no_grad()
+def speculative_tree(model: Transformer, heads: MedusaHeads, prompt: torch.Tensor, new_tokens: int,
+                     widths: list[int] | tuple[int, ...]) -> Generation:
+    """Medusa tree decoding of one prompt (1, P): lossless by construction, as `speculative`.
+
+    Each verification forwards the flattened tree (`candidate_tree`: root = the last token, then the
+    candidates) over the cache in one call, entry i at position L + depth_i, seeing the cache and its
+    ancestors only (Transformer.hidden's `tree`: reference.masked_chunk_attention, whatever the decode
+    attention, since the decode_attention paths take no arbitrary mask). g_i = the base's argmax at
+    entry i; entry i is accepted when its parent is and its token equals g_parent; the deepest accepted
+    entry b (unique: siblings hold distinct tokens) gives the path root -> b: emit its tokens and g_b,
+    compact the path's keys and values to positions L+1.. and roll back to L + depth_b + 1; the heads
+    then propose from the hidden state at b. Generation.accepted holds depth_b per verification.
+    """
+    if prompt.shape[0] != 1:
+        raise ValueError(f"speculative decoding here is batch 1, got a prompt of shape {tuple(prompt.shape)}")
+    tree = candidate_tree(widths)
+    if heads is None or len(tree.widths) > heads.num_heads:
+        raise ValueError(f"a tree of depth {len(tree.widths)} needs as many draft heads, got "
+                         f"{0 if heads is None else heads.num_heads}")
+    device = prompt.device
+    P = prompt.shape[1]
+    depth, visible = tree.depth.to(device), tree.visible.to(device)  # (T,), (T, T)
+    head_of, rank_of = (tree.depth[1:] - 1).to(device), tree.choice[1:].to(device)  # (T-1,) each
+    depths, parents, width = tree.depth.tolist(), tree.parent, max(tree.widths)
+    cache = KVCache(model.config, 1, P + new_tokens + tree.size, device=device, dtype=model.tok_emb.weight.dtype)
+    _sync(device)
+    start = time.perf_counter()
+    hidden = model.hidden(prompt, cache)[:, -1]  # (1, C)
+    nxt = model.lm_head(hidden).argmax(-1)  # (1,)
+    top = heads.propose_topk(hidden[0], width)  # (K, W)
+    _sync(device)
+    gen = Generation(tokens=[int(nxt)], ttft_s=time.perf_counter() - start)
+    while len(gen.tokens) < new_tokens:
+        t0 = time.perf_counter()
+        length = cache.length
+        chunk = torch.cat([nxt, top[head_of, rank_of]])[None]  # (1, T): the root, then the candidates
+        hidden = model.hidden(chunk, cache, tree=(depth, visible))  # (1, T, C); cache slots [L, L + T) written
+        greedy_t = model.lm_head(hidden).argmax(-1)[0]  # (T,): g_i, the base's token after entry i's path
+        greedy, tokens = greedy_t.tolist(), chunk[0].tolist()
+        ok, best = [True] + [False] * (tree.size - 1), 0
+        for i in range(1, tree.size):  # breadth first: a parent is decided before its children
+            ok[i] = ok[parents[i]] and tokens[i] == greedy[parents[i]]
+            if ok[i] and depths[i] > depths[best]:
+                best = i
+        path, j = [], best
+        while j > 0:
+            path.append(j)
+            j = parents[j]
+        path.reverse()  # flattened indices of the accepted candidates, root excluded, shallowest first
+        compact(cache, length + 1, [length + i for i in path])  # the root stays at L
+        cache.rollback(length + len(path) + 1)
+        emitted = [*(tokens[i] for i in path), greedy[best]]
+        nxt = greedy_t[best:best + 1]  # (1,): g_b, not yet in the cache
+        top = heads.propose_topk(hidden[0, best], width)  # (K, W): from the state that chose g_b
+        _sync(device)
+        gen.steps.append((time.perf_counter() - t0, len(emitted)))
+        gen.accepted.append(len(path))
         gen.tokens += emitted
     extra = len(gen.tokens) - new_tokens  # the last step may overshoot: its surplus is dropped, its time kept
     if extra:

@@ -61,6 +61,12 @@ class MedusaHeads(nn.Module):
             return hidden.new_zeros((hidden.shape[0], 0), dtype=torch.long)
         return self(hidden).argmax(-1).transpose(0, 1)  # (K, B) -> (B, K)
 
+    @torch.no_grad()
+    def propose_topk(self, hidden: torch.Tensor, width: int) -> torch.Tensor:
+        """hidden (C,) at the last accepted position -> (K, width): each head's top-`width` tokens, best first
+        (the candidates of a tree: posttrainllm/model/decode.py `speculative_tree`)."""
+        return self(hidden).topk(width, dim=-1).indices  # (K, width)
+
 
 def self_distillation_loss(logits: torch.Tensor, tokens: torch.Tensor, first_target: int,
                            decay: float) -> tuple[torch.Tensor, list[float]]:

@@ -223,6 +223,8 @@ class CausalSelfAttention(nn.Module):
         # Set by Transformer.forward for the length of one call with a cache: (cache, this layer's index).
         # Block.forward passes only (x, cos, sin), so the cache reaches the attention this way.
         self.cache: tuple[KVCache, int] | None = None
+        # Set likewise for a tree verification (Transformer.hidden's `tree`): (T, L + T) bool, True = may NOT see.
+        self.tree_mask: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -236,7 +238,11 @@ class CausalSelfAttention(nn.Module):
             else:
                 cache, layer = self.cache
                 k_all, v_all = cache.append(layer, k, v)  # (B, nkv, L + T, hs), L positions cached before
-                y = self.decode_attention_fn(q, k_all, v_all)  # (B, nh, T, hs): the chunk at the end
+                if self.tree_mask is None:
+                    y = self.decode_attention_fn(q, k_all, v_all)  # (B, nh, T, hs): the chunk at the end
+                else:  # a tree of candidates: an arbitrary mask, which the decode_attention paths (the Triton
+                    # kernel's bottom-right causal mask) do not take, so always the readable reference math
+                    y = reference.masked_chunk_attention(q, k_all, v_all, self.tree_mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh*hs)
         return self.o_proj(y)  # (B, T, C)
 
@@ -395,25 +401,42 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None, *,
+               tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """idx (B, T) -> the normed last hidden state (B, T, C), what lm_head (and draft heads) read.
 
         With a cache, idx holds positions [cache.length, cache.length + T): their keys and values are
         appended to the cache and the attention sees every cached position (bottom-right causal).
+
+        tree = (depth (T,) int64, visible (T, T) bool), with a cache only: idx is a flattened tree of
+        candidates (posttrainllm/model/decode.py `speculative_tree`); entry i sits at RoPE position
+        cache.length + depth[i] and attends to every cached position plus the entries visible[i] marks
+        (its ancestors and itself), through reference.masked_chunk_attention. Its keys and values still
+        fill the cache slots [length, length + T) in flattened order: the caller compacts them.
         """
         B, T = idx.shape
         start = 0 if cache is None else cache.length
         if start + T > self.config.max_seq_len:
             raise ValueError(f"sequence length {start + T} exceeds max_seq_len={self.config.max_seq_len}")
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hs/2)
+        mask = None
+        if tree is None:
+            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hs/2)
+        else:
+            if cache is None:
+                raise ValueError("a tree verification runs over a KV cache: pass cache=")
+            depth, visible = tree  # (T,), (T, T)
+            cos, sin = self.rope_cos[start + depth], self.rope_sin[start + depth]  # (T, hs/2): position = depth
+            mask = torch.cat([visible.new_zeros((T, start)), ~visible], dim=1)  # (T, L + T), True = may NOT see
         x = self.tok_emb(idx)  # (B, T, C)
         try:
             for layer, block in enumerate(self.blocks):
                 block.attn.cache = None if cache is None else (cache, layer)
+                block.attn.tree_mask = mask
                 x = block(x, cos, sin)  # (B, T, C)
         finally:
             for block in self.blocks:
                 block.attn.cache = None
+                block.attn.tree_mask = None
         if cache is not None:
             cache.length = start + T
         return self.norm(x)  # (B, T, C)

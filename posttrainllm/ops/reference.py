@@ -105,6 +105,24 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sca
     return probs @ v  # (B, H, Sq, D)
 
 
+def masked_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, *,
+                           sm_scale: float | None = None) -> torch.Tensor:
+    """softmax(Q Kᵀ · scale, with `blocked` keys at -inf) · V: a query chunk with an arbitrary mask.
+
+    q: (B, H, Sq, D), k and v: (B, Hkv, Sk, D), blocked: (Sq, Sk) bool, True where query i may NOT see
+    key j (every row must see at least one key) -> (B, H, Sq, D). Tree verification uses it: each
+    candidate sees the cache and its own ancestors only (posttrainllm/model/decode.py `speculative_tree`).
+    """
+    head_dim = q.shape[3]
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    k = repeat_kv(k, q.shape[1])  # (B, H, Sk, D)
+    v = repeat_kv(v, q.shape[1])  # (B, H, Sk, D)
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
+    scores = scores.masked_fill(blocked, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # (B, H, Sq, Sk), rows sum to 1
+    return probs @ v  # (B, H, Sq, D)
+
+
 # --- mixture of experts -----------------------------------------------------------------
 # Shape legend (MoE)
 #     T   tokens (rows of x)      d   model width       f   expert FFN width
