@@ -96,6 +96,9 @@ class Contract:
     floor_rel: float = 1e-6
     atol: float = 1e-5
     rtol: float = 1e-5
+    # the elementwise tolerance's part that scales with the tensor (x max|oracle|): rounding a long sum
+    # (a matmul over K) leaves an absolute error on every element, near-zero ones included
+    atol_rel: float = 0.0
     max_mismatch: float = 0.0
     train_loss_drift: float = 1e-4
     # Per-row rule (posttrainllm/lab/parity.py): floors of each row's allowance, in units of the
@@ -107,8 +110,8 @@ class Contract:
         _positive("precision.contract", error_multiple=self.error_multiple, floor_rel=self.floor_rel,
                   train_loss_drift=self.train_loss_drift, row_floor_rel=self.row_floor_rel,
                   grad_row_floor_rel=self.grad_row_floor_rel)
-        _require(self.atol >= 0 and self.rtol >= 0,
-                 f"precision.contract: atol={self.atol} and rtol={self.rtol} must be >= 0")
+        _require(self.atol >= 0 and self.rtol >= 0 and self.atol_rel >= 0,
+                 f"precision.contract: atol={self.atol}, rtol={self.rtol} and atol_rel={self.atol_rel} must be >= 0")
         _require(0.0 <= self.max_mismatch < 1.0,
                  f"precision.contract.max_mismatch={self.max_mismatch}: must be in [0, 1)")
 

@@ -314,3 +314,25 @@ def test_check_path_keeps_the_forward_scale_for_an_exactly_zero_gradient():
     result = parity.check_path([got], [oracle], [{"grad_q": torch.zeros(2)}], ["S1"], lambda _: contract, ["grad_q"])
     assert result["verdict"] == "pass"
     assert result["worst"]["grad_q"]["allowed_abs_err"] == pytest.approx(3e-6)
+
+
+def test_the_fp32_elementwise_count_scales_with_the_tensor_and_still_bites():
+    """fp32 BLAS over K=512 leaves ~5e-7 x max|C| of rounding on every element, near-zero ones included: with
+    atol/rtol alone (1e-5) the plain `a @ b` itself misses the count, so torch.matmul, the same call, failed the
+    curve's check. atol_rel (conf/precision/fp32.yaml) scales the elementwise tolerance with the tensor; an
+    element off by 3x that tolerance still fails the count."""
+    import dataclasses
+
+    contract = precision("fp32").contract
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(512, 512, generator=gen), torch.randn(512, 512, generator=gen)
+    oracle, got = a.double() @ b.double(), torch.matmul(a, b)
+    baseline = a @ b
+    assert parity.check_output(got, oracle, baseline, contract)["verdict"] == "pass"
+    without = parity.check_output(got, oracle, baseline, dataclasses.replace(contract, atol_rel=0.0))
+    assert without["verdict"] == "fail" and "mismatch_frac" in without["reason"]
+    wrong = got.clone()
+    i = oracle.abs().argmin()  # a near-zero element: only the absolute part of the tolerance covers it
+    wrong.view(-1)[i] += 3 * contract.atol_rel * oracle.abs().max().item()
+    broken = parity.check_output(wrong, oracle, baseline, contract)
+    assert broken["verdict"] == "fail" and "mismatch_frac" in broken["reason"]

@@ -8,7 +8,7 @@ and it passes both rules below.
 
 Tensor-wide rule
     max|err| <= error_multiple · max|baseline − oracle| + floor_rel · max|oracle|
-    and the fraction of elements outside |err| <= atol + rtol·|oracle| is at most max_mismatch.
+    and the fraction of elements outside |err| <= atol + atol_rel·max|oracle| + rtol·|oracle| is at most max_mismatch.
 A wrong scale, a shifted mask, a missing rescale or an all-zero output miss it by orders
 of magnitude. But one number for the whole tensor is set by its largest rows: at bf16,
 causal, S=4096, row 0 of attention is ~3.3 while the last rows are ~0.06-0.09, so the
@@ -67,7 +67,7 @@ DEFAULT_ROW_NDIM = {"lse": 0}  # per output name; every other output: 1 (the las
 GRADIENT_PREFIX = "grad_"  # outputs named so are gradients and take contract.grad_row_floor_rel
 
 RULE = ("tensor: max_abs_err <= error_multiple * baseline_max_abs_err + floor_rel * max|oracle|, "
-        "mismatch_frac <= max_mismatch; each row: err_r <= error_multiple * baseline_err_r "
+        "mismatch_frac <= max_mismatch (outside: |err| > atol + atol_rel * max|oracle| + rtol * |oracle|); each row: err_r <= error_multiple * baseline_err_r "
         "+ floor_rel * max|oracle_r| + row_floor * max|oracle| (row_floor: grad_row_floor_rel for grad_*, "
         "else row_floor_rel); all finite")
 
@@ -78,7 +78,7 @@ def error_metrics(candidate: torch.Tensor, oracle: torch.Tensor, contract: Contr
     err = _abs_err(candidate, oracle)
     scale = oracle.abs().max().item() if oracle.numel() else 0.0
     denominator = oracle.abs().clamp_min(RELATIVE_DENOMINATOR_FLOOR * scale or 1e-30)
-    outside = err > contract.atol + contract.rtol * oracle.abs()
+    outside = err > contract.atol + contract.atol_rel * scale + contract.rtol * oracle.abs()
     return {
         "max_abs_err": err.max().item() if err.numel() else 0.0,
         "max_rel_err": (err / denominator).max().item() if err.numel() else 0.0,
