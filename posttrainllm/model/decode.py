@@ -53,6 +53,21 @@ class Generation:
     def decode_s(self) -> float:
         return sum(dt for dt, _ in self.steps)
 
+    def record(self, seconds: float, emitted: list[int], accepted: int) -> None:
+        """One verification step: its time, the tokens it emitted, and how many drafts it accepted."""
+        self.steps.append((seconds, len(emitted)))
+        self.accepted.append(accepted)
+        self.tokens += emitted
+
+    def trimmed(self, new_tokens: int) -> Generation:
+        """The last step may overshoot new_tokens: its surplus tokens are dropped, its time kept."""
+        extra = len(self.tokens) - new_tokens
+        if extra:
+            self.tokens = self.tokens[:new_tokens]
+            dt, m = self.steps[-1]
+            self.steps[-1] = (dt, m - extra)
+        return self
+
 
 @torch.no_grad()
 def greedy_recompute(model: Transformer, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,15 +147,8 @@ def speculative(model: Transformer, heads: MedusaHeads | None, prompt: torch.Ten
         nxt = greedy[n:n + 1]  # (1,): g_n, not yet in the cache
         drafts = heads.propose(hidden[:, n]) if K else drafts  # (1, K): from the state that chose g_n
         _sync(device)
-        gen.steps.append((time.perf_counter() - t0, len(emitted)))
-        gen.accepted.append(n)
-        gen.tokens += emitted
-    extra = len(gen.tokens) - new_tokens  # the last step may overshoot: its surplus is dropped, its time kept
-    if extra:
-        gen.tokens = gen.tokens[:new_tokens]
-        dt, m = gen.steps[-1]
-        gen.steps[-1] = (dt, m - extra)
-    return gen
+        gen.record(time.perf_counter() - t0, emitted, n)
+    return gen.trimmed(new_tokens)
 
 
 @dataclass(frozen=True)
@@ -254,15 +262,8 @@ def speculative_tree(model: Transformer, heads: MedusaHeads, prompt: torch.Tenso
         nxt = greedy_t[best:best + 1]  # (1,): g_b, not yet in the cache
         top = heads.propose_topk(hidden[0, best], width)  # (K, W): from the state that chose g_b
         _sync(device)
-        gen.steps.append((time.perf_counter() - t0, len(emitted)))
-        gen.accepted.append(len(path))
-        gen.tokens += emitted
-    extra = len(gen.tokens) - new_tokens  # the last step may overshoot: its surplus is dropped, its time kept
-    if extra:
-        gen.tokens = gen.tokens[:new_tokens]
-        dt, m = gen.steps[-1]
-        gen.steps[-1] = (dt, m - extra)
-    return gen
+        gen.record(time.perf_counter() - t0, emitted, len(path))
+    return gen.trimmed(new_tokens)
 
 
 def first_mismatch(got: list[int], want: list[int], want_logits: list[torch.Tensor], near_tie: float
