@@ -1,10 +1,13 @@
-"""Guards around one call of a path: it must not change its inputs, alias them, or skip its kernel.
+"""Guards around one call of a path: it must not change its inputs, alias them, or skip its kernels.
 
 A parity check compares numbers, so it cannot see a path that (a) writes into its inputs
 (the next path, or the oracle, then reads corrupted data), (b) returns an input, or a view
 of one, as its output (so a later in-place op on the output corrupts the input), or (c)
-falls back to torch instead of launching its Triton kernel (its numbers then pass parity
-and its timings describe the wrong code). `run_guarded` checks all three around one call.
+falls back to torch instead of launching its Triton kernels (its numbers then pass parity
+and its timings describe the wrong code). `run_guarded` checks all three around one call;
+the kernel stage guards the forward call and, separately, the backward call (the gradients),
+each against the kernels the path names for that direction (`Impl.kernels`): any one launch
+is not proof, since a path launching only a helper kernel would pass.
 
 Counting Triton launches (`count_triton_launches`), two mechanisms, each firing in one mode:
 - Compiled (GPU): Triton's launch hook, `triton.knobs.runtime.launch_enter_hook`. Every compiled
@@ -156,14 +159,15 @@ def _overlap(a: tuple[torch.device, int, int] | None, b: tuple[torch.device, int
 
 
 def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, torch.Tensor], *,
-                expect_triton: bool) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
+                expect_triton: bool, kernels: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
     """Call fn() once and return (its outputs, violations).
 
     Violations: "changed input q" (bitwise, NaN-aware, shape and dtype too), "output out shares
     storage with input a" (any overlap of their storages: the input itself, a view like `.t()`,
-    a slice), and, with expect_triton, "launched no Triton kernel". If fn raises (or returns no
+    a slice), with expect_triton "launched no Triton kernel", and for each name in `kernels` that
+    did not launch, "launched no <name> (a kernel the path names)". If fn raises (or returns no
     dict), the outputs are None and the first violation says so ("raised <Type>: <message>");
-    the inputs are still checked, the launch count is not.
+    the inputs are still checked, the launches are not.
     """
     snapshot = {name: x.detach().clone() for name, x in inputs.items()}
     violations: list[str] = []
@@ -189,4 +193,7 @@ def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, tor
                                for in_name, span in spans.items() if _overlap(out_span, span)]
         if expect_triton and launches.total == 0:
             violations.append("launched no Triton kernel")
+        else:
+            violations += [f"launched no {name} (a kernel the path names)" for name in kernels
+                           if not launches.by_kernel.get(name)]
     return outputs, violations

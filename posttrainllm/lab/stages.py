@@ -30,7 +30,7 @@ from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
-from posttrainllm.opdefs import REFERENCE, Case, Impl, OpDef, Tensors, get_op
+from posttrainllm.opdefs import NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, get_op
 from posttrainllm.track.provenance import git_revision
 
 INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
@@ -41,6 +41,10 @@ BAND_RULE = "faster: p80 < other's p20; slower: p20 > other's p80; else no measu
 
 class ContractBroken(RuntimeError):
     """A path broke its numerical contract; the stage's report is already written."""
+
+
+class DidNotRun(RuntimeError):
+    """A path's forward call raised (its message: "<Type>: <first line>") or returned no dict of tensors."""
 
 
 def _dtype(cfg: LabConfig) -> torch.dtype:
@@ -210,7 +214,8 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 outputs[impl.name] = results
             except Exception as exc:  # a kernel that cannot run is a failed path, reported, not a crash
                 outputs[impl.name] = None
-                entry["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                entry["error"] = (str(exc) if isinstance(exc, DidNotRun) else
+                                  f"{type(exc).__name__}: {exc}".splitlines()[0])
             report["paths"][impl.name] = entry
     torch.save(outputs, out / "kernel.pt")
     write_json(out / "kernel.json", report)
@@ -218,10 +223,21 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
 
 
 def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str) -> tuple[Tensors, list[str]]:
+    """One case: the forward call, then (a backward of its own) the gradients' call, each guarded on its own
+    (inputs unchanged, no aliasing, the path's kernels of that direction launched)."""
     inputs = {k: v.to(device) for k, v in record["inputs"].items()}
-    got, violations = guards.run_guarded(lambda: impl.fn(inputs, cfg), inputs, expect_triton=impl.kind == "triton")
-    got = dict(got or {})
-    got.update(gradients(lambda x: impl.fn(x, cfg), inputs, record["grad_out"].to(device)))
+    triton = impl.kind == "triton"
+    got, violations = guards.run_guarded(lambda: impl.fn(inputs, cfg), inputs, expect_triton=triton,
+                                         kernels=impl.kernels.get("forward", ()))
+    if got is None:  # the forward raised or returned no dict: the path did not run (run_kernel records why)
+        raise DidNotRun(violations[0].removeprefix("raised "))
+    got = dict(got)
+    if impl.checks_gradients:
+        grads, broken = guards.run_guarded(
+            lambda: gradients(lambda x: impl.fn(x, cfg), inputs, record["grad_out"].to(device)), inputs,
+            expect_triton=triton, kernels=impl.kernels.get("backward", ()))
+        got.update(grads or {})
+        violations += [f"backward {v}" for v in broken]
     return _to_cpu(got), violations
 
 
@@ -238,7 +254,9 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
     case_names = [r["case"]["name"] for r in records]
     report: dict[str, Any] = {"precision": cfg.precision.name, "contract": asdict(cfg.precision.contract),
                               "lse_contract": asdict(cfg.precision.lse_contract),
-                              "rule": parity.RULE + "; inputs unchanged, no aliasing, a Triton path launched Triton",
+                              "rule": parity.RULE + "; forward and backward calls each: inputs unchanged, no aliasing, "
+                                      "a Triton path launched the kernels it names for that direction",
+                              "backward_rule": BACKWARD_RULE,
                               "cases": case_names, "paths": {}, "notes": []}
     if any(r["case"]["inputs"] != "normal" for r in records):
         report["notes"].append(ADVERSARIAL_NOTE)
@@ -261,6 +279,9 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
             result["verdict"] = "fail"
             result["failed_cases"] = entry["violations"] + result["failed_cases"]
         result["emulation"] = entry.get("emulation")
+        result["backward"] = impl.backward
+        if not impl.checks_gradients:  # a borrowed backward is never a pass of this path's gradients
+            result["gradients"] = backward_note(impl)
         report["paths"][impl.name] = result
     checks = {r["case"]["name"]: r["input_checks"] for r in records if r.get("input_checks") is not None}
     if checks:  # the inputs themselves (MoE: the routing every path ran on), checked once by the reference stage
@@ -278,6 +299,10 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
                              f"({failures[broken[0]][0]})")
     return report
 
+
+BACKWARD_RULE = ('each path\'s "backward": "own" (its gradients checked as the forward is), another path\'s name '
+                 '(borrowed: its gradients are that path\'s math, shown as not checked, never a pass) or "none" '
+                 '(forward-only)')
 
 ADVERSARIAL_NOTE = ("adversarial-input cases (large, growing and near one-hot logits) are held to the max-error "
                     "rules, per tensor and per row, not to the elementwise atol/rtol count: at their magnitudes "
@@ -324,6 +349,13 @@ def _check_path(op: OpDef, impl: Impl, cfg: LabConfig, records: list[dict[str, A
                                                                                     1e-300):
                 merged["worst"][name] = entry
     return merged
+
+
+def backward_note(impl: Impl) -> str:
+    """Why a path's gradients are not checked as its own (Impl.backward)."""
+    if impl.backward == NO_BACKWARD:
+        return "none: a forward-only path (no gradients, no forward+backward time, no training)"
+    return f"not checked: the backward is borrowed from the {impl.backward!r} path's math, not this path's"
 
 
 def passed_parity(out: Path) -> dict[str, bool]:
@@ -402,19 +434,24 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
             with torch.no_grad():
                 forward = measure(lambda impl=impl: impl.fn(inputs, cfg), device=device, **settings)
                 memory = peak_bytes(lambda impl=impl: impl.fn(inputs, cfg), device, warmup=0)
-            train = measure(_forward_backward(impl, inputs, grad_out, cfg), device=device, **settings)
+            train = (None if impl.backward == NO_BACKWARD else
+                     measure(_forward_backward(impl, inputs, grad_out, cfg), device=device, **settings))
             timings[name] = (forward, train)
-            seconds, train_seconds = forward.median_ms / 1e3, train.median_ms / 1e3
+            seconds = forward.median_ms / 1e3
             report["paths"][name] = {
                 "valid": True, **forward.summary(),
                 "gflops_per_s": costs.flops / seconds / 1e9, "gbytes_per_s": costs.bytes / seconds / 1e9,
                 "memory": memory,
                 "roofline": roofline.roofline(costs.flops, costs.bytes, seconds, peak_flops=peak_flops,
                                               peak_bytes_per_s=peak_bandwidth) if peak_flops else None,
-                "forward_backward": {**train.summary(), "gflops_per_s": costs.train_flops / train_seconds / 1e9},
+                "backward": impl.backward,
+                "forward_backward": (
+                    {"valid": False, "reason": backward_note(impl)} if train is None else
+                    {**train.summary(), "gflops_per_s": costs.train_flops / (train.median_ms / 1e3) / 1e9}),
             }
             for mode, timing in (("forward", forward), ("forward_backward", train)):
-                rows += [{"impl": name, "mode": mode, "rep": i, "ms": ms} for i, ms in enumerate(timing.samples_ms)]
+                rows += [{"impl": name, "mode": mode, "rep": i, "ms": ms}
+                         for i, ms in enumerate(timing.samples_ms if timing else [])]
     ref_forward, ref_train = timings[REFERENCE]
     for name, (forward, train) in timings.items():
         if name == REFERENCE:
@@ -422,8 +459,9 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
         entry = report["paths"][name]
         entry["speedup_vs_reference"] = ref_forward.median_ms / forward.median_ms
         entry["vs_reference"] = compare(forward, ref_forward)
-        entry["forward_backward"]["speedup_vs_reference"] = ref_train.median_ms / train.median_ms
-        entry["forward_backward"]["vs_reference"] = compare(train, ref_train)
+        if train is not None:
+            entry["forward_backward"]["speedup_vs_reference"] = ref_train.median_ms / train.median_ms
+            entry["forward_backward"]["vs_reference"] = compare(train, ref_train)
     timed = list(timings)
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
         report["describe"] = op.describe(case, inputs, cfg)
@@ -473,6 +511,8 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) 
                     labels = dict(op=op.name, impl=name, kind=impl.kind, x_name=axis.x_name, x_value=x,
                                   bytes=costs.bytes, minimal_bytes=costs.bytes, device=device, revision=revision)
                     for mode in modes:
+                        if mode == curves.FORWARD_BACKWARD and impl.backward == NO_BACKWARD:
+                            continue  # a forward-only path has no forward + backward to time
                         if mode == curves.FORWARD:
                             call, flops = (lambda impl=impl: impl.fn(inputs, cfg)), costs.flops
                         else:
@@ -549,6 +589,9 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
     for name in op.train_impls(cfg):
         if not passed.get(name, False):
             skipped[name] = FAILED_PARITY
+            continue
+        if op.paths(cfg)[name].backward == NO_BACKWARD:
+            skipped[name] = backward_note(op.paths(cfg)[name])
             continue
         hooks = op.model_hooks(op.paths(cfg)[name], cfg)
         interpreted = _interpreted(op.paths(cfg)[name])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from posttrainllm.config import ConfigError
 from posttrainllm.opdefs import attention, decode_attention, matmul, moe
-from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors
+from posttrainllm.opdefs.base import NO_BACKWARD, OWN_BACKWARD, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors
 
 OPS: dict[str, OpDef] = {op.name: op for op in (attention.OP, matmul.OP, decode_attention.OP, moe.OP)}
 
@@ -16,4 +16,4 @@ def get_op(name: str) -> OpDef:
         raise ConfigError(f"unknown op {name!r}: valid choices are {', '.join(OPS)}") from None
 
 
-__all__ = ["OPS", "REFERENCE", "Case", "Costs", "Impl", "ModelHooks", "OpDef", "Tensors", "get_op"]
+__all__ = ["NO_BACKWARD", "OPS", "OWN_BACKWARD", "REFERENCE", "Case", "Costs", "Impl", "ModelHooks", "OpDef", "Tensors", "get_op"]

@@ -211,7 +211,9 @@ IMPLS = {
     REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.attention"),
     "sdpa": Impl("sdpa", "peer", _sdpa, backend="torch.nn.functional.scaled_dot_product_attention"),
     "triton": Impl("triton", "triton", _triton, outputs=("out", "lse"), geometry=_triton_geometry,
-                   backend="posttrainllm.ops.attention.flash_attention"),
+                   backend="posttrainllm.ops.attention.flash_attention",
+                   kernels={"forward": ("_attn_fwd_kernel",),
+                            "backward": ("_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")}),
 }
 
 

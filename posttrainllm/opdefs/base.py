@@ -29,6 +29,7 @@ from posttrainllm.config import LabConfig
 
 Tensors = dict[str, torch.Tensor]
 REFERENCE = "reference"
+OWN_BACKWARD, NO_BACKWARD = "own", "none"  # Impl.backward: its own, none (forward-only), or another path's name
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,14 @@ class Impl:
     """One implementation of an op.
 
     fn: inputs -> outputs ("out", plus what `outputs` names), differentiable in the inputs.
-    outputs: the forward outputs this path produces; parity requires every one (and a
-        gradient for every input), so a path that drops one fails.
+    outputs: the forward outputs this path produces; parity requires every one (and, with its own
+        backward, a gradient for every input), so a path that drops one fails.
     kind: reference | peer (PyTorch's own fast path) | triton (ours).
+    backward: whose math the gradients are. "own": this path's backward, checked by parity like its
+        forward. Another path's name: a borrowed backward (the decode kernel recomputes the reference's),
+        so its gradients are that path's and parity shows them as not checked. "none": forward-only.
+    kernels: the path's own Triton kernels per direction ({"forward": (...), "backward": (...)}); the
+        kernel stage's guard requires each named kernel to launch in the call of that direction.
     """
 
     name: str
@@ -61,6 +67,13 @@ class Impl:
     # trained by default in bench-train (train.impls=[]); False for peers that only pin another path's
     # backend (the model trains the generic path), so the end-to-end step is not repeated per backend
     train: bool = True
+    backward: str = OWN_BACKWARD
+    kernels: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def checks_gradients(self) -> bool:
+        """Parity checks this path's gradients only when they are its own."""
+        return self.backward == OWN_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -158,9 +171,14 @@ class OpDef:
         """The paths checked against the reference (everything but the reference itself)."""
         return [impl for name, impl in self.paths(cfg).items() if name != REFERENCE]
 
+    def gradient_names(self) -> list[str]:
+        """grad_<input> for every input a gradient is asked for."""
+        return [f"grad_{name}" for name in self.input_names if name not in self.nondiff_inputs]
+
     def expected_outputs(self, impl: Impl) -> list[str]:
-        """What parity requires of `impl`: its declared forward outputs, then a gradient per input."""
-        return [*impl.outputs, *(f"grad_{name}" for name in self.input_names if name not in self.nondiff_inputs)]
+        """What parity requires of `impl`: its declared forward outputs, then, when the backward is its own, a
+        gradient per input (a borrowed backward's gradients are another path's; a forward-only path has none)."""
+        return [*impl.outputs, *(self.gradient_names() if impl.checks_gradients else [])]
 
     def train_impls(self, cfg: LabConfig) -> list[str]:
         """The implementations bench-train runs (train.impls, or all): the reference first, the drift baseline."""

@@ -11,7 +11,8 @@ Paths (one function each: checked, timed and trained):
                 which is wrong for a chunk at the end of a cache: it gets an explicit boolean mask there
                 (none at Sq = 1, where every key is visible; is_causal only when Sq == Sk)
     triton      posttrainllm.ops.decode_attention: split-KV (flash-decoding) forward, GQA groups read K/V once;
-                its backward is the readable math's (decoding is inference; see the kernel's docstring)
+                its backward is the readable math's (decoding is inference; see the kernel's docstring), declared
+                borrowed (backward="reference"): parity shows its gradients as not checked, never as a pass
 
 The microbench's figure is the bandwidth: bytes of KV cache read per second against the calibrated copy
 bandwidth (the roofline), over the context length Sk (`shape.curve` as Sk, Sq = 1).
@@ -76,7 +77,9 @@ IMPLS = {
     "sdpa": Impl("sdpa", "peer", _sdpa,
                  backend="torch.nn.functional.scaled_dot_product_attention (explicit bottom-right mask when Sq != Sk)"),
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry,
-                   backend="posttrainllm.ops.decode_attention.decode_attention (forward; backward: reference math)"),
+                   backend="posttrainllm.ops.decode_attention.decode_attention (forward; backward: reference math)",
+                   backward=REFERENCE,  # the kernel recomputes the readable math's backward: not its own
+                   kernels={"forward": ("_chunk_attn_split_kernel", "_chunk_attn_combine_kernel")}),
 }
 
 

@@ -65,7 +65,8 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 IMPLS = {
     REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.matmul"),
     "torch": Impl("torch", "peer", _torch, backend="torch.matmul"),
-    "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry, backend="posttrainllm.ops.matmul.matmul"),
+    "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry, backend="posttrainllm.ops.matmul.matmul",
+                   kernels={"forward": ("_matmul_kernel",), "backward": ("_matmul_kernel",)}),
 }
 
 

@@ -126,7 +126,9 @@ IMPLS = {
     "sparse": Impl("sparse", "peer", _sparse, backend="posttrainllm.ops.reference.moe_sparse (per-expert loop)"),
     **({"grouped_mm": Impl("grouped_mm", "peer", _grouped_mm, backend="torch.nn.functional.grouped_mm")}
        if GROUPED_MM is not None else {}),
-    "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry, backend="posttrainllm.ops.moe.moe"),
+    "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry, backend="posttrainllm.ops.moe.moe",
+                   kernels={"forward": ("_gate_up_kernel", "_down_kernel", "_unpermute_kernel"),
+                            "backward": ("_down_backward_kernel", "_dx_rows_kernel", "_expert_grad_kernel")}),
 }
 
 

@@ -22,6 +22,7 @@ def point_table(receipt: dict[str, Any]) -> str:
         valid = b.get("valid", False)
         note = "; ".join(filter(None, [
             "bf16 emulated (see receipt)" if p.get("emulation") else "",
+            _backward_note(p.get("backward")),
             "interpreted: not speed" if b.get("reason", "").startswith("Triton ran through") else b.get("reason", ""),
         ]))
         rows.append({
@@ -41,6 +42,13 @@ def point_table(receipt: dict[str, Any]) -> str:
             f"{receipt['config']['precision']['name']} on {machine['device_name']} ({machine['threads']} threads), "
             f"parity {(receipt.get('parity') or {}).get('verdict', 'missing')}")
     return head + "\n" + pd.DataFrame(rows).to_string(index=False)
+
+
+def _backward_note(backward: str | None) -> str:
+    """parity.json's "backward" of a path, when its gradients are not its own (own or absent: nothing to say)."""
+    if backward in (None, "own"):
+        return ""
+    return "forward-only" if backward == "none" else f"gradients not checked: {backward}'s backward"
 
 
 def train_table(receipt: dict[str, Any]) -> str:
