@@ -31,7 +31,9 @@ from typing import Any, Callable
 import hydra
 from omegaconf import DictConfig
 
-from posttrainllm.config import CONF_DIR, ConfigError, LabConfig, load, validate
+from posttrainllm.config import CONF_DIR, ConfigError, LabConfig
+
+from posttrainllm.lab.configure import load, validate
 
 EXIT_CONTRACT, EXIT_CONFIG = 1, 2
 EXIT_UNTRACKED = 3  # the receipt JSON was written, MLflow was not (server unreachable, store failed)

@@ -43,14 +43,14 @@ def next_power_of_two(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
 
 def _positive(where: str, **values: int | float) -> None:
     for key, value in values.items():
-        _require(value > 0, f"{where}.{key}={value}: must be > 0")
+        require(value > 0, f"{where}.{key}={value}: must be > 0")
 
 
 @dataclass
@@ -66,10 +66,10 @@ class MaxErrorOnlyConfig:
     def __post_init__(self) -> None:
         valid = group_options("precision")
         for name in self.precisions:
-            _require(name in valid, f"op.max_error_only.precisions: unknown precision {name!r}: valid choices are "
+            require(name in valid, f"op.max_error_only.precisions: unknown precision {name!r}: valid choices are "
                                     f"{', '.join(valid)}")
         if self.outputs or self.precisions:
-            _require(bool(self.outputs) and bool(self.precisions) and bool(self.reason.strip()),
+            require(bool(self.outputs) and bool(self.precisions) and bool(self.reason.strip()),
                      "op.max_error_only: give outputs, precisions and the reason (measured) together")
 
     def outputs_for(self, precision: str) -> list[str]:
@@ -85,7 +85,7 @@ class OpConfig:
 
     def __post_init__(self) -> None:
         valid = group_options("op")
-        _require(self.name in valid, f"op.name={self.name!r}: valid choices are {', '.join(valid)}")
+        require(self.name in valid, f"op.name={self.name!r}: valid choices are {', '.join(valid)}")
 
 
 @dataclass
@@ -110,9 +110,9 @@ class Contract:
         _positive("precision.contract", error_multiple=self.error_multiple, floor_rel=self.floor_rel,
                   train_loss_drift=self.train_loss_drift, row_floor_rel=self.row_floor_rel,
                   grad_row_floor_rel=self.grad_row_floor_rel)
-        _require(self.atol >= 0 and self.rtol >= 0 and self.atol_rel >= 0,
+        require(self.atol >= 0 and self.rtol >= 0 and self.atol_rel >= 0,
                  f"precision.contract: atol={self.atol}, rtol={self.rtol} and atol_rel={self.atol_rel} must be >= 0")
-        _require(0.0 <= self.max_mismatch < 1.0,
+        require(0.0 <= self.max_mismatch < 1.0,
                  f"precision.contract.max_mismatch={self.max_mismatch}: must be in [0, 1)")
 
 
@@ -129,8 +129,8 @@ class PrecisionConfig:
                                                                     grad_row_floor_rel=1e-5))
 
     def __post_init__(self) -> None:
-        _require(self.dtype in DTYPES, f"precision.dtype={self.dtype!r}: valid choices are {', '.join(DTYPES)}")
-        _require(self.dot_precision in ("ieee", "tf32"),
+        require(self.dtype in DTYPES, f"precision.dtype={self.dtype!r}: valid choices are {', '.join(DTYPES)}")
+        require(self.dot_precision in ("ieee", "tf32"),
                  f"precision.dot_precision={self.dot_precision!r}: valid choices are ieee, tf32")
 
 
@@ -157,7 +157,7 @@ class TileConfig:
             value = getattr(self, key)
             if value is None:
                 continue
-            _require(_power_of_two(value) and value >= 16,
+            require(_power_of_two(value) and value >= 16,
                      f"tile.{key}={value}: must be a power of two >= 16 (tl.dot needs 16 on the GPU)")
 
     @property
@@ -173,10 +173,10 @@ class WorkgroupConfig:
     group_m: int = 8
 
     def __post_init__(self) -> None:
-        _require(self.num_warps in (1, 2, 4, 8, 16),
+        require(self.num_warps in (1, 2, 4, 8, 16),
                  f"workgroup.num_warps={self.num_warps}: valid choices are 1, 2, 4, 8, 16")
-        _require(1 <= self.num_stages <= 8, f"workgroup.num_stages={self.num_stages}: must be in [1, 8]")
-        _require(self.group_m >= 1, f"workgroup.group_m={self.group_m}: must be >= 1")
+        require(1 <= self.num_stages <= 8, f"workgroup.num_stages={self.num_stages}: must be in [1, 8]")
+        require(self.group_m >= 1, f"workgroup.group_m={self.group_m}: must be >= 1")
 
     @property
     def autotune(self) -> bool:
@@ -205,14 +205,14 @@ class ArchitectureConfig:
         _positive("architecture", d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
                   n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, mlp_hidden=self.mlp_hidden,
                   n_experts=self.n_experts, top_k=self.top_k, expert_hidden=self.expert_hidden)
-        _require(self.top_k <= self.n_experts,
+        require(self.top_k <= self.n_experts,
                  f"architecture.top_k={self.top_k}: must be <= n_experts={self.n_experts}")
-        _require(self.router_aux_coef >= 0, f"architecture.router_aux_coef={self.router_aux_coef}: must be >= 0")
-        _require(self.n_heads % self.n_kv_heads == 0,
+        require(self.router_aux_coef >= 0, f"architecture.router_aux_coef={self.router_aux_coef}: must be >= 0")
+        require(self.n_heads % self.n_kv_heads == 0,
                  f"architecture.n_kv_heads={self.n_kv_heads}: must divide n_heads={self.n_heads}")
-        _require(_power_of_two(self.head_dim) and 16 <= self.head_dim <= 128,
+        require(_power_of_two(self.head_dim) and 16 <= self.head_dim <= 128,
                  f"architecture.head_dim={self.head_dim}: must be a power of two in [16, 128]")
-        _require(self.mlp in ("dense", "moe"), f"architecture.mlp={self.mlp!r}: valid choices are dense, moe")
+        require(self.mlp in ("dense", "moe"), f"architecture.mlp={self.mlp!r}: valid choices are dense, moe")
 
 
 @dataclass
@@ -249,29 +249,29 @@ class ShapeConfig:
                   decode_kv_len=self.decode_kv_len)
         for key in ("decode_q_lens", "decode_kv_lens"):
             values = list(getattr(self, key))
-            _require(len(values) >= 1 and min(values) > 0, f"shape.{key}={values}: give at least one size > 0")
-        _require(min(self.decode_q_lens) <= max(self.decode_kv_lens),
+            require(len(values) >= 1 and min(values) > 0, f"shape.{key}={values}: give at least one size > 0")
+        require(min(self.decode_q_lens) <= max(self.decode_kv_lens),
                  f"shape.decode_q_lens={list(self.decode_q_lens)}: no chunk fits shape.decode_kv_lens="
                  f"{list(self.decode_kv_lens)} (a chunk needs Sq <= Sk)")
-        _require(len(self.curve) >= 2 and min(self.curve) > 0,
+        require(len(self.curve) >= 2 and min(self.curve) > 0,
                  f"shape.curve={list(self.curve)}: give at least two sizes > 0")
         for s in self.edge_seq_lens:
-            _require(s > 0, f"shape.edge_seq_lens: {s} must be > 0")
+            require(s > 0, f"shape.edge_seq_lens: {s} must be > 0")
         for mnk in self.edge_mnk:
-            _require(len(mnk) == 3 and min(mnk) > 0, f"shape.edge_mnk: {list(mnk)} must be three sizes > 0")
+            require(len(mnk) == 3 and min(mnk) > 0, f"shape.edge_mnk: {list(mnk)} must be three sizes > 0")
         _positive("shape", moe_tokens=self.moe_tokens, moe_d_model=self.moe_d_model, moe_ffn=self.moe_ffn,
                   moe_experts=self.moe_experts, moe_top_k=self.moe_top_k)
-        _require(self.moe_top_k <= self.moe_experts,
+        require(self.moe_top_k <= self.moe_experts,
                  f"shape.moe_top_k={self.moe_top_k}: must be <= shape.moe_experts={self.moe_experts}")
-        _require(len(self.moe_curve) >= 2 and min(self.moe_curve) > 0,
+        require(len(self.moe_curve) >= 2 and min(self.moe_curve) > 0,
                  f"shape.moe_curve={list(self.moe_curve)}: give at least two token counts > 0")
-        _require(len(self.moe_expert_curve) >= 2 and min(self.moe_expert_curve) >= self.moe_top_k,
+        require(len(self.moe_expert_curve) >= 2 and min(self.moe_expert_curve) >= self.moe_top_k,
                  f"shape.moe_expert_curve={list(self.moe_expert_curve)}: give at least two expert counts >= "
                  f"shape.moe_top_k={self.moe_top_k}")
-        _require(self.matmul_curve is None or (len(self.matmul_curve) >= 2 and min(self.matmul_curve) > 0),
+        require(self.matmul_curve is None or (len(self.matmul_curve) >= 2 and min(self.matmul_curve) > 0),
                  f"shape.matmul_curve={self.matmul_curve}: give at least two sizes > 0, or null (use `curve`)")
         for tdf in self.moe_edge:
-            _require(len(tdf) == 3 and min(tdf) > 0, f"shape.moe_edge: {list(tdf)} must be three sizes [T, d, f] > 0")
+            require(len(tdf) == 3 and min(tdf) > 0, f"shape.moe_edge: {list(tdf)} must be three sizes [T, d, f] > 0")
 
 
 @dataclass
@@ -280,7 +280,7 @@ class DeviceConfig:
     smem_bytes: int = 232448
 
     def __post_init__(self) -> None:
-        _require(self.name in ("auto", "cpu", "cuda"), f"device.name={self.name!r}: valid choices are auto, cpu, cuda")
+        require(self.name in ("auto", "cpu", "cuda"), f"device.name={self.name!r}: valid choices are auto, cpu, cuda")
         _positive("device", smem_bytes=self.smem_bytes)
 
 
@@ -294,7 +294,7 @@ class RunConfig:
     approve: bool = False
 
     def __post_init__(self) -> None:
-        _require(re.fullmatch(r"[A-Za-z0-9._=,-]+", self.name) is not None,
+        require(re.fullmatch(r"[A-Za-z0-9._=,-]+", self.name) is not None,
                  f"run.name={self.name!r}: use letters, digits and . _ = , - only")
 
 
@@ -306,8 +306,8 @@ class ParityConfig:
     memory_fraction: float = 0.5
 
     def __post_init__(self) -> None:
-        _require(len(self.seeds) >= 1, "parity.seeds: give at least one seed")
-        _require(0 < self.memory_fraction <= 1, f"parity.memory_fraction={self.memory_fraction}: must be in (0, 1]")
+        require(len(self.seeds) >= 1, "parity.seeds: give at least one seed")
+        require(0 < self.memory_fraction <= 1, f"parity.memory_fraction={self.memory_fraction}: must be in (0, 1]")
 
 
 @dataclass
@@ -322,11 +322,11 @@ class BenchConfig:
     curve_backward: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.warmup >= 0, f"bench.warmup={self.warmup}: must be >= 0")
-        _require(self.reps >= 1, f"bench.reps={self.reps}: must be >= 1")
-        _require(self.max_reps >= self.reps, f"bench.max_reps={self.max_reps}: must be >= bench.reps={self.reps}")
-        _require(self.min_time_s >= 0, f"bench.min_time_s={self.min_time_s}: must be >= 0")
-        _require(self.threads >= 0, f"bench.threads={self.threads}: must be >= 0 (0 keeps torch's default)")
+        require(self.warmup >= 0, f"bench.warmup={self.warmup}: must be >= 0")
+        require(self.reps >= 1, f"bench.reps={self.reps}: must be >= 1")
+        require(self.max_reps >= self.reps, f"bench.max_reps={self.max_reps}: must be >= bench.reps={self.reps}")
+        require(self.min_time_s >= 0, f"bench.min_time_s={self.min_time_s}: must be >= 0")
+        require(self.threads >= 0, f"bench.threads={self.threads}: must be >= 0 (0 keeps torch's default)")
 
 
 @dataclass
@@ -344,7 +344,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _positive("train", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, lr=self.lr,
                   interpreted_steps=self.interpreted_steps)
-        _require(0 <= self.warmup_steps < self.steps,
+        require(0 <= self.warmup_steps < self.steps,
                  f"train.warmup_steps={self.warmup_steps}: must be in [0, train.steps={self.steps})")
 
 
@@ -359,10 +359,10 @@ class CompareConfig:
     seed: int = 0  # of the resampling: the same receipts give the same interval
 
     def __post_init__(self) -> None:
-        _require(self.threshold >= 0, f"compare.threshold={self.threshold}: must be >= 0")
-        _require(0 < self.alpha < 1, f"compare.alpha={self.alpha}: must be in (0, 1)")
-        _require(0 < self.confidence < 1, f"compare.confidence={self.confidence}: must be in (0, 1)")
-        _require(self.bootstrap >= 100, f"compare.bootstrap={self.bootstrap}: must be >= 100")
+        require(self.threshold >= 0, f"compare.threshold={self.threshold}: must be >= 0")
+        require(0 < self.alpha < 1, f"compare.alpha={self.alpha}: must be in (0, 1)")
+        require(0 < self.confidence < 1, f"compare.confidence={self.confidence}: must be in (0, 1)")
+        require(self.bootstrap >= 100, f"compare.bootstrap={self.bootstrap}: must be >= 100")
 
 
 @dataclass
@@ -382,10 +382,10 @@ class BaseTrainConfig:
     def __post_init__(self) -> None:
         _positive("heads.base", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, lr=self.lr,
                   eval_batches=self.eval_batches, max_seq_len=self.max_seq_len)
-        _require(0 <= self.warmup_steps < self.steps,
+        require(0 <= self.warmup_steps < self.steps,
                  f"heads.base.warmup_steps={self.warmup_steps}: must be in [0, heads.base.steps={self.steps})")
-        _require(0 < self.heldout_frac < 0.5, f"heads.base.heldout_frac={self.heldout_frac}: must be in (0, 0.5)")
-        _require(self.seq_len <= self.max_seq_len,
+        require(0 < self.heldout_frac < 0.5, f"heads.base.heldout_frac={self.heldout_frac}: must be in (0, 0.5)")
+        require(self.seq_len <= self.max_seq_len,
                  f"heads.base.seq_len={self.seq_len}: must be <= heads.base.max_seq_len={self.max_seq_len}")
 
 
@@ -425,23 +425,23 @@ class HeadsConfig:
         return size
 
     def __post_init__(self) -> None:
-        _require(0 <= self.num_heads <= 8, f"heads.num_heads={self.num_heads}: must be in [0, 8]")
+        require(0 <= self.num_heads <= 8, f"heads.num_heads={self.num_heads}: must be in [0, 8]")
         tree = list(self.tree)
-        _require(len(tree) <= self.num_heads,
+        require(len(tree) <= self.num_heads,
                  f"heads.tree={tree}: one width per head, so at most heads.num_heads={self.num_heads} widths")
-        _require(all(isinstance(w, int) and w >= 1 for w in tree),
+        require(all(isinstance(w, int) and w >= 1 for w in tree),
                  f"heads.tree={tree}: every width (top-w of a head) must be an int >= 1")
         _positive("heads", steps=self.steps, batch_size=self.batch_size, lr=self.lr, loss_decay=self.loss_decay,
                   train_prompts=self.train_prompts, prompt_len=self.prompt_len,
                   continuation_len=self.continuation_len, eval_prompts=self.eval_prompts, new_tokens=self.new_tokens)
-        _require(self.warmup_prompts >= 0, f"heads.warmup_prompts={self.warmup_prompts}: must be >= 0")
+        require(self.warmup_prompts >= 0, f"heads.warmup_prompts={self.warmup_prompts}: must be >= 0")
         longest = self.prompt_len + max(self.continuation_len, self.new_tokens + self.num_heads + 1)
-        _require(longest <= self.base.max_seq_len,
+        require(longest <= self.base.max_seq_len,
                  f"heads: prompt_len + generated tokens + K + 1 = {longest} exceeds heads.base.max_seq_len="
                  f"{self.base.max_seq_len}")
         if tree:
             longest = self.prompt_len + self.new_tokens + self.tree_size()
-            _require(longest <= self.base.max_seq_len,
+            require(longest <= self.base.max_seq_len,
                      f"heads: prompt_len + new_tokens + tree entries = {longest} exceeds heads.base.max_seq_len="
                      f"{self.base.max_seq_len}")
 
@@ -486,11 +486,14 @@ def _one_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def validate(cfg: DictConfig | dict[str, Any]) -> LabConfig:
-    """Merge a composed config into the schema; raise ConfigError with one line on any violation."""
+def validate_schema(cfg: DictConfig | dict[str, Any]) -> LabConfig:
+    """Merge a composed config into the schema; raise ConfigError with one line on any violation.
+
+    The schema's own rules only: the op's rules (a tile that does not fit its problem, its paths) are
+    checked by posttrainllm.lab.configure, the layer that knows both; use its `load`/`validate`."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(LabConfig), cfg)
-        lab = OmegaConf.to_object(merged)
+        return OmegaConf.to_object(merged)
     except ConfigError:
         raise
     except OmegaConfBaseException as exc:
@@ -500,40 +503,6 @@ def validate(cfg: DictConfig | dict[str, Any]) -> LabConfig:
             raise cause from None
         where = f" (at {key})" if key else ""
         raise ConfigError(f"{_one_line(exc)}{where}") from None
-    _check_op_rules(lab)
-    _check_heads_rules(lab)
-    return lab
-
-
-def _check_heads_rules(cfg: LabConfig) -> None:
-    """heads.decode_attention names a path of the decode_attention op's registry (the one list of them)."""
-    from posttrainllm.opdefs import get_op
-
-    paths = get_op("decode_attention").impls
-    _require(cfg.heads.decode_attention in paths, f"heads.decode_attention={cfg.heads.decode_attention!r}: valid "
-                                                  f"choices are {', '.join(paths)}")
-
-
-def _check_op_rules(cfg: LabConfig) -> None:
-    """The op's own rules (a tile that does not fit its problem, train.impls it does not have).
-
-    They live with the op (posttrainllm/opdefs/<op>.py), the one place that knows it; this is the
-    single call from the config layer up into the op modules, made lazily so config stays importable alone.
-    """
-    from posttrainllm.opdefs import get_op
-
-    op = get_op(cfg.op.name)
-    op.check_config(cfg)
-    outputs = list(dict.fromkeys(name for impl in op.impls.values() for name in op.expected_outputs(impl)))
-    for name in cfg.op.max_error_only.outputs:
-        _require(name in outputs, f"op.max_error_only.outputs: unknown {cfg.op.name} output {name!r}: valid choices "
-                                  f"are {', '.join(outputs)}")
-    impls = list(cfg.train.impls)
-    for impl in impls:
-        _require(impl in op.impls, f"train.impls: unknown {cfg.op.name} implementation {impl!r}: valid choices are "
-                                   f"{', '.join(op.impls)}")
-    _require(not impls or impls[0] == "reference",
-             f"train.impls={impls}: the first must be 'reference' (drift is measured against it)")
 
 
 def to_plain(cfg: LabConfig | DictConfig) -> dict[str, Any]:
@@ -575,7 +544,7 @@ def check_group_choices(overrides: list[str]) -> None:
         values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.get_value_element_as_str()]
         valid = group_options(name)
         for value in values:
-            _require(value in valid, f"unknown {name} {value!r}: valid choices are {', '.join(valid)}")
+            require(value in valid, f"unknown {name} {value!r}: valid choices are {', '.join(valid)}")
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
@@ -612,8 +581,3 @@ def _unknown_key_message(key: str) -> str:
         return f"unknown key {key}"
     where = f"of {'.'.join(path)} " if path else ""
     return f"unknown key {key}: valid keys {where}are {', '.join(sorted(node.keys()))}"
-
-
-def load(overrides: list[str] | tuple[str, ...] = ()) -> LabConfig:
-    """Compose and validate: the one way a point's config is built from conf/."""
-    return validate(compose(overrides))

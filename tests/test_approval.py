@@ -3,7 +3,7 @@
 import pytest
 
 from posttrainllm import cli
-from posttrainllm.config import load
+from posttrainllm.lab.configure import load
 from posttrainllm.lab import approval, gpucheck, pipeline, sweep
 from posttrainllm.measure import device as devices
 from posttrainllm.opdefs import get_op

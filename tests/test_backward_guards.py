@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import parity_report
 
-from posttrainllm.config import load
+from posttrainllm.lab.configure import load
 from posttrainllm.lab.guards import run_guarded
 from posttrainllm.opdefs import attention, decode_attention, matmul
 from posttrainllm.track.report import point_table

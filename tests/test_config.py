@@ -3,7 +3,8 @@
 import pytest
 
 from posttrainllm import cli
-from posttrainllm.config import ConfigError, load
+from posttrainllm.config import ConfigError
+from posttrainllm.lab.configure import load
 
 
 def test_default_config_is_valid():

@@ -89,7 +89,7 @@ def test_speculative_decoding_through_the_triton_decode_kernel_equals_greedy(mod
     kernel, chunks of 1 and K + 1 queries, and give greedy-with-the-reference's tokens; a planted mask bug does not."""
     from conftest import kernel_mutant
 
-    from posttrainllm.config import load
+    from posttrainllm.lab.configure import load
     from posttrainllm.lab.heads import decode_attention
     from posttrainllm.model.transformer import reference_chunk_attention
 

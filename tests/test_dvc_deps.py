@@ -20,7 +20,9 @@ import pytest
 from conftest import run_command as _run
 import yaml
 
-from posttrainllm.config import Contract, TileConfig, load
+from posttrainllm.config import Contract, TileConfig
+
+from posttrainllm.lab.configure import load
 from posttrainllm.track import stamp
 
 POINT = "baseline"

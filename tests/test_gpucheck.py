@@ -10,7 +10,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from posttrainllm.config import PROJECT_ROOT, load, validate
+from posttrainllm.config import PROJECT_ROOT
+
+from posttrainllm.lab.configure import load, validate
 from posttrainllm.lab import sweep
 from posttrainllm.opdefs import get_op
 

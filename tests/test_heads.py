@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from posttrainllm.config import load
+from posttrainllm.lab.configure import load
 from posttrainllm.model.heads import MedusaHeads, self_distillation_loss
 
 TINY = ["device=cpu", "architecture.d_model=64", "architecture.mlp_hidden=128", "architecture.head_dim=16",

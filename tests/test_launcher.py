@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from posttrainllm import cli
-from posttrainllm.config import load
+from posttrainllm.lab.configure import load
 from posttrainllm.track import receipt
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[track]'")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from posttrainllm import cli
-from posttrainllm.config import ConfigError, load
+from posttrainllm.config import ConfigError
+from posttrainllm.lab.configure import load
 from posttrainllm.lab import stages
 from posttrainllm.opdefs import get_op
 

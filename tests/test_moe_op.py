@@ -12,7 +12,9 @@ import pytest
 from conftest import kernel_mutant, parity_report
 import torch
 
-from posttrainllm.config import ConfigError, load
+from posttrainllm.config import ConfigError
+
+from posttrainllm.lab.configure import load
 from posttrainllm.lab import stages
 from posttrainllm.model.train import Variant, bench_train
 from posttrainllm.model.transformer import ModelConfig, MoEMLP, Transformer, moe_aux_loss

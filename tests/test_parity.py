@@ -13,7 +13,9 @@ import pytest
 from conftest import kernel_mutant, parity_report
 import torch
 
-from posttrainllm.config import Contract, load
+from posttrainllm.config import Contract
+
+from posttrainllm.lab.configure import load
 from posttrainllm.lab import parity, stages
 from posttrainllm.opdefs import attention, matmul
 from posttrainllm.opdefs.base import Impl

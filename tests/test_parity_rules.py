@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrainllm.config import Contract, load
+from posttrainllm.config import Contract
+
+from posttrainllm.lab.configure import load
 from posttrainllm.lab import parity
 from posttrainllm.ops import reference
 

@@ -8,7 +8,8 @@ import yaml
 
 from posttrainllm import cli
 from posttrainllm.lab import sweep
-from posttrainllm.config import PROJECT_ROOT, ConfigError, SweepConfig, load
+from posttrainllm.config import PROJECT_ROOT, ConfigError, SweepConfig
+from posttrainllm.lab.configure import load
 
 BASELINE = {"op": "attention", "precision": "fp32", "tile": "b32", "workgroup": "w4s2",
             "architecture": "mha", "shape": "tiny", "device": "cpu"}

@@ -37,7 +37,8 @@ from posttrainllm.track import receipt
 from posttrainllm.lab import approval, stages
 from posttrainllm.lab import sweep
 from posttrainllm.measure import device as devices
-from posttrainllm.config import ConfigError, load, validate
+from posttrainllm.config import ConfigError
+from posttrainllm.lab.configure import load, validate
 from posttrainllm.files import point_dir, write_json
 from posttrainllm.lab.pipeline import sweep_id
 

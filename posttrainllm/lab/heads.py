@@ -592,7 +592,7 @@ def run_stage(stage: str, argv: list[str]) -> int:
     verdict, recorded in decode.json and the receipt: the pipeline runs on); 2 bad config, no matching base,
     or stamps that disagree; 3 MLflow failed.
     """
-    from posttrainllm.config import load
+    from posttrainllm.lab.configure import load
 
     def setup() -> StageRun | None:
         from posttrainllm.lab import approval

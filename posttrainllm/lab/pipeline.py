@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from posttrainllm.measure import device as devices
-from posttrainllm.config import ConfigError, LabConfig, validate
+from posttrainllm.config import ConfigError, LabConfig
+from posttrainllm.lab.configure import validate
 from posttrainllm.files import point_dir, read_json
 
 PARAMS = Path("params.yaml")
@@ -191,7 +192,7 @@ def write_fingerprint(path: Path) -> int:
 def write_calibration(path: Path) -> int:
     """The calibrate stage: this device's measured peaks (GEMM FLOP/s per dtype, copy bandwidth)."""
     from posttrainllm.measure import calibrate
-    from posttrainllm.config import load
+    from posttrainllm.lab.configure import load
     from posttrainllm.files import write_json
 
     cfg = load()

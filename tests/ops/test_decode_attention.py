@@ -101,7 +101,7 @@ def test_bad_shapes_are_refused(shapes, says):
 
 def test_the_op_passes_its_parity_cases_and_states_its_bytes():
     """The lab op: every implementation on the op's own cases, in fp32, against the float64 reference."""
-    from posttrainllm.config import load
+    from posttrainllm.lab.configure import load
     from posttrainllm.opdefs import get_op
 
     cfg = load(["op=decode_attention", "device=cpu", "parity.seeds=[0]", "shape.decode_kv_lens=[1,100]",

@@ -1,0 +1,54 @@
+"""A point's config, whole: the schema's rules (config.py), then the op's own rules (opdefs/<op>.py).
+
+config.py knows the schema and imports nothing above itself; the op's rules (a tile that does not fit
+its problem, the paths it has, the user paths `op.user_impls` names) live with the op. This layer knows
+both, so `load` and `validate` here are the one way a point's config is built: a bad value is one
+ConfigError line, raised before any stage writes anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from posttrainllm.config import LabConfig, compose, require, validate_schema
+from posttrainllm.opdefs import get_op
+
+
+def validate(cfg: DictConfig | dict[str, Any]) -> LabConfig:
+    """The schema, then the op's rules and the heads' choice of decode path; ConfigError with one line."""
+    lab = validate_schema(cfg)
+    check_op_rules(lab)
+    check_heads_rules(lab)
+    return lab
+
+
+def load(overrides: list[str] | tuple[str, ...] = ()) -> LabConfig:
+    """Compose conf/ with the overrides and validate: the one way a point's config is built."""
+    return validate(compose(overrides))
+
+
+def check_heads_rules(cfg: LabConfig) -> None:
+    """heads.decode_attention names a path of the decode_attention op's registry (the one list of them)."""
+    paths = get_op("decode_attention").impls
+    require(cfg.heads.decode_attention in paths, f"heads.decode_attention={cfg.heads.decode_attention!r}: valid "
+                                                 f"choices are {', '.join(paths)}")
+
+
+def check_op_rules(cfg: LabConfig) -> None:
+    """The op's own rules: its check_config, the paths this point has (built-in, optional peers and user
+    paths, each loaded here so a bad spec fails now), and the outputs and paths other keys name."""
+    op = get_op(cfg.op.name)
+    op.check_config(cfg)
+    paths = op.paths(cfg)
+    outputs = list(dict.fromkeys(name for impl in op.impls.values() for name in op.expected_outputs(impl)))
+    for name in cfg.op.max_error_only.outputs:
+        require(name in outputs, f"op.max_error_only.outputs: unknown {cfg.op.name} output {name!r}: valid choices "
+                                 f"are {', '.join(outputs)}")
+    impls = list(cfg.train.impls)
+    for impl in impls:
+        require(impl in paths, f"train.impls: unknown {cfg.op.name} implementation {impl!r}: valid choices are "
+                               f"{', '.join(paths)}")
+    require(not impls or impls[0] == "reference",
+            f"train.impls={impls}: the first must be 'reference' (drift is measured against it)")
