@@ -224,13 +224,14 @@ class _DecodeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, options):
         ctx.save_for_backward(q, k, v)
+        ctx.sm_scale = options.get("sm_scale")  # the forward's scale (None: 1/sqrt(D), as both sides default)
         return triton_decode_attention(q, k, v, **options)
 
     @staticmethod
     def backward(ctx, grad_o):
         q, k, v = (x.detach().requires_grad_() for x in ctx.saved_tensors)
         with torch.enable_grad():
-            out = reference.chunk_attention(q, k, v)
+            out = reference.chunk_attention(q, k, v, sm_scale=ctx.sm_scale)
         grad_q, grad_k, grad_v = torch.autograd.grad(out, (q, k, v), grad_o)
         return grad_q, grad_k, grad_v, None
 

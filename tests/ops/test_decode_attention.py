@@ -118,3 +118,17 @@ def test_the_op_passes_its_parity_cases_and_states_its_bytes():
                                        msg=lambda m: f"{impl.name} {case.name}: {m}")
     costs = op.costs(next(c for c in cases if c.main), cfg)
     assert costs.bytes == (2 * 1 * 4 * 200 * 32 + 2 * 1 * 4 * 1 * 32) * 4  # KV cache + Q and O, fp32
+
+
+def test_backward_honours_a_custom_scale(device):
+    """sm_scale != 1/sqrt(D): the gradients are those of the scaled math (float64 autograd of the reference)."""
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 4, 2, 4, 50, 16, torch.float32, device))
+    do = torch.randn(1, 4, 4, 16, device=device)
+    out = decode_attention(q, k, v, sm_scale=0.5, block_kv=16)
+    out.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = reference.chunk_attention(q64, k64, v64, sm_scale=0.5)
+    torch.testing.assert_close(out.detach().double(), want.detach(), atol=1e-5, rtol=1e-5)
+    want.backward(do.double())
+    for name, got, ref in zip("qkv", (q.grad, k.grad, v.grad), (q64.grad, k64.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"d{name}: {m}")
