@@ -13,7 +13,8 @@ phases: blocks wholly below the diagonal without any mask, then the diagonal blo
 the ragged last block) masked. HEAD_DIM is a compile-time constant (the head-dim mask exists only
 when D is padded to a power of two), causal blocks launch heaviest first across every head (_schedule),
 the softmax scale is folded into one multiply-add (exp2(s·scale·log2 e − m)), and per-(batch, head) base
-offsets are 64-bit. tile/workgroup=auto autotunes on CUDA (see AUTO_CPU_NOTE for CPU).
+offsets are 64-bit. tile/workgroup=auto autotunes on CUDA, keyed on the problem size (see AUTO_CPU_NOTE
+for CPU).
 GQA / MQA: K and V carry Hkv heads; query head h reads kv head h // (H // Hkv).
 
 bf16 under Triton's interpreter: see posttrainllm.ops.matmul; with UPCAST_DOT the
@@ -653,6 +654,9 @@ def _configs(space, stages, smem: int, block_d: int, itemsize: int):
 
 
 _TUNERS: dict = {}
+# The problem size is in the key (S, and BH: the (batch, head) pairs the grid covers), so each sequence length
+# and batch·heads of a curve is tuned at its own size, not given the configuration tuned at the first size run.
+TUNE_KEY = ["S", "BH", "HEAD_DIM", "CAUSAL", "KV_GROUP"]
 
 
 def _tuner(kernel, space, smem: int, block_d: int, itemsize: int, stages=STAGES):
@@ -663,7 +667,7 @@ def _tuner(kernel, space, smem: int, block_d: int, itemsize: int, stages=STAGES)
         configs = _configs(space, stages, smem, block_d, itemsize)
         if not configs:
             raise ValueError(f"no autotune configuration fits {smem} B of shared memory at block_d={block_d}")
-        _TUNERS[key] = triton.autotune(configs=configs, key=["HEAD_DIM", "CAUSAL", "KV_GROUP"])(kernel)
+        _TUNERS[key] = triton.autotune(configs=configs, key=TUNE_KEY)(kernel)
     return _TUNERS[key]
 
 

@@ -214,3 +214,13 @@ def test_a_folded_grid_gives_the_same_attention(causal, monkeypatch, device):
     for got, want in zip((q.grad, k.grad, v.grad), (q64.grad, k64.grad, v64.grad)):
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
+
+def test_autotune_keys_on_the_problem_size():
+    """tile=auto: the tuner's key holds the sequence length and the (batch, head) pairs, and every key names an
+    argument of its kernel (Triton's autotuner silently drops a key it cannot find among the arguments)."""
+    for kernel, space in ((attention._attn_fwd_kernel, attention.FWD_SPACE),
+                          (attention._attn_bwd_dkdv, attention.DKDV_SPACE),
+                          (attention._attn_bwd_dq, attention.DQ_SPACE)):
+        tuner = attention._tuner(kernel, space, smem=232448, block_d=64, itemsize=2)
+        assert {"S", "BH"} <= set(tuner.keys), kernel
+        assert set(tuner.keys) <= set(kernel.arg_names), kernel
