@@ -11,9 +11,10 @@ back to natural-log units for the backward pass.
 Causal: query i sees keys j <= i, so a query block stops at the diagonal. The KV loop runs in two
 phases: blocks wholly below the diagonal without any mask, then the diagonal blocks (or, non-causal,
 the ragged last block) masked. HEAD_DIM is a compile-time constant (the head-dim mask exists only
-when D is padded to a power of two), causal query blocks launch heaviest first, the softmax scale
-is folded into one multiply-add (exp2(s·scale·log2 e − m)), and per-(batch, head) base offsets are
-64-bit. tile/workgroup=auto autotunes on CUDA (see AUTO_CPU_NOTE for CPU).
+when D is padded to a power of two), causal blocks launch heaviest first across every head (_schedule),
+the softmax scale is folded into one multiply-add (exp2(s·scale·log2 e − m)), and per-(batch, head) base
+offsets are 64-bit. tile/workgroup=auto autotunes on CUDA, keyed on the problem size (see AUTO_CPU_NOTE
+for CPU).
 GQA / MQA: K and V carry Hkv heads; query head h reads kv head h // (H // Hkv).
 
 bf16 under Triton's interpreter: see posttrainllm.ops.matmul; with UPCAST_DOT the
@@ -110,14 +111,20 @@ def _kv_split(start_q, S, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CAUSAL:
 
 
 @triton.jit
-def _query_block(CAUSAL: tl.constexpr):
-    """Heaviest causal query blocks first: the last block sees every key, so it is launched first
-    and the short diagonal-only blocks fill the tail of the grid."""
-    if CAUSAL:
-        start_q = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        start_q = tl.program_id(0)
-    return start_q
+def _schedule(S, BH, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """This program's (block of S, batch·head pair), ordered across every head, heaviest first.
+
+    rank is the program's place in launch order (CUDA hands out programs axis 0 fastest), whatever the grid's
+    shape (launch_grid: (blocks, BH), or (blocks·BH, 1) past axis 1's limit). Ranks [0, BH) take block 0 of
+    every (batch, head), the next BH block 1, and so on; REVERSE counts blocks from the end. Causal: the
+    forward and dQ reverse (the last query block sees every key), dK/dV does not (KV block 0 is seen by every
+    query), so the long programs of all heads start before any short one.
+    """
+    rank = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)  # < blocks·BH <= 2^31 - 1 (launch_grid)
+    block = rank // BH
+    if REVERSE:
+        block = tl.cdiv(S, BLOCK) - 1 - block
+    return block, rank % BH
 
 
 # --- forward -------------------------------------------------------------------------------
@@ -168,7 +175,7 @@ def _attn_fwd_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
-    H, S,
+    H, S, BH,
     HEAD_DIM: tl.constexpr,
     KV_GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -176,9 +183,9 @@ def _attn_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    # -- which queries: block start_q (heaviest first) of head off_h in batch off_b; its kv head
-    start_q = _query_block(CAUSAL)
-    off_bh = tl.program_id(1)
+    # -- which queries: block start_q (causal: heaviest first, across heads) of head off_h in batch off_b;
+    #    its kv head. BH = B·H
+    start_q, off_bh = _schedule(S, BH, BLOCK_Q, CAUSAL)
     off_b = off_bh // H
     off_h = off_bh % H
     off_hkv = off_h // KV_GROUP
@@ -241,13 +248,12 @@ def _attn_bwd_preprocess(
     O, DO, Delta,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_dob, stride_doh, stride_dos, stride_dod,
-    H, S,
+    H, S, BH,
     HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # -- which rows: block start_q of head off_h in batch off_b
-    start_q = tl.program_id(0)
-    off_bh = tl.program_id(1)
+    # -- which rows: block start_q of head off_h in batch off_b (every block the same work); BH = B·H
+    start_q, off_bh = _schedule(S, BH, BLOCK_Q, False)
     off_b = off_bh // H
     off_h = off_bh % H
     offs_q = start_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -314,7 +320,7 @@ def _attn_bwd_dkdv(
     stride_dob, stride_doh, stride_dos, stride_dod,
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
-    H, HKV, S,
+    H, HKV, S, BH,
     HEAD_DIM: tl.constexpr,
     KV_GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -322,9 +328,9 @@ def _attn_bwd_dkdv(
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    # -- which keys: block start_kv of kv head off_hkv in batch off_b
-    start_kv = tl.program_id(0)
-    off_bhkv = tl.program_id(1)
+    # -- which keys: block start_kv (causal: heaviest first, across heads) of kv head off_hkv in batch off_b;
+    #    BH = B·Hkv here
+    start_kv, off_bhkv = _schedule(S, BH, BLOCK_KV, False)
     off_b = off_bhkv // HKV
     off_hkv = off_bhkv % HKV
     PAD_D: tl.constexpr = HEAD_DIM != BLOCK_D
@@ -428,7 +434,7 @@ def _attn_bwd_dq(
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_doh, stride_dos, stride_dod,
     stride_dqb, stride_dqh, stride_dqs, stride_dqd,
-    H, S,
+    H, S, BH,
     HEAD_DIM: tl.constexpr,
     KV_GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -436,9 +442,9 @@ def _attn_bwd_dq(
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    # -- which queries: block start_q (heaviest first) of head off_h in batch off_b; the kv head it reads
-    start_q = _query_block(CAUSAL)
-    off_bh = tl.program_id(1)
+    # -- which queries: block start_q (causal: heaviest first, across heads) of head off_h in batch off_b;
+    #    the kv head it reads. BH = B·H
+    start_q, off_bh = _schedule(S, BH, BLOCK_Q, CAUSAL)
     off_b = off_bh // H
     off_h = off_bh % H
     kv_head = off_h // KV_GROUP
@@ -486,10 +492,25 @@ def _check_block(name: str, value: int) -> None:
         raise ValueError(f"{name}={value} must be a power of two >= 16")
 
 
+MAX_GRID_X = 2**31 - 1  # CUDA: programs along grid axis 0
+MAX_GRID_Y = 65535  # along axis 1
+
+
+def launch_grid(blocks: int, bh: int) -> list[int]:
+    """The grid of `blocks` blocks of S for each of `bh` (batch, head) pairs; the kernels read their
+    (block, pair) from the launch rank, not the axes (_schedule), so the shape is free: (blocks, bh) as a
+    receipt reads it, or (blocks·bh, 1) when bh passes axis 1's limit."""
+    total = blocks * bh
+    if total > MAX_GRID_X:
+        raise ValueError(f"{blocks} blocks x {bh} (batch, head) pairs = {total} programs exceed CUDA's {MAX_GRID_X}")
+    return [blocks, bh] if bh <= MAX_GRID_Y else [total, 1]
+
+
 def attention_launch(
     B: int, H: int, S: int, D: int, *, block_q: int, block_kv: int, num_warps: int, num_stages: int,
 ) -> dict:
-    """Dispatch geometry: one program per (query block, batch * head); causal blocks run heaviest first."""
+    """Dispatch geometry: one program per (query block, batch * head); causal blocks run heaviest first,
+    across every head (_schedule)."""
     for name, size in (("B", B), ("H", H), ("S", S), ("D", D)):
         if size < 1:
             raise ValueError(f"{name}={size} must be >= 1")
@@ -502,7 +523,7 @@ def attention_launch(
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be >= 1")
     return {
-        "grid": [triton.cdiv(S, block_q), B * H],
+        "grid": launch_grid(triton.cdiv(S, block_q), B * H),
         "block_q": block_q, "block_kv": block_kv,
         "block_d": max(16, triton.next_power_of_2(D)),  # tl.dot needs K >= 16
         "num_warps": num_warps, "num_stages": num_stages,
@@ -526,7 +547,8 @@ def attention_backward_launch(
 
     preprocess: one program per (dq query block, batch * head) computes D = rowsum(dO ∘ O);
     dkdv: one per (KV block, batch * kv head), sweeping the H // Hkv query heads of its group;
-    dq: one per (query block, batch * head), sweeping the KV blocks, heaviest causal blocks first.
+    dq: one per (query block, batch * head), sweeping the KV blocks. Causal dkdv and dq programs run
+    heaviest first across every head (_schedule).
     """
     blocks = backward_blocks(block_q, block_kv, dkdv_block_q, dkdv_block_kv, dq_block_q, dq_block_kv)
     fwd = attention_launch(B, H, S, D, block_q=block_q, block_kv=block_kv, num_warps=num_warps,
@@ -536,9 +558,9 @@ def attention_backward_launch(
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"H={H} query heads is not a multiple of Hkv={Hkv} kv heads")
     return {
-        "preprocess_grid": [triton.cdiv(S, blocks["dq_block_q"]), B * H],
-        "dkdv_grid": [triton.cdiv(S, blocks["dkdv_block_kv"]), B * Hkv],
-        "dq_grid": [triton.cdiv(S, blocks["dq_block_q"]), B * H],
+        "preprocess_grid": launch_grid(triton.cdiv(S, blocks["dq_block_q"]), B * H),
+        "dkdv_grid": launch_grid(triton.cdiv(S, blocks["dkdv_block_kv"]), B * Hkv),
+        "dq_grid": launch_grid(triton.cdiv(S, blocks["dq_block_q"]), B * H),
         "kv_group": H // Hkv,
         **blocks, "block_d": fwd["block_d"],
         "num_warps": num_warps, "num_stages": num_stages,
@@ -632,6 +654,9 @@ def _configs(space, stages, smem: int, block_d: int, itemsize: int):
 
 
 _TUNERS: dict = {}
+# The problem size is in the key (S, and BH: the (batch, head) pairs the grid covers), so each sequence length
+# and batch·heads of a curve is tuned at its own size, not given the configuration tuned at the first size run.
+TUNE_KEY = ["S", "BH", "HEAD_DIM", "CAUSAL", "KV_GROUP"]
 
 
 def _tuner(kernel, space, smem: int, block_d: int, itemsize: int, stages=STAGES):
@@ -642,7 +667,7 @@ def _tuner(kernel, space, smem: int, block_d: int, itemsize: int, stages=STAGES)
         configs = _configs(space, stages, smem, block_d, itemsize)
         if not configs:
             raise ValueError(f"no autotune configuration fits {smem} B of shared memory at block_d={block_d}")
-        _TUNERS[key] = triton.autotune(configs=configs, key=["HEAD_DIM", "CAUSAL", "KV_GROUP"])(kernel)
+        _TUNERS[key] = triton.autotune(configs=configs, key=TUNE_KEY)(kernel)
     return _TUNERS[key]
 
 
@@ -695,13 +720,13 @@ def triton_attention(
     upcast = use_bf16_emulation(q.dtype, emulate_bf16)
     o = torch.empty((B, H, S, D), device=q.device, dtype=torch.float32 if upcast else q.dtype)
     lse = torch.empty((B, H, S), device=q.device, dtype=torch.float32)
-    args = (q, k, v, o, lse, scale, *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, S)
+    args = (q, k, v, o, lse, scale, *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, S, B * H)
     meta = dict(HEAD_DIM=D, KV_GROUP=H // Hkv, BLOCK_D=launch["block_d"], CAUSAL=bool(causal),
                 INPUT_PRECISION=input_precision, UPCAST_DOT=upcast)
     if autotune and q.is_cuda:
         tuner = _tuner(_attn_fwd_kernel, _space((block_q, block_kv, num_warps), autotune == "tile", FWD_SPACE),
                        device_smem_bytes(q.device), launch["block_d"], q.element_size())
-        tuner[lambda m: (triton.cdiv(S, m["BLOCK_Q"]), B * H)](*args, **meta)
+        tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_Q"]), B * H))](*args, **meta)
         LAST_AUTOTUNE["forward"] = _chosen(tuner)
     else:
         _attn_fwd_kernel[tuple(launch["grid"])](*args, **meta, BLOCK_Q=block_q, BLOCK_KV=block_kv,
@@ -761,7 +786,7 @@ def triton_attention_backward(
     _attn_bwd_preprocess[tuple(launch["preprocess_grid"])](
         o, do, delta,
         *o.stride(), *do.stride(),
-        H, S,
+        H, S, B * H,
         HEAD_DIM=D, BLOCK_Q=launch["dq_block_q"], BLOCK_D=launch["block_d"],
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -770,12 +795,12 @@ def triton_attention_backward(
     dk = torch.empty((B, Hkv, S, D), device=q.device, dtype=grad_dtype)
     dv = torch.empty((B, Hkv, S, D), device=q.device, dtype=grad_dtype)
     args = (q, k, v, do, lse, delta, dk, dv, sm_scale,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), H, Hkv, S)
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), H, Hkv, S, B * Hkv)
     if tuned:
         fixed = (launch["dkdv_block_q"], launch["dkdv_block_kv"], num_warps)
         tuner = _tuner(_attn_bwd_dkdv, _space(fixed, autotune == "tile", DKDV_SPACE), smem, launch["block_d"],
                        q.element_size())
-        tuner[lambda m: (triton.cdiv(S, m["BLOCK_KV"]), B * Hkv)](*args, **common)
+        tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_KV"]), B * Hkv))](*args, **common)
         LAST_AUTOTUNE["dkdv"] = _chosen(tuner)
     else:
         _attn_bwd_dkdv[tuple(launch["dkdv_grid"])](*args, **common, BLOCK_Q=launch["dkdv_block_q"],
@@ -785,12 +810,12 @@ def triton_attention_backward(
     # -- dQ: (B, H, S, D), one program per query block
     dq = torch.empty((B, H, S, D), device=q.device, dtype=grad_dtype)
     args = (q, k, v, do, lse, delta, dq, sm_scale,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), H, S)
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), H, S, B * H)
     if tuned:
         fixed = (launch["dq_block_q"], launch["dq_block_kv"], num_warps)
         tuner = _tuner(_attn_bwd_dq, _space(fixed, autotune == "tile", DQ_SPACE), smem, launch["block_d"],
                        q.element_size())
-        tuner[lambda m: (triton.cdiv(S, m["BLOCK_Q"]), B * H)](*args, **common)
+        tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_Q"]), B * H))](*args, **common)
         LAST_AUTOTUNE["dq"] = _chosen(tuner)
     else:
         _attn_bwd_dq[tuple(launch["dq_grid"])](*args, **common, BLOCK_Q=launch["dq_block_q"],

@@ -19,6 +19,10 @@ cache once and in parallel (flash-decoding, Dao et al. 2023):
     (row max m, row sum l, unnormalised accumulator) in fp32;
   * a second kernel combines the pieces: o = Σ_s e^{m_s − m} acc_s / Σ_s e^{m_s − m} l_s.
 
+Addressing: batch and head bases and the partials' row indices are 64-bit (B·H·Sk·D and the fp32 partials
+can pass 2^31 elements); offsets inside one (batch, head) slice stay 32-bit, and check_addressable refuses
+a slice whose strides reach 2^31. The launcher refuses a grid past CUDA's limits.
+
 Forward only: decoding is inference. The autograd Function's backward is the readable
 math's (posttrainllm.ops.reference.chunk_attention, recomputed), so that the lab's generic
 stages can still run gradients through the path; the receipt names that backend.
@@ -37,6 +41,8 @@ from posttrainllm.ops import reference, use_bf16_emulation
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INPUT_PRECISIONS = ("ieee", "tf32")
+MAX_GRID_X = 2**31 - 1  # CUDA: programs along grid axis 0
+MAX_GRID_YZ = 65535  # along axes 1 and 2
 
 
 @triton.jit
@@ -53,19 +59,20 @@ def _chunk_attn_split_kernel(
 ):
     # -- which rows: block `start` of the G·Sq (query head, query) rows of kv head off_hkv; which piece of the cache
     start = tl.program_id(0)
-    off_b = tl.program_id(1) // HKV
-    off_hkv = tl.program_id(1) % HKV
+    off_b = (tl.program_id(1) // HKV).to(tl.int64)  # 64-bit: batch and head bases can pass 2^31 elements
+    off_hkv = (tl.program_id(1) % HKV).to(tl.int64)
     split = tl.program_id(2)
 
     rows = start * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BLOCK_Q,) row r = (head g of the group, query i)
     row_ok = rows < KV_GROUP * SQ
-    head = off_hkv * KV_GROUP + rows // SQ  # (BLOCK_Q,) query head
+    head = off_hkv * KV_GROUP + rows // SQ  # (BLOCK_Q,) query head, 64-bit
     query = rows % SQ  # (BLOCK_Q,) index in the chunk
     limit = query + SK - SQ  # (BLOCK_Q,) last key each row may see (bottom-right causal)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
-    # -- load q: every row of the group, it stays in SRAM throughout
+    # -- load q: every row of the group, it stays in SRAM throughout. Bases (batch, head) are 64-bit; offsets
+    #    inside one (batch, head) slice stay 32-bit (the launcher refuses a slice that spans 2^31 elements)
     q_ptrs = Q + off_b * stride_qb + head[:, None] * stride_qh + query[:, None] * stride_qs + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_Q, BLOCK_D)
     if UPCAST_DOT:
@@ -99,7 +106,7 @@ def _chunk_attn_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
 
-    # -- the piece's partial state: row index ((b·H + head)·Sq + query)·NUM_SPLITS + split
+    # -- the piece's partial state: row index ((b·H + head)·Sq + query)·NUM_SPLITS + split, 64-bit (off_b is)
     part = ((off_b * H + head) * SQ + query) * NUM_SPLITS + split  # (BLOCK_Q,)
     tl.store(M + part, m_i, mask=row_ok)
     tl.store(L + part, l_i, mask=row_ok)
@@ -114,7 +121,7 @@ def _chunk_attn_combine_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # -- one output row (b, head, query): o = Σ_s e^{m_s − m} acc_s / Σ_s e^{m_s − m} l_s, m = max_s m_s
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # 64-bit: row·NUM_SPLITS·HEAD_DIM and the batch base can pass 2^31
     off_b = row // (H * SQ)
     off_h = (row // SQ) % H
     query = row % SQ
@@ -165,11 +172,27 @@ def decode_attention_launch(batch: int, heads: int, kv_heads: int, q_len: int, k
     splits = num_splits or default_num_splits(batch, kv_heads, row_blocks, kv_len, block_kv)
     kv_blocks = triton.cdiv(kv_len, block_kv)
     per_split = triton.cdiv(kv_blocks, splits) * block_kv  # keys per piece, a whole number of blocks
+    for axis, size, limit in (("axis 1 (batch x kv heads)", batch * kv_heads, MAX_GRID_YZ),
+                              ("axis 2 (cache pieces)", splits, MAX_GRID_YZ),
+                              ("the combine's axis 0 (batch x heads x queries)", batch * heads * q_len, MAX_GRID_X)):
+        if size > limit:
+            raise ValueError(f"decode attention grid {axis} = {size} exceeds CUDA's {limit} programs")
     return {"kernel": "_chunk_attn_split_kernel + _chunk_attn_combine_kernel",
             "grid": [row_blocks, batch * kv_heads, splits], "combine_grid": [batch * heads * q_len],
             "rows_per_kv_head": rows, "block_q": block_q, "block_kv": block_kv,
             "block_d": max(16, triton.next_power_of_2(head_dim)), "num_splits": splits, "kv_per_split": per_split,
             "num_warps": num_warps, "num_stages": num_stages}
+
+
+def check_addressable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The kernels address batches and heads with 64-bit bases and offsets inside one (batch, head) slice in
+    32 bits: refuse a slice of q (Sq, D) or k, v (Sk, D) whose strides span 2^31 elements or more."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        span = (t.shape[2] - 1) * abs(t.stride(2)) + (t.shape[3] - 1) * abs(t.stride(3))
+        if span >= 2**31:
+            raise ValueError(f"{name}: offsets inside one (batch, head) slice reach {span} >= 2^31 elements (shape "
+                             f"{tuple(t.shape)}, strides {t.stride()}), past 32-bit offsets; make it contiguous "
+                             "per head")
 
 
 def triton_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -191,6 +214,7 @@ def triton_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         raise ValueError(f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: one of {SUPPORTED_DTYPES} for all three")
     if input_precision not in INPUT_PRECISIONS:
         raise ValueError(f"input_precision={input_precision!r}; choose one of {INPUT_PRECISIONS}")
+    check_addressable(q, k, v)
     launch = decode_attention_launch(B, H, Hkv, Sq, Sk, D, block_q=block_q, block_kv=block_kv, num_splits=num_splits,
                                      num_warps=num_warps, num_stages=num_stages)
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
@@ -224,13 +248,14 @@ class _DecodeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, options):
         ctx.save_for_backward(q, k, v)
+        ctx.sm_scale = options.get("sm_scale")  # the forward's scale (None: 1/sqrt(D), as both sides default)
         return triton_decode_attention(q, k, v, **options)
 
     @staticmethod
     def backward(ctx, grad_o):
         q, k, v = (x.detach().requires_grad_() for x in ctx.saved_tensors)
         with torch.enable_grad():
-            out = reference.chunk_attention(q, k, v)
+            out = reference.chunk_attention(q, k, v, sm_scale=ctx.sm_scale)
         grad_q, grad_k, grad_v = torch.autograd.grad(out, (q, k, v), grad_o)
         return grad_q, grad_k, grad_v, None
 

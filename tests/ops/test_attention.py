@@ -5,8 +5,10 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from posttrainllm.ops import reference
+from posttrainllm.ops import attention, reference
 from posttrainllm.ops import is_interpreted
 from posttrainllm.ops.attention import attention_launch, triton_attention
 
@@ -151,3 +153,74 @@ def test_rejects_mixed_dtypes():
     q = torch.randn(1, 2, 16, 16)
     with pytest.raises(ValueError, match="dtype mismatch"):
         triton_attention(q, q.half(), q)
+
+
+# --- launch order and grid ------------------------------------------------------------------
+
+@triton.jit
+def _record_schedule(OUT, S, BH, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """OUT[rank] = (block, pair) that the kernels' _schedule gives the program of launch rank `rank`."""
+    block, bh = attention._schedule(S, BH, BLOCK, REVERSE)
+    rank = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(OUT + 2 * rank, block)
+    tl.store(OUT + 2 * rank + 1, bh)
+
+
+def _launch_order(S, block, bh, reverse, grid, device):
+    out = torch.full((grid[0] * grid[1], 2), -1, dtype=torch.int32, device=device)
+    _record_schedule[tuple(grid)](out, S, bh, BLOCK=block, REVERSE=reverse)
+    return [tuple(row) for row in out.tolist()]
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("S, block, bh", [(100, 32, 6), (37, 16, 1), (64, 16, 3)])
+def test_heavy_blocks_of_every_head_launch_first(S, block, bh, flat, device):
+    """Causal: query block b sees b + 1 KV blocks (forward, dQ), KV block b is seen by n - b query blocks
+    (dK/dV). In launch order, each (block, pair) comes exactly once and the work never grows, across heads."""
+    n = triton.cdiv(S, block)
+    grid = [n * bh, 1] if flat else attention.launch_grid(n, bh)
+    for reverse, work in ((True, lambda b: b + 1), (False, lambda b: n - b)):
+        order = _launch_order(S, block, bh, reverse, grid, device)
+        assert sorted(order) == [(b, h) for b in range(n) for h in range(bh)]
+        works = [work(b) for b, _ in order]
+        assert works == sorted(works, reverse=True)
+        assert {h for _, h in order[:bh]} == set(range(bh)) and works[0] == n  # the heaviest block of every head
+
+
+def test_grid_folds_past_axis_1_and_refuses_past_axis_0():
+    assert attention.launch_grid(3, 65535) == [3, 65535]
+    assert attention.launch_grid(3, 65536) == [3 * 65536, 1]
+    assert attention_launch(65536, 2, 128, 64, block_q=64, block_kv=64, num_warps=4, num_stages=2)["grid"] == [
+        2 * 131072, 1]
+    with pytest.raises(ValueError, match="exceed CUDA's 2147483647"):
+        attention.launch_grid(2**16, 2**15)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_folded_grid_gives_the_same_attention(causal, monkeypatch, device):
+    """The (blocks·pairs, 1) grid, forced at a small size: forward and gradients still match, at an odd length."""
+    monkeypatch.setattr(attention, "MAX_GRID_Y", 1)
+    assert attention.attention_launch(2, 3, 37, 16, block_q=16, block_kv=16, num_warps=4, num_stages=2)[
+        "grid"] == [18, 1]
+    q, k, v = (t.requires_grad_() for t in _inputs(2, 3, 1, 37, 16, torch.float32, device))
+    o, lse = attention.flash_attention_with_lse(q, k, v, causal=causal, block_q=16, block_kv=16)
+    ref_o, ref_lse = _oracle(q.detach(), k.detach(), v.detach(), causal=causal)
+    torch.testing.assert_close(o.detach().double(), ref_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_ATOL, rtol=0)
+    do = torch.randn_like(o)
+    o.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference.attention(q64, k64, v64, causal=causal).backward(do.double())
+    for got, want in zip((q.grad, k.grad, v.grad), (q64.grad, k64.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_autotune_keys_on_the_problem_size():
+    """tile=auto: the tuner's key holds the sequence length and the (batch, head) pairs, and every key names an
+    argument of its kernel (Triton's autotuner silently drops a key it cannot find among the arguments)."""
+    for kernel, space in ((attention._attn_fwd_kernel, attention.FWD_SPACE),
+                          (attention._attn_bwd_dkdv, attention.DKDV_SPACE),
+                          (attention._attn_bwd_dq, attention.DQ_SPACE)):
+        tuner = attention._tuner(kernel, space, smem=232448, block_d=64, itemsize=2)
+        assert {"S", "BH"} <= set(tuner.keys), kernel
+        assert set(tuner.keys) <= set(kernel.arg_names), kernel

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from posttrainllm.ops import reference
-from posttrainllm.ops.decode_attention import decode_attention, decode_attention_launch, triton_decode_attention
+from posttrainllm.ops.decode_attention import (check_addressable, decode_attention, decode_attention_launch,
+                                               triton_decode_attention)
 
 DTYPE_TOL = [(torch.float32, 1e-5, 1e-5), (torch.float16, 2e-3, 2e-3), (torch.bfloat16, 2e-2, 2e-2)]
 # (Sq, Sk): decode (Sq = 1) and verification chunks against empty-ish, ragged and long caches
@@ -118,3 +119,68 @@ def test_the_op_passes_its_parity_cases_and_states_its_bytes():
                                        msg=lambda m: f"{impl.name} {case.name}: {m}")
     costs = op.costs(next(c for c in cases if c.main), cfg)
     assert costs.bytes == (2 * 1 * 4 * 200 * 32 + 2 * 1 * 4 * 1 * 32) * 4  # KV cache + Q and O, fp32
+
+
+def test_backward_honours_a_custom_scale(device):
+    """sm_scale != 1/sqrt(D): the gradients are those of the scaled math (float64 autograd of the reference)."""
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 4, 2, 4, 50, 16, torch.float32, device))
+    do = torch.randn(1, 4, 4, 16, device=device)
+    out = decode_attention(q, k, v, sm_scale=0.5, block_kv=16)
+    out.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = reference.chunk_attention(q64, k64, v64, sm_scale=0.5)
+    torch.testing.assert_close(out.detach().double(), want.detach(), atol=1e-5, rtol=1e-5)
+    want.backward(do.double())
+    for name, got, ref in zip("qkv", (q.grad, k.grad, v.grad), (q64.grad, k64.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"d{name}: {m}")
+
+
+def test_batch_and_head_bases_past_2_31_elements(device):
+    """Views into one buffer whose batch stride (2^30 + 64, itself a 32-bit value) puts batch 2 past 2^31
+    elements: 32-bit bases wrap (here, onto untouched memory inside the buffer: wrong rows, not a crash).
+    8 GiB of fp16 are reserved; only the pages of the views are touched."""
+    B, H, Hkv, Sq, Sk, D = 3, 4, 2, 4, 100, 16
+    batch_stride, start = 2**30 + 64, 2**31  # a wrapped base (off by -2^32 elements) still lands in the buffer
+    try:
+        buf = torch.empty(start + 2 * batch_stride + 2**14, dtype=torch.float16, device=device)
+    except (RuntimeError, MemoryError) as exc:
+        pytest.skip(f"no room for the 8 GiB buffer: {exc}")
+
+    def view(shape, offset):
+        return buf.as_strided(shape, (batch_stride, shape[2] * shape[3], shape[3], 1), start + offset)
+
+    k, v, q = view((B, Hkv, Sk, D), 0), view((B, Hkv, Sk, D), 4096), view((B, H, Sq, D), 8192)
+    for t, x in zip((q, k, v), _inputs(B, H, Hkv, Sq, Sk, D, torch.float16, device)):
+        t.copy_(x)
+    assert 2 * k.stride(0) >= 2**31 > k.stride(0)
+    got = triton_decode_attention(q, k, v, block_kv=32)
+    want = reference.chunk_attention(q.double(), k.double(), v.double())
+    torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_a_slice_past_32_bit_offsets_is_refused_before_launch():
+    """Meta tensors: shapes past 2^31 elements in all are addressable (64-bit bases); one (batch, head) slice
+    whose offsets reach 2^31 is not, and is refused before anything is allocated or launched."""
+    q = torch.empty(64, 32, 1, 128, device="meta")
+    k = torch.empty(64, 8, 2**20, 128, device="meta")  # 2^36 elements, each slice 2^27
+    check_addressable(q, k, k)
+    launch = decode_attention_launch(512, 32, 8, 17, 2**20, 128, num_splits=64)
+    assert 512 * 32 * 17 * launch["num_splits"] * 128 > 2**31  # the fp32 partials, indexed in 64 bits
+    long = torch.empty(1, 1, 2**24, 128, device="meta")  # offsets up to 2^31 - 1: the last one that fits
+    check_addressable(q[:1, :1], long, long)
+    longer = torch.empty(1, 1, 2**24 + 1, 128, device="meta")
+    with pytest.raises(ValueError, match=r"k: offsets inside one \(batch, head\) slice reach 2147483775 >= 2\^31"):
+        triton_decode_attention(q[:1, :1], longer, longer)
+    strided = torch.empty(1, 1, 2**20, 128, device="meta").as_strided((1, 1, 2**20, 128), (0, 0, 2**12, 1))
+    with pytest.raises(ValueError, match="v: offsets"):
+        check_addressable(q[:1, :1], long, strided)
+
+
+@pytest.mark.parametrize("args, kwargs, says", [
+    ((65536, 8, 1, 1, 100, 64), {}, "axis 1 \\(batch x kv heads\\) = 65536 exceeds CUDA's 65535"),
+    ((1, 8, 1, 1, 100, 64), {"num_splits": 65536}, "axis 2 \\(cache pieces\\) = 65536"),
+    ((2**15, 2**11, 1, 2**5, 2**6, 64), {"num_splits": 1}, "combine's axis 0 .* = 2147483648 exceeds"),
+])
+def test_a_grid_past_cuda_limits_is_refused(args, kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        decode_attention_launch(*args, **kwargs)
