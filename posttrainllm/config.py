@@ -82,6 +82,11 @@ class OpConfig:
     name: str = "attention"
     causal: bool = True
     max_error_only: MaxErrorOnlyConfig = field(default_factory=MaxErrorOnlyConfig)
+    # Built-in peers beyond the registry's (`compiled`: the reference under torch.compile; attention's `flex`):
+    # opt-in, as each compiles (seconds per shape on a CPU)
+    peers: list[str] = field(default_factory=list)
+    # Kernels from outside, `[name=]file.py:attr`, `[name=]module:attr` or `[name=]entry:<name>` (opdefs/user.py)
+    user_impls: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         valid = group_options("op")
@@ -320,8 +325,12 @@ class BenchConfig:
     # The curve times forward + backward too at each size (curve.csv's mode column); off by default: the
     # point's own shape is always timed both ways, and the CPU sweep stays quick
     curve_backward: bool = False
+    # A median under this fraction of the roofline's minimum time (FLOPs at the best calibrated GEMM peak,
+    # bytes at the calibrated copy bandwidth) is refused as impossible (conf/config.yaml: why not 1)
+    impossible_below: float = 0.5
 
     def __post_init__(self) -> None:
+        require(0 < self.impossible_below <= 1, f"bench.impossible_below={self.impossible_below}: must be in (0, 1]")
         require(self.warmup >= 0, f"bench.warmup={self.warmup}: must be >= 0")
         require(self.reps >= 1, f"bench.reps={self.reps}: must be >= 1")
         require(self.max_reps >= self.reps, f"bench.max_reps={self.max_reps}: must be >= bench.reps={self.reps}")

@@ -9,6 +9,11 @@ from typing import Any
 from posttrainllm.config import LabConfig
 
 
+# Files of user paths loaded in this process ({shown path: sha256}; opdefs/user.py fills it): the stage
+# stamps hash them beside the package's own modules (track/stamp.py)
+USER_SOURCES: dict[str, str] = {}
+
+
 def point_dir(cfg: LabConfig) -> Path:
     return Path(cfg.run.out_dir) / cfg.run.name
 

@@ -158,8 +158,28 @@ def _overlap(a: tuple[torch.device, int, int] | None, b: tuple[torch.device, int
     return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
+def output_violations(outputs: dict[str, Any], expected: dict[str, torch.Tensor], device: str) -> list[str]:
+    """What is wrong with the outputs' form against the reference's (`expected`: same names, the reference's
+    tensors in the point's precision): not a tensor, another shape, dtype or device. Checked before any number."""
+    found = []
+    for name, want in expected.items():
+        got = outputs.get(name)
+        if got is None:
+            continue  # a missing output is parity's to report
+        if not isinstance(got, torch.Tensor):
+            found.append(f"output {name} is a {type(got).__name__}, not a tensor")
+        elif tuple(got.shape) != tuple(want.shape):
+            found.append(f"output {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+        elif got.dtype != want.dtype:
+            found.append(f"output {name} has dtype {got.dtype}, expected {want.dtype}")
+        elif got.device.type != device:
+            found.append(f"output {name} is on {got.device.type}, expected {device}")
+    return found
+
+
 def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, torch.Tensor], *,
-                expect_triton: bool, kernels: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
+                expect_triton: bool, kernels: tuple[str, ...] = (),
+                launched: Counter | None = None) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
     """Call fn() once and return (its outputs, violations).
 
     Violations: "changed input q" (bitwise, NaN-aware, shape and dtype too), "output out shares
@@ -167,7 +187,8 @@ def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, tor
     a slice), with expect_triton "launched no Triton kernel", and for each name in `kernels` that
     did not launch, "launched no <name> (a kernel the path names)". If fn raises (or returns no
     dict), the outputs are None and the first violation says so ("raised <Type>: <message>");
-    the inputs are still checked, the launches are not.
+    the inputs are still checked, the launches are not. `launched`, if given, gains the call's
+    Triton launches by kernel name.
     """
     snapshot = {name: x.detach().clone() for name, x in inputs.items()}
     violations: list[str] = []
@@ -178,6 +199,8 @@ def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, tor
         except Exception as exc:  # a path that cannot run is reported, not a crash
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             violations.append(f"raised {type(exc).__name__}" + (f": {message}" if message else ""))
+    if launched is not None:
+        launched.update(launches.by_kernel)
     for name, x in inputs.items():
         if not _same_bits(snapshot[name], x):
             violations.append(f"changed input {name}")
@@ -187,7 +210,7 @@ def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, tor
     if outputs is not None:
         spans = {name: _storage_span(x) for name, x in inputs.items()}
         for out_name, out in outputs.items():
-            if isinstance(out, torch.Tensor):
+            if isinstance(out, torch.Tensor) and out.device.type != "meta":
                 out_span = _storage_span(out)
                 violations += [f"output {out_name} shares storage with input {in_name}"
                                for in_name, span in spans.items() if _overlap(out_span, span)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -205,10 +206,16 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 geometry = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
             entry: dict[str, Any] = {"kind": impl.kind, "backend": impl.backend, "problem": op.problem(main_case),
                                      "geometry": geometry, "emulation": _emulation(impl, cfg), "violations": []}
+            if impl.user is not None:
+                entry["user"] = impl.user
+            launched: Counter = Counter()
             try:
+                backward = result_backward(impl, ref["records"][0], cfg, device)
+                entry["backward"] = backward
+                impl = dataclasses.replace(impl, backward=backward)
                 results = []
                 for record in ref["records"]:
-                    got, violations = _run_case(impl, record, cfg, device)
+                    got, violations = _run_case(impl, record, cfg, device, launched)
                     results.append(got)
                     entry["violations"] += [f"{record['case']['name']}: {v}" for v in violations]
                 outputs[impl.name] = results
@@ -216,29 +223,50 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 outputs[impl.name] = None
                 entry["error"] = (str(exc) if isinstance(exc, DidNotRun) else
                                   f"{type(exc).__name__}: {exc}".splitlines()[0])
+            entry["launched"] = dict(sorted(launched.items()))  # Triton launches by kernel name, all cases
             report["paths"][impl.name] = entry
     torch.save(outputs, out / "kernel.pt")
     write_json(out / "kernel.json", report)
     return report
 
 
-def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str) -> tuple[Tensors, list[str]]:
+def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str,
+              launched: Counter) -> tuple[Tensors, list[str]]:
     """One case: the forward call, then (a backward of its own) the gradients' call, each guarded on its own
-    (inputs unchanged, no aliasing, the path's kernels of that direction launched)."""
+    (inputs unchanged, no aliasing, the path's kernels of that direction launched); the outputs' form (tensor,
+    shape, dtype, device) against the reference's. Outputs of the wrong form are dropped (parity: missing)."""
     inputs = {k: v.to(device) for k, v in record["inputs"].items()}
     triton = impl.kind == "triton"
     got, violations = guards.run_guarded(lambda: impl.fn(inputs, cfg), inputs, expect_triton=triton,
-                                         kernels=impl.kernels.get("forward", ()))
+                                         kernels=impl.kernels.get("forward", ()), launched=launched)
     if got is None:  # the forward raised or returned no dict: the path did not run (run_kernel records why)
         raise DidNotRun(violations[0].removeprefix("raised "))
     got = dict(got)
+    wrong = guards.output_violations(got, {k: v for k, v in record["baseline"].items() if k in got}, device)
+    violations += wrong
+    if wrong:
+        got = {k: v for k, v in got.items() if isinstance(v, torch.Tensor) and not any(f"output {k} " in w
+                                                                                      for w in wrong)}
     if impl.checks_gradients:
         grads, broken = guards.run_guarded(
             lambda: gradients(lambda x: impl.fn(x, cfg), inputs, record["grad_out"].to(device)), inputs,
-            expect_triton=triton, kernels=impl.kernels.get("backward", ()))
+            expect_triton=triton, kernels=impl.kernels.get("backward", ()), launched=launched)
         got.update(grads or {})
         violations += [f"backward {v}" for v in broken]
     return _to_cpu(got), violations
+
+
+def result_backward(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str) -> str:
+    """A user path's backward, as its result declares it: "none" when `out` of a call on inputs that require
+    grad has no autograd history (forward-only, not an error), else the Impl's. A call that raises is left to
+    the guarded calls, which record it."""
+    if impl.user is None or not impl.checks_gradients:
+        return impl.backward
+    try:
+        out = impl.fn(leaves_of({k: v.to(device) for k, v in record["inputs"].items()}), cfg).get("out")
+    except Exception:
+        return impl.backward
+    return NO_BACKWARD if isinstance(out, torch.Tensor) and not out.requires_grad else impl.backward
 
 
 # --- parity ------------------------------------------------------------------------------
@@ -270,6 +298,7 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
     for impl in op.optimized(cfg):
         outputs = kernel_outputs.get(impl.name)
         entry = kernel_report["paths"].get(impl.name, {"error": "not run by the kernel stage"})
+        impl = dataclasses.replace(impl, backward=entry.get("backward", impl.backward))  # as its result declared
         if outputs is None:
             result = {"verdict": "fail", "failed_cases": [f"did not run: {entry.get('error')}"], "worst": {},
                       "cases": []}
@@ -280,6 +309,9 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
             result["failed_cases"] = entry["violations"] + result["failed_cases"]
         result["emulation"] = entry.get("emulation")
         result["backward"] = impl.backward
+        result["launched"] = entry.get("launched", {})
+        if impl.user is not None:
+            result["user"] = impl.user
         if not impl.checks_gradients:  # a borrowed backward is never a pass of this path's gradients
             result["gradients"] = backward_note(impl)
         report["paths"][impl.name] = result
@@ -328,9 +360,12 @@ def _check_path(op: OpDef, impl: Impl, cfg: LabConfig, records: list[dict[str, A
     for i, record in enumerate(records):
         kind = record["case"]["inputs"]
         groups.setdefault((kind != "normal", kind in op.forward_only_inputs), []).append(i)
+    # optional outputs (a user attention's logsumexp) are checked when the path returns them
+    returned = set().union(*(set(o or {}) for o in outputs)) if outputs else set()
+    optional = [name for name in op.optional_outputs if name in returned and name not in impl.outputs]
     results = []
     for (adversarial, forward_only), index in groups.items():
-        expected = list(impl.outputs) if forward_only else op.expected_outputs(impl)
+        expected = [*impl.outputs, *optional] if forward_only else [*op.expected_outputs(impl), *optional]
         results.append(parity.check_path(
             [outputs[i] for i in index] if len(outputs) == len(records) else outputs,
             [records[i]["oracle"] for i in index], [records[i]["baseline"] for i in index],
@@ -390,6 +425,82 @@ def _forward_backward(impl: Impl, inputs: Tensors, grad_out: torch.Tensor, cfg: 
     return call
 
 
+TIMED_RESULT_RULE = ("after timing, each timed path is called on the same input buffers and its output checked "
+                     "against the float64 oracle; then the buffers are refilled in place with new values (another "
+                     "seed) and the check repeated: a path returning a stored result for inputs it has seen fails "
+                     "and gets no speed")
+IMPOSSIBLE_RULE = ("a median under {fraction:g} x the roofline's minimum time (FLOPs at the best calibrated GEMM "
+                   "peak of any dtype, minimal bytes at the calibrated copy bandwidth) is refused as impossible")
+FRESH_SEED = 104_729  # added to a case's seed for the refreshed inputs of the timed-result check
+
+
+def parity_paths(op: OpDef, cfg: LabConfig, out: Path) -> dict[str, Impl]:
+    """The point's paths with each one's backward as parity.json recorded it (a user path's result may declare
+    it forward-only) and, for a path that launched Triton kernels (a user's), kind "triton" when interpreted."""
+    recorded = read_json(out / "parity.json")["paths"]
+    paths = {}
+    for name, impl in op.paths(cfg).items():
+        entry = recorded.get(name, {})
+        impl = dataclasses.replace(impl, backward=entry.get("backward", impl.backward))
+        if impl.kind != "triton" and entry.get("launched"):
+            impl = dataclasses.replace(impl, kind="triton")  # it runs Triton: interpreted, it is not speed
+        paths[name] = impl
+    return paths
+
+
+def _first_call_ms(call: Callable[[], Any], device: str) -> float:
+    """One untimed-region call before the warm-up, timed on its own: a compiled peer's compile, a cold cache."""
+    import time
+
+    start = time.perf_counter()
+    call()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def roofline_floor_s(flops: float, nbytes: float, calibration: dict[str, Any]) -> float:
+    """The least time the calibrated device allows a call: FLOPs at the best GEMM peak of any dtype, the minimal
+    bytes at the copy bandwidth, whichever takes longer."""
+    peaks = calibration["peaks"]
+    best = max([v for v in (peaks.get("gemm_flops_per_s") or {}).values() if v] or [0.0])
+    bandwidth = peaks.get("copy_bytes_per_s") or 0.0
+    return max(flops / best if best else 0.0, nbytes / bandwidth if bandwidth else 0.0)
+
+
+def _impossible(forward: Timing, floor_s: float, fraction: float, costs: Any) -> str | None:
+    if floor_s and forward.median_ms / 1e3 < fraction * floor_s:
+        return (f"impossible: median {forward.median_ms:.4g} ms is under {fraction:g} x the roofline's minimum "
+                f"{floor_s * 1e3:.4g} ms ({costs.flops} FLOP, {costs.bytes} B at the calibrated peaks): no speed")
+    return None
+
+
+def _timed_result_check(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, inputs: Tensors) -> str | None:
+    """TIMED_RESULT_RULE: None if the path computed what was timed, else why not."""
+    contract = cfg.precision.contract
+    saved = {name: x.clone() for name, x in inputs.items()}
+    fresh = op.make_inputs(dataclasses.replace(case, seed=case.seed + FRESH_SEED), _dtype(cfg), str(
+        next(iter(inputs.values())).device.type))
+    try:
+        for label, values in (("the timed inputs", None), ("new values in the same buffers", fresh)):
+            if values is not None:
+                for name, x in inputs.items():
+                    x.copy_(values[name])
+            oracle = reference_outputs(op, cfg, cast_floats(inputs, torch.float64), case)["out"].cpu()
+            baseline = reference_outputs(op, cfg, inputs, case)["out"].cpu()
+            with torch.no_grad():
+                got = impl.fn(inputs, cfg)["out"]
+            check = parity.check_output(got.detach().cpu(), oracle, baseline, contract)
+            if check["verdict"] != "pass":
+                return f"timed result check failed on {label}: {check['reason']} (a stored result?): no speed"
+    except Exception as exc:
+        return f"timed result check raised {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    finally:
+        for name, x in inputs.items():
+            x.copy_(saved[name])
+    return None
+
+
 def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> dict[str, Any]:
     """Warmed timing, memory and roofline of every path that passed parity, then the measured curve.
 
@@ -422,9 +533,12 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                               "paths": {}}
     bench = cfg.bench
     settings = dict(warmup=bench.warmup, reps=bench.reps, min_time_s=bench.min_time_s, max_reps=bench.max_reps)
+    report["timed_result_rule"] = TIMED_RESULT_RULE
+    report["impossible_rule"] = IMPOSSIBLE_RULE.format(fraction=bench.impossible_below)
+    floor_s = roofline_floor_s(costs.flops, costs.bytes, calibration)
     rows, timings = [], {}
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
-        for name, impl in op.paths(cfg).items():
+        for name, impl in parity_paths(op, cfg, out).items():
             if not passed.get(name, False):
                 report["paths"][name] = {"valid": False, "reason": FAILED_PARITY}
                 continue
@@ -432,13 +546,21 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                 report["paths"][name] = {"valid": False, "reason": INTERPRETER_NOT_SPEED}
                 continue
             with torch.no_grad():
+                first_call_ms = _first_call_ms(lambda impl=impl: impl.fn(inputs, cfg), device)
                 forward = measure(lambda impl=impl: impl.fn(inputs, cfg), device=device, **settings)
                 memory = peak_bytes(lambda impl=impl: impl.fn(inputs, cfg), device, warmup=0)
             train = (None if impl.backward == NO_BACKWARD else
                      measure(_forward_backward(impl, inputs, grad_out, cfg), device=device, **settings))
+            refused = None if name == REFERENCE else (
+                _timed_result_check(op, cfg, case, impl, inputs)
+                or _impossible(forward, floor_s, bench.impossible_below, costs))
+            if refused:  # the path's numbers were right in parity, but what was timed was not that function
+                report["paths"][name] = {"valid": False, "reason": refused, "first_call_ms": first_call_ms}
+                continue
             timings[name] = (forward, train)
             seconds = forward.median_ms / 1e3
             report["paths"][name] = {
+                "first_call_ms": first_call_ms,
                 "valid": True, **forward.summary(),
                 "gflops_per_s": costs.flops / seconds / 1e9, "gbytes_per_s": costs.bytes / seconds / 1e9,
                 "memory": memory,
@@ -494,7 +616,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) 
     bench = cfg.bench
     settings = dict(warmup=bench.warmup, reps=bench.reps, min_time_s=bench.min_time_s, max_reps=bench.max_reps)
     modes = [curves.FORWARD, curves.FORWARD_BACKWARD] if bench.curve_backward else [curves.FORWARD]
-    paths = op.paths(cfg)
+    paths = parity_paths(op, cfg, out)
     rows = []
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for axis in op.curve_axes:
@@ -585,16 +707,18 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
                         router_aux_coef=arch.router_aux_coef, max_seq_len=train.seq_len)
     model_cfg = ModelConfig(**{**model_fields, **op.model_overrides(cfg)})
     passed = passed_parity(out)
+    paths = parity_paths(op, cfg, out)
     variants, skipped = [], {}
     for name in op.train_impls(cfg):
         if not passed.get(name, False):
             skipped[name] = FAILED_PARITY
             continue
-        if op.paths(cfg)[name].backward == NO_BACKWARD:
-            skipped[name] = backward_note(op.paths(cfg)[name])
+        impl = paths[name]
+        if impl.backward == NO_BACKWARD:
+            skipped[name] = backward_note(impl)
             continue
-        hooks = op.model_hooks(op.paths(cfg)[name], cfg)
-        interpreted = _interpreted(op.paths(cfg)[name])
+        hooks = op.model_hooks(impl, cfg)
+        interpreted = _interpreted(impl)
         variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, moe=hooks.moe,
                                 interpreted=interpreted,
                                 steps=min(train.interpreted_steps, train.steps) if interpreted else None))

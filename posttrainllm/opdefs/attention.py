@@ -8,6 +8,9 @@ Paths (one function each: checked, timed and trained):
                 own, registered only where it runs on the point's device, dtype and head dim (probed when
                 the config is validated); the ones that do not run are named in the others' `backend`
     triton      posttrainllm.ops.attention: our FlashAttention-2 forward and backward
+    compiled, flex (opt-in, op.peers): the reference under torch.compile; FlexAttention with a causal block
+                mask (forward-only on the CPU, where PyTorch refuses its backward)
+    user paths  op.user_impls, in the natural signature SIGNATURE (opdefs/user.py)
 
 Shapes: q (B, H, S, D), k and v (B, Hkv, S, D) -> out (B, H, S, D), lse (B, H, S) fp32.
 The row logsumexp is checked for the Triton path (its backward depends on it) against
@@ -18,6 +21,7 @@ the flash forward writes it in the same launch, and no other path computes it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
 from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
 ADVERSARIAL = ("large_logits", "growing_logits", "near_one_hot")
@@ -201,8 +206,8 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return {**geometry, "autotune": {"mode": mode, "chosen": dict(LAST_AUTOTUNE) or None,
                                          "error": f"{type(exc).__name__}: {message}"}}
-    # The tuners' key is (HEAD_DIM, CAUSAL, KV_GROUP) and the tensors' dtypes, not S: this choice, made at the
-    # point's own shape, is the one every other S of the point (edges, curve) runs with.
+    # The tuners' key holds the problem size (S, B·H) beside (HEAD_DIM, CAUSAL, KV_GROUP) and the dtypes: this is
+    # the choice at the point's own shape; every other S of the point (edges, curve) is tuned on its own.
     return {**geometry, "autotune": {"mode": mode, "chosen": dict(LAST_AUTOTUNE),
                                      "note": "chosen by triton.autotune on this device (smem-pruned)"}}
 
@@ -331,6 +336,90 @@ def _check_config(cfg: LabConfig) -> None:
                           f"memory per program, over device.smem_bytes={cfg.device.smem_bytes}")
 
 
+# --- the peers users reach for, opt-in (op.peers) ------------------------------------------------
+
+
+_FLEX: dict[str, Any] = {}
+
+
+def _flex(x: Tensors, cfg: LabConfig) -> Tensors:
+    """FlexAttention (torch.nn.attention.flex_attention) under torch.compile, with a causal block mask: the score
+    modification a user writes instead of a kernel. GQA through enable_gqa. The mask is built per (S, device)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = x["q"], x["k"], x["v"]
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention)
+    mask = None
+    if cfg.op.causal:
+        key = ("mask", q.shape[2], str(q.device))
+        if key not in _FLEX:
+            _FLEX[key] = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B=None, H=None,
+                                           Q_LEN=q.shape[2], KV_LEN=k.shape[2], device=str(q.device))
+        mask = _FLEX[key]
+    return {"out": _FLEX["fn"](q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])}
+
+
+FLEX_BACKEND = "torch.nn.attention.flex_attention.flex_attention (torch.compile, causal block mask)"
+FLEX_CPU_NO_BACKWARD = "FlexAttention does not support backward on CPU (torch 2.13): forward-only here"
+
+
+def _flex_peer(cfg: LabConfig) -> Impl:
+    """Forward-only on the CPU, where PyTorch refuses its backward: recorded per point, not a failure."""
+    from posttrainllm.opdefs.peers import first_call_geometry
+
+    cpu = _point_device(cfg) != "cuda"
+    backend = FLEX_BACKEND + (f"; {FLEX_CPU_NO_BACKWARD}" if cpu else "")
+    return Impl("flex", "peer", _flex, train=False, backward="none" if cpu else "own", backend=backend,
+                geometry=first_call_geometry(_flex, _make_inputs, FLEX_BACKEND))
+
+
+# --- a user path: its natural signature ---------------------------------------------------
+
+
+SIGNATURE = ("fn(q, k, v, *, causal: bool, sm_scale: float) -> out, or (out, lse); q (B, H, S, D), k and v "
+             "(B, Hkv, S, D) with H a multiple of Hkv (GQA: query head h reads K/V head h // (H // Hkv)); out "
+             "(B, H, S, D) in q's dtype; lse, if returned, (B, H, S) fp32, the natural-log row logsumexp of the "
+             "scaled, masked scores (checked too)")
+
+TEMPLATE = '''
+import math
+
+import torch
+
+
+def {name}(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, sm_scale: float) -> torch.Tensor:
+    """softmax(Q Kᵀ · sm_scale + causal mask) V.
+
+    q: (B, H, S, D); k, v: (B, Hkv, S, D), H a multiple of Hkv -> out (B, H, S, D) in q's dtype.
+    Optionally return (out, lse) with lse (B, H, S) fp32, the row logsumexp of the scaled, masked scores.
+    The lab checks it against float64 math: per element, per row, forward and gradients (autograd through
+    this function, or your own torch.autograd.Function); a result without autograd history is forward-only.
+    """
+    n_heads, seq_len = q.shape[1], q.shape[2]
+    k = k.repeat_interleave(n_heads // k.shape[1], dim=1)  # (B, H, S, D)
+    v = v.repeat_interleave(n_heads // v.shape[1], dim=1)  # (B, H, S, D)
+    scores = (q.float() @ k.float().transpose(-2, -1)) * sm_scale  # (B, H, S, S)
+    if causal:
+        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # (B, H, S, S)
+    return (probs @ v.float()).to(q.dtype)  # (B, H, S, D)
+'''
+
+
+def _adapt(fn: Any) -> Any:
+    def path(x: Tensors, cfg: LabConfig) -> Tensors:
+        q = x["q"]
+        got = fn(q, x["k"], x["v"], causal=cfg.op.causal, sm_scale=1.0 / math.sqrt(q.shape[-1]))
+        if isinstance(got, (tuple, list)) and len(got) == 2:
+            return {"out": got[0], "lse": got[1]}
+        return {"out": got}
+
+    path.__name__ = getattr(fn, "__name__", "user")
+    return path
+
+
 def _oracle_chunks(case: Case) -> list[dict[str, tuple]]:
     """One piece per (batch, kv head): its query heads and its K/V, so a piece holds G·S² scores, not B·H·S²."""
     d = case.dims
@@ -363,4 +452,8 @@ OP = OpDef(
     oracle_chunks=_oracle_chunks, reference_bytes=_reference_bytes,
     output_follows={"out": "q", "lse": "q", "grad_q": "q", "grad_k": "k", "grad_v": "v"},
     point_impls=_impls_for,
+    optional_peers={"compiled": compiled(
+        "attention", _reference, _make_inputs, "posttrainllm.ops.reference.attention"), "flex": _flex_peer},
+    reserved_names=tuple(SDPA_BACKENDS), optional_outputs=("lse",),
+    signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
 )

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from posttrainllm.config import LabConfig
+from posttrainllm.config import ConfigError, LabConfig
 
 Tensors = dict[str, torch.Tensor]
 REFERENCE = "reference"
@@ -69,6 +69,7 @@ class Impl:
     train: bool = True
     backward: str = OWN_BACKWARD
     kernels: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    user: dict[str, Any] | None = None  # a user path's identity (opdefs/user.py): spec, file, sha256, distribution
 
     @property
     def checks_gradients(self) -> bool:
@@ -153,6 +154,18 @@ class OpDef:
 
     # The paths that exist for one point (e.g. only the SDPA backends its device has); None: `impls`
     point_impls: Callable[[LabConfig], dict[str, Impl]] | None = None
+    # Built-in peers a point adds by name (op.peers): {name: cfg -> Impl}; `compiled` for every op (peers.py)
+    optional_peers: dict[str, Callable[[LabConfig], Impl]] = field(default_factory=dict)
+    # Path names no user path may take beyond the registry's (SDPA backends absent on this device, say)
+    reserved_names: tuple[str, ...] = ()
+    # Outputs checked when a path returns them (a user attention's logsumexp), beyond its declared `outputs`
+    optional_outputs: tuple[str, ...] = ()
+    # A user path's natural signature, in words (README, `posttrainllm new-impl`), and the adapter from it to
+    # the registry's dict form: adapt(fn) -> (inputs, cfg) -> outputs
+    signature: str = ""
+    adapt: Callable[[Callable[..., Any]], Callable[[Tensors, LabConfig], Tensors]] | None = None
+    # The body of `posttrainllm new-impl`'s file: the readable math in the natural signature, correct as it is
+    template: str = ""
 
     @property
     def reference(self) -> Impl:
@@ -164,8 +177,20 @@ class OpDef:
         return [CurveAxis(self.x_name, self.curve_sizes, self.curve_case), *self.extra_curves]
 
     def paths(self, cfg: LabConfig) -> dict[str, Impl]:
-        """The registry as it stands for this point: `impls`, or what `point_impls` makes of it."""
-        return self.point_impls(cfg) if self.point_impls is not None else self.impls
+        """The registry as it stands for this point: `impls` (or what `point_impls` makes of it), then the optional
+        peers `op.peers` names, then the user paths of `op.user_impls` (opdefs/user.py)."""
+        paths = dict(self.point_impls(cfg) if self.point_impls is not None else self.impls)
+        for name in cfg.op.peers:
+            if name not in self.optional_peers:
+                raise ConfigError(f"op.peers: unknown {self.name} peer {name!r}: valid choices are "
+                                  f"{', '.join(self.optional_peers) or 'none'}")
+            paths[name] = self.optional_peers[name](cfg)
+        if cfg.op.user_impls:
+            from posttrainllm.opdefs.user import user_impls
+
+            taken = set(paths) | set(self.impls) | set(self.optional_peers) | set(self.reserved_names)
+            paths.update(user_impls(self, list(cfg.op.user_impls), taken))
+        return paths
 
     def optimized(self, cfg: LabConfig) -> list[Impl]:
         """The paths checked against the reference (everything but the reference itself)."""

@@ -14,12 +14,16 @@ Paths (one function each: checked, timed and trained):
                 its backward is the readable math's (decoding is inference; see the kernel's docstring), declared
                 borrowed (backward="reference"): parity shows its gradients as not checked, never as a pass
 
+Opt-in (op.peers): compiled, the reference under torch.compile. User paths (op.user_impls) take the
+natural signature SIGNATURE (opdefs/user.py).
+
 The microbench's figure is the bandwidth: bytes of KV cache read per second against the calibrated copy
 bandwidth (the roofline), over the context length Sk (`shape.curve` as Sk, Sq = 1).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize
 from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
 # --- the paths -------------------------------------------------------------------------
@@ -192,9 +197,44 @@ def _reference_bytes(case: Case, cfg: LabConfig) -> int:
     return scores + tensors
 
 
+SIGNATURE = ("fn(q, k, v, *, sm_scale: float) -> out; q (B, H, Sq, D), k and v (B, Hkv, Sk, D), Sq <= Sk, "
+             "query i of the chunk sees keys j <= i + Sk - Sq (bottom-right causal); out (B, H, Sq, D) in q's dtype")
+
+TEMPLATE = '''
+import torch
+
+
+def {name}(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float) -> torch.Tensor:
+    """softmax(Q Kᵀ · sm_scale + M) V for a query chunk at the end of a KV cache (M: bottom-right causal).
+
+    q: (B, H, Sq, D); k, v: (B, Hkv, Sk, D), Sq <= Sk, H a multiple of Hkv -> out (B, H, Sq, D) in q's dtype.
+    Query i of the chunk (position i + Sk - Sq) sees keys j <= i + Sk - Sq; Sq = 1 is one decode step.
+    """
+    n_heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
+    k = k.repeat_interleave(n_heads // k.shape[1], dim=1)  # (B, H, Sk, D)
+    v = v.repeat_interleave(n_heads // v.shape[1], dim=1)  # (B, H, Sk, D)
+    scores = (q.float() @ k.float().transpose(-2, -1)) * sm_scale  # (B, H, Sq, Sk)
+    future = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).triu(kv_len - q_len + 1)
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)  # (B, H, Sq, Sk)
+    return (probs @ v.float()).to(q.dtype)  # (B, H, Sq, D)
+'''
+
+
+def _adapt(fn: Any) -> Any:
+    def path(x: Tensors, cfg: LabConfig) -> Tensors:
+        q = x["q"]
+        return {"out": fn(q, x["k"], x["v"], sm_scale=1.0 / math.sqrt(q.shape[-1]))}
+
+    path.__name__ = getattr(fn, "__name__", "user")
+    return path
+
+
 OP = OpDef(
     name="decode_attention", x_name="kv_len", input_names=("q", "k", "v"), impls=IMPLS, cases=_cases,
     make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
     model_problem=_model_problem, profiled_range="attention", check_config=_check_config,
     reference_bytes=_reference_bytes,
+    optional_peers={"compiled": compiled("decode_attention", _reference, _make_inputs,
+                                         "posttrainllm.ops.reference.chunk_attention")},
+    signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
 )

@@ -5,6 +5,8 @@ Paths (one function each: checked, timed and trained as every projection of the 
     torch       torch.matmul (BLAS on CPU, cuBLAS on CUDA): on CPU the same call as the reference,
                 so their curves must agree within noise (a useful null check of the timer)
     triton      posttrainllm.ops.matmul: our tiled, GROUP_M-swizzled kernel, forward and backward
+    compiled    (opt-in, op.peers) the reference under torch.compile
+    user paths  op.user_impls, in the natural signature SIGNATURE (opdefs/user.py)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
 from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
 
@@ -151,9 +154,35 @@ def _reference_bytes(case: Case, cfg: LabConfig) -> int:
     return 4 * (d["m"] * d["k"] + d["k"] * d["n"] + d["m"] * d["n"]) * 8 * 2
 
 
+SIGNATURE = "fn(a, b) -> c; a (M, K), b (K, N), c (M, N) in a's dtype"
+
+TEMPLATE = '''
+import torch
+
+
+def {name}(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """C = A @ B.   a: (M, K), b: (K, N) -> (M, N) in a's dtype.
+
+    The lab checks it against float64 math, per element and per row of C, forward and both gradients
+    (autograd through this function, or your own torch.autograd.Function); no autograd history: forward-only.
+    """
+    return (a.float() @ b.float()).to(a.dtype)  # fp32 accumulation, as a tensor-core GEMM does
+'''
+
+
+def _adapt(fn: Any) -> Any:
+    def path(x: Tensors, cfg: LabConfig) -> Tensors:
+        return {"out": fn(x["a"], x["b"])}
+
+    path.__name__ = getattr(fn, "__name__", "user")
+    return path
+
+
 OP = OpDef(
     name="matmul", x_name="size", input_names=("a", "b"), impls=IMPLS, cases=_cases, make_inputs=_make_inputs,
     problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks, model_problem=_model_problem,
     profiled_range="matmul", check_config=_check_config, reference_bytes=_reference_bytes,
     curve_sizes=lambda cfg: list(cfg.shape.matmul_curve or cfg.shape.curve),
+    optional_peers={"compiled": compiled("matmul", _reference, _make_inputs, "posttrainllm.ops.reference.matmul")},
+    signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
 )

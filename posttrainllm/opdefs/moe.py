@@ -7,6 +7,8 @@ Paths (one function each: checked, timed and trained as the experts of an MoE ML
     grouped_mm  torch.nn.functional.grouped_mm: tokens sorted by expert, one grouped GEMM per projection
     triton      posttrainllm.ops.moe: our grouped GEMM (gate+up with the SwiGLU epilogue, down with the
                 routing weight, un-permute), forward and backward
+    compiled    (opt-in, op.peers) the reference under torch.compile
+    user paths  op.user_impls, in the natural signature SIGNATURE (opdefs/user.py)
 
 The routing is an input, not part of the paths: the reference stage computes it once per case with
 the reference router in fp32 (logits = x·W_r, softmax, top-k, renormalised over the k, ties to the
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from posttrainllm.config import ConfigError, LabConfig, itemsize
 from posttrainllm.opdefs.base import (REFERENCE, Case, Costs, CurveAxis, Impl, ModelHooks, OpDef, Tensors,
                                       seeded_randn)
+from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
 ROUTING_KINDS = ("one_expert", "empty_expert")
@@ -332,6 +335,44 @@ def _reference_bytes(case: Case, cfg: LabConfig) -> int:
     return 8 * (8 * n_exp * t * f + 4 * n_exp * t * dm + 8 * 3 * n_exp * dm * f)
 
 
+SIGNATURE = ("fn(x, w_gate, w_up, w_down, route_idx, route_weight) -> out; x (T, d), w_gate and w_up (E, d, f), "
+             "w_down (E, f, d), route_idx (T, k) int64, route_weight (T, k); out (T, d) in x's dtype = "
+             "Σ_k route_weight[t, k] · (silu(x w_gate[e]) ∘ (x w_up[e])) w_down[e], e = route_idx[t, k]")
+
+TEMPLATE = '''
+import torch
+import torch.nn.functional as F
+
+
+def {name}(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+           route_idx: torch.Tensor, route_weight: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts: out[t] = Σ_k route_weight[t, k] · expert_{{route_idx[t, k]}}(x[t]).
+
+    x: (T, d); w_gate, w_up: (E, d, f); w_down: (E, f, d); route_idx: (T, k) int64; route_weight: (T, k)
+    -> out (T, d) in x's dtype, with expert_e(x) = (silu(x W_gate[e]) * (x W_up[e])) W_down[e].
+    Gradients are checked for x, the three weights and route_weight.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, d)
+    for e in range(w_gate.shape[0]):
+        token, slot = (route_idx == e).nonzero(as_tuple=True)  # the (token, slot) pairs routed to e
+        if token.numel() == 0:
+            continue
+        xe = x[token].float()  # (n_e, d)
+        h = F.silu(xe @ w_gate[e].float()) * (xe @ w_up[e].float())  # (n_e, f)
+        y = (h @ w_down[e].float()) * route_weight[token, slot].float()[:, None]  # (n_e, d)
+        out = out.index_add(0, token, y)
+    return out.to(x.dtype)
+'''
+
+
+def _adapt(fn: Any) -> Any:
+    def path(x: Tensors, cfg: LabConfig) -> Tensors:
+        return {"out": fn(*_args(x))}
+
+    path.__name__ = getattr(fn, "__name__", "user")
+    return path
+
+
 OP = OpDef(
     name="moe", x_name="tokens", input_names=("x", "w_gate", "w_up", "w_down", "route_weight", "route_idx"),
     impls=IMPLS, cases=_cases, make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case,
@@ -341,4 +382,6 @@ OP = OpDef(
     extra_curves=(CurveAxis("experts", lambda cfg: list(cfg.shape.moe_expert_curve), _expert_curve_case),),
     describe=_describe,  # the weight and routing-weight gradients' max_error_only: conf/op/moe.yaml
     point_impls=_impls_for,
+    optional_peers={"compiled": compiled("moe", _reference, _make_inputs, "posttrainllm.ops.reference.moe_dense")},
+    signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
 )

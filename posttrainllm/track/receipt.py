@@ -93,6 +93,9 @@ def build(cfg: LabConfig, *, sweep: dict[str, Any] | None = None) -> dict[str, A
         "bench_train": _read_optional(out / "bench_train.json"),
         "stamps": stamps,
     }
+    # the user paths' identities (spec, file, sha256, distribution, version), where a reader looks for them
+    receipt["user_impls"] = {name: entry["user"] for name, entry in ((receipt["kernel"] or {}).get("paths")
+                                                                     or {}).items() if entry.get("user")}
     write_json(out / "receipt.json", receipt)
     write_json(out / "metrics.json", metrics(receipt))
     (out / "config.yaml").write_text(OmegaConf.to_yaml(receipt["config"]))
@@ -203,6 +206,10 @@ def _tags(receipt: dict[str, Any]) -> dict[str, str]:
         "receipt.schema": receipt["schema"],
         "receipt.id": hashlib.sha256(json.dumps(receipt, sort_keys=True).encode()).hexdigest()[:16],
     }
+    for name, identity in (receipt.get("user_impls") or {}).items():  # a user path's identity, searchable
+        for key in ("spec", "file", "sha256", "distribution", "version"):
+            if identity.get(key):
+                tags[f"user.{name}.{key}"] = str(identity[key])
     if receipt["sweep"]:
         tags["sweep"] = receipt["sweep"]["name"]
         tags["sweep.id"] = receipt["sweep"]["id"]

@@ -8,7 +8,8 @@ heads stages write theirs in runs/heads/base/ and runs/heads/<K name>/):
     revision, dirty    git HEAD and whether the tree differed from it (track/provenance.py)
     device             the device fingerprint the stage ran with (measure/device.py `fingerprint`)
     sources            {repo-relative path: sha256} of every posttrainllm module loaded in the
-                       stage's process, plus its pipelines/<stage>.py script
+                       stage's process, plus its pipelines/<stage>.py script and the file of every
+                       user path it ran (op.user_impls; absolute when outside the project)
     config_keys        the dotted config keys the stage read ("tile.block_q"), `run.*` and
                        `sweep` left out (where to write and the plan, not what is computed);
                        null for a timed stage unless POSTTRAINLLM_RECORD_CONFIG_READS=1 (RECORD_ENV)
@@ -40,6 +41,7 @@ from typing import Any, Iterator
 
 from posttrainllm import config as config_module
 from posttrainllm.config import PROJECT_ROOT, LabConfig
+from posttrainllm.files import USER_SOURCES
 
 STAMPS = "stamps"  # runs/<point>/stamps/<stage>.json
 TIMED_STAGES = ("microbench", "bench_train", "decode")  # their timings are only comparable on one device
@@ -75,6 +77,7 @@ def loaded_sources(root: Path = PROJECT_ROOT) -> dict[str, str]:
         path = Path(name).resolve()
         if path.suffix == ".py" and path.is_relative_to(package) and path.is_file():
             found[path.relative_to(root).as_posix()] = file_sha256(path)
+    found.update(USER_SOURCES)  # the files of user paths that ran here (opdefs/user.py), hashed when loaded
     return dict(sorted(found.items()))
 
 

@@ -1,0 +1,59 @@
+"""The peers users reach for instead of writing a kernel, built in and opt-in (`op.peers=[compiled]`).
+
+    compiled    the op's readable reference under `torch.compile` (inductor): what a user gets for free.
+                Every op has it.
+
+Compilation happens on a path's first call at each new shape (then, by PyTorch's default, once more with
+dynamic sizes); the kernel stage times that first call apart as `compile_s` (kernel.json), and the
+microbench's warm-up absorbs it before any timed call. Inductor's on-disk cache (its default) makes a
+second process's compile of the same graph quicker.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from posttrainllm.config import LabConfig
+from posttrainllm.opdefs.base import Case, Impl, Tensors
+
+COMPILED = "compiled"
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def compiled(op_name: str, reference: Callable[[Tensors, LabConfig], Tensors], make_inputs: Callable[..., Tensors],
+             backend: str) -> Callable[[LabConfig], Impl]:
+    """The `compiled` peer of an op: its reference function under torch.compile (one compiled object per op)."""
+
+    def fn(x: Tensors, cfg: LabConfig) -> Tensors:
+        if op_name not in _COMPILED:
+            _COMPILED[op_name] = torch.compile(reference)
+        return _COMPILED[op_name](x, cfg)
+
+    def make(cfg: LabConfig) -> Impl:
+        return Impl(COMPILED, "peer", fn, train=False, geometry=first_call_geometry(fn, make_inputs, backend),
+                    backend=f"torch.compile({backend})")
+
+    return make
+
+
+def first_call_geometry(fn: Callable[[Tensors, LabConfig], Tensors], make_inputs: Callable[..., Tensors],
+                        backend: str) -> Callable[[Case, LabConfig], dict[str, Any]]:
+    """A compiled path's geometry: its backend and the seconds of its first call on the point's case (the
+    compile, reported apart from every timed call)."""
+
+    def geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
+        device = "cuda" if cfg.device.name == "cuda" or (cfg.device.name == "auto" and torch.cuda.is_available()) \
+            else "cpu"
+        x = make_inputs(case, getattr(torch, cfg.precision.dtype), device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            fn(x, cfg)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return {"backend": f"torch.compile({backend})", "compile_s": round(time.perf_counter() - start, 3),
+                "compile_note": "the first call at the point's shape (forward): compile included; never timed"}
+
+    return geometry
