@@ -33,8 +33,8 @@ def compiled(op_name: str, reference: Callable[[Tensors, LabConfig], Tensors], m
         return _COMPILED[op_name](x, cfg)
 
     def make(cfg: LabConfig) -> Impl:
-        return Impl(COMPILED, "peer", fn, train=False, geometry=first_call_geometry(fn, make_inputs, backend),
-                    backend=f"torch.compile({backend})")
+        return Impl(COMPILED, "peer", fn, train=False, backend=f"torch.compile({backend})",
+                    geometry=first_call_geometry(fn, make_inputs, f"torch.compile({backend})"))
 
     return make
 
@@ -53,7 +53,7 @@ def first_call_geometry(fn: Callable[[Tensors, LabConfig], Tensors], make_inputs
             fn(x, cfg)
         if device == "cuda":
             torch.cuda.synchronize()
-        return {"backend": f"torch.compile({backend})", "compile_s": round(time.perf_counter() - start, 3),
+        return {"backend": backend, "compile_s": round(time.perf_counter() - start, 3),
                 "compile_note": "the first call at the point's shape (forward): compile included; never timed"}
 
     return geometry

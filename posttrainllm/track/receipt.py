@@ -57,8 +57,9 @@ def _parity_summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"verdict": report["verdict"], "precision": report["precision"], "contract": report["contract"],
             "lse_contract": report.get("lse_contract"), "first_failure": report.get("first_failure"),
             "inputs": report.get("inputs"),
-            "rule": report["rule"], "notes": report["notes"],
-            "paths": {name: {k: p[k] for k in ("verdict", "failed_cases", "worst", "emulation")}
+            "rule": report["rule"], "notes": report["notes"], "backward_rule": report.get("backward_rule"),
+            "paths": {name: {k: p.get(k) for k in ("verdict", "failed_cases", "worst", "emulation", "backward",
+                                                   "gradients")}
                       for name, p in report["paths"].items()}}
 
 

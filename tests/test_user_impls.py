@@ -1,0 +1,217 @@
+"""Kernels from outside (op.user_impls): code nobody here wrote, through the same stages as every path.
+
+The example kernels live in examples/ (a Triton attention in the tutorial's style, a PyTorch function); the
+planted-bug twin is a copy of the Triton example with its online-softmax rescale dropped. Cheats are written
+here as a user would write them: a stored result for inputs seen before, a result of the wrong form.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import parity_report
+
+from posttrainllm.config import PROJECT_ROOT, ConfigError
+from posttrainllm.lab import stages
+from posttrainllm.lab.configure import load
+from posttrainllm.opdefs import get_op
+
+EXAMPLES = PROJECT_ROOT / "examples"
+ATTENTION = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "architecture=gqa"]
+MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]", "shape.m=64", "shape.n=64",
+          "shape.k=64", "shape.curve=[32,64]", "shape.matmul_curve=[32,64]"]
+
+
+def _write(tmp_path: Path, name: str, source: str) -> str:
+    path = tmp_path / name
+    path.write_text(source)
+    return str(path)
+
+
+def test_a_triton_kernel_from_outside_is_judged_and_not_timed_under_the_interpreter(tmp_path):
+    spec = f"{EXAMPLES / 'triton_attention.py'}:attention"
+    report = parity_report(load([*ATTENTION, f"op.user_impls=[{spec}]"]), tmp_path)
+    path = report["paths"]["attention"]
+    assert path["verdict"] == "pass", path["failed_cases"]
+    assert path["backward"] == "own" and {"out", "grad_q", "grad_k", "grad_v"} <= set(path["worst"])
+    assert path["launched"] == {"_attn_fwd": len(report["cases"]) * 2}  # forward and backward calls, every case
+    assert path["user"]["sha256"] == __import__("hashlib").sha256((EXAMPLES / "triton_attention.py").read_bytes()).hexdigest()
+    kernel = json.loads((tmp_path / "kernel.json").read_text())
+    assert kernel["paths"]["attention"]["kind"] == "user"
+    paths = stages.parity_paths(get_op("attention"), load([*ATTENTION, f"op.user_impls=[{spec}]"]), tmp_path)
+    assert paths["attention"].kind == "triton"  # it launched Triton: interpreted, the microbench will not time it
+
+
+def test_the_planted_bug_twin_of_the_example_fails(tmp_path):
+    source = (EXAMPLES / "triton_attention.py").read_text()
+    original = "acc = acc * alpha[:, None] + tl.dot(p, v)"
+    assert source.count(original) == 1
+    twin = _write(tmp_path, "twin_attention.py", source.replace(original, "acc = acc + tl.dot(p, v)"))
+    report = parity_report(load([*ATTENTION, f'op.user_impls=["twin={twin}:attention"]']), tmp_path)
+    assert report["paths"]["twin"]["verdict"] == "fail"
+    assert any("/out:" in f for f in report["paths"]["twin"]["failed_cases"])
+    assert report["paths"]["triton"]["verdict"] == "pass"  # the point goes on: the other paths are judged
+
+
+def test_a_pytorch_function_goes_through_every_stage(tmp_path):
+    cfg = load([*ATTENTION, f"op.user_impls=[{EXAMPLES / 'torch_attention.py'}:sdpa_attention]",
+                f"run.out_dir={tmp_path}", "run.name=p", "train.steps=2", "train.warmup_steps=1",
+                "bench.reps=3", "bench.min_time_s=0", "shape.curve=[32,64]"])
+    out = tmp_path / "p"
+    parity_report(cfg, out)
+    calibration = {"peaks": {"gemm_flops_per_s": {"float32": 1e11}, "copy_bytes_per_s": 1e10}}
+    micro = stages.run_microbench(cfg, out, calibration)
+    entry = micro["paths"]["sdpa_attention"]
+    assert entry["valid"] and entry["forward_backward"]["median_ms"] > 0 and "first_call_ms" in entry
+    assert {r["impl"] for r in __import__("csv").DictReader(open(out / "curve.csv"))} >= {"sdpa_attention"}
+    train = stages.run_bench_train(cfg, out)
+    assert "sdpa_attention" in train["impls"] and train["drift_verdict"]["sdpa_attention"] == "pass"
+
+
+def test_a_forward_only_result_is_not_an_error(tmp_path):
+    spec = _write(tmp_path, "nograd.py", "import torch\n\ndef matmul(a, b):\n    with torch.no_grad():\n"
+                                         "        return a @ b\n")
+    cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]", f"run.out_dir={tmp_path}", "run.name=p",
+                "bench.reps=3", "bench.min_time_s=0", "train.steps=2", "train.warmup_steps=1"])
+    out = tmp_path / "p"
+    report = parity_report(cfg, out)
+    assert report["paths"]["matmul"]["verdict"] == "pass" and report["paths"]["matmul"]["backward"] == "none"
+    assert set(report["paths"]["matmul"]["worst"]) == {"out"}
+    micro = stages.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": {"float32": 1e11},
+                                                       "copy_bytes_per_s": 1e10}})
+    assert micro["paths"]["matmul"]["valid"]
+    assert micro["paths"]["matmul"]["forward_backward"]["reason"].startswith("none: a forward-only path")
+    train = stages.run_bench_train(cfg, out)
+    assert train["skipped"]["matmul"].startswith("none: a forward-only path")
+
+
+CACHING = '''
+import torch
+
+_seen = {}
+
+
+def matmul(a, b):
+    """Right on every new buffer; for buffers it has seen (without autograd), the stored answer."""
+    key = (a.data_ptr(), b.data_ptr())
+    if not (a.requires_grad or b.requires_grad) and key in _seen:
+        return _seen[key]
+    out = a @ b
+    if not (a.requires_grad or b.requires_grad):
+        _seen[key] = out
+    return out
+'''
+
+
+def test_a_stored_result_for_seen_inputs_gets_no_speed(tmp_path):
+    spec = _write(tmp_path, "caching.py", CACHING)
+    cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]", f"run.out_dir={tmp_path}", "run.name=p",
+                "bench.reps=3", "bench.min_time_s=0"])
+    out = tmp_path / "p"
+    report = parity_report(cfg, out)
+    assert report["paths"]["matmul"]["verdict"] == "pass"  # every parity case has buffers of its own
+    micro = stages.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": {"float32": 1e11},
+                                                       "copy_bytes_per_s": 1e10}})
+    entry = micro["paths"]["matmul"]
+    assert not entry["valid"]
+    assert entry["reason"].startswith("timed result check failed on new values in the same buffers")
+    assert micro["paths"]["torch"]["valid"]  # the honest peer is timed as before
+
+
+def test_a_time_under_the_roofline_floor_is_impossible():
+    floor = stages.roofline_floor_s(2e9, 1e6, {"peaks": {"gemm_flops_per_s": {"float32": 1e11, "bfloat16": 1e9},
+                                                         "copy_bytes_per_s": 1e10}})
+    assert floor == pytest.approx(2e9 / 1e11)  # the best GEMM peak of any dtype, not the point's own
+    costs = type("C", (), {"flops": 2e9, "bytes": 1e6})()
+    fast = type("T", (), {"median_ms": 0.4 * floor * 1e3})()
+    slow = type("T", (), {"median_ms": 0.6 * floor * 1e3})()
+    assert stages._impossible(fast, floor, 0.5, costs).startswith("impossible: median")
+    assert stages._impossible(slow, floor, 0.5, costs) is None
+
+
+@pytest.mark.parametrize("body, reason", [
+    ("return (a @ b).numpy()", "output out is a ndarray, not a tensor"),
+    ("return (a @ b).double()", "output out has dtype torch.float64, expected torch.float32"),
+    ("return (a @ b)[:, :-1]", "output out has shape"),
+])
+def test_an_output_of_the_wrong_form_fails_with_that_reason(body, reason, tmp_path):
+    spec = _write(tmp_path, "wrong.py", f"def matmul(a, b):\n    {body}\n")
+    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    failures = report["paths"]["matmul"]["failed_cases"]
+    assert report["paths"]["matmul"]["verdict"] == "fail"
+    assert any(reason in f for f in failures), failures
+
+
+def test_a_path_that_raises_gets_the_error_in_its_verdict_and_the_point_goes_on(tmp_path):
+    """As Liger-Kernel 0.8.5's RMSNorm does under the interpreter: `.to()` on a scalar the interpreter passes as a
+    Python float."""
+    spec = _write(tmp_path, "raises.py", "def matmul(a, b):\n    eps = 1e-6\n    return a @ b * eps.to(a.dtype)\n")
+    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    assert report["paths"]["matmul"]["failed_cases"] == [
+        "did not run: AttributeError: 'float' object has no attribute 'to'"]
+    assert report["paths"]["triton"]["verdict"] == "pass"
+
+
+def test_an_import_that_fails_is_the_paths_failure(tmp_path):
+    """As FlagGems 5.0.2 does without a device: the import itself raises; recorded on the path at its first call."""
+    spec = _write(tmp_path, "nodevice.py", "raise RuntimeError('No device were detected')\n\ndef matmul(a, b):\n"
+                                           "    return a @ b\n")
+    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    assert report["paths"]["matmul"]["failed_cases"] == ["did not run: RuntimeError: No device were detected"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("examples/nope.py:attention", "no file examples/nope.py"),
+    ("examples/torch_attention.py:nope", "no attribute 'nope' in"),
+    ("examples/torch_attention.py", "expected [name=]file.py:attr"),
+    ("triton=examples/torch_attention.py:sdpa_attention", "the name 'triton' is taken by a built-in path"),
+    ("sdpa_cudnn=examples/torch_attention.py:sdpa_attention", "is taken by a built-in path"),
+    ("no_such_module_here:attention", "no module 'no_such_module_here' is importable"),
+    ("entry:nope", "no installed entry point 'attention.nope'"),
+    ("9x=examples/torch_attention.py:sdpa_attention", "must start with a letter"),
+])
+def test_bad_specs_are_one_line_config_errors(spec, message):
+    with pytest.raises(ConfigError) as caught:
+        load(["device=cpu", f'op.user_impls=["{spec}"]'])  # quoted: a name= needs quotes in Hydra's grammar
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_cli_refuses_a_bad_spec_before_writing_anything(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "posttrainllm", "bench", "op=attention",
+                           "op.user_impls=[examples/nope.py:attention]", f"run.out_dir={tmp_path / 'runs'}",
+                           "run.log_mlflow=false"], capture_output=True, text=True, cwd=PROJECT_ROOT)
+    assert done.returncode == 2
+    assert "no file examples/nope.py" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_duplicate_user_name_and_an_unknown_peer_are_refused():
+    spec = "examples/torch_attention.py:sdpa_attention"
+    with pytest.raises(ConfigError, match="taken by another user path"):
+        load(["device=cpu", f"op.user_impls=[{spec},{spec}]"])
+    with pytest.raises(ConfigError, match="op.peers: unknown matmul peer 'flex': valid choices are compiled"):
+        load(["op=matmul", "device=cpu", "op.peers=[flex]"])
+
+
+def test_the_compiled_peer_is_checked_and_its_compile_time_kept_apart(tmp_path):
+    report = parity_report(load([*MATMUL, "op.peers=[compiled]"]), tmp_path)
+    assert report["paths"]["compiled"]["verdict"] == "pass" and report["paths"]["compiled"]["backward"] == "own"
+    geometry = json.loads((tmp_path / "kernel.json").read_text())["paths"]["compiled"]["geometry"]
+    assert geometry["backend"] == "torch.compile(posttrainllm.ops.reference.matmul)" and geometry["compile_s"] > 0
+
+
+def test_flex_attention_is_forward_only_on_the_cpu():
+    cfg = load(["device=cpu", "op.peers=[flex]"])
+    flex = get_op("attention").paths(cfg)["flex"]
+    assert flex.backward == "none" and "does not support backward on CPU" in flex.backend
+    q, k, v = (torch.randn(1, 4, 64, 32) for _ in range(3))
+    out = flex.fn({"q": q, "k": k, "v": v}, cfg)["out"]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-6)
+    leaves = {name: x.requires_grad_() for name, x in {"q": q, "k": k, "v": v}.items()}
+    with pytest.raises(NotImplementedError, match="does not support backward on CPU"):  # PyTorch 2.13's reason
+        flex.fn(leaves, cfg)
