@@ -26,6 +26,10 @@ mask, not the padding values, makes them inert.
 bf16 under Triton's interpreter: as in matmul.py, dot operands are upcast to fp32 and every
 intermediate is stored in fp32, rounded to bf16 by PyTorch at the end (ops/__init__.py).
 
+Offsets: every token, padded-row and expert base is 64-bit (at DeepSeek-V3's d 7168 and top-8, P·d passes 2^31
+from ~37k tokens; 256 experts of 7168 x 2048 hold 3.8e9 elements); offsets inside one row or one expert's weights
+and the plan's int32 row indices stay 32-bit, and moe_launch refuses a problem that would pass 2^31 there.
+
 Shapes: x (T, d); w_gate, w_up (E, d, f); w_down (E, f, d); route_idx (T, k) int64;
 route_weight (T, k) -> out (T, d). P = padded rows (Σ_e ceil(n_e / BLOCK_M) · BLOCK_M).
 """
@@ -43,6 +47,10 @@ from posttrainllm.ops import use_bf16_emulation
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INPUT_PRECISIONS = ("ieee", "tf32")
+# Offsets: every base a program id or index multiplies by a stride (token, padded row, expert) is 64-bit; what stays
+# 32-bit is refused at 2^31: an offset inside one row or one expert's weights, and the plan's int32 row indices.
+OFFSET_LIMIT = 2 ** 31
+GRID_DIM_LIMIT = 65535  # CUDA: grid dimensions 1 and 2
 
 
 # --- kernels -----------------------------------------------------------------------------
@@ -50,12 +58,15 @@ INPUT_PRECISIONS = ("ieee", "tf32")
 
 @triton.jit
 def _row_block(block_expert_ptr, block_rows_ptr, block, BLOCK_M: tl.constexpr):
-    """A row block's expert, its padded row indices (BLOCK_M,) and which of them are real rows."""
+    """A row block's expert, its padded row indices (BLOCK_M,) and which of them are real rows.
+
+    The expert and the rows come back 64-bit: they multiply strides (expert x d·f passes 2^31 at 256 experts of
+    7168 x 2048; padded row x d at ~37k tokens of top-8 and d 7168)."""
     expert = tl.load(block_expert_ptr + block)
     n_valid = tl.load(block_rows_ptr + block)
     offs = tl.arange(0, BLOCK_M)
     valid = offs < n_valid  # padding rows: masked in every load and store
-    return expert, block * BLOCK_M + offs, valid
+    return expert.to(tl.int64), tl.cast(block, tl.int64) * BLOCK_M + offs, valid
 
 
 @triton.jit
@@ -70,7 +81,7 @@ def _gate_up_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SAVE_PRE: tl.constexpr,
 ):
     expert, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
-    token = tl.load(row_token_ptr + rows)  # (BLOCK_M,): the token each row reads
+    token = tl.load(row_token_ptr + rows).to(tl.int64)  # (BLOCK_M,): the token each row reads
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xd  # gathered rows of X
@@ -151,13 +162,13 @@ def _unpermute_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """out[t] = Σ over t's k slots of y[row of (t, slot)]: every row is read once, nothing is added twice."""
-    offs_t = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t_mask = offs_t < T
     mask = t_mask[:, None] & (offs_n[None, :] < D)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
-        row = tl.load(inv_ptr + offs_t * TOP_K + slot, mask=t_mask, other=0)  # (BLOCK_M,)
+        row = tl.load(inv_ptr + offs_t * TOP_K + slot, mask=t_mask, other=0).to(tl.int64)  # (BLOCK_M,)
         acc += tl.load(y_ptr + row[:, None] * stride_yp + offs_n[None, :] * stride_yd, mask=mask,
                        other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_od,
@@ -178,7 +189,7 @@ def _down_backward_kernel(
 ):
     expert, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
     pid_n = tl.program_id(1)
-    token = tl.load(row_token_ptr + rows)
+    token = tl.load(row_token_ptr + rows).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # over f
     offs_k = tl.arange(0, BLOCK_K)  # over d
     do_ptrs = dout_ptr + token[:, None] * stride_ot + offs_k[None, :] * stride_od  # gathered rows of dOut
@@ -267,7 +278,7 @@ def _expert_grad_kernel(
     w_row · B[tok] (the routing weight times dOut of the row's token); else padded rows.
     TWO_B: also dW2[e] = Σ A[row]ᵀ B2[row] from the same A tile (dW_gate and dW_up share X[tok]).
     """
-    expert = tl.program_id(0)
+    expert = tl.program_id(0).to(tl.int64)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     first = tl.load(expert_blocks_ptr + expert)
@@ -276,7 +287,7 @@ def _expert_grad_kernel(
     acc2 = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     for block in range(first, last):
         _, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, block, BLOCK_M)
-        token = tl.load(row_token_ptr + rows)
+        token = tl.load(row_token_ptr + rows).to(tl.int64)
         a_rows = rows
         b_rows = rows
         if A_GATHER:
@@ -379,7 +390,11 @@ def _check_block(name: str, value: int) -> None:
 
 def moe_launch(n_tokens: int, d_model: int, ffn: int, n_experts: int, top_k: int, *, block_m: int, block_n: int,
                block_k: int, num_warps: int, num_stages: int) -> dict:
-    """Dispatch geometry. The row blocks depend on the routing: at most cdiv(T·k, BLOCK_M) + E - 1."""
+    """Dispatch geometry. The row blocks depend on the routing: at most cdiv(T·k, BLOCK_M) + E - 1.
+
+    largest_offset: the largest element offset of each operand family, reached through a 64-bit base (it may pass
+    2^31); what the kernels still address in 32 bits (inside one expert's weights, the plan's row indices) and a
+    grid past CUDA's dimensions are refused here, naming the limit."""
     for name, block in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         _check_block(name, block)
     for name, size in (("T", n_tokens), ("d", d_model), ("f", ffn), ("E", n_experts), ("k", top_k)):
@@ -388,7 +403,14 @@ def moe_launch(n_tokens: int, d_model: int, ffn: int, n_experts: int, top_k: int
     if top_k > n_experts:
         raise ValueError(f"top_k={top_k} must be <= n_experts={n_experts}")
     max_blocks = triton.cdiv(n_tokens * top_k, block_m) + n_experts - 1
-    return {
+    padded = max_blocks * block_m
+    if padded >= OFFSET_LIMIT:
+        raise ValueError(f"T·k={n_tokens * top_k} assignments pad to up to {padded} rows: the plan's int32 row "
+                         f"indices address < 2^31")
+    if d_model * ffn >= OFFSET_LIMIT:
+        raise ValueError(f"one expert's weights, d·f = {d_model}·{ffn}, span >= 2^31 elements: offsets inside one "
+                         f"expert are 32-bit")
+    launch = {
         "row_blocks_max": max_blocks,
         "forward": {"gate_up": [max_blocks, triton.cdiv(ffn, block_n)],
                     "down": [max_blocks, triton.cdiv(d_model, block_n)],
@@ -398,8 +420,24 @@ def moe_launch(n_tokens: int, d_model: int, ffn: int, n_experts: int, top_k: int
                      "unpermute": [triton.cdiv(n_tokens, block_m), triton.cdiv(d_model, block_n)],
                      "grad_w_gate_and_up": [n_experts, triton.cdiv(d_model, block_n), triton.cdiv(ffn, block_n)],
                      "grad_w_down": [n_experts, triton.cdiv(ffn, block_n), triton.cdiv(d_model, block_n)]},
+        "largest_offset": {"tokens": n_tokens * d_model, "padded_rows": padded * max(d_model, ffn),
+                           "expert_weights": n_experts * d_model * ffn, "bases": "int64"},
         "block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages,
     }
+    for name, grid in (*launch["forward"].items(), *launch["backward"].items()):
+        if max(grid[1:]) > GRID_DIM_LIMIT:
+            raise ValueError(f"{name} grid {grid}: CUDA caps grid dimensions 1 and 2 at {GRID_DIM_LIMIT}; raise "
+                             f"block_n")
+    return launch
+
+
+def _check_spans(x: torch.Tensor, *weights: torch.Tensor) -> None:
+    """Offsets inside one row of x and inside one expert's weights are 32-bit (the bases are 64-bit)."""
+    if (x.shape[1] - 1) * abs(x.stride(1)) >= OFFSET_LIMIT:
+        raise ValueError("x: one row spans >= 2^31 elements; make it contiguous")
+    for name, w in zip(("w_gate", "w_up", "w_down"), weights):
+        if (w.shape[1] - 1) * abs(w.stride(1)) + (w.shape[2] - 1) * abs(w.stride(2)) >= OFFSET_LIMIT:
+            raise ValueError(f"{name}: one expert's weights span >= 2^31 elements; make it contiguous per expert")
 
 
 def _check_inputs(x, w_gate, w_up, w_down, route_idx, route_weight, input_precision) -> None:
@@ -445,6 +483,7 @@ def _dot_flags(dtype: torch.dtype, tile: dict) -> tuple[bool, torch.dtype, dict]
 def moe_forward(x, w_gate, w_up, w_down, p: Plan, tile: dict, *, save_pre: bool):
     """The three forward launches; returns out (T, d) and what the backward needs (h, g, u)."""
     n_experts, d_model, ffn = w_gate.shape
+    _check_spans(x, w_gate, w_up, w_down)
     _, inter, launch = _dot_flags(x.dtype, tile)
     bn, bk = tile["block_n"], tile["block_k"]
     h = torch.empty((p.padded_rows, ffn), device=x.device, dtype=inter)  # (P, f)
@@ -466,6 +505,7 @@ def moe_forward(x, w_gate, w_up, w_down, p: Plan, tile: dict, *, save_pre: bool)
 def moe_backward(dout, x, w_gate, w_up, w_down, h, g, u, p: Plan, tile: dict):
     """dX (T, d), dW_gate, dW_up, dW_down (E, ...) and d route_weight (T, k) through the same plan."""
     n_experts, d_model, ffn = w_gate.shape
+    _check_spans(x, w_gate, w_up, w_down)
     _, inter, launch = _dot_flags(x.dtype, tile)
     bn, bk = tile["block_n"], tile["block_k"]
     dout = dout.contiguous()
@@ -526,8 +566,10 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         num_stages: int = 2, input_precision: str = "ieee", emulate_bf16: bool | None = None) -> torch.Tensor:
     """Differentiable routed SwiGLU experts: x (T, d) -> (T, d) in x's dtype (see the module docstring)."""
     _check_inputs(x, w_gate, w_up, w_down, route_idx, route_weight, input_precision)
-    for name, block in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        _check_block(name, block)
+    (n_tokens, top_k), (n_experts, d_model, ffn) = route_idx.shape, w_gate.shape
+    # refuses what the kernels cannot address (T = 0 is fine: its grids are empty)
+    moe_launch(max(n_tokens, 1), d_model, ffn, n_experts, top_k, block_m=block_m, block_n=block_n, block_k=block_k,
+               num_warps=num_warps, num_stages=num_stages)
     tile = dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                 input_precision=input_precision, emulate_bf16=emulate_bf16)
     return TritonMoE.apply(x, w_gate, w_up, w_down, route_weight, route_idx, tile)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from posttrainllm.ops import reference
-from posttrainllm.ops.moe import moe, moe_launch, plan
+from posttrainllm.ops.moe import moe, moe_backward, moe_forward, moe_launch, plan
 
 TILE = dict(block_m=16, block_n=32, block_k=16)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # max err / max|oracle|
@@ -108,3 +108,60 @@ def test_launch_geometry_and_bad_input():
         moe(x, wg, wu, wd, idx, weight, block_m=24)
     with pytest.raises(ValueError, match="top_k=5"):
         moe_launch(5, 16, 24, 3, 5, block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+
+
+def _strided_experts(weights, stride):
+    """The three expert weights as views `stride` elements apart per expert, in one lazily allocated buffer:
+    only the pages written (each expert's few elements) become resident."""
+    wg, wu, wd = weights
+    n_exp, d, f = wg.shape
+    try:
+        buf = torch.empty((n_exp - 1) * stride + 3 * d * f, dtype=wg.dtype)
+    except RuntimeError as exc:  # noqa: F841 - no address space for the view here
+        pytest.skip(f"cannot reserve {(n_exp - 1) * stride * wg.element_size() / 2 ** 30:.0f} GiB of address space")
+    views = (buf.as_strided((n_exp, d, f), (stride, f, 1), 0), buf.as_strided((n_exp, d, f), (stride, f, 1), d * f),
+             buf.as_strided((n_exp, f, d), (stride, d, 1), 2 * d * f))
+    for view, w in zip(views, weights):
+        view.copy_(w)
+    return views
+
+
+def test_expert_offsets_past_2_31_are_64_bit():
+    """Expert weights 2^30 elements apart: expert 4 starts at element 2^32 (a 32-bit expert x stride wraps it onto
+    expert 0). Forward and backward through the views equal the same kernels on contiguous copies, bit for bit."""
+    x, wg, wu, wd, _, _ = (t.half() if t.is_floating_point() else t for t in _problem(6, 16, 32, 5, 2))
+    idx = torch.tensor([[0, 4], [4, 1], [1, 0], [4, 0], [0, 1], [1, 4]])  # experts 2 and 3 get no token
+    weight = torch.rand(6, 2).half()
+    views = _strided_experts((wg, wu, wd), 2 ** 30)
+    tile = dict(TILE, num_warps=4, num_stages=2, input_precision="ieee", emulate_bf16=None)
+    p = plan(idx, weight, 5, tile["block_m"])
+    dout = torch.randn(6, 16).half()
+    results = []
+    for weights in (views, (wg, wu, wd)):
+        out, h, g, u = moe_forward(x, *weights, p, tile, save_pre=True)
+        results.append((out, *moe_backward(dout, x, *weights, h, g, u, p, tile)))
+    for name, got, want in zip(("out", "x", "w_gate", "w_up", "w_down", "route_weight"), *results):
+        assert torch.equal(got, want), name
+
+
+def test_geometry_past_2_31_is_addressed_in_64_bits_and_what_stays_32_bit_is_refused():
+    """DeepSeek-V3's experts (d 7168, f 2048, 256 experts, top-8) at 40k tokens: the padded rows x d and one expert
+    weight tensor pass 2^31 elements, through 64-bit bases; the plan's int32 rows, one expert's span and CUDA's grid
+    dimensions are refused, naming the limit (no tensor is allocated)."""
+    tile = dict(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)
+    launch = moe_launch(40_000, 7168, 2048, 256, 8, **tile)
+    largest = launch["largest_offset"]
+    assert largest["bases"] == "int64"
+    assert largest["padded_rows"] == (40_000 * 8 // 64 + 255) * 64 * 7168 > 2 ** 31
+    assert largest["expert_weights"] == 256 * 7168 * 2048 > 2 ** 31 > largest["tokens"]
+    with pytest.raises(ValueError, match=r"int32 row indices address < 2\^31"):
+        moe_launch(2 ** 28, 7168, 2048, 256, 8, **tile)
+    with pytest.raises(ValueError, match=r"d·f = 65536·32768, span >= 2\^31"):
+        moe_launch(1, 65536, 32768, 8, 2, **tile)
+    with pytest.raises(ValueError, match=r"gate_up grid \[8, 131072\]: CUDA caps grid dimensions 1 and 2 at 65535"):
+        moe_launch(1, 64, 2 ** 23, 8, 2, **tile)
+    x, wg, wu, wd, idx, weight = _problem(5, 16, 24, 3, 2)
+    wide = torch.empty(3, 16, 24, device="meta").as_strided((3, 16, 24), (1, 2 ** 28, 1))  # a row per 2^28
+    with pytest.raises(ValueError, match=r"w_gate: one expert's weights span >= 2\^31"):
+        moe_forward(x, wide, wu, wd, plan(idx, weight, 3, 16), dict(TILE, num_warps=4, num_stages=2,
+                                                                    input_precision="ieee"), save_pre=False)
