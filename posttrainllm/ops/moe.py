@@ -36,6 +36,7 @@ route_weight (T, k) -> out (T, d). P = padded rows (Σ_e ceil(n_e / BLOCK_M) · 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,7 @@ GRID_DIM_LIMIT = 65535  # CUDA: grid dimensions 1 and 2
 
 @triton.jit
 def _row_block(block_expert_ptr, block_rows_ptr, block, BLOCK_M: tl.constexpr):
-    """A row block's expert, its padded row indices (BLOCK_M,) and which of them are real rows.
+    """A row block's expert, its padded row indices (BLOCK_M,), which of them are real rows, and how many are.
 
     The expert and the rows come back 64-bit: they multiply strides (expert x d·f passes 2^31 at 256 experts of
     7168 x 2048; padded row x d at ~37k tokens of top-8 and d 7168)."""
@@ -66,7 +67,13 @@ def _row_block(block_expert_ptr, block_rows_ptr, block, BLOCK_M: tl.constexpr):
     n_valid = tl.load(block_rows_ptr + block)
     offs = tl.arange(0, BLOCK_M)
     valid = offs < n_valid  # padding rows: masked in every load and store
-    return expert.to(tl.int64), tl.cast(block, tl.int64) * BLOCK_M + offs, valid
+    return expert.to(tl.int64), tl.cast(block, tl.int64) * BLOCK_M + offs, valid, n_valid
+
+
+@triton.jit
+def _k_steps(size, BLOCK_K: tl.constexpr, n_valid):
+    """Trips of a row block's K loop: none for a block past the routing's last (the grid is the plan's bound)."""
+    return tl.where(n_valid > 0, tl.cdiv(size, BLOCK_K), 0)
 
 
 @triton.jit
@@ -80,7 +87,7 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SAVE_PRE: tl.constexpr,
 ):
-    expert, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
+    expert, rows, valid, n_valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
     token = tl.load(row_token_ptr + rows).to(tl.int64)  # (BLOCK_M,): the token each row reads
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -92,7 +99,7 @@ def _gate_up_kernel(
     # -- gate and up share the X tile: one K loop, two accumulators
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_K)):
+    for k in range(0, _k_steps(D, BLOCK_K, n_valid)):
         k_left = D - k * BLOCK_K
         a = tl.load(x_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w_mask = (offs_k[:, None] < k_left) & (offs_n[None, :] < F)
@@ -129,13 +136,13 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    expert, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
+    expert, rows, valid, n_valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None] * stride_hp + offs_k[None, :] * stride_hf
     w_ptrs = wd_ptr + expert * stride_we + offs_k[:, None] * stride_wf + offs_n[None, :] * stride_wd
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(F, BLOCK_K)):
+    for k in range(0, _k_steps(F, BLOCK_K, n_valid)):
         k_left = F - k * BLOCK_K
         a = tl.load(h_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < D), other=0.0)
@@ -187,7 +194,7 @@ def _down_backward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    expert, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
+    expert, rows, valid, n_valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
     pid_n = tl.program_id(1)
     token = tl.load(row_token_ptr + rows).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # over f
@@ -195,7 +202,7 @@ def _down_backward_kernel(
     do_ptrs = dout_ptr + token[:, None] * stride_ot + offs_k[None, :] * stride_od  # gathered rows of dOut
     wt_ptrs = wd_ptr + expert * stride_we + offs_n[None, :] * stride_wf + offs_k[:, None] * stride_wd  # W_down[e]ᵀ
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_K)):
+    for k in range(0, _k_steps(D, BLOCK_K, n_valid)):
         k_left = D - k * BLOCK_K
         a = tl.load(do_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(wt_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < F), other=0.0)
@@ -233,13 +240,13 @@ def _dx_rows_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """Each row's dX contribution: dg W_gate[e]ᵀ + du W_up[e]ᵀ (P, d); the unpermute sums a token's rows."""
-    expert, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
+    expert, rows, valid, n_valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # over d
     offs_k = tl.arange(0, BLOCK_K)  # over f
     g_off = rows[:, None] * stride_gp + offs_k[None, :] * stride_gf
     w_off = expert * stride_we + offs_n[None, :] * stride_wd + offs_k[:, None] * stride_wf  # W[e]ᵀ tiles
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(F, BLOCK_K)):
+    for k in range(0, _k_steps(F, BLOCK_K, n_valid)):
         k_left = F - k * BLOCK_K
         a_mask = valid[:, None] & (offs_k[None, :] < k_left)
         b_mask = (offs_k[:, None] < k_left) & (offs_n[None, :] < D)
@@ -286,7 +293,7 @@ def _expert_grad_kernel(
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     for block in range(first, last):
-        _, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, block, BLOCK_M)
+        _, rows, valid, _ = _row_block(block_expert_ptr, block_rows_ptr, block, BLOCK_M)
         token = tl.load(row_token_ptr + rows).to(tl.int64)
         a_rows = rows
         b_rows = rows
@@ -334,6 +341,10 @@ class Plan:
     block_expert (B,) int32  the expert of each row block;  block_rows (B,): its real rows
     expert_blocks (E+1,)     expert e owns row blocks [expert_blocks[e], expert_blocks[e+1])
     tokens_per_expert (E,)   assignments per expert (the histogram)
+
+    B is row_blocks_max, the bound over every routing of T·k assignments, not this routing's count: sizing by the
+    count would read it back to the host (a sync on every call). The blocks past the routing's last hold no real
+    row (block_rows 0, expert E-1) and their programs skip the K loop.
     """
 
     row_token: torch.Tensor
@@ -353,21 +364,60 @@ class Plan:
         return self.block_expert.numel()
 
 
+def row_blocks_max(assignments: int, n_experts: int, block_m: int) -> int:
+    """Row blocks of any routing of `assignments` rows: Σ over the m non-empty experts of ceil(n_e / BLOCK_M)
+    <= cdiv(T·k, BLOCK_M) + m - 1, with m <= min(E, T·k)."""
+    return max(triton.cdiv(assignments, block_m) + min(n_experts, assignments) - 1, 0)
+
+
+# route_idx tensors whose expert ids were checked: id -> (weak reference, version, E)
+_CHECKED_ROUTINGS: dict[int, tuple] = {}
+
+
+def _refuse_bad_expert_ids(route_idx: torch.Tensor, n_experts: int) -> None:
+    if ((route_idx < 0) | (route_idx >= n_experts)).any():  # one bool read back: a device-to-host sync
+        raise ValueError(f"route_idx must lie in [0, {n_experts})")
+
+
+def check_routing(route_idx: torch.Tensor, n_experts: int) -> None:
+    """Refuse expert ids outside [0, E), once per routing: a route_idx already checked and not written since (its
+    version counter) is not read again, so the calls timed on one routing do no device-to-host sync."""
+    try:
+        version = route_idx._version
+    except RuntimeError:  # an inference-mode tensor has no version counter: checked on every call
+        _refuse_bad_expert_ids(route_idx, n_experts)
+        return
+    key = id(route_idx)
+    seen = _CHECKED_ROUTINGS.get(key)
+    if seen is not None and seen[0]() is route_idx and seen[1:] == (version, n_experts):
+        return
+    _refuse_bad_expert_ids(route_idx, n_experts)
+
+    def forget(ref, key=key):
+        if _CHECKED_ROUTINGS.get(key, (None,))[0] is ref:
+            del _CHECKED_ROUTINGS[key]
+
+    _CHECKED_ROUTINGS[key] = (weakref.ref(route_idx, forget), version, n_experts)
+
+
 def plan(route_idx: torch.Tensor, route_weight: torch.Tensor, n_experts: int, block_m: int) -> Plan:
-    """Sort the T·k assignments by expert (stable: token order within an expert) and pad each expert."""
+    """Sort the T·k assignments by expert (stable: token order within an expert) and pad each expert.
+
+    Nothing is read back to the host but the expert-id check, once per routing (check_routing)."""
+    check_routing(route_idx, n_experts)
     n_tokens, top_k = route_idx.shape
     device = route_idx.device
     flat = route_idx.reshape(-1)  # (A,) A = T·k, assignment a = t·k + slot
-    order = torch.sort(flat, stable=True).indices  # (A,): assignments grouped by expert
-    counts = torch.bincount(flat, minlength=n_experts)  # (E,)
+    sorted_expert, order = torch.sort(flat, stable=True)  # (A,): assignments grouped by expert
+    experts = torch.arange(n_experts + 1, device=device, dtype=flat.dtype)
+    count_start = torch.searchsorted(sorted_expert, experts)  # (E+1,) first sorted position of each expert
+    counts = count_start[1:] - count_start[:-1]  # (E,) (bincount sizes its output on the host)
     blocks = (counts + block_m - 1) // block_m  # (E,) row blocks per expert
     expert_blocks = torch.zeros(n_experts + 1, dtype=torch.int64, device=device)
     expert_blocks[1:] = torch.cumsum(blocks, 0)
-    count_start = torch.cumsum(counts, 0) - counts  # (E,) first sorted position of each expert
-    sorted_expert = flat[order]  # (A,)
     rank = torch.arange(flat.numel(), device=device) - count_start[sorted_expert]  # (A,) rank within its expert
     row = expert_blocks[sorted_expert] * block_m + rank  # (A,) padded row of each sorted assignment
-    n_blocks = int(expert_blocks[-1])
+    n_blocks = row_blocks_max(flat.numel(), n_experts, block_m)
     padded = n_blocks * block_m
     row_token = torch.zeros(padded, dtype=torch.int32, device=device)
     row_token[row] = (order // top_k).to(torch.int32)
@@ -375,10 +425,11 @@ def plan(route_idx: torch.Tensor, route_weight: torch.Tensor, n_experts: int, bl
     row_weight[row] = route_weight.reshape(-1)[order].float()
     inv = torch.empty(flat.numel(), dtype=torch.int32, device=device)
     inv[order] = row.to(torch.int32)
-    block_expert = torch.repeat_interleave(torch.arange(n_experts, device=device), blocks)  # (B,)
+    block_index = torch.arange(n_blocks, device=device)  # (B,)
+    # block b belongs to the expert e with expert_blocks[e] <= b < expert_blocks[e+1]; past the last: E-1, no rows
+    block_expert = torch.searchsorted(expert_blocks[1:], block_index, right=True).clamp(max=n_experts - 1)
     block_first = expert_blocks[block_expert]  # (B,)
-    block_index = torch.arange(n_blocks, device=device)
-    block_rows = (counts[block_expert] - (block_index - block_first) * block_m).clamp(max=block_m)  # (B,)
+    block_rows = (counts[block_expert] - (block_index - block_first) * block_m).clamp(0, block_m)  # (B,)
     return Plan(row_token, row_weight, inv.view(n_tokens, top_k), block_expert.to(torch.int32),
                 block_rows.to(torch.int32), expert_blocks.to(torch.int32), counts)
 
@@ -390,7 +441,7 @@ def _check_block(name: str, value: int) -> None:
 
 def moe_launch(n_tokens: int, d_model: int, ffn: int, n_experts: int, top_k: int, *, block_m: int, block_n: int,
                block_k: int, num_warps: int, num_stages: int) -> dict:
-    """Dispatch geometry. The row blocks depend on the routing: at most cdiv(T·k, BLOCK_M) + E - 1.
+    """Dispatch geometry. The row blocks depend on the routing; the grids take their bound (row_blocks_max).
 
     largest_offset: the largest element offset of each operand family, reached through a 64-bit base (it may pass
     2^31); what the kernels still address in 32 bits (inside one expert's weights, the plan's row indices) and a
@@ -402,7 +453,7 @@ def moe_launch(n_tokens: int, d_model: int, ffn: int, n_experts: int, top_k: int
             raise ValueError(f"{name}={size} must be >= 1")
     if top_k > n_experts:
         raise ValueError(f"top_k={top_k} must be <= n_experts={n_experts}")
-    max_blocks = triton.cdiv(n_tokens * top_k, block_m) + n_experts - 1
+    max_blocks = row_blocks_max(n_tokens * top_k, n_experts, block_m)
     padded = max_blocks * block_m
     if padded >= OFFSET_LIMIT:
         raise ValueError(f"T·k={n_tokens * top_k} assignments pad to up to {padded} rows: the plan's int32 row "
@@ -452,8 +503,6 @@ def _check_inputs(x, w_gate, w_up, w_down, route_idx, route_weight, input_precis
                          f"both be (T={x.shape[0]}, k)")
     if route_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"route_idx must be int32 or int64, got {route_idx.dtype}")
-    if route_idx.numel() and (route_idx.min() < 0 or route_idx.max() >= n_experts):
-        raise ValueError(f"route_idx must lie in [0, {n_experts})")
     if len({t.dtype for t in (x, w_gate, w_up, w_down)}) != 1 or x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"x and the expert weights must share one dtype of {SUPPORTED_DTYPES}")
     if input_precision not in INPUT_PRECISIONS:

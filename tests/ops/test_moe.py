@@ -84,14 +84,15 @@ def test_plan_sorts_pads_and_inverts():
     weight = torch.rand(3, 2)
     p = plan(idx, weight, 4, 16)
     assert p.tokens_per_expert.tolist() == [2, 1, 3, 0]
-    assert p.block_expert.tolist() == [0, 1, 2] and p.block_rows.tolist() == [2, 1, 3]
-    assert p.expert_blocks.tolist() == [0, 1, 2, 3, 3] and p.padded_rows == 48
+    # 3 blocks for this routing, 4 for any routing of 6 assignments to 4 experts (row_blocks_max): the last is empty
+    assert p.block_expert.tolist() == [0, 1, 2, 3] and p.block_rows.tolist() == [2, 1, 3, 0]
+    assert p.expert_blocks.tolist() == [0, 1, 2, 3, 3] and p.padded_rows == 64
     for t in range(3):
         for slot in range(2):
             row = int(p.inv[t, slot])
             assert int(p.row_token[row]) == t and p.row_weight[row] == weight[t, slot]
             assert row // 16 == int(idx[t, slot])  # the row sits in its expert's block
-    padding = torch.ones(48, dtype=torch.bool)
+    padding = torch.ones(64, dtype=torch.bool)
     padding[p.inv.reshape(-1).long()] = False
     assert p.row_weight[padding].isnan().all()  # the poison: a padding row that leaks shows
 
@@ -154,14 +155,48 @@ def test_geometry_past_2_31_is_addressed_in_64_bits_and_what_stays_32_bit_is_ref
     assert largest["bases"] == "int64"
     assert largest["padded_rows"] == (40_000 * 8 // 64 + 255) * 64 * 7168 > 2 ** 31
     assert largest["expert_weights"] == 256 * 7168 * 2048 > 2 ** 31 > largest["tokens"]
+    assert moe_launch(1, 7168, 2048, 256, 8, **tile)["row_blocks_max"] == 8  # one token: at most 8 blocks, not 263
     with pytest.raises(ValueError, match=r"int32 row indices address < 2\^31"):
         moe_launch(2 ** 28, 7168, 2048, 256, 8, **tile)
     with pytest.raises(ValueError, match=r"d·f = 65536·32768, span >= 2\^31"):
         moe_launch(1, 65536, 32768, 8, 2, **tile)
-    with pytest.raises(ValueError, match=r"gate_up grid \[8, 131072\]: CUDA caps grid dimensions 1 and 2 at 65535"):
+    with pytest.raises(ValueError, match=r"gate_up grid \[2, 131072\]: CUDA caps grid dimensions 1 and 2 at 65535"):
         moe_launch(1, 64, 2 ** 23, 8, 2, **tile)
     x, wg, wu, wd, idx, weight = _problem(5, 16, 24, 3, 2)
     wide = torch.empty(3, 16, 24, device="meta").as_strided((3, 16, 24), (1, 2 ** 28, 1))  # a row per 2^28
     with pytest.raises(ValueError, match=r"w_gate: one expert's weights span >= 2\^31"):
         moe_forward(x, wide, wu, wd, plan(idx, weight, 3, 16), dict(TILE, num_warps=4, num_stages=2,
                                                                     input_precision="ieee"), save_pre=False)
+
+
+def _host_reads(monkeypatch) -> list[str]:
+    """Every Python-level read of a tensor's value back to the host (a device-to-host sync on a GPU), recorded."""
+    reads = []
+    for name in ("__bool__", "__int__", "__index__", "__float__", "item", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def recorded(self, *args, _name=name, _original=original):
+            reads.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, recorded)
+    return reads
+
+
+def test_the_routing_is_checked_once_per_plan_and_no_call_reads_back(monkeypatch):
+    """The expert-id check reads one bool back (a sync) the first time a route_idx is planned; later calls on the
+    same routing (the timed ones) read nothing back, forward or backward; a routing written since is checked again."""
+    x, wg, wu, wd, idx, weight = _problem(9, 16, 24, 3, 2)
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd, weight)]
+    reads = _host_reads(monkeypatch)
+    for _ in range(3):
+        moe(leaves[0], *leaves[1:4], idx, leaves[4], **TILE).sum().backward()
+    assert reads == ["__bool__"]  # the check, once
+    plan(idx, weight, 3, 16)
+    assert reads == ["__bool__"]
+    idx[4, 1] = 3  # written in place: checked again, and refused
+    with pytest.raises(ValueError, match=r"route_idx must lie in \[0, 3\)"):
+        moe(leaves[0], *leaves[1:4], idx, leaves[4], **TILE)
+    idx[4, 1] = -1
+    with pytest.raises(ValueError, match=r"route_idx must lie in \[0, 3\)"):
+        plan(idx, weight, 3, 16)
