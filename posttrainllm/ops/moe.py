@@ -16,22 +16,27 @@ Backward (TritonMoE.backward), through the same plan:
     5. dX rows   dg W_gate[e]ᵀ + du W_up[e]ᵀ, then the unpermute gather-sum -> dX    (T, d)
     6. weights   one program per (expert, BLOCK_N x BLOCK_N tile of dW), walking only that expert's
                  row blocks: dW_gate[e] = Σ X[tok]ᵀ dg and dW_up[e] = Σ X[tok]ᵀ du in one launch (one
-                 X tile, two accumulators), then dW_down[e] = Σ hᵀ (w_row dOut[tok]); an expert
-                 with no token stores zeros.
+                 X tile, two accumulators), then dW_down[e] = Σ hᵀ (w_row dOut[tok]), w_row applied
+                 in fp32 and cast back to the input dtype for the dot; an expert with no token stores zeros.
 
 Padding rows hold token 0 (an in-bounds load) and routing weight NaN (a poison: a padding row
 that leaks into any output makes it non-finite), and every load and store masks them: the
 mask, not the padding values, makes them inert.
 
-bf16 under Triton's interpreter: as in matmul.py, dot operands are upcast to fp32 and every
-intermediate is stored in fp32, rounded to bf16 by PyTorch at the end (ops/__init__.py).
+bf16 under Triton's interpreter (EMULATE_BF16, ops/__init__.py): the dot operands are upcast to fp32 (bf16
+products are exact in fp32, as on the GPU's tensor cores with an fp32 accumulator), and every value the GPU kernel
+stores or casts in bf16 (g, u, h, y, dg, du, the dX rows, w_row · dOut before the dW_down dot, dW, the outputs) is
+rounded to bf16, to nearest with ties to even, on the bits (the interpreter's own cast truncates), in fp32 buffers.
+The CPU thus runs the GPU's algorithm; what differs is the dots' accumulation order. d route_weight's partials are
+fp32 on both.
 
 Offsets: every token, padded-row and expert base is 64-bit (at DeepSeek-V3's d 7168 and top-8, P·d passes 2^31
 from ~37k tokens; 256 experts of 7168 x 2048 hold 3.8e9 elements); offsets inside one row or one expert's weights
 and the plan's int32 row indices stay 32-bit, and moe_launch refuses a problem that would pass 2^31 there.
 
 Shapes: x (T, d); w_gate, w_up (E, d, f); w_down (E, f, d); route_idx (T, k) int64;
-route_weight (T, k) -> out (T, d). P = padded rows (Σ_e ceil(n_e / BLOCK_M) · BLOCK_M).
+route_weight (T, k) -> out (T, d). P = padded rows: row_blocks_max · BLOCK_M, the bound over every routing
+(a routing fills Σ_e ceil(n_e / BLOCK_M) · BLOCK_M of them).
 """
 
 from __future__ import annotations
@@ -71,6 +76,23 @@ def _row_block(block_expert_ptr, block_rows_ptr, block, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _bf16_round(x):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32: what the GPU's fp32 -> bf16 cast stores. On the
+    bits, because the interpreter's own cast truncates; NaN stays NaN, and a value past bf16's max becomes inf."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def _stored(x, EMULATE_BF16: tl.constexpr):
+    """An fp32 value as the GPU stores or casts it in bf16: under emulation (fp32 buffers), rounded to bf16."""
+    if EMULATE_BF16:
+        x = _bf16_round(x)
+    return x
+
+
+@triton.jit
 def _k_steps(size, BLOCK_K: tl.constexpr, n_valid):
     """Trips of a row block's K loop: none for a block past the routing's last (the grid is the plan's bound)."""
     return tl.where(n_valid > 0, tl.cdiv(size, BLOCK_K), 0)
@@ -85,7 +107,7 @@ def _gate_up_kernel(
     stride_we, stride_wd, stride_wf,
     stride_hp, stride_hf,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SAVE_PRE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, SAVE_PRE: tl.constexpr,
 ):
     expert, rows, valid, n_valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
     token = tl.load(row_token_ptr + rows).to(tl.int64)  # (BLOCK_M,): the token each row reads
@@ -105,7 +127,7 @@ def _gate_up_kernel(
         w_mask = (offs_k[:, None] < k_left) & (offs_n[None, :] < F)
         bg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
         bu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
-        if UPCAST_DOT:
+        if EMULATE_BF16:
             a = a.to(tl.float32)
             bg = bg.to(tl.float32)
             bu = bu.to(tl.float32)
@@ -119,10 +141,10 @@ def _gate_up_kernel(
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     out_mask = valid[:, None] & (offs_n[None, :] < F)
     out_off = rows[:, None] * stride_hp + offs_n[None, :] * stride_hf
-    tl.store(h_ptr + out_off, h.to(h_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(h_ptr + out_off, _stored(h, EMULATE_BF16).to(h_ptr.dtype.element_ty), mask=out_mask)
     if SAVE_PRE:  # the backward's SwiGLU derivative needs g and u
-        tl.store(g_ptr + out_off, acc_g.to(g_ptr.dtype.element_ty), mask=out_mask)
-        tl.store(u_ptr + out_off, acc_u.to(u_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(g_ptr + out_off, _stored(acc_g, EMULATE_BF16).to(g_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(u_ptr + out_off, _stored(acc_u, EMULATE_BF16).to(u_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -134,7 +156,7 @@ def _down_kernel(
     stride_we, stride_wf, stride_wd,
     stride_yp, stride_yd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     expert, rows, valid, n_valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -146,7 +168,7 @@ def _down_kernel(
         k_left = F - k * BLOCK_K
         a = tl.load(h_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < D), other=0.0)
-        if UPCAST_DOT:
+        if EMULATE_BF16:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
@@ -156,8 +178,8 @@ def _down_kernel(
     # -- epilogue: the routing weight of each row (padding rows hold NaN and are masked)
     weight = tl.load(row_weight_ptr + rows, mask=valid, other=0.0)
     acc = acc * weight[:, None]
-    tl.store(y_ptr + rows[:, None] * stride_yp + offs_n[None, :] * stride_yd, acc.to(y_ptr.dtype.element_ty),
-             mask=valid[:, None] & (offs_n[None, :] < D))
+    tl.store(y_ptr + rows[:, None] * stride_yp + offs_n[None, :] * stride_yd,
+             _stored(acc, EMULATE_BF16).to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < D))
 
 
 @triton.jit
@@ -166,7 +188,7 @@ def _unpermute_kernel(
     T, D,
     stride_yp, stride_yd,
     stride_ot, stride_od,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     """out[t] = Σ over t's k slots of y[row of (t, slot)]: every row is read once, nothing is added twice."""
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -179,7 +201,7 @@ def _unpermute_kernel(
         acc += tl.load(y_ptr + row[:, None] * stride_yp + offs_n[None, :] * stride_yd, mask=mask,
                        other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_od,
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+             _stored(acc, EMULATE_BF16).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -192,7 +214,7 @@ def _down_backward_kernel(
     stride_hp, stride_hf,
     stride_pp, stride_pn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     expert, rows, valid, n_valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
     pid_n = tl.program_id(1)
@@ -206,7 +228,7 @@ def _down_backward_kernel(
         k_left = D - k * BLOCK_K
         a = tl.load(do_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(wt_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < F), other=0.0)
-        if UPCAST_DOT:
+        if EMULATE_BF16:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)  # dĥ = dOut W_downᵀ, before the weight
@@ -224,8 +246,9 @@ def _down_backward_kernel(
     g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + off, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
-    tl.store(dg_ptr + off, (dh * u * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + off, (dh * g * sig).to(du_ptr.dtype.element_ty), mask=mask)
+    dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+    tl.store(dg_ptr + off, _stored(dg, EMULATE_BF16).to(dg_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + off, _stored(dh * g * sig, EMULATE_BF16).to(du_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -237,7 +260,7 @@ def _dx_rows_kernel(
     stride_we, stride_wd, stride_wf,
     stride_xp, stride_xd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     """Each row's dX contribution: dg W_gate[e]ᵀ + du W_up[e]ᵀ (P, d); the unpermute sums a token's rows."""
     expert, rows, valid, n_valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
@@ -254,7 +277,7 @@ def _dx_rows_kernel(
         du = tl.load(du_ptr + g_off, mask=a_mask, other=0.0)
         wg = tl.load(wg_ptr + w_off, mask=b_mask, other=0.0)
         wu = tl.load(wu_ptr + w_off, mask=b_mask, other=0.0)
-        if UPCAST_DOT:
+        if EMULATE_BF16:
             dg = dg.to(tl.float32)
             du = du.to(tl.float32)
             wg = wg.to(tl.float32)
@@ -263,8 +286,8 @@ def _dx_rows_kernel(
         acc = tl.dot(du, wu, acc, input_precision=INPUT_PRECISION)
         g_off += BLOCK_K * stride_gf
         w_off += BLOCK_K * stride_wf
-    tl.store(dxr_ptr + rows[:, None] * stride_xp + offs_n[None, :] * stride_xd, acc.to(dxr_ptr.dtype.element_ty),
-             mask=valid[:, None] & (offs_n[None, :] < D))
+    tl.store(dxr_ptr + rows[:, None] * stride_xp + offs_n[None, :] * stride_xd,
+             _stored(acc, EMULATE_BF16).to(dxr_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < D))
 
 
 @triton.jit
@@ -277,7 +300,7 @@ def _expert_grad_kernel(
     stride_we, stride_wr, stride_wc,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     A_GATHER: tl.constexpr, B_GATHER_SCALED: tl.constexpr, TWO_B: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     """dW[e] (R, C) = Σ over expert e's rows of A[row]ᵀ B[row], walking only e's row blocks.
 
@@ -308,13 +331,17 @@ def _expert_grad_kernel(
         b = tl.load(b_ptr + b_off, mask=b_mask, other=0.0)  # (BLOCK_M, BLOCK_C)
         if TWO_B:
             b2 = tl.load(b2_ptr + b_off, mask=b_mask, other=0.0)
-            if UPCAST_DOT:
+            if EMULATE_BF16:
                 b2 = b2.to(tl.float32)
-        if B_GATHER_SCALED:  # w_row · dOut[tok] in fp32: both operands go to the dot in fp32
+        if B_GATHER_SCALED:  # w_row · dOut[tok]: the weight applied in fp32, then back to A's dtype for the dot
             weight = tl.load(row_weight_ptr + rows, mask=valid, other=0.0)
-            a = a.to(tl.float32)
             b = b.to(tl.float32) * weight[:, None]
-        elif UPCAST_DOT:
+            if EMULATE_BF16:  # A (h) is held in fp32 already; B rounded as the GPU's cast to bf16 rounds it
+                a = a.to(tl.float32)
+                b = _bf16_round(b)
+            else:
+                b = b.to(a.dtype)
+        elif EMULATE_BF16:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         a_t = tl.trans(a)
@@ -323,9 +350,9 @@ def _expert_grad_kernel(
             acc2 = tl.dot(a_t, b2, acc2, input_precision=INPUT_PRECISION)
     dw_off = expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
     dw_mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
-    tl.store(dw_ptr + dw_off, acc.to(dw_ptr.dtype.element_ty), mask=dw_mask)
+    tl.store(dw_ptr + dw_off, _stored(acc, EMULATE_BF16).to(dw_ptr.dtype.element_ty), mask=dw_mask)
     if TWO_B:
-        tl.store(dw2_ptr + dw_off, acc2.to(dw2_ptr.dtype.element_ty), mask=dw_mask)
+        tl.store(dw2_ptr + dw_off, _stored(acc2, EMULATE_BF16).to(dw2_ptr.dtype.element_ty), mask=dw_mask)
 
 
 # --- launchers ---------------------------------------------------------------------------
@@ -509,7 +536,8 @@ def _check_inputs(x, w_gate, w_up, w_down, route_idx, route_weight, input_precis
         raise ValueError(f"input_precision={input_precision!r}; choose one of {INPUT_PRECISIONS}")
 
 
-def _unpermute(rows: torch.Tensor, inv: torch.Tensor, out_dtype: torch.dtype, tile: dict) -> torch.Tensor:
+def _unpermute(rows: torch.Tensor, inv: torch.Tensor, out_dtype: torch.dtype, tile: dict,
+               emulate_bf16: bool) -> torch.Tensor:
     """(P, d) padded rows -> (T, d): each token's k rows summed."""
     n_tokens, top_k = inv.shape
     d_model = rows.shape[1]
@@ -517,23 +545,23 @@ def _unpermute(rows: torch.Tensor, inv: torch.Tensor, out_dtype: torch.dtype, ti
     grid = (triton.cdiv(n_tokens, tile["block_m"]), triton.cdiv(d_model, tile["block_n"]))
     _unpermute_kernel[grid](rows, inv, out, n_tokens, d_model, rows.stride(0), rows.stride(1), out.stride(0),
                             out.stride(1), TOP_K=top_k, BLOCK_M=tile["block_m"], BLOCK_N=tile["block_n"],
-                            num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+                            EMULATE_BF16=emulate_bf16, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
     return out
 
 
 def _dot_flags(dtype: torch.dtype, tile: dict) -> tuple[bool, torch.dtype, dict]:
-    upcast = use_bf16_emulation(dtype, tile.get("emulate_bf16"))
-    inter = torch.float32 if upcast else dtype  # intermediates: fp32 when bf16 is emulated
-    launch = dict(BLOCK_M=tile["block_m"], INPUT_PRECISION=tile["input_precision"], UPCAST_DOT=upcast,
+    emulate = use_bf16_emulation(dtype, tile.get("emulate_bf16"))
+    inter = torch.float32 if emulate else dtype  # intermediates: fp32 buffers holding bf16 values when emulated
+    launch = dict(BLOCK_M=tile["block_m"], INPUT_PRECISION=tile["input_precision"], EMULATE_BF16=emulate,
                   num_warps=tile["num_warps"], num_stages=tile["num_stages"])
-    return upcast, inter, launch
+    return emulate, inter, launch
 
 
 def moe_forward(x, w_gate, w_up, w_down, p: Plan, tile: dict, *, save_pre: bool):
     """The three forward launches; returns out (T, d) and what the backward needs (h, g, u)."""
     n_experts, d_model, ffn = w_gate.shape
     _check_spans(x, w_gate, w_up, w_down)
-    _, inter, launch = _dot_flags(x.dtype, tile)
+    emulate, inter, launch = _dot_flags(x.dtype, tile)
     bn, bk = tile["block_n"], tile["block_k"]
     h = torch.empty((p.padded_rows, ffn), device=x.device, dtype=inter)  # (P, f)
     g = torch.empty_like(h) if save_pre else h
@@ -547,7 +575,7 @@ def moe_forward(x, w_gate, w_up, w_down, p: Plan, tile: dict, *, save_pre: bool)
         h, w_down, y, p.row_weight, p.block_expert, p.block_rows, ffn, d_model,
         h.stride(0), h.stride(1), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0), y.stride(1),
         BLOCK_N=bn, BLOCK_K=bk, **launch)
-    out = _unpermute(y, p.inv, torch.float32 if inter == torch.float32 else x.dtype, tile)  # (T, d)
+    out = _unpermute(y, p.inv, inter, tile, emulate)  # (T, d)
     return out.to(x.dtype), h, g, u
 
 
@@ -555,7 +583,7 @@ def moe_backward(dout, x, w_gate, w_up, w_down, h, g, u, p: Plan, tile: dict):
     """dX (T, d), dW_gate, dW_up, dW_down (E, ...) and d route_weight (T, k) through the same plan."""
     n_experts, d_model, ffn = w_gate.shape
     _check_spans(x, w_gate, w_up, w_down)
-    _, inter, launch = _dot_flags(x.dtype, tile)
+    emulate, inter, launch = _dot_flags(x.dtype, tile)
     bn, bk = tile["block_n"], tile["block_k"]
     dout = dout.contiguous()
     dg = torch.empty((p.padded_rows, ffn), device=x.device, dtype=inter)  # (P, f)
@@ -571,7 +599,7 @@ def moe_backward(dout, x, w_gate, w_up, w_down, h, g, u, p: Plan, tile: dict):
         dg, du, w_gate, w_up, dx_rows, p.block_expert, p.block_rows, ffn, d_model, dg.stride(0), dg.stride(1),
         w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), dx_rows.stride(0), dx_rows.stride(1),
         BLOCK_N=bn, BLOCK_K=bk, **launch)
-    dx = _unpermute(dx_rows, p.inv, inter, tile).to(x.dtype)  # (T, d)
+    dx = _unpermute(dx_rows, p.inv, inter, tile, emulate).to(x.dtype)  # (T, d)
 
     # weight gradients: (BLOCK_N, BLOCK_N) tiles of dW[e], reducing over the expert's rows BLOCK_M at a time
     dwg = torch.empty((n_experts, d_model, ffn), device=x.device, dtype=inter)  # (E, d, f)

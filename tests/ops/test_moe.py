@@ -1,13 +1,16 @@
 """Our Triton grouped-GEMM MoE (posttrainllm/ops/moe.py) against the readable math, forward and backward.
 
 Odd sizes (37 tokens, d=40, f=72 are off every tile), a single token, every token on one expert, an
-expert with no token, top-k = E; the plan's padding and bookkeeping; bad input refused.
+expert with no token, top-k = E; the plan's padding and bookkeeping; bad input refused; offsets past
+2^31; no host read per call; 16-bit rounding where the GPU kernel stores or casts (bf16 emulated too).
 """
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from posttrainllm.ops import reference
+from posttrainllm.ops import moe as moe_ops, reference
 from posttrainllm.ops.moe import moe, moe_backward, moe_forward, moe_launch, plan
 
 TILE = dict(block_m=16, block_n=32, block_k=16)
@@ -200,3 +203,70 @@ def test_the_routing_is_checked_once_per_plan_and_no_call_reads_back(monkeypatch
     idx[4, 1] = -1
     with pytest.raises(ValueError, match=r"route_idx must lie in \[0, 3\)"):
         plan(idx, weight, 3, 16)
+
+
+def _kernel_model(problem, dout, dtype, *, intermediates=True, scaled_dout=True):
+    """The kernels' algorithm in float64 per (token, slot) row, rounding to `dtype` where they store or cast: g, u,
+    h, y, dg, du, the dX rows, w_row · dOut before the dW_down dot (`scaled_dout`) and every output. Without
+    `intermediates`, only the outputs and (with `scaled_dout`) that cast round."""
+    x, wg, wu, wd, idx, weight = problem
+    r = lambda t: t.to(dtype).double()  # noqa: E731
+    keep = r if intermediates else (lambda t: t)  # noqa: E731
+    x, wg, wu, wd, dout = (t.double() for t in (x, wg, wu, wd, dout))
+    w_row = weight.float().double().reshape(-1, 1)  # (A, 1): fp32 in the plan
+    tok, e = torch.arange(x.shape[0]).repeat_interleave(idx.shape[1]), idx.reshape(-1)  # (A,) each
+    xa = x[tok]  # (A, d)
+    g32, u32 = torch.einsum("ad,adf->af", xa, wg[e]), torch.einsum("ad,adf->af", xa, wu[e])  # fp32 accumulators
+    h, g, u = keep(torch.nn.functional.silu(g32) * u32), keep(g32), keep(u32)
+    y = keep(torch.einsum("af,afd->ad", h, wd[e]) * w_row)
+    out = r(torch.zeros_like(x).index_add(0, tok, y))
+    d_hat = torch.einsum("ad,afd->af", dout[tok], wd[e])
+    d_weight = (d_hat * h).sum(1).to(weight.dtype).reshape(idx.shape)
+    dh, sig = d_hat * w_row, torch.sigmoid(g)
+    dg, du = keep(dh * u * sig * (1 + g * (1 - sig))), keep(dh * g * sig)
+    dx = r(torch.zeros_like(x).index_add(0, tok, keep(torch.einsum("af,adf->ad", dg, wg[e])
+                                                     + torch.einsum("af,adf->ad", du, wu[e]))))
+    scaled = r(dout[tok] * w_row) if scaled_dout else dout[tok] * w_row
+    grads = [r(torch.zeros_like(w).index_add(0, e, a[:, :, None] * b[:, None, :]))
+             for w, a, b in ((wg, xa, dg), (wu, xa, du), (wd, h, scaled))]
+    return out, dx, *grads, d_weight
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_kernels_round_where_the_gpu_stores_or_casts(dtype):
+    """Every output equals, bar accumulation order, the kernels' algorithm rounded to the input dtype at each store
+    and cast: bf16 under the interpreter too (fp32 buffers holding bf16 values), and dW_down's dot takes w_row · dOut
+    cast back to the input dtype. Models that skip those roundings miss a third or more of the elements."""
+    problem = tuple(t.to(dtype) if t.is_floating_point() else t for t in _problem(37, 40, 72, 4, 2))
+    x, wg, wu, wd, idx, weight = problem
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd, weight)]
+    out = moe(leaves[0], *leaves[1:4], idx, leaves[4], **TILE)
+    dout = torch.randn(out.shape).to(dtype)
+    got = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+    names = ("out", "x", "w_gate", "w_up", "w_down", "route_weight")
+
+    def mismatch(model):  # the fraction of elements that differ, per output
+        return {name: (g.double() != w).double().mean().item() for name, g, w in zip(names, got, model)}
+
+    assert max(mismatch(_kernel_model(problem, dout, dtype)).values()) <= 0.01  # measured: 0 bf16, 0.0027 fp16
+    assert mismatch(_kernel_model(problem, dout, dtype, scaled_dout=False))["w_down"] > 0.3  # 0.32 / 0.36
+    if dtype == torch.bfloat16:  # fp16 intermediates were always fp16 buffers
+        assert min(mismatch(_kernel_model(problem, dout, dtype, intermediates=False)).values()) > 0.3  # >= 0.38
+
+
+def test_bf16_rounding_on_the_bits_is_the_gpu_cast():
+    """The interpreter's fp32 -> bf16 cast truncates; _bf16_round rounds to nearest, ties to even, as torch (and
+    the GPU) do: ties both ways, carries into the exponent, overflow to inf, NaN, subnormals, random magnitudes."""
+    @triton.jit
+    def round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, moe_ops._bf16_round(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+
+    special = torch.tensor([0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x3FFFFFFF, 0x7F7FFFFF, 0xFF7FFFFF,
+                            0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0x00008000, 0x00018000, 0x80000001, 0])
+    special = (special - (special >= 2 ** 31) * 2 ** 32).to(torch.int32).view(torch.float32)
+    x = torch.cat([special, torch.randn(2000) * 10.0 ** torch.randint(-40, 38, (2000,))])
+    y = torch.empty_like(x)
+    round_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    want = x.to(torch.bfloat16).float()
+    assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y[~y.isnan()], want[~want.isnan()])
