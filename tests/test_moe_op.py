@@ -53,8 +53,8 @@ def test_every_path_passes_and_the_router_is_checked_apart(tmp_path):
 
 def test_without_the_config_exemption_the_bf16_peers_miss_the_elementwise_count(tmp_path):
     """op.max_error_only is what the bf16 peers need: torch's own bf16 math (as the baseline) misses the count on
-    d route_weight; our Triton path keeps fp32 intermediates and passes. Under a precision it does not list, it
-    is off."""
+    d route_weight; our Triton path passes (it rounds its intermediates to bf16 as the GPU does, but sums
+    d route_weight's partials in fp32 from the fp32 dOut W_downᵀ). Under a precision it does not list, it is off."""
     report = _parity(load([*QUICK, "precision=bf16", "op.max_error_only.outputs=[]",
                            "op.max_error_only.precisions=[]"]), tmp_path)
     assert "max_error_only" not in report

@@ -16,22 +16,32 @@ Backward (TritonMoE.backward), through the same plan:
     5. dX rows   dg W_gate[e]ᵀ + du W_up[e]ᵀ, then the unpermute gather-sum -> dX    (T, d)
     6. weights   one program per (expert, BLOCK_N x BLOCK_N tile of dW), walking only that expert's
                  row blocks: dW_gate[e] = Σ X[tok]ᵀ dg and dW_up[e] = Σ X[tok]ᵀ du in one launch (one
-                 X tile, two accumulators), then dW_down[e] = Σ hᵀ (w_row dOut[tok]); an expert
-                 with no token stores zeros.
+                 X tile, two accumulators), then dW_down[e] = Σ hᵀ (w_row dOut[tok]), w_row applied
+                 in fp32 and cast back to the input dtype for the dot; an expert with no token stores zeros.
 
 Padding rows hold token 0 (an in-bounds load) and routing weight NaN (a poison: a padding row
 that leaks into any output makes it non-finite), and every load and store masks them: the
 mask, not the padding values, makes them inert.
 
-bf16 under Triton's interpreter: as in matmul.py, dot operands are upcast to fp32 and every
-intermediate is stored in fp32, rounded to bf16 by PyTorch at the end (ops/__init__.py).
+bf16 under Triton's interpreter (EMULATE_BF16, ops/__init__.py): the dot operands are upcast to fp32 (bf16
+products are exact in fp32, as on the GPU's tensor cores with an fp32 accumulator), and every value the GPU kernel
+stores or casts in bf16 (g, u, h, y, dg, du, the dX rows, w_row · dOut before the dW_down dot, dW, the outputs) is
+rounded to bf16, to nearest with ties to even, on the bits (the interpreter's own cast truncates), in fp32 buffers.
+The CPU thus runs the GPU's algorithm; what differs is the dots' accumulation order. d route_weight's partials are
+fp32 on both.
+
+Offsets: every token, padded-row and expert base is 64-bit (at DeepSeek-V3's d 7168 and top-8, P·d passes 2^31
+from ~37k tokens; 256 experts of 7168 x 2048 hold 3.8e9 elements); offsets inside one row or one expert's weights
+and the plan's int32 row indices stay 32-bit, and moe_launch refuses a problem that would pass 2^31 there.
 
 Shapes: x (T, d); w_gate, w_up (E, d, f); w_down (E, f, d); route_idx (T, k) int64;
-route_weight (T, k) -> out (T, d). P = padded rows (Σ_e ceil(n_e / BLOCK_M) · BLOCK_M).
+route_weight (T, k) -> out (T, d). P = padded rows: row_blocks_max · BLOCK_M, the bound over every routing
+(a routing fills Σ_e ceil(n_e / BLOCK_M) · BLOCK_M of them).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +53,10 @@ from posttrainllm.ops import use_bf16_emulation
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INPUT_PRECISIONS = ("ieee", "tf32")
+# Offsets: every base a program id or index multiplies by a stride (token, padded row, expert) is 64-bit; what stays
+# 32-bit is refused at 2^31: an offset inside one row or one expert's weights, and the plan's int32 row indices.
+OFFSET_LIMIT = 2 ** 31
+GRID_DIM_LIMIT = 65535  # CUDA: grid dimensions 1 and 2
 
 
 # --- kernels -----------------------------------------------------------------------------
@@ -50,12 +64,38 @@ INPUT_PRECISIONS = ("ieee", "tf32")
 
 @triton.jit
 def _row_block(block_expert_ptr, block_rows_ptr, block, BLOCK_M: tl.constexpr):
-    """A row block's expert, its padded row indices (BLOCK_M,) and which of them are real rows."""
+    """A row block's expert, its padded row indices (BLOCK_M,), which of them are real rows, and how many are.
+
+    The expert and the rows come back 64-bit: they multiply strides (expert x d·f passes 2^31 at 256 experts of
+    7168 x 2048; padded row x d at ~37k tokens of top-8 and d 7168)."""
     expert = tl.load(block_expert_ptr + block)
     n_valid = tl.load(block_rows_ptr + block)
     offs = tl.arange(0, BLOCK_M)
     valid = offs < n_valid  # padding rows: masked in every load and store
-    return expert, block * BLOCK_M + offs, valid
+    return expert.to(tl.int64), tl.cast(block, tl.int64) * BLOCK_M + offs, valid, n_valid
+
+
+@triton.jit
+def _bf16_round(x):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32: what the GPU's fp32 -> bf16 cast stores. On the
+    bits, because the interpreter's own cast truncates; NaN stays NaN, and a value past bf16's max becomes inf."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def _stored(x, EMULATE_BF16: tl.constexpr):
+    """An fp32 value as the GPU stores or casts it in bf16: under emulation (fp32 buffers), rounded to bf16."""
+    if EMULATE_BF16:
+        x = _bf16_round(x)
+    return x
+
+
+@triton.jit
+def _k_steps(size, BLOCK_K: tl.constexpr, n_valid):
+    """Trips of a row block's K loop: none for a block past the routing's last (the grid is the plan's bound)."""
+    return tl.where(n_valid > 0, tl.cdiv(size, BLOCK_K), 0)
 
 
 @triton.jit
@@ -67,10 +107,10 @@ def _gate_up_kernel(
     stride_we, stride_wd, stride_wf,
     stride_hp, stride_hf,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SAVE_PRE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, SAVE_PRE: tl.constexpr,
 ):
-    expert, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
-    token = tl.load(row_token_ptr + rows)  # (BLOCK_M,): the token each row reads
+    expert, rows, valid, n_valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
+    token = tl.load(row_token_ptr + rows).to(tl.int64)  # (BLOCK_M,): the token each row reads
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xd  # gathered rows of X
@@ -81,13 +121,13 @@ def _gate_up_kernel(
     # -- gate and up share the X tile: one K loop, two accumulators
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_K)):
+    for k in range(0, _k_steps(D, BLOCK_K, n_valid)):
         k_left = D - k * BLOCK_K
         a = tl.load(x_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w_mask = (offs_k[:, None] < k_left) & (offs_n[None, :] < F)
         bg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
         bu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
-        if UPCAST_DOT:
+        if EMULATE_BF16:
             a = a.to(tl.float32)
             bg = bg.to(tl.float32)
             bu = bu.to(tl.float32)
@@ -101,10 +141,10 @@ def _gate_up_kernel(
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     out_mask = valid[:, None] & (offs_n[None, :] < F)
     out_off = rows[:, None] * stride_hp + offs_n[None, :] * stride_hf
-    tl.store(h_ptr + out_off, h.to(h_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(h_ptr + out_off, _stored(h, EMULATE_BF16).to(h_ptr.dtype.element_ty), mask=out_mask)
     if SAVE_PRE:  # the backward's SwiGLU derivative needs g and u
-        tl.store(g_ptr + out_off, acc_g.to(g_ptr.dtype.element_ty), mask=out_mask)
-        tl.store(u_ptr + out_off, acc_u.to(u_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(g_ptr + out_off, _stored(acc_g, EMULATE_BF16).to(g_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(u_ptr + out_off, _stored(acc_u, EMULATE_BF16).to(u_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -116,19 +156,19 @@ def _down_kernel(
     stride_we, stride_wf, stride_wd,
     stride_yp, stride_yd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
-    expert, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
+    expert, rows, valid, n_valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None] * stride_hp + offs_k[None, :] * stride_hf
     w_ptrs = wd_ptr + expert * stride_we + offs_k[:, None] * stride_wf + offs_n[None, :] * stride_wd
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(F, BLOCK_K)):
+    for k in range(0, _k_steps(F, BLOCK_K, n_valid)):
         k_left = F - k * BLOCK_K
         a = tl.load(h_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < D), other=0.0)
-        if UPCAST_DOT:
+        if EMULATE_BF16:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
@@ -138,8 +178,8 @@ def _down_kernel(
     # -- epilogue: the routing weight of each row (padding rows hold NaN and are masked)
     weight = tl.load(row_weight_ptr + rows, mask=valid, other=0.0)
     acc = acc * weight[:, None]
-    tl.store(y_ptr + rows[:, None] * stride_yp + offs_n[None, :] * stride_yd, acc.to(y_ptr.dtype.element_ty),
-             mask=valid[:, None] & (offs_n[None, :] < D))
+    tl.store(y_ptr + rows[:, None] * stride_yp + offs_n[None, :] * stride_yd,
+             _stored(acc, EMULATE_BF16).to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < D))
 
 
 @triton.jit
@@ -148,20 +188,20 @@ def _unpermute_kernel(
     T, D,
     stride_yp, stride_yd,
     stride_ot, stride_od,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     """out[t] = Σ over t's k slots of y[row of (t, slot)]: every row is read once, nothing is added twice."""
-    offs_t = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t_mask = offs_t < T
     mask = t_mask[:, None] & (offs_n[None, :] < D)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
-        row = tl.load(inv_ptr + offs_t * TOP_K + slot, mask=t_mask, other=0)  # (BLOCK_M,)
+        row = tl.load(inv_ptr + offs_t * TOP_K + slot, mask=t_mask, other=0).to(tl.int64)  # (BLOCK_M,)
         acc += tl.load(y_ptr + row[:, None] * stride_yp + offs_n[None, :] * stride_yd, mask=mask,
                        other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_od,
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+             _stored(acc, EMULATE_BF16).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -174,21 +214,21 @@ def _down_backward_kernel(
     stride_hp, stride_hf,
     stride_pp, stride_pn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
-    expert, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
+    expert, rows, valid, n_valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
     pid_n = tl.program_id(1)
-    token = tl.load(row_token_ptr + rows)
+    token = tl.load(row_token_ptr + rows).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # over f
     offs_k = tl.arange(0, BLOCK_K)  # over d
     do_ptrs = dout_ptr + token[:, None] * stride_ot + offs_k[None, :] * stride_od  # gathered rows of dOut
     wt_ptrs = wd_ptr + expert * stride_we + offs_n[None, :] * stride_wf + offs_k[:, None] * stride_wd  # W_down[e]ᵀ
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_K)):
+    for k in range(0, _k_steps(D, BLOCK_K, n_valid)):
         k_left = D - k * BLOCK_K
         a = tl.load(do_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(wt_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < F), other=0.0)
-        if UPCAST_DOT:
+        if EMULATE_BF16:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)  # dĥ = dOut W_downᵀ, before the weight
@@ -206,8 +246,9 @@ def _down_backward_kernel(
     g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + off, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
-    tl.store(dg_ptr + off, (dh * u * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + off, (dh * g * sig).to(du_ptr.dtype.element_ty), mask=mask)
+    dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+    tl.store(dg_ptr + off, _stored(dg, EMULATE_BF16).to(dg_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + off, _stored(dh * g * sig, EMULATE_BF16).to(du_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -219,16 +260,16 @@ def _dx_rows_kernel(
     stride_we, stride_wd, stride_wf,
     stride_xp, stride_xd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     """Each row's dX contribution: dg W_gate[e]ᵀ + du W_up[e]ᵀ (P, d); the unpermute sums a token's rows."""
-    expert, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
+    expert, rows, valid, n_valid = _row_block(block_expert_ptr, block_rows_ptr, tl.program_id(0), BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # over d
     offs_k = tl.arange(0, BLOCK_K)  # over f
     g_off = rows[:, None] * stride_gp + offs_k[None, :] * stride_gf
     w_off = expert * stride_we + offs_n[None, :] * stride_wd + offs_k[:, None] * stride_wf  # W[e]ᵀ tiles
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(F, BLOCK_K)):
+    for k in range(0, _k_steps(F, BLOCK_K, n_valid)):
         k_left = F - k * BLOCK_K
         a_mask = valid[:, None] & (offs_k[None, :] < k_left)
         b_mask = (offs_k[:, None] < k_left) & (offs_n[None, :] < D)
@@ -236,7 +277,7 @@ def _dx_rows_kernel(
         du = tl.load(du_ptr + g_off, mask=a_mask, other=0.0)
         wg = tl.load(wg_ptr + w_off, mask=b_mask, other=0.0)
         wu = tl.load(wu_ptr + w_off, mask=b_mask, other=0.0)
-        if UPCAST_DOT:
+        if EMULATE_BF16:
             dg = dg.to(tl.float32)
             du = du.to(tl.float32)
             wg = wg.to(tl.float32)
@@ -245,8 +286,8 @@ def _dx_rows_kernel(
         acc = tl.dot(du, wu, acc, input_precision=INPUT_PRECISION)
         g_off += BLOCK_K * stride_gf
         w_off += BLOCK_K * stride_wf
-    tl.store(dxr_ptr + rows[:, None] * stride_xp + offs_n[None, :] * stride_xd, acc.to(dxr_ptr.dtype.element_ty),
-             mask=valid[:, None] & (offs_n[None, :] < D))
+    tl.store(dxr_ptr + rows[:, None] * stride_xp + offs_n[None, :] * stride_xd,
+             _stored(acc, EMULATE_BF16).to(dxr_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < D))
 
 
 @triton.jit
@@ -259,7 +300,7 @@ def _expert_grad_kernel(
     stride_we, stride_wr, stride_wc,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     A_GATHER: tl.constexpr, B_GATHER_SCALED: tl.constexpr, TWO_B: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     """dW[e] (R, C) = Σ over expert e's rows of A[row]ᵀ B[row], walking only e's row blocks.
 
@@ -267,7 +308,7 @@ def _expert_grad_kernel(
     w_row · B[tok] (the routing weight times dOut of the row's token); else padded rows.
     TWO_B: also dW2[e] = Σ A[row]ᵀ B2[row] from the same A tile (dW_gate and dW_up share X[tok]).
     """
-    expert = tl.program_id(0)
+    expert = tl.program_id(0).to(tl.int64)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     first = tl.load(expert_blocks_ptr + expert)
@@ -275,8 +316,8 @@ def _expert_grad_kernel(
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     for block in range(first, last):
-        _, rows, valid = _row_block(block_expert_ptr, block_rows_ptr, block, BLOCK_M)
-        token = tl.load(row_token_ptr + rows)
+        _, rows, valid, _ = _row_block(block_expert_ptr, block_rows_ptr, block, BLOCK_M)
+        token = tl.load(row_token_ptr + rows).to(tl.int64)
         a_rows = rows
         b_rows = rows
         if A_GATHER:
@@ -290,13 +331,17 @@ def _expert_grad_kernel(
         b = tl.load(b_ptr + b_off, mask=b_mask, other=0.0)  # (BLOCK_M, BLOCK_C)
         if TWO_B:
             b2 = tl.load(b2_ptr + b_off, mask=b_mask, other=0.0)
-            if UPCAST_DOT:
+            if EMULATE_BF16:
                 b2 = b2.to(tl.float32)
-        if B_GATHER_SCALED:  # w_row · dOut[tok] in fp32: both operands go to the dot in fp32
+        if B_GATHER_SCALED:  # w_row · dOut[tok]: the weight applied in fp32, then back to A's dtype for the dot
             weight = tl.load(row_weight_ptr + rows, mask=valid, other=0.0)
-            a = a.to(tl.float32)
             b = b.to(tl.float32) * weight[:, None]
-        elif UPCAST_DOT:
+            if EMULATE_BF16:  # A (h) is held in fp32 already; B rounded as the GPU's cast to bf16 rounds it
+                a = a.to(tl.float32)
+                b = _bf16_round(b)
+            else:
+                b = b.to(a.dtype)
+        elif EMULATE_BF16:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         a_t = tl.trans(a)
@@ -305,9 +350,9 @@ def _expert_grad_kernel(
             acc2 = tl.dot(a_t, b2, acc2, input_precision=INPUT_PRECISION)
     dw_off = expert * stride_we + offs_r[:, None] * stride_wr + offs_c[None, :] * stride_wc
     dw_mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
-    tl.store(dw_ptr + dw_off, acc.to(dw_ptr.dtype.element_ty), mask=dw_mask)
+    tl.store(dw_ptr + dw_off, _stored(acc, EMULATE_BF16).to(dw_ptr.dtype.element_ty), mask=dw_mask)
     if TWO_B:
-        tl.store(dw2_ptr + dw_off, acc2.to(dw2_ptr.dtype.element_ty), mask=dw_mask)
+        tl.store(dw2_ptr + dw_off, _stored(acc2, EMULATE_BF16).to(dw2_ptr.dtype.element_ty), mask=dw_mask)
 
 
 # --- launchers ---------------------------------------------------------------------------
@@ -323,6 +368,10 @@ class Plan:
     block_expert (B,) int32  the expert of each row block;  block_rows (B,): its real rows
     expert_blocks (E+1,)     expert e owns row blocks [expert_blocks[e], expert_blocks[e+1])
     tokens_per_expert (E,)   assignments per expert (the histogram)
+
+    B is row_blocks_max, the bound over every routing of T·k assignments, not this routing's count: sizing by the
+    count would read it back to the host (a sync on every call). The blocks past the routing's last hold no real
+    row (block_rows 0, expert E-1) and their programs skip the K loop.
     """
 
     row_token: torch.Tensor
@@ -342,21 +391,60 @@ class Plan:
         return self.block_expert.numel()
 
 
+def row_blocks_max(assignments: int, n_experts: int, block_m: int) -> int:
+    """Row blocks of any routing of `assignments` rows: Σ over the m non-empty experts of ceil(n_e / BLOCK_M)
+    <= cdiv(T·k, BLOCK_M) + m - 1, with m <= min(E, T·k)."""
+    return max(triton.cdiv(assignments, block_m) + min(n_experts, assignments) - 1, 0)
+
+
+# route_idx tensors whose expert ids were checked: id -> (weak reference, version, E)
+_CHECKED_ROUTINGS: dict[int, tuple] = {}
+
+
+def _refuse_bad_expert_ids(route_idx: torch.Tensor, n_experts: int) -> None:
+    if ((route_idx < 0) | (route_idx >= n_experts)).any():  # one bool read back: a device-to-host sync
+        raise ValueError(f"route_idx must lie in [0, {n_experts})")
+
+
+def check_routing(route_idx: torch.Tensor, n_experts: int) -> None:
+    """Refuse expert ids outside [0, E), once per routing: a route_idx already checked and not written since (its
+    version counter) is not read again, so the calls timed on one routing do no device-to-host sync."""
+    try:
+        version = route_idx._version
+    except RuntimeError:  # an inference-mode tensor has no version counter: checked on every call
+        _refuse_bad_expert_ids(route_idx, n_experts)
+        return
+    key = id(route_idx)
+    seen = _CHECKED_ROUTINGS.get(key)
+    if seen is not None and seen[0]() is route_idx and seen[1:] == (version, n_experts):
+        return
+    _refuse_bad_expert_ids(route_idx, n_experts)
+
+    def forget(ref, key=key):
+        if _CHECKED_ROUTINGS.get(key, (None,))[0] is ref:
+            del _CHECKED_ROUTINGS[key]
+
+    _CHECKED_ROUTINGS[key] = (weakref.ref(route_idx, forget), version, n_experts)
+
+
 def plan(route_idx: torch.Tensor, route_weight: torch.Tensor, n_experts: int, block_m: int) -> Plan:
-    """Sort the T·k assignments by expert (stable: token order within an expert) and pad each expert."""
+    """Sort the T·k assignments by expert (stable: token order within an expert) and pad each expert.
+
+    Nothing is read back to the host but the expert-id check, once per routing (check_routing)."""
+    check_routing(route_idx, n_experts)
     n_tokens, top_k = route_idx.shape
     device = route_idx.device
     flat = route_idx.reshape(-1)  # (A,) A = T·k, assignment a = t·k + slot
-    order = torch.sort(flat, stable=True).indices  # (A,): assignments grouped by expert
-    counts = torch.bincount(flat, minlength=n_experts)  # (E,)
+    sorted_expert, order = torch.sort(flat, stable=True)  # (A,): assignments grouped by expert
+    experts = torch.arange(n_experts + 1, device=device, dtype=flat.dtype)
+    count_start = torch.searchsorted(sorted_expert, experts)  # (E+1,) first sorted position of each expert
+    counts = count_start[1:] - count_start[:-1]  # (E,) (bincount sizes its output on the host)
     blocks = (counts + block_m - 1) // block_m  # (E,) row blocks per expert
     expert_blocks = torch.zeros(n_experts + 1, dtype=torch.int64, device=device)
     expert_blocks[1:] = torch.cumsum(blocks, 0)
-    count_start = torch.cumsum(counts, 0) - counts  # (E,) first sorted position of each expert
-    sorted_expert = flat[order]  # (A,)
     rank = torch.arange(flat.numel(), device=device) - count_start[sorted_expert]  # (A,) rank within its expert
     row = expert_blocks[sorted_expert] * block_m + rank  # (A,) padded row of each sorted assignment
-    n_blocks = int(expert_blocks[-1])
+    n_blocks = row_blocks_max(flat.numel(), n_experts, block_m)
     padded = n_blocks * block_m
     row_token = torch.zeros(padded, dtype=torch.int32, device=device)
     row_token[row] = (order // top_k).to(torch.int32)
@@ -364,10 +452,11 @@ def plan(route_idx: torch.Tensor, route_weight: torch.Tensor, n_experts: int, bl
     row_weight[row] = route_weight.reshape(-1)[order].float()
     inv = torch.empty(flat.numel(), dtype=torch.int32, device=device)
     inv[order] = row.to(torch.int32)
-    block_expert = torch.repeat_interleave(torch.arange(n_experts, device=device), blocks)  # (B,)
+    block_index = torch.arange(n_blocks, device=device)  # (B,)
+    # block b belongs to the expert e with expert_blocks[e] <= b < expert_blocks[e+1]; past the last: E-1, no rows
+    block_expert = torch.searchsorted(expert_blocks[1:], block_index, right=True).clamp(max=n_experts - 1)
     block_first = expert_blocks[block_expert]  # (B,)
-    block_index = torch.arange(n_blocks, device=device)
-    block_rows = (counts[block_expert] - (block_index - block_first) * block_m).clamp(max=block_m)  # (B,)
+    block_rows = (counts[block_expert] - (block_index - block_first) * block_m).clamp(0, block_m)  # (B,)
     return Plan(row_token, row_weight, inv.view(n_tokens, top_k), block_expert.to(torch.int32),
                 block_rows.to(torch.int32), expert_blocks.to(torch.int32), counts)
 
@@ -379,7 +468,11 @@ def _check_block(name: str, value: int) -> None:
 
 def moe_launch(n_tokens: int, d_model: int, ffn: int, n_experts: int, top_k: int, *, block_m: int, block_n: int,
                block_k: int, num_warps: int, num_stages: int) -> dict:
-    """Dispatch geometry. The row blocks depend on the routing: at most cdiv(T·k, BLOCK_M) + E - 1."""
+    """Dispatch geometry. The row blocks depend on the routing; the grids take their bound (row_blocks_max).
+
+    largest_offset: the largest element offset of each operand family, reached through a 64-bit base (it may pass
+    2^31); what the kernels still address in 32 bits (inside one expert's weights, the plan's row indices) and a
+    grid past CUDA's dimensions are refused here, naming the limit."""
     for name, block in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         _check_block(name, block)
     for name, size in (("T", n_tokens), ("d", d_model), ("f", ffn), ("E", n_experts), ("k", top_k)):
@@ -387,8 +480,15 @@ def moe_launch(n_tokens: int, d_model: int, ffn: int, n_experts: int, top_k: int
             raise ValueError(f"{name}={size} must be >= 1")
     if top_k > n_experts:
         raise ValueError(f"top_k={top_k} must be <= n_experts={n_experts}")
-    max_blocks = triton.cdiv(n_tokens * top_k, block_m) + n_experts - 1
-    return {
+    max_blocks = row_blocks_max(n_tokens * top_k, n_experts, block_m)
+    padded = max_blocks * block_m
+    if padded >= OFFSET_LIMIT:
+        raise ValueError(f"T·k={n_tokens * top_k} assignments pad to up to {padded} rows: the plan's int32 row "
+                         f"indices address < 2^31")
+    if d_model * ffn >= OFFSET_LIMIT:
+        raise ValueError(f"one expert's weights, d·f = {d_model}·{ffn}, span >= 2^31 elements: offsets inside one "
+                         f"expert are 32-bit")
+    launch = {
         "row_blocks_max": max_blocks,
         "forward": {"gate_up": [max_blocks, triton.cdiv(ffn, block_n)],
                     "down": [max_blocks, triton.cdiv(d_model, block_n)],
@@ -398,8 +498,24 @@ def moe_launch(n_tokens: int, d_model: int, ffn: int, n_experts: int, top_k: int
                      "unpermute": [triton.cdiv(n_tokens, block_m), triton.cdiv(d_model, block_n)],
                      "grad_w_gate_and_up": [n_experts, triton.cdiv(d_model, block_n), triton.cdiv(ffn, block_n)],
                      "grad_w_down": [n_experts, triton.cdiv(ffn, block_n), triton.cdiv(d_model, block_n)]},
+        "largest_offset": {"tokens": n_tokens * d_model, "padded_rows": padded * max(d_model, ffn),
+                           "expert_weights": n_experts * d_model * ffn, "bases": "int64"},
         "block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages,
     }
+    for name, grid in (*launch["forward"].items(), *launch["backward"].items()):
+        if max(grid[1:]) > GRID_DIM_LIMIT:
+            raise ValueError(f"{name} grid {grid}: CUDA caps grid dimensions 1 and 2 at {GRID_DIM_LIMIT}; raise "
+                             f"block_n")
+    return launch
+
+
+def _check_spans(x: torch.Tensor, *weights: torch.Tensor) -> None:
+    """Offsets inside one row of x and inside one expert's weights are 32-bit (the bases are 64-bit)."""
+    if (x.shape[1] - 1) * abs(x.stride(1)) >= OFFSET_LIMIT:
+        raise ValueError("x: one row spans >= 2^31 elements; make it contiguous")
+    for name, w in zip(("w_gate", "w_up", "w_down"), weights):
+        if (w.shape[1] - 1) * abs(w.stride(1)) + (w.shape[2] - 1) * abs(w.stride(2)) >= OFFSET_LIMIT:
+            raise ValueError(f"{name}: one expert's weights span >= 2^31 elements; make it contiguous per expert")
 
 
 def _check_inputs(x, w_gate, w_up, w_down, route_idx, route_weight, input_precision) -> None:
@@ -414,15 +530,14 @@ def _check_inputs(x, w_gate, w_up, w_down, route_idx, route_weight, input_precis
                          f"both be (T={x.shape[0]}, k)")
     if route_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"route_idx must be int32 or int64, got {route_idx.dtype}")
-    if route_idx.numel() and (route_idx.min() < 0 or route_idx.max() >= n_experts):
-        raise ValueError(f"route_idx must lie in [0, {n_experts})")
     if len({t.dtype for t in (x, w_gate, w_up, w_down)}) != 1 or x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"x and the expert weights must share one dtype of {SUPPORTED_DTYPES}")
     if input_precision not in INPUT_PRECISIONS:
         raise ValueError(f"input_precision={input_precision!r}; choose one of {INPUT_PRECISIONS}")
 
 
-def _unpermute(rows: torch.Tensor, inv: torch.Tensor, out_dtype: torch.dtype, tile: dict) -> torch.Tensor:
+def _unpermute(rows: torch.Tensor, inv: torch.Tensor, out_dtype: torch.dtype, tile: dict,
+               emulate_bf16: bool) -> torch.Tensor:
     """(P, d) padded rows -> (T, d): each token's k rows summed."""
     n_tokens, top_k = inv.shape
     d_model = rows.shape[1]
@@ -430,22 +545,23 @@ def _unpermute(rows: torch.Tensor, inv: torch.Tensor, out_dtype: torch.dtype, ti
     grid = (triton.cdiv(n_tokens, tile["block_m"]), triton.cdiv(d_model, tile["block_n"]))
     _unpermute_kernel[grid](rows, inv, out, n_tokens, d_model, rows.stride(0), rows.stride(1), out.stride(0),
                             out.stride(1), TOP_K=top_k, BLOCK_M=tile["block_m"], BLOCK_N=tile["block_n"],
-                            num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+                            EMULATE_BF16=emulate_bf16, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
     return out
 
 
 def _dot_flags(dtype: torch.dtype, tile: dict) -> tuple[bool, torch.dtype, dict]:
-    upcast = use_bf16_emulation(dtype, tile.get("emulate_bf16"))
-    inter = torch.float32 if upcast else dtype  # intermediates: fp32 when bf16 is emulated
-    launch = dict(BLOCK_M=tile["block_m"], INPUT_PRECISION=tile["input_precision"], UPCAST_DOT=upcast,
+    emulate = use_bf16_emulation(dtype, tile.get("emulate_bf16"))
+    inter = torch.float32 if emulate else dtype  # intermediates: fp32 buffers holding bf16 values when emulated
+    launch = dict(BLOCK_M=tile["block_m"], INPUT_PRECISION=tile["input_precision"], EMULATE_BF16=emulate,
                   num_warps=tile["num_warps"], num_stages=tile["num_stages"])
-    return upcast, inter, launch
+    return emulate, inter, launch
 
 
 def moe_forward(x, w_gate, w_up, w_down, p: Plan, tile: dict, *, save_pre: bool):
     """The three forward launches; returns out (T, d) and what the backward needs (h, g, u)."""
     n_experts, d_model, ffn = w_gate.shape
-    _, inter, launch = _dot_flags(x.dtype, tile)
+    _check_spans(x, w_gate, w_up, w_down)
+    emulate, inter, launch = _dot_flags(x.dtype, tile)
     bn, bk = tile["block_n"], tile["block_k"]
     h = torch.empty((p.padded_rows, ffn), device=x.device, dtype=inter)  # (P, f)
     g = torch.empty_like(h) if save_pre else h
@@ -459,14 +575,15 @@ def moe_forward(x, w_gate, w_up, w_down, p: Plan, tile: dict, *, save_pre: bool)
         h, w_down, y, p.row_weight, p.block_expert, p.block_rows, ffn, d_model,
         h.stride(0), h.stride(1), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0), y.stride(1),
         BLOCK_N=bn, BLOCK_K=bk, **launch)
-    out = _unpermute(y, p.inv, torch.float32 if inter == torch.float32 else x.dtype, tile)  # (T, d)
+    out = _unpermute(y, p.inv, inter, tile, emulate)  # (T, d)
     return out.to(x.dtype), h, g, u
 
 
 def moe_backward(dout, x, w_gate, w_up, w_down, h, g, u, p: Plan, tile: dict):
     """dX (T, d), dW_gate, dW_up, dW_down (E, ...) and d route_weight (T, k) through the same plan."""
     n_experts, d_model, ffn = w_gate.shape
-    _, inter, launch = _dot_flags(x.dtype, tile)
+    _check_spans(x, w_gate, w_up, w_down)
+    emulate, inter, launch = _dot_flags(x.dtype, tile)
     bn, bk = tile["block_n"], tile["block_k"]
     dout = dout.contiguous()
     dg = torch.empty((p.padded_rows, ffn), device=x.device, dtype=inter)  # (P, f)
@@ -482,7 +599,7 @@ def moe_backward(dout, x, w_gate, w_up, w_down, h, g, u, p: Plan, tile: dict):
         dg, du, w_gate, w_up, dx_rows, p.block_expert, p.block_rows, ffn, d_model, dg.stride(0), dg.stride(1),
         w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), dx_rows.stride(0), dx_rows.stride(1),
         BLOCK_N=bn, BLOCK_K=bk, **launch)
-    dx = _unpermute(dx_rows, p.inv, inter, tile).to(x.dtype)  # (T, d)
+    dx = _unpermute(dx_rows, p.inv, inter, tile, emulate).to(x.dtype)  # (T, d)
 
     # weight gradients: (BLOCK_N, BLOCK_N) tiles of dW[e], reducing over the expert's rows BLOCK_M at a time
     dwg = torch.empty((n_experts, d_model, ffn), device=x.device, dtype=inter)  # (E, d, f)
@@ -526,8 +643,10 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         num_stages: int = 2, input_precision: str = "ieee", emulate_bf16: bool | None = None) -> torch.Tensor:
     """Differentiable routed SwiGLU experts: x (T, d) -> (T, d) in x's dtype (see the module docstring)."""
     _check_inputs(x, w_gate, w_up, w_down, route_idx, route_weight, input_precision)
-    for name, block in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        _check_block(name, block)
+    (n_tokens, top_k), (n_experts, d_model, ffn) = route_idx.shape, w_gate.shape
+    # refuses what the kernels cannot address (T = 0 is fine: its grids are empty)
+    moe_launch(max(n_tokens, 1), d_model, ffn, n_experts, top_k, block_m=block_m, block_n=block_n, block_k=block_k,
+               num_warps=num_warps, num_stages=num_stages)
     tile = dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                 input_precision=input_precision, emulate_bf16=emulate_bf16)
     return TritonMoE.apply(x, w_gate, w_up, w_down, route_weight, route_idx, tile)
