@@ -16,7 +16,10 @@ import torch
 
 BF16_INTERPRETER_REASON = (
     "bf16 tl.dot operands upcast to fp32 and output rounded to bf16 by PyTorch: "
-    "Triton's interpreter computes on raw bf16 bits (triton-lang/triton#11584)"
+    "Triton's interpreter computes on raw bf16 bits (triton-lang/triton#11584). The MoE kernels also round "
+    "each intermediate they store or cast (h, y, g, u, dg, du, dX rows, dW) to bf16 in-kernel "
+    "(round-to-nearest-even on the fp32 bits), as the GPU does; only the dots' accumulation order differs. "
+    "The attention and matmul kernels keep fp32 within a launch there too, as on the GPU"
 )
 
 
