@@ -19,7 +19,8 @@ BF16_INTERPRETER_REASON = (
     "Triton's interpreter computes on raw bf16 bits (triton-lang/triton#11584). The MoE kernels also round "
     "each intermediate they store or cast (h, y, g, u, dg, du, dX rows, dW) to bf16 in-kernel "
     "(round-to-nearest-even on the fp32 bits), as the GPU does; only the dots' accumulation order differs. "
-    "The attention and matmul kernels keep fp32 within a launch there too, as on the GPU"
+    "Not so attention: P (forward) and dS (backward) stay fp32 into their dots here where the GPU casts them to "
+    "bf16, so its bf16 checks on the CPU judge a slightly more exact kernel than the GPU's"
 )
 
 
