@@ -1,5 +1,7 @@
 """KV-cached and speculative decoding against full recomputation: same logits within fp32, same tokens."""
 
+import math
+
 import pytest
 import torch
 
@@ -62,7 +64,8 @@ def test_cache_bounds_are_refused(model):
 
 @pytest.mark.parametrize("num_heads", [0, 1, 3])
 def test_speculative_decoding_is_lossless_whatever_the_heads_propose(model, num_heads):
-    """Random heads propose nonsense, zero-init heads propose the base's own next token: the output is greedy's."""
+    """Random heads (K = 1, 3) propose nonsense, K = 0 is plain decoding through the same loop: the output is
+    greedy's. (These drafts are almost never accepted: the oracle tests below accept several per verification.)"""
     prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(4))
     want = greedy_cached(model, prompt, 30, keep_logits=True)[1]
     heads = MedusaHeads(model.lm_head.weight.detach(), num_heads)
@@ -74,6 +77,78 @@ def test_speculative_decoding_is_lossless_whatever_the_heads_propose(model, num_
     assert got.tokens == want.tokens
     assert len(got.accepted) == len(got.steps) and sum(m for _, m in got.steps) == 29
     assert len(got.token_latencies_s) == 29
+
+
+class Oracle:
+    """Draft heads that know the base: handed the hidden state at position t of the base's greedy path, head k
+    drafts the base's argmax after that path's next token and the drafts of heads 1..k-1. Heads in `wrong`
+    (0-based) draft the base's runner-up instead, so the drafts after a wrong one continue the wrong branch
+    exactly as the base would (recomputed, no cache): they match the verification's tokens too, and only a
+    verifier that stops at the first rejection emits greedy's tokens. `rank` places each head's draft at that
+    rank of its top-w list (tree verification), among the base's 3rd, 4th, ... tokens (never its top 2).
+
+    The position is found among the hidden states of `path` (prompt + greedy tokens), the only states a
+    lossless decoder hands its heads; any other state fails here: the decoder already emitted a non-greedy token.
+    """
+
+    def __init__(self, model, path, num_heads, wrong=(), rank=None):
+        self.model, self.path, self.num_heads, self.wrong = model, path, num_heads, set(wrong)
+        self.rank = rank or (0,) * num_heads
+        with torch.no_grad():
+            self.states = model.hidden(path)[0]  # (T, C): every state on the greedy path
+            self.logits = model.lm_head(self.states)  # (T, V): the base's logits along it
+
+    def _ranked(self, hidden, width):
+        """hidden (C,) -> (K, width): each head's list, its draft at rank[k]."""
+        gap = (self.states - hidden).norm(dim=-1)  # (T,)
+        t = int(gap.argmin())
+        assert gap[t] < 1e-3, f"heads handed a state off the base's greedy path (nearest {float(gap[t]):.3g} away)"
+        context, branched, rows = self.path[:, :t + 2], False, []  # up to the base's own next token, chosen at t
+        for k in range(self.num_heads):
+            on_path = not branched and context.shape[1] <= self.path.shape[1]
+            last = self.logits[context.shape[1] - 1] if on_path else self.model(context)[0][0, -1]  # (V,)
+            ranked = last.topk(width + 2).indices  # (width + 2,)
+            draft = ranked[1] if k in self.wrong else ranked[0]
+            branched |= k in self.wrong
+            others = ranked[2:].tolist()
+            rows.append((others[:self.rank[k]] + [int(draft)] + others[self.rank[k]:])[:width])
+            context = torch.cat([context, draft.view(1, 1)], dim=1)
+        return torch.tensor(rows)
+
+    @torch.no_grad()
+    def propose(self, hidden):  # (1, C) -> (1, K): each head's top-1, as MedusaHeads.propose
+        return self._ranked(hidden[0], 1)[None, :, 0]
+
+    @torch.no_grad()
+    def propose_topk(self, hidden, width):  # (C,) -> (K, width), as MedusaHeads.propose_topk
+        return self._ranked(hidden, width)
+
+
+@pytest.fixture(scope="module")
+def greedy_path(model):
+    """A prompt (1, 9) and its greedy path (1, 9 + 16 + 3): 16 tokens to decode, + 3 (K, the tree's depth) for
+    the states of the last step's overshoot."""
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(11))
+    return prompt, torch.cat([prompt, greedy_cached(model, prompt, 16 + 3)[0]], dim=1)
+
+
+@pytest.mark.parametrize("wrong, accepts", [((), 3), ((1,), 1)])
+def test_chain_verification_accepts_exactly_the_drafts_before_the_first_wrong_one(model, greedy_path, wrong, accepts):
+    """K = 3 oracle drafts. All right: every verification accepts all 3 (4 tokens a step). Head 2 wrong (the
+    base's runner-up), head 3 still matching the base's token after it (the first verification, checked by
+    hand, shows it): every verification accepts exactly 1. A verifier that accepts past the first rejection
+    emits the wrong draft (or, if it only counts them, reports more accepted)."""
+    prompt, path = greedy_path
+    oracle = Oracle(model, path, 3, wrong)
+    with torch.no_grad():  # the first verification by hand: which drafts equal the base's tokens
+        drafts = oracle.propose(model.hidden(prompt)[:, -1])  # (1, 3)
+        chunk = torch.cat([path[:, :10], drafts], dim=1)  # (1, 9 + 4): the prompt, the base's next token, drafts
+        greedy = model(chunk)[0][0, 9:12].argmax(-1)  # (3,): the base's token after each draft's prefix
+    assert (drafts[0] == greedy).tolist() == [k not in wrong for k in range(3)]
+    got = speculative(model, oracle, prompt, 16)
+    assert got.tokens == path[0, 9:25].tolist()
+    assert got.accepted == [accepts] * math.ceil(15 / (accepts + 1))  # 15 tokens after the first, accepts + 1 a step
+    assert sum(m for _, m in got.steps) == 15  # the last step's overshoot trimmed
 
 
 def test_a_mismatch_is_found_and_a_near_tie_is_named():
@@ -173,6 +248,36 @@ def test_tree_speculative_decoding_is_lossless_with_random_and_trained_heads(mod
         assert got.tokens == want.tokens
         assert len(got.accepted) == len(got.steps) and sum(m for _, m in got.steps) == 29
     assert max(got.accepted) == len(widths)  # the trained heads' deepest paths were accepted
+
+
+@pytest.mark.parametrize("rank, wrong, accepts", [((1, 0, 0), (), 3), ((1, 1, 0), (1,), 1)])
+def test_tree_verification_accepts_exactly_the_greedy_path(model, greedy_path, rank, wrong, accepts):
+    """Tree [2, 2, 1] of oracle drafts. Head 1's draft at rank 1, below a token the base ranks 3rd (a chain of the
+    heads' top-1s would be rejected at its first draft): the tree accepts all 3 every verification. Add head 2
+    drafting the base's runner-up (at rank 1), head 3 continuing that branch as the base would: exactly 1
+    accepted, though that branch's depth-3 entry matches the base's token after its parent; a rule that does not
+    require the ancestors accepted accepts it and emits the runner-up."""
+    from posttrainllm.model.decode import speculative_tree
+
+    prompt, path = greedy_path
+    got = speculative_tree(model, Oracle(model, path, 3, wrong, rank), prompt, 16, [2, 2, 1])
+    assert got.tokens == path[0, 9:25].tolist()
+    assert got.accepted == [accepts] * math.ceil(15 / (accepts + 1))
+
+
+def test_trained_heads_accept_more_than_untrained_ones(model, trained_ish):
+    """The trained_ish heads, distilled on this prompt's greedy continuation, accept more than one draft per
+    verification on average (the lab's mean accepted length, lab/heads.py `_summarise`); K = 3 untrained heads
+    (zero-init: each guesses the base's next token, whatever its depth) accept at least one token fewer."""
+    from posttrainllm.lab.heads import _summarise
+
+    heads, prompt = trained_ish
+    want = greedy_cached(model, prompt, 16)[1].tokens
+    untrained = MedusaHeads(model.lm_head.weight.detach(), 3)
+    got = {name: speculative(model, h, prompt, 16) for name, h in (("trained", heads), ("untrained", untrained))}
+    assert got["trained"].tokens == got["untrained"].tokens == want
+    length = {name: _summarise([g], {}, 3, timed=False)["mean_accepted_length"] for name, g in got.items()}
+    assert length["trained"] > 2 and length["trained"] >= length["untrained"] + 1
 
 
 def test_each_tree_entry_sees_the_cache_and_its_path_only(model):
