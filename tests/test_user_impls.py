@@ -215,3 +215,20 @@ def test_flex_attention_is_forward_only_on_the_cpu():
     leaves = {name: x.requires_grad_() for name, x in {"q": q, "k": k, "v": v}.items()}
     with pytest.raises(NotImplementedError, match="does not support backward on CPU"):  # PyTorch 2.13's reason
         flex.fn(leaves, cfg)
+
+
+def test_a_spec_resolves_again_when_its_file_changes_or_the_directory_does(tmp_path, monkeypatch):
+    from posttrainllm.opdefs.user import resolve
+
+    op = get_op("matmul")
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "k.py").write_text(f"def matmul(a, b):  # {folder}\n    return a @ b\n")
+    monkeypatch.chdir(tmp_path / "a")
+    first = resolve("k.py:matmul", op)
+    monkeypatch.chdir(tmp_path / "b")
+    second = resolve("k.py:matmul", op)
+    assert first.file.parent.name == "a" and second.file.parent.name == "b"
+    (tmp_path / "b" / "k.py").write_text("def matmul(a, b):  # edited\n    return a @ b\n")
+    third = resolve("k.py:matmul", op)
+    assert third.identity["sha256"] != second.identity["sha256"]

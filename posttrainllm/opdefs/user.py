@@ -183,10 +183,21 @@ def _entry_point(entry: str, op: OpDef, spec: str) -> importlib.metadata.EntryPo
     return installed[key]
 
 
+def _cache_key(op: OpDef, spec: str) -> tuple:
+    """A resolution holds while the file it names is the same file, unchanged: a relative path from another
+    working directory, or an edit, resolves again (its identity must name what runs)."""
+    where = parse_spec(spec)[1].rpartition(":")[0]
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        file = Path(where).expanduser().resolve()
+        stat = file.stat() if file.is_file() else None
+        return op.name, spec, str(file), stat and (stat.st_mtime_ns, stat.st_size)
+    return op.name, spec
+
+
 def resolve(spec: str, op: OpDef) -> UserPath:
     """Check one spec for `op` and say where its callable is (cached per op and spec); runs none of its code.
     ConfigError with one line on any problem: no such file, attribute, module or entry point, a bad name."""
-    key = (op.name, str(spec))
+    key = _cache_key(op, str(spec))
     if key in _RESOLVED:
         return _RESOLVED[key]
     name, target = parse_spec(spec)
