@@ -30,7 +30,7 @@ def workdir(tmp_path, monkeypatch, calibration):
     return tmp_path
 
 
-def test_every_op_has_a_template(capsys):
+def test_every_op_has_a_template():
     assert set(SMALL) == set(OPS)
     for op in OPS.values():
         assert op.signature and "{name}" in op.template, op.name
