@@ -10,6 +10,9 @@
     posttrainllm replay TARGET [--out DIR]            a stored receipt's tables and plots again, checked; runs nothing
     posttrainllm compare BASE NEW [--across-devices] [--out FILE] [compare.KEY=VALUE ...]
                                                       timings and verdicts of two revisions; exit 1 on a regression
+    posttrainllm new-impl op=OP FILE.py [--name NAME]
+                                                      a kernel of your own to start from (the op's signature, contract
+                                                      and readable math) and the command for its receipt
 
 Every subcommand keeps Hydra's full override syntax (`--cfg job`, `--help`, `-m`).
 Overrides are checked before anything runs or is written: a bad one prints one
@@ -419,8 +422,91 @@ def _check_before_running(args: list[str], grid: bool) -> list[LabConfig]:
     return composed
 
 
+NEW_IMPL_USAGE = ("usage: posttrainllm new-impl op=OP FILE.py [--name NAME]   (writes FILE.py, never over an existing "
+                  "file: a function NAME, by default the op's name, in the op's natural signature)")
+
+
+def new_impl(args: list[str]) -> int:
+    """`posttrainllm new-impl op=OP FILE.py [--name NAME]`: a user path to start from (opdefs/user.py).
+
+    The file holds `OpDef.template` (the op's readable math, correct as it is, in its natural signature) under a
+    module docstring that states `OpDef.signature` and the command that gives its receipt. The function (and so
+    the path's name in the receipt) is the op's name unless --name says otherwise: a Python identifier, never a
+    built-in path's name. Nothing is written on bad input (one line, exit 2), nor over an existing file.
+    """
+    import keyword
+    import textwrap
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from posttrainllm.opdefs import get_op
+
+    def refuse(line: str) -> int:
+        print(f"posttrainllm: new-impl: {line}", file=sys.stderr)
+        return EXIT_CONFIG
+
+    if args in (["-h"], ["--help"]):
+        print(NEW_IMPL_USAGE)
+        return 0
+    args = list(args)
+    name = None
+    if "--name" in args:
+        at = args.index("--name")
+        if at + 1 >= len(args) or args[at + 1].startswith("-"):
+            return refuse("--name needs a value: " + NEW_IMPL_USAGE)
+        name = args.pop(at + 1)
+        args.pop(at)
+    choices = [a for a in args if a.startswith("op=")]
+    files = [a for a in args if not a.startswith("op=")]
+    if len(choices) != 1 or len(files) != 1 or files[0].startswith("-"):
+        print(NEW_IMPL_USAGE, file=sys.stderr)
+        return EXIT_CONFIG
+    choice, target = choices[0].partition("=")[2], Path(files[0])
+    try:
+        op = get_op(load([f"op={choice}"]).op.name)  # op=attention_noncausal is the attention op, causal=false
+    except ConfigError as exc:
+        return refuse(f"config error: {exc}")
+    name = name or op.name
+    taken = sorted({*op.impls, *op.optional_peers, *op.reserved_names})
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name) or keyword.iskeyword(name):
+        return refuse(f"--name {name!r}: the function's name must be a Python identifier starting with a letter")
+    if name in taken:
+        return refuse(f"--name {name!r} is a built-in path of {op.name} (taken: {', '.join(taken)}): choose another")
+    if not op.template:
+        return refuse(f"op {op.name} declares no template (OpDef.template)")
+    if target.suffix != ".py":
+        return refuse(f"{target}: the file must end in .py (it is loaded as a Python file)")
+    if target.exists():
+        return refuse(f"{target} already exists: nothing written (choose another file, or delete it)")
+    spec = f"{target.as_posix()}:{name}"
+    override = f"op.user_impls=[{spec}]"
+    try:  # the command below must hand Hydra this one spec back: no comma, bracket, quote or '=' in the path
+        parsed = OverridesParser.create().parse_overrides([override])[0].value()
+    except HydraException:
+        parsed = None
+    if parsed != [spec] or "=" in target.as_posix():
+        return refuse(f"{target}: a path a Hydra override can hold unquoted, please (letters, digits, '_', '-', "
+                      "'.', '/')")
+    docstring = "\n".join([
+        f"A kernel of your own for op {op.name}: `{name}`, in the op's natural signature",
+        "", textwrap.fill(op.signature, width=100, initial_indent="    ", subsequent_indent="    "), "",
+        "Its receipt (parity against float64 math, the guards, timing, this file's sha256):", "",
+        f"    posttrainllm bench op={choice} '{override}'", "",
+        "The body is the readable math, correct as it is: make it fast, keep it right.",
+    ])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("x") as out:  # "x": never over a file that appeared meanwhile
+        out.write(f'"""{docstring}\n"""\n{op.template.format(name=name)}')
+    print(f"written: {target} ({name}, op {op.name})")
+    print(f"its receipt: posttrainllm bench op={choice} '{override}'")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["new-impl"]:
+        return new_impl(args[1:])
     if args and args[0] == "report":
         return report_sweep(args[1:])
     if args and args[0] == "receipt":

@@ -1,0 +1,97 @@
+"""`posttrainllm new-impl`: the file it writes passes parity as it is, for every op; bad input writes nothing."""
+
+import ast
+import json
+import shutil
+
+import pytest
+
+from posttrainllm import cli
+from posttrainllm.opdefs import OPS
+
+QUICK = ["device=cpu", "parity.seeds=[0]", "bench.warmup=1", "bench.reps=2", "bench.min_time_s=0",
+         "run.log_mlflow=false"]
+# per op, the smallest problem its checks accept: few cases, one curve size
+SMALL = {
+    "attention": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],
+    "matmul": ["tile=b16", "shape.m=32", "shape.n=32", "shape.k=32", "shape.edge_mnk=[]", "shape.curve=[16,32]"],
+    "decode_attention": ["tile=b16", "shape.decode_q_lens=[1,4]", "shape.decode_kv_lens=[17]",
+                         "shape.decode_kv_len=32", "shape.curve=[16,32]"],
+    "moe": ["tile=b16", "shape.moe_tokens=8", "shape.moe_d_model=32", "shape.moe_ffn=32", "shape.moe_edge=[]",
+            "shape.moe_curve=[1,8]", "shape.moe_expert_curve=[2,4]"],
+}
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch, calibration):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    shutil.copy(calibration, tmp_path / "runs" / "calibration.json")
+    return tmp_path
+
+
+def test_every_op_has_a_template():
+    assert set(SMALL) == set(OPS)
+    for op in OPS.values():
+        assert op.signature and "{name}" in op.template, op.name
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_the_written_file_passes_parity_with_its_own_gradients(workdir, op, capsys):
+    assert cli.main(["new-impl", f"op={op}", "kernels/mine.py"]) == 0
+    command = f"posttrainllm bench op={op} 'op.user_impls=[kernels/mine.py:{op}]'"
+    assert command in capsys.readouterr().out
+    source = (workdir / "kernels" / "mine.py").read_text()
+    module = ast.parse(source)
+    doc = ast.get_docstring(module)
+    assert command in doc and OPS[op].signature.split(";")[0] in " ".join(doc.split())
+    assert [node.name for node in module.body if isinstance(node, ast.FunctionDef)] == [op]
+
+    assert cli.main(["bench", f"op={op}", f"op.user_impls=[kernels/mine.py:{op}]", "run.out_dir=runs",
+                     "run.name=mine", *QUICK, *SMALL[op]]) == 0
+    parity = json.loads((workdir / "runs" / "mine" / "parity.json").read_text())
+    mine = parity["paths"][op]
+    assert mine["verdict"] == "pass" and mine["backward"] == "own", mine
+    checked = {case["output"] for case in mine["cases"]}
+    assert set(OPS[op].gradient_names()) <= checked and "out" in checked
+    receipt = json.loads((workdir / "runs" / "mine" / "receipt.json").read_text())
+    assert receipt["user_impls"][op]["source"] == "file"
+    assert receipt["user_impls"][op]["file"].endswith("kernels/mine.py")
+
+
+def test_name_names_the_function_and_the_path(workdir, capsys):
+    assert cli.main(["new-impl", "op=attention_noncausal", "flash.py", "--name", "flash"]) == 0
+    source = (workdir / "flash.py").read_text()
+    assert "def flash(q" in source
+    assert "posttrainllm bench op=attention_noncausal 'op.user_impls=[flash.py:flash]'" in source
+
+
+def test_an_existing_file_is_never_overwritten(workdir, capsys):
+    (workdir / "mine.py").write_text("# my work\n")
+    assert cli.main(["new-impl", "op=matmul", "mine.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "mine.py already exists" in err
+    assert (workdir / "mine.py").read_text() == "# my work\n"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["op=nope", "k.py"], "unknown op 'nope': valid choices are attention, attention_noncausal, decode_attention, "
+                          "matmul, moe"),
+    (["op=matmul"], "usage: posttrainllm new-impl op=OP FILE.py"),
+    (["k.py"], "usage: posttrainllm new-impl op=OP FILE.py"),
+    (["op=matmul", "k.py", "--name"], "--name needs a value"),
+    (["op=matmul", "k.py", "--name", "triton"], "'triton' is a built-in path of matmul"),
+    (["op=matmul", "k.py", "--name", "def"], "must be a Python identifier"),
+    (["op=matmul", "k.txt"], "must end in .py"),
+    (["op=matmul", "a,b.py"], "a path a Hydra override can hold unquoted"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(workdir, capsys, args, says):
+    assert cli.main(["new-impl", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err
+    assert not list(workdir.glob("*.*")) and not list(workdir.glob("k*"))
+
+
+def test_help_lists_new_impl(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "posttrainllm new-impl op=OP FILE.py [--name NAME]" in capsys.readouterr().err
