@@ -98,13 +98,18 @@ def test_compare_reads_two_sweep_folders(runs, tmp_path, capsys):
     assert "0 regression(s)" in out.read_text()
 
 
+def runs_logged(printed):
+    """{receipt.json path: run id} from import's lines."""
+    return dict(line.split(": mlflow run ") for line in printed.splitlines() if ": mlflow run " in line)
+
+
 def test_import_logs_a_sweep_folder_once(runs, mlflow_uri, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     assert cli.main(["receipt", "import", str(runs)]) == 0
     out, err = capsys.readouterr()
-    logged = dict(line.split(": mlflow run ") for line in out.splitlines() if ": mlflow run " in line)
+    logged = runs_logged(out)
     assert sorted(logged) == [str(runs / "baseline" / "receipt.json"), str(runs / "heads" / "k1" / "receipt.json"),
                               str(runs / "precision-fp16" / "receipt.json")], out + err
     assert "3 receipts in" in out and "bad receipt" not in err
@@ -116,8 +121,7 @@ def test_import_logs_a_sweep_folder_once(runs, mlflow_uri, monkeypatch, capsys):
     assert point.info.status == "FINISHED" and "mlflow.parentRunId" in point.data.tags
     # again: nothing logged twice, the heads receipt included
     assert cli.main(["receipt", "import", str(runs)]) == 0
-    again = dict(line.split(": mlflow run ") for line in capsys.readouterr().out.splitlines() if ": mlflow run " in line)
-    assert again == logged
+    assert runs_logged(capsys.readouterr().out) == logged
     # the point folder the receipt stage's exit-3 line names: its receipt only, not its stamp
     assert cli.main(["receipt", "import", str(runs / "baseline")]) == 0
     out = capsys.readouterr().out

@@ -6,9 +6,10 @@ TARGET is a point's folder, its receipt.json, a folder of point folders (a sweep
 gpu-check OUTDIR), or an MLflow run id (a point's run, or a sweep's run: its points), whose
 artifacts are downloaded to a temporary folder first. In a folder, receipts are found as import
 finds them (track/receipt.py `receipt_files`: a point is a folder with receipt.json at its top;
-its stamps/receipt.json is a stamp); a draft-heads receipt among them is named and left out. Nothing is measured: no kernel is launched
-and no timing loop runs; the plots are drawn again from curve.csv and the microbench's roofline
-into DIR (default runs/replay/<point>/), and the point's own folder is only read.
+its stamps/receipt.json is a stamp); a draft-heads receipt among them is named and left out.
+Nothing is measured: no kernel is launched and no timing loop runs; the plots are drawn again
+from curve.csv and the microbench's roofline into DIR (default runs/replay/<point>/), and the
+point's own folder is only read.
 
 Replay also checks that the receipt adds up (`verify`), and names what does not:
 
