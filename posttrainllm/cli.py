@@ -250,8 +250,8 @@ def import_receipts(args: list[str]) -> int:
     from posttrainllm.track import receipt
 
     if len(args) != 2 or args[0] != "import" or not Path(args[1]).is_dir():
-        print("usage: posttrainllm receipt import FOLDER   (a folder holding <point>/receipt.json files)",
-              file=sys.stderr)
+        print("usage: posttrainllm receipt import FOLDER   (a point's folder, or a folder of them: a sweep's runs/, "
+              "a gpu-check OUTDIR)", file=sys.stderr)
         return EXIT_CONFIG
     from posttrainllm.track import store
 
@@ -287,10 +287,12 @@ def replay_receipts(args: list[str]) -> int:
               "of points, or an MLflow run id)", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        stored = replay.load(args[0])
+        stored, others = replay.load(args[0])
     except replay.ReplayError as exc:
         print(f"posttrainllm: cannot replay {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    for line in others:
+        print(f"not replayed: {line}")
     bad = 0
     for one in stored:
         print(replay.render(one, Path(out) / one.name if out else Path("runs") / "replay" / one.name))
@@ -320,20 +322,21 @@ def compare_receipts(args: list[str]) -> int:
         return EXIT_CONFIG
     try:
         cfg = load(overrides).compare
-        sides = [replay.load(target) for target in targets]
+        (base, base_others), (new, new_others) = (replay.load(target) for target in targets)
     except ConfigError as exc:
         print(f"posttrainllm: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except replay.ReplayError as exc:
         print(f"posttrainllm: cannot compare {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    problems = [f"{one.source}: {p}" for side in sides for one in side for p in replay.verify(one)]
+    problems = [f"{one.source}: {p}" for one in (*base, *new) for p in replay.verify(one)]
     if problems:
         for problem in problems:
             print(f"posttrainllm: receipt does not add up: {problem}", file=sys.stderr)
         print("posttrainllm: not compared: fix or rerun those points", file=sys.stderr)
         return EXIT_CONFIG
-    result = compare.compare(*sides, cfg, across_devices=across)
+    result = compare.compare(base, new, cfg, across_devices=across)
+    result.notes[:0] = [f"not compared: {line}" for line in dict.fromkeys((*base_others, *new_others))]
     print(compare.table(result, cfg))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(compare.markdown(result, cfg, *targets))

@@ -3,8 +3,8 @@
     posttrainllm compare BASE NEW [--across-devices] [--out FILE] [compare.KEY=VALUE ...]
 
 BASE and NEW are what `posttrainllm replay` takes (point folders, receipt.json files, sweeps'
-runs/, MLflow run ids). Points are paired by name (two single points are paired whatever their
-names). For every path both timed, in both modes (forward, forward + backward), from the raw
+runs/, MLflow run ids; replay.load). Points are paired by name (two single points are paired
+whatever their names); a draft-heads receipt in a sweep's folder is named and left out. For every path both timed, in both modes (forward, forward + backward), from the raw
 samples of timings.csv:
 
 * ratio = median(new) / median(base), with a percentile bootstrap interval (both sides

@@ -27,10 +27,12 @@ from omegaconf import OmegaConf
 from posttrainllm.measure import device as devices
 from posttrainllm.track import store
 from posttrainllm.track.provenance import git_revision, project_root
+from posttrainllm.track.stamp import STAMPS
 from posttrainllm.config import LabConfig, point_config
 from posttrainllm.files import point_dir, read_json, write_json
 
 SCHEMA = "posttrainllm.track.receipt/1"
+HEADS_SCHEMA = "posttrainllm.track.receipt.heads/1"  # a draft-heads receipt (build_heads): no point, no sweep
 EXPERIMENT = "posttrainllm"
 ARTIFACTS = ("receipt.json", "parity.json", "kernel.json", "microbench.json", "timings.csv", "curve.csv",
              "time_vs_size.png", "memory_vs_size.png", "roofline.png", "bench_train.json", "config.yaml")
@@ -320,21 +322,28 @@ def _log(receipt: dict[str, Any], folder: Path, uri: str) -> str:
     client, experiment_id = store.open_store(uri, EXPERIMENT, artifact_location(uri))
     tags = _tags(receipt)
     with store.lock(uri):
-        found = client.search_runs([experiment_id], filter_string=f"tags.`receipt.id` = '{tags['receipt.id']}'",
-                                   max_results=100, order_by=["attributes.start_time ASC"])
-        done = [run for run in found if _complete(run)]
+        run_id = _logged_before(client, experiment_id, tags["receipt.id"])
         parent_id = _sweep_parent(client, experiment_id, receipt["sweep"]) if receipt["sweep"] else None
-        if done:  # the same receipt imported twice stays one run
-            run_id = done[0].info.run_id
-        else:
-            for run in found:  # an interrupted write: replaced, never counted as logged
-                client.delete_run(run.info.run_id)
+        if run_id is None:
             if parent_id:
                 tags[MLFLOW_PARENT_RUN_ID] = parent_id
             run_id = _write_run(client, experiment_id, receipt, folder, tags)
         if parent_id:
             _update_sweep(client, experiment_id, parent_id, receipt["sweep"])
     return run_id
+
+
+def _logged_before(client: Any, experiment_id: str, receipt_id: str) -> str | None:
+    """The complete run of this receipt, when there is one: the same receipt logged twice stays one run.
+    Runs of it that an interrupted write left incomplete are deleted: replaced, never counted as logged."""
+    found = client.search_runs([experiment_id], filter_string=f"tags.`receipt.id` = '{receipt_id}'",
+                               max_results=100, order_by=["attributes.start_time ASC"])
+    done = [run for run in found if _complete(run)]
+    if done:
+        return done[0].info.run_id
+    for run in found:
+        client.delete_run(run.info.run_id)
+    return None
 
 
 def logged_run(receipt: dict[str, Any], uri: str | None = None) -> str | None:
@@ -358,8 +367,27 @@ class InvalidReceipts(ValueError):
         super().__init__("; ".join(f"{path}: {why}" for path, why in problems))
 
 
-def check(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """Read one receipt.json and check it holds everything logging needs: (receipt, None) or (None, why)."""
+def receipt_files(folder: Path) -> list[Path]:
+    """The receipts in `folder`, sorted: the one rule that import, replay and compare find receipts by.
+
+    A point is a folder with receipt.json at its top level: `folder` itself, or any folder below it
+    (a sweep's runs/<point>/, runs/bench/<name>/, runs/heads/<K name>/, a gpu-check OUTDIR/<point>/).
+    Nothing inside a point is searched: its stamps/receipt.json is the receipt stage's stamp
+    (track/stamp.py), not a receipt. No stamps/ folder is, so a point whose receipt.json is gone
+    does not offer its stamp instead.
+    """
+    found = []
+    for where, subfolders, files in os.walk(folder):
+        if Path(where).name != STAMPS and "receipt.json" in files:
+            found.append(Path(where) / "receipt.json")
+        if Path(where).name == STAMPS or "receipt.json" in files:
+            subfolders.clear()
+    return sorted(found)
+
+
+def check(path: Path, schemas: tuple[str, ...] = (SCHEMA,)) -> tuple[dict[str, Any] | None, str | None]:
+    """Read one receipt.json and check it is one of `schemas` and holds everything logging needs:
+    (receipt, None) or (None, why). A point's receipt by default; import takes draft-heads receipts too."""
     try:
         receipt = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -368,15 +396,23 @@ def check(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"unreadable ({exc})"
     if not isinstance(receipt, dict):
         return None, f"not a receipt (a JSON {type(receipt).__name__}, not an object)"
-    if receipt.get("schema") != SCHEMA:
-        return None, f"schema {receipt.get('schema')!r}, expected {SCHEMA!r}"
-    missing = [key for key in ("point", "sweep", "created_at", "provenance", "config") if key not in receipt]
+    if receipt.get("schema") not in schemas:
+        return None, f"schema {receipt.get('schema')!r}, expected {' or '.join(map(repr, schemas))}"
+    heads = receipt["schema"] == HEADS_SCHEMA
+    needed = ("point", "created_at", "provenance", "config", *(("base", "heads", "decode", "verdict") if heads
+                                                               else ("sweep",)))
+    missing = [key for key in needed if key not in receipt]
     if missing:
         return None, f"missing {', '.join(missing)}"
     try:
+        _flatten("", receipt["config"], {})
+        if heads:
+            _heads_tags(receipt)
+            heads_metrics(receipt)
+            [float(loss) for loss in [*receipt["base"]["losses_every_50"], *receipt["heads"]["losses"]]]
+            return receipt, None
         _tags(receipt)
         metrics(receipt)
-        _flatten("", receipt["config"], {})
         if receipt["sweep"]:
             str(receipt["sweep"]["id"])
         for entry in ((receipt.get("bench_train") or {}).get("impls") or {}).values():
@@ -390,23 +426,24 @@ def check(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 def import_folder(folder: Path, uri: str | None = None,
                   on_logged: Callable[[Path, str], None] | None = None) -> list[tuple[Path, str]]:
-    """Log every receipt.json under `folder` (made where MLflow was absent) into the MLflow store.
+    """Log every receipt in `folder` (receipt_files; made where MLflow was absent) into the MLflow store.
 
-    Every receipt is checked first: if any is bad, none is logged (InvalidReceipts names each
-    bad file and what is wrong). Each receipt's sibling files (parity.json, timings.csv, ...)
-    become its artifacts. Receipts already logged completely (same receipt.id) are not logged
-    twice; an incomplete run of one is replaced. `on_logged(path, run_id)` is called as each
-    is logged, so a failure part way still shows what got in.
+    Points' receipts and draft-heads receipts both. Every receipt is checked first: if any is bad,
+    none is logged (InvalidReceipts names each bad file and what is wrong). Each receipt's sibling
+    files (parity.json, timings.csv, ...) become its artifacts. Receipts already logged completely
+    (same receipt.id) are not logged twice; an incomplete run of one is replaced. `on_logged(path,
+    run_id)` is called as each is logged, so a failure part way still shows what got in.
     """
-    found = sorted(folder.rglob("receipt.json"))
-    checked = [(path, *check(path)) for path in found]
+    found = receipt_files(folder)
+    checked = [(path, *check(path, (SCHEMA, HEADS_SCHEMA))) for path in found]
     problems = [(path, why) for path, _, why in checked if why is not None]
     if problems:
         raise InvalidReceipts(problems, len(found))
     logged: list[tuple[Path, str]] = []
     for path, receipt, _ in checked:
+        log = log_heads_to_mlflow if receipt["schema"] == HEADS_SCHEMA else log_to_mlflow
         try:
-            run_id = log_to_mlflow(receipt, path.parent, uri)
+            run_id = log(receipt, path.parent, uri)
         except store.TrackingFailed as exc:
             raise store.TrackingFailed(
                 exc.uri, exc.reason, unreachable=exc.unreachable, folder=folder,
@@ -420,7 +457,6 @@ def import_folder(folder: Path, uri: str | None = None,
 
 # --- draft heads: `posttrainllm experimental train-heads` (posttrainllm/lab/heads.py) -------------------
 
-HEADS_SCHEMA = "posttrainllm.track.receipt.heads/1"
 HEADS_ARTIFACTS = ("receipt.json", "heads.json", "decode.json")
 
 
@@ -487,6 +523,12 @@ def record_heads(receipt: dict[str, Any], folder: Path, *, log_mlflow: bool = Tr
     """
     if not log_mlflow or not mlflow_available():
         return None
+    return log_heads_to_mlflow(receipt, folder, uri)
+
+
+def log_heads_to_mlflow(receipt: dict[str, Any], folder: Path, uri: str | None = None) -> str:
+    """The heads receipt's complete MLflow run: one already logged is reused, an incomplete one replaced (as
+    log_to_mlflow does). Raises store.TrackingFailed when the store cannot be written."""
     uri = uri or tracking_uri()
     try:
         return _log_heads(receipt, folder, uri)
@@ -495,16 +537,23 @@ def record_heads(receipt: dict[str, Any], folder: Path, *, log_mlflow: bool = Tr
                                    folder=folder) from exc
 
 
+def _heads_tags(receipt: dict[str, Any]) -> dict[str, str]:
+    machine = receipt["provenance"]["machine"]
+    return {"role": "heads", "point": receipt["point"], "verdict": receipt["verdict"],
+            "git.revision": receipt["provenance"]["revision"], "git.dirty": str(receipt["provenance"]["dirty"]),
+            "device": machine["device"], "threads": str(machine["threads"]), "receipt.schema": receipt["schema"],
+            "receipt.id": hashlib.sha256(json.dumps(receipt, sort_keys=True).encode()).hexdigest()[:16]}
+
+
 def _log_heads(receipt: dict[str, Any], folder: Path, uri: str) -> str:
     from mlflow.entities import Metric, Param
 
     client, experiment_id = store.open_store(uri, EXPERIMENT, artifact_location(uri))
-    machine = receipt["provenance"]["machine"]
-    tags = {"role": "heads", "point": receipt["point"], "verdict": receipt["verdict"],
-            "git.revision": receipt["provenance"]["revision"], "git.dirty": str(receipt["provenance"]["dirty"]),
-            "device": machine["device"], "threads": str(machine["threads"]), "receipt.schema": receipt["schema"],
-            "receipt.id": hashlib.sha256(json.dumps(receipt, sort_keys=True).encode()).hexdigest()[:16]}
+    tags = _heads_tags(receipt)
     with store.lock(uri):
+        logged = _logged_before(client, experiment_id, tags["receipt.id"])
+        if logged is not None:
+            return logged
         run_id = client.create_run(experiment_id, run_name=receipt["point"], tags=tags).info.run_id
         params: dict[str, str] = {}
         _flatten("", receipt["config"], params)

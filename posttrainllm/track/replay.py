@@ -4,9 +4,12 @@
 
 TARGET is a point's folder, its receipt.json, a folder of point folders (a sweep's runs/, a
 gpu-check OUTDIR), or an MLflow run id (a point's run, or a sweep's run: its points), whose
-artifacts are downloaded to a temporary folder first. Nothing is measured: no kernel is launched
-and no timing loop runs; the plots are drawn again from curve.csv and the microbench's roofline
-into DIR (default runs/replay/<point>/), and the point's own folder is only read.
+artifacts are downloaded to a temporary folder first. In a folder, receipts are found as import
+finds them (track/receipt.py `receipt_files`: a point is a folder with receipt.json at its top;
+its stamps/receipt.json is a stamp); a draft-heads receipt among them is named and left out.
+Nothing is measured: no kernel is launched and no timing loop runs; the plots are drawn again
+from curve.csv and the microbench's roofline into DIR (default runs/replay/<point>/), and the
+point's own folder is only read.
 
 Replay also checks that the receipt adds up (`verify`), and names what does not:
 
@@ -70,20 +73,36 @@ def _read(path: Path, source: str) -> Stored:
     return Stored(receipt["point"], path.parent, receipt, source)
 
 
-def load(target: str) -> list[Stored]:
-    """The receipts a TARGET names (module docstring), sorted by point; ReplayError when none."""
+def _read_folder(target: str, path: Path) -> tuple[list[Stored], list[str]]:
+    from posttrainllm.track.receipt import HEADS_SCHEMA, SCHEMA, check, receipt_files
+
+    found = receipt_files(path)
+    if not found:
+        raise ReplayError(f"{target}: no receipt.json in this folder or below it")
+    stored, others = [], []
+    for file in found:
+        receipt, why = check(file, (SCHEMA, HEADS_SCHEMA))
+        if why is not None:
+            raise ReplayError(f"{file}: {why}")
+        if receipt["schema"] == HEADS_SCHEMA:
+            others.append(f"{file.parent}: a draft-heads receipt ({HEADS_SCHEMA}), not a point's")
+        else:
+            stored.append(Stored(receipt["point"], file.parent, receipt, str(file.parent)))
+    if not stored:
+        raise ReplayError(f"{target}: no point receipt here, only {'; '.join(others)}")
+    return stored, others
+
+
+def load(target: str) -> tuple[list[Stored], list[str]]:
+    """The point receipts a TARGET names (module docstring), and one line for each other receipt a folder
+    holds (a draft-heads receipt), left out; ReplayError when there is no point receipt."""
     path = Path(target)
     if path.is_file():
-        return [_read(path, str(path))]
+        return [_read(path, str(path))], []
     if path.is_dir():
-        if (path / "receipt.json").exists():
-            return [_read(path / "receipt.json", str(path))]
-        found = sorted(path.rglob("receipt.json"))
-        if not found:
-            raise ReplayError(f"{target}: no receipt.json in this folder or below it")
-        return [_read(p, str(p.parent)) for p in found]
+        return _read_folder(target, path)
     if RUN_ID.fullmatch(target):
-        return _read_run(target)
+        return _read_run(target), []
     raise ReplayError(f"{target}: not a point folder, a receipt.json, a folder of points, or an MLflow run id "
                       "(32 hex digits)")
 
