@@ -27,7 +27,7 @@ SMALL = ("sweep.overrides=['train.steps=2','train.warmup_steps=1','train.interpr
 
 def _heads_receipt(runs):
     """runs/heads/k1/: receipt.json and metrics.json as the decode stage writes them, and the heads stages' stamps."""
-    from posttrainllm.config import load
+    from posttrainllm.lab.configure import load
     from posttrainllm.track import stamp
 
     cfg = load(["heads=k1", "device=cpu", f"heads.out_dir={runs / 'heads'}"])

@@ -171,7 +171,8 @@ def timed_entries(receipt: dict[str, Any]) -> dict[tuple[str, str], dict[str, An
     for name, entry in ((receipt.get("microbench") or {}).get("paths") or {}).items():
         if entry.get("valid"):
             entries[name, "forward"] = entry
-            entries[name, "forward_backward"] = entry["forward_backward"]
+            if entry["forward_backward"].get("valid", True):  # a forward-only path has no forward + backward
+                entries[name, "forward_backward"] = entry["forward_backward"]
     return entries
 
 
