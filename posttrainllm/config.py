@@ -325,8 +325,8 @@ class BenchConfig:
     # The curve times forward + backward too at each size (curve.csv's mode column); off by default: the
     # point's own shape is always timed both ways, and the CPU sweep stays quick
     curve_backward: bool = False
-    # A median under this fraction of the roofline's minimum time (FLOPs at the best calibrated GEMM peak,
-    # bytes at the calibrated copy bandwidth) is refused as impossible (conf/config.yaml: why not 1)
+    # A median under this fraction of the roofline's minimum time (FLOPs at the best calibrated GEMM peak)
+    # is refused as impossible (conf/config.yaml: why not 1, and why not the bytes roof)
     impossible_below: float = 0.5
 
     def __post_init__(self) -> None:

@@ -123,8 +123,8 @@ def test_a_stored_result_for_seen_inputs_gets_no_speed(tmp_path):
 
 
 def test_a_time_under_the_roofline_floor_is_impossible():
-    floor = stages.roofline_floor_s(2e9, 1e6, {"peaks": {"gemm_flops_per_s": {"float32": 1e11, "bfloat16": 1e9},
-                                                         "copy_bytes_per_s": 1e10}})
+    floor = stages.roofline_floor_s(2e9, {"peaks": {"gemm_flops_per_s": {"float32": 1e11, "bfloat16": 1e9},
+                                                    "copy_bytes_per_s": 1e10}})
     assert floor == pytest.approx(2e9 / 1e11)  # the best GEMM peak of any dtype, not the point's own
     costs = type("C", (), {"flops": 2e9, "bytes": 1e6})()
     fast = type("T", (), {"median_ms": 0.4 * floor * 1e3})()

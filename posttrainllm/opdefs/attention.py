@@ -348,8 +348,9 @@ def _flex(x: Tensors, cfg: LabConfig) -> Tensors:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     q, k, v = x["q"], x["k"], x["v"]
-    if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention)
+    key = ("fn", tuple(q.shape), tuple(k.shape), q.dtype, q.device.type, q.requires_grad)
+    if key not in _FLEX:  # one compiled function per input signature, as the compiled peer (opdefs/peers.py)
+        _FLEX[key] = torch.compile(flex_attention, dynamic=False)
     mask = None
     if cfg.op.causal:
         key = ("mask", q.shape[2], str(q.device))
@@ -357,7 +358,7 @@ def _flex(x: Tensors, cfg: LabConfig) -> Tensors:
             _FLEX[key] = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B=None, H=None,
                                            Q_LEN=q.shape[2], KV_LEN=k.shape[2], device=str(q.device))
         mask = _FLEX[key]
-    return {"out": _FLEX["fn"](q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])}
+    return {"out": _FLEX[key](q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])}
 
 
 FLEX_BACKEND = "torch.nn.attention.flex_attention.flex_attention (torch.compile, causal block mask)"

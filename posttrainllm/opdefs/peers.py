@@ -3,10 +3,12 @@
     compiled    the op's readable reference under `torch.compile` (inductor): what a user gets for free.
                 Every op has it.
 
-Compilation happens on a path's first call at each new shape (then, by PyTorch's default, once more with
-dynamic sizes); the kernel stage times that first call apart as `compile_s` (kernel.json), and the
-microbench's warm-up absorbs it before any timed call. Inductor's on-disk cache (its default) makes a
-second process's compile of the same graph quicker.
+One compiled function per input signature (shapes, dtypes, whether they need gradients), each compiled for
+static sizes on its first call: a point's cases and curve sizes are many shapes, and one torch.compile object
+would reach dynamo's recompile limit (8) and then run the reference eagerly under the peer's name. The kernel
+stage times the main case's first call apart as `compile_s` (kernel.json), the microbench's `first_call_ms`
+is the same for the timed shape, and its warm-up absorbs the compile before any timed call. Inductor's on-disk
+cache (its default) makes a second process's compile of the same graph quicker.
 """
 
 from __future__ import annotations
@@ -20,17 +22,22 @@ from posttrainllm.config import LabConfig
 from posttrainllm.opdefs.base import Case, Impl, Tensors
 
 COMPILED = "compiled"
-_COMPILED: dict[str, Callable[..., Any]] = {}
+_COMPILED: dict[tuple, Callable[..., Any]] = {}
+
+
+def _signature(x: Tensors) -> tuple:
+    return tuple((name, tuple(t.shape), t.dtype, t.device.type, t.requires_grad) for name, t in sorted(x.items()))
 
 
 def compiled(op_name: str, reference: Callable[[Tensors, LabConfig], Tensors], make_inputs: Callable[..., Tensors],
              backend: str) -> Callable[[LabConfig], Impl]:
-    """The `compiled` peer of an op: its reference function under torch.compile (one compiled object per op)."""
+    """The `compiled` peer of an op: its reference function under torch.compile, one per input signature."""
 
     def fn(x: Tensors, cfg: LabConfig) -> Tensors:
-        if op_name not in _COMPILED:
-            _COMPILED[op_name] = torch.compile(reference)
-        return _COMPILED[op_name](x, cfg)
+        key = (op_name, _signature(x))
+        if key not in _COMPILED:
+            _COMPILED[key] = torch.compile(reference, dynamic=False)
+        return _COMPILED[key](x, cfg)
 
     def make(cfg: LabConfig) -> Impl:
         return Impl(COMPILED, "peer", fn, train=False, backend=f"torch.compile({backend})",
