@@ -179,3 +179,34 @@ def test_the_trained_function_is_the_registry_function(monkeypatch):
     hook = op.model_hooks(dataclasses.replace(sdpa, fn=counted), LabConfig()).attention
     Transformer(tiny(), seed=0, attention=hook)(tokens(T=8))
     assert len(calls) == 2  # one per layer
+
+
+def test_every_op_of_the_block_has_a_switch_that_the_model_calls():
+    """norm, rope, swiglu and the fused head + loss: each switch is called, and the readable default twin of
+    each gives the model's own loss (a switch the model ignored, or called twice as often, is caught)."""
+    import torch.nn.functional as F
+
+    from posttrainllm.model.transformer import (ModelConfig, Transformer, apply_rope, reference_norm,
+                                                reference_swiglu)
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=48,
+                      max_seq_len=16)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = Transformer(cfg, seed=0)
+    _, want = model(idx, idx)
+    calls = {"norm": 0, "rope": 0, "swiglu": 0, "loss": 0}
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    model.set_norm(counted("norm", reference_norm))
+    model.set_rope(counted("rope", apply_rope))
+    model.set_swiglu(counted("swiglu", reference_swiglu))
+    model.set_loss(counted("loss", lambda h, w, y: F.cross_entropy((h @ w.t()).float(), y)))
+    logits, got = model(idx, idx)
+    assert logits is None  # the fused loss makes no logits
+    torch.testing.assert_close(got, want)
+    assert calls == {"norm": 2 * 2 + 1, "rope": 2 * 2, "swiglu": 2, "loss": 1}

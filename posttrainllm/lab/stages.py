@@ -719,8 +719,8 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
             continue
         hooks = op.model_hooks(impl, cfg)
         interpreted = _interpreted(impl)
-        variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, moe=hooks.moe,
-                                interpreted=interpreted,
+        variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, moe=hooks.moe, norm=hooks.norm,
+                                rope=hooks.rope, swiglu=hooks.swiglu, loss=hooks.loss, interpreted=interpreted,
                                 steps=min(train.interpreted_steps, train.steps) if interpreted else None))
     result = bench_train(model_cfg, variants=variants, steps=train.steps, warmup_steps=train.warmup_steps,
                          batch_size=train.batch_size, seq_len=train.seq_len, lr=train.lr, seed=train.seed,

@@ -35,18 +35,19 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from posttrainllm.model.corpus import Corpus, batch_at, load_corpus
 from posttrainllm.measure.device import fp32_matmuls
 from posttrainllm.measure.memory import peak_bytes
-from posttrainllm.model.transformer import (AttentionFn, LinearFn, ModelConfig, MoEFn, Transformer, moe_aux_loss,
-                                            moe_stats, set_moe)
+from posttrainllm.model.transformer import (AttentionFn, LinearFn, LossFn, ModelConfig, MoEFn, NormFn, RopeFn,
+                                            SwiGLUFn, Transformer, moe_aux_loss, moe_stats, set_moe)
 from posttrainllm.measure.timing import summarize
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-PROFILED_OPS = ("attention", "matmul", "moe")  # the model's record_function ranges: posttrainllm::<op>
+# the model's record_function ranges: posttrainllm::<op>
+PROFILED_OPS = ("attention", "matmul", "moe", "rmsnorm", "rope", "swiglu", "cross_entropy")
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One way to run the model: its attention and its projection matmul (None keeps the model's default).
+    """One way to run the model: the implementation of each of its ops (None keeps the model's default).
 
     interpreted: the variant runs Triton through its interpreter, so its step times are not speed.
     steps: train only the first `steps` batches (None: all). Its drift is read at its own last step,
@@ -57,6 +58,10 @@ class Variant:
     attention: AttentionFn | None = None
     linear: LinearFn | None = None
     moe: MoEFn | None = None  # the routed experts of an MoE MLP (architecture.mlp=moe)
+    norm: NormFn | None = None  # every RMSNorm
+    rope: RopeFn | None = None  # the rotation of q and k
+    swiglu: SwiGLUFn | None = None  # the dense MLP's gate
+    loss: LossFn | None = None  # lm_head + cross-entropy, fused
     interpreted: bool = False
     steps: int | None = None
 
@@ -159,6 +164,10 @@ def _train_one(
     model = Transformer(model_cfg, seed=seed, attention=variant.attention, linear=variant.linear).to(dev)
     if variant.moe is not None:
         set_moe(model, variant.moe)
+    for fn, switch in ((variant.norm, model.set_norm), (variant.rope, model.set_rope),
+                       (variant.swiglu, model.set_swiglu), (variant.loss, model.set_loss)):
+        if fn is not None:
+            switch(fn)
     model.train()
     optimizer = _adamw(model, lr)
     autocast_dtype = AUTOCAST_DTYPES.get(precision)

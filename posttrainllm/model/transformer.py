@@ -102,15 +102,24 @@ class ModelConfig:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
 
 
-# --------------------------------------------------------------------------- the two switches
+# --------------------------------------------------------------------------- the switches
 # The model does not know which implementations exist: bench-train hands it the functions
 # from the op's registry (posttrainllm/opdefs/), the same ones parity checked and the
 # microbench timed. Contracts:
 #   attention(q, k, v) -> o    q: (B, nh, T, hs), k and v: (B, nkv, T, hs) -> (B, nh, T, hs), causal, 1/sqrt(hs)
 #   linear(x, weight) -> y     x: (..., in), weight: (out, in) -> (..., out) = x @ weightᵀ
+#   norm(x, weight, eps) -> y  x: (..., C), weight: (C,) -> (..., C) in x's dtype = x / sqrt(mean(x²) + eps) · weight
+#   rope(x, cos, sin) -> y     x: (B, heads, T, hs), cos and sin: (T, hs/2) fp32 -> (B, heads, T, hs), rotate-half
+#   swiglu(gate, up) -> h      gate, up: (..., F) -> silu(gate) · up, (..., F)
+#   loss(h, weight, targets)   h: (N, C), weight: (V, C), targets: (N,) int64 -> mean cross-entropy of h @ weightᵀ
+#                              (the lm_head and the loss in one: a fused path never materialises the logits)
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+SwiGLUFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -174,18 +183,29 @@ class Linear(nn.Linear):
 # --------------------------------------------------------------------------- building blocks
 
 
-class RMSNorm(nn.Module):
+def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * weight, computed in fp32 so bf16/fp16 activations keep their scale."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight).type_as(x)
+
+
+def reference_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight through the switch `norm_fn` (reference_norm), inside a profiler range."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.norm_fn: NormFn = reference_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight).type_as(x)
+        with record_function("posttrainllm::rmsnorm"):
+            return self.norm_fn(x, self.weight, self.eps)
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +240,7 @@ class CausalSelfAttention(nn.Module):
         self.o_proj = Linear(config.n_heads * config.head_dim, config.d_model)
         self.attention_fn: AttentionFn = reference_attention
         self.decode_attention_fn: AttentionFn = reference_chunk_attention
+        self.rope_fn: RopeFn = apply_rope
         # Set by Transformer.forward for the length of one call with a cache: (cache, this layer's index).
         # Block.forward passes only (x, cos, sin), so the cache reaches the attention this way.
         self.cache: tuple[KVCache, int] | None = None
@@ -231,7 +252,8 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        with record_function("posttrainllm::rope"):
+            q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
         with record_function("posttrainllm::attention"):
             if self.cache is None:
                 y = self.attention_fn(q, k, v)  # (B, nh, T, hs)
@@ -255,9 +277,13 @@ class SwiGLU(nn.Module):
         self.gate_proj = Linear(config.d_model, config.mlp_hidden)
         self.up_proj = Linear(config.d_model, config.mlp_hidden)
         self.down_proj = Linear(config.mlp_hidden, config.d_model)
+        self.swiglu_fn: SwiGLUFn = reference_swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, F) -> (B, T, C)
+        gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, F) each
+        with record_function("posttrainllm::swiglu"):
+            h = self.swiglu_fn(gate, up)  # (B, T, F)
+        return self.down_proj(h)  # (B, T, C)
 
 
 # moe(x, w_gate, w_up, w_down, route_idx, route_weight) -> y: the routed experts
@@ -366,6 +392,7 @@ class Transformer(nn.Module):
         # Not persistent: derived from the config, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hs/2)
         self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, hs/2)
+        self.loss_fn: LossFn | None = None  # None: lm_head, then F.cross_entropy on the fp32 logits
         if attention is not None:
             self.set_attention(attention)
         if linear is not None:
@@ -397,6 +424,28 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.linear_fn = fn
+
+    def set_norm(self, fn: NormFn) -> None:
+        """Every RMSNorm (the blocks' two and the final one) with another implementation."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.norm_fn = fn
+
+    def set_rope(self, fn: RopeFn) -> None:
+        """Rotate q and k with another RoPE implementation."""
+        for block in self.blocks:
+            block.attn.rope_fn = fn
+
+    def set_swiglu(self, fn: SwiGLUFn) -> None:
+        """The dense MLPs' gate with another SwiGLU implementation (an MoE MLP's experts: set_moe)."""
+        for module in self.modules():
+            if isinstance(module, SwiGLU):
+                module.swiglu_fn = fn
+
+    def set_loss(self, fn: LossFn) -> None:
+        """The lm_head and the cross-entropy as one function (a fused path never makes the logits):
+        forward(idx, targets) then returns (None, loss)."""
+        self.loss_fn = fn
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -446,9 +495,14 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx, targets: (B, T) int64 -> logits (B, T, V), mean cross-entropy (or None). See `hidden` for the cache."""
         B, T = idx.shape
-        logits = self.lm_head(self.hidden(idx, cache))  # (B, T, V)
+        h = self.hidden(idx, cache)  # (B, T, C)
+        if targets is not None and self.loss_fn is not None:  # the head and the loss fused: no logits
+            with record_function("posttrainllm::cross_entropy"):
+                return None, self.loss_fn(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
+        logits = self.lm_head(h)  # (B, T, V)
         if targets is None:
             return logits, None
         # Loss in fp32 whatever the autocast dtype: log-softmax over V is precision-sensitive.
-        loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
+        with record_function("posttrainllm::cross_entropy"):
+            loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
         return logits, loss

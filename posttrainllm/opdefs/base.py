@@ -96,12 +96,16 @@ class Costs:
 
 @dataclass(frozen=True)
 class ModelHooks:
-    """The model's switches for one implementation: attention(q, k, v) and linear(x, weight), None = default."""
+    """The model's switches for one implementation, None = the model's default (contracts: model/transformer.py)."""
 
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # moe(x, w_gate, w_up, w_down, route_idx, route_weight) -> (T, d): the routed experts of an MoE MLP
     moe: Callable[..., torch.Tensor] | None = None
+    norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None  # norm(x, weight, eps)
+    rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # rope(x, cos, sin)
+    swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # swiglu(gate, up)
+    loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # loss(h, weight, y)
 
 
 @dataclass(frozen=True)
