@@ -98,7 +98,11 @@ def test_costs_curve_and_config_rules():
     assert op.costs(case, load([*QUICK, "precision=bf16"])).bytes == (2 * 16 * 128 + 128) * 2 + 4 * 16
     assert op.curve_sizes(load([*QUICK, "shape.batch=2"])) == [128, 256, 512, 1024]  # B·T at shape.curve's T
     assert op.curve_case(cfg, 64).dims == {"rows": 64, "hidden": 128} and op.x_name == "rows"
+    # a size met twice runs once: a single-row point, an edge size equal to the point's
     assert [c.name for c in op.cases(load([*QUICK, "shape.seq_len=1"]))][:2] == ["1x128-seed0", "37x37-seed0"]
+    same = op.cases(load([*QUICK, "shape.seq_len=37", "architecture.d_model=37", "parity.seeds=[0,1]"]))
+    assert [(c.name, c.main) for c in same][:4] == [("37x37-seed0", True), ("1x37-seed0", False),
+                                                    ("37x37-seed1", True), ("1x37-seed1", False)]
     with pytest.raises(ConfigError, match="op.eps=0.0: must be > 0"):
         load([*QUICK, "op.eps=0"])
     with pytest.raises(ConfigError, match="architecture.d_model=65537: an rmsnorm row must fit one program"):

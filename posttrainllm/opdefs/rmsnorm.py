@@ -83,14 +83,12 @@ def _case(rows: int, hidden: int, seed: int, main: bool, kind: str = "normal") -
 def _cases(cfg: LabConfig) -> list[Case]:
     """Per seed: the point's (rows, C), a single row, then e x e for e in shape.edge_seq_lens (C off every
     power of two, so BLOCK_C is masked, and rows off the backward's row groups). On the first seed: the
-    point's shape with rows of ~1e4, of ~1e-4, and with all-zero rows."""
+    point's shape with rows of ~1e4, of ~1e-4, and with all-zero rows. A size met twice runs once."""
     rows, hidden = _main_rows(cfg), cfg.architecture.d_model
     out = []
     for seed in cfg.parity.seeds:
-        out.append(_case(rows, hidden, seed, True))
-        if rows > 1:
-            out.append(_case(1, hidden, seed, False))
-        out += [_case(e, e, seed, False) for e in cfg.shape.edge_seq_lens]
+        sizes = dict.fromkeys([(rows, hidden), (1, hidden), *((e, e) for e in cfg.shape.edge_seq_lens)])
+        out += [_case(r, c, seed, (r, c) == (rows, hidden)) for r, c in sizes]
     out += [_case(rows, hidden, cfg.parity.seeds[0], False, kind) for kind in INPUT_KINDS]
     return out
 
