@@ -87,10 +87,14 @@ class OpConfig:
     peers: list[str] = field(default_factory=list)
     # Kernels from outside, `[name=]file.py:attr`, `[name=]module:attr` or `[name=]entry:<name>` (opdefs/user.py)
     user_impls: list[str] = field(default_factory=list)
+    # --- op=rmsnorm ---
+    # RMSNorm's epsilon, inside the root: x / sqrt(mean(x²) + eps); bench-train's model takes it as its norm_eps
+    eps: float = 1e-5
 
     def __post_init__(self) -> None:
         valid = group_options("op")
         require(self.name in valid, f"op.name={self.name!r}: valid choices are {', '.join(valid)}")
+        require(self.eps > 0, f"op.eps={self.eps}: must be > 0 (it keeps an all-zero row finite)")
 
 
 @dataclass
