@@ -122,7 +122,7 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
     B·H·T·D/2 pairs -> 3·B·H·T·D (the casts to and from fp32 not counted). Backward: dx = Rᵀ dy, the same
     rotation by −angle (the sign is free): 1x the forward. Bytes: read x and write y, B·H·T·D·itemsize each,
     and read the fp32 tables once, 2·T·(D/2)·4 (a kernel re-reads them per head; the minimum does not):
-    ~0.4 FLOP per byte in fp32, memory-bound on every device."""
+    at most 3/8 FLOP per byte in fp32 (3/4 in 16-bit), memory-bound on every device."""
     d, size = case.dims, itemsize(cfg.precision.dtype)
     elements = d["batch"] * d["heads"] * d["seq_len"] * d["head_dim"]
     return Costs(3 * elements, 2 * elements * size + d["seq_len"] * d["head_dim"] * 4, 1.0,
