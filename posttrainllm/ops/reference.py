@@ -194,3 +194,27 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x_up = x.to(dtype)
     rstd = torch.rsqrt(x_up.pow(2).mean(dim=-1, keepdim=True) + eps)  # (rows, 1)
     return (x_up * rstd * weight.to(dtype)).to(x.dtype)  # (rows, C)
+
+
+# --- rotary position embedding (RoPE) ---------------------------------------------------
+# Shape legend (RoPE)
+#     T   positions (rows of a head)      D   head dim (even)
+# cos, sin: (T, D/2), the tables of positions [offset, offset + T), pair i rotating at frequency
+# theta^(-2i/D) (posttrainllm/model/transformer.py `rope_tables`).
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[..., i], x[..., i + D/2]) by its position's angle: the "rotate half" layout of
+    GPT-NeoX and Hugging Face Llama.
+
+        y[..., i]       = x[..., i] · cos[t, i] − x[..., i + D/2] · sin[t, i]
+        y[..., i + D/2] = x[..., i] · sin[t, i] + x[..., i + D/2] · cos[t, i]
+
+    x: (B, H, T, D); cos, sin: (T, D/2) -> (B, H, T, D) in x's dtype. Computed in fp32 for 16-bit and fp32
+    inputs (as posttrainllm/model/transformer.py `apply_rope`, the model's default), in float64 for float64
+    ones (the oracle).
+    """
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x1, x2 = x.to(compute).chunk(2, dim=-1)  # (B, H, T, D/2) each
+    cos, sin = cos.to(compute), sin.to(compute)  # (T, D/2), broadcast over B and H
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)  # (B, H, T, D)
