@@ -150,7 +150,7 @@ def moe_router(x: torch.Tensor, w_router: torch.Tensor, top_k: int) -> tuple[tor
 
 def swiglu_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """One expert: (silu(x W_gate) * (x W_up)) W_down.   x: (..., d), w_gate/w_up: (d, f), w_down: (f, d)."""
-    return (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    return swiglu(x @ w_gate, x @ w_up) @ w_down
 
 
 def moe_dense(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -218,3 +218,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.to(compute).chunk(2, dim=-1)  # (B, H, T, D/2) each
     cos, sin = cos.to(compute), sin.to(compute)  # (T, D/2), broadcast over B and H
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)  # (B, H, T, D)
+
+
+# --- the SwiGLU gate (the dense MLP's, and each MoE expert's) -----------------------------
+# Shape legend (SwiGLU)
+#     rows   tokens (B·T)          F   the MLP's hidden width (architecture.mlp_hidden)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up, silu(g) = g · sigmoid(g), elementwise.   gate, up: (..., F) -> (..., F).
+
+    In the inputs' dtype, as the model's MLP runs it (a 16-bit run rounds silu(gate), then the product).
+    """
+    return torch.nn.functional.silu(gate) * up
