@@ -90,11 +90,20 @@ class OpConfig:
     # --- op=rmsnorm ---
     # RMSNorm's epsilon, inside the root: x / sqrt(mean(x²) + eps); bench-train's model takes it as its norm_eps
     eps: float = 1e-5
+    # --- op=cross_entropy (conf/op/cross_entropy.yaml: why these values) ---
+    ignore_index: int = -100  # targets equal to it contribute nothing; the mean divides by the others' count
+    label_smoothing: float = 0.0  # ε in [0, 1]: the target distribution is (1 − ε)·one_hot + ε/V
+    chunk_size: int = 16  # tokens per chunk of the fused path: (chunk_size, V) fp32 logits alive at once
+    block_v: int = 256  # the fused kernel's vocabulary block (a power of two >= 16)
 
     def __post_init__(self) -> None:
         valid = group_options("op")
         require(self.name in valid, f"op.name={self.name!r}: valid choices are {', '.join(valid)}")
         require(self.eps > 0, f"op.eps={self.eps}: must be > 0 (it keeps an all-zero row finite)")
+        require(0.0 <= self.label_smoothing <= 1.0, f"op.label_smoothing={self.label_smoothing}: must be in [0, 1]")
+        require(self.chunk_size >= 1, f"op.chunk_size={self.chunk_size}: must be >= 1")
+        require(_power_of_two(self.block_v) and 16 <= self.block_v <= 65536,
+                 f"op.block_v={self.block_v}: must be a power of two in [16, 65536]")
 
 
 @dataclass
@@ -252,6 +261,13 @@ class ShapeConfig:
     # experts E at fixed active parameters (moe_tokens, d, f, top-k fixed): the dense reference grows with E
     moe_expert_curve: list[int] = field(default_factory=lambda: [2, 4, 8, 16])
     moe_edge: list[list[int]] = field(default_factory=lambda: [[1, 64, 96], [37, 40, 72]])  # [T, d, f] per case
+    # --- op=cross_entropy: ce_tokens hidden states (N, C = ce_d_model) against a vocabulary of ce_vocab ---
+    ce_tokens: int = 64
+    ce_d_model: int = 64
+    ce_vocab: int = 2048
+    ce_edge: list[list[int]] = field(default_factory=lambda: [[1, 64, 1000], [37, 40, 1000]])  # [N, C, V] per case
+    ce_curve: list[int] = field(default_factory=lambda: [16, 64, 256, 1024])  # tokens
+    ce_vocab_curve: list[int] = field(default_factory=lambda: [1024, 4096, 16384, 32768])  # V at ce_tokens tokens
 
     def __post_init__(self) -> None:
         _positive("shape", batch=self.batch, seq_len=self.seq_len, m=self.m, n=self.n, k=self.k,
@@ -281,6 +297,13 @@ class ShapeConfig:
                  f"shape.matmul_curve={self.matmul_curve}: give at least two sizes > 0, or null (use `curve`)")
         for tdf in self.moe_edge:
             require(len(tdf) == 3 and min(tdf) > 0, f"shape.moe_edge: {list(tdf)} must be three sizes [T, d, f] > 0")
+        # --- op=cross_entropy ---
+        _positive("shape", ce_tokens=self.ce_tokens, ce_d_model=self.ce_d_model, ce_vocab=self.ce_vocab)
+        for key in ("ce_curve", "ce_vocab_curve"):
+            values = list(getattr(self, key))
+            require(len(values) >= 2 and min(values) > 0, f"shape.{key}={values}: give at least two sizes > 0")
+        for ncv in self.ce_edge:
+            require(len(ncv) == 3 and min(ncv) > 0, f"shape.ce_edge: {list(ncv)} must be three sizes [N, C, V] > 0")
 
 
 @dataclass

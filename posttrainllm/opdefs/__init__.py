@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from posttrainllm.config import ConfigError
-from posttrainllm.opdefs import attention, decode_attention, matmul, moe, rmsnorm, rope, swiglu
+from posttrainllm.opdefs import attention, cross_entropy, decode_attention, matmul, moe, rmsnorm, rope, swiglu
 from posttrainllm.opdefs.base import NO_BACKWARD, OWN_BACKWARD, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors
 
-OPS: dict[str, OpDef] = {op.name: op for op in (attention.OP, matmul.OP, decode_attention.OP, moe.OP, rmsnorm.OP, rope.OP, swiglu.OP)}
+OPS: dict[str, OpDef] = {op.name: op for op in (attention.OP, matmul.OP, decode_attention.OP, moe.OP, rmsnorm.OP,
+                                                rope.OP, swiglu.OP, cross_entropy.OP)}
 
 
 def get_op(name: str) -> OpDef:
