@@ -19,6 +19,11 @@ SMALL = {
                          "shape.decode_kv_len=32", "shape.curve=[16,32]"],
     "moe": ["tile=b16", "shape.moe_tokens=8", "shape.moe_d_model=32", "shape.moe_ffn=32", "shape.moe_edge=[]",
             "shape.moe_curve=[1,8]", "shape.moe_expert_curve=[2,4]"],
+    "rmsnorm": ["shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
+    "rope": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],
+    "swiglu": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],
+    "cross_entropy": ["shape.ce_tokens=8", "shape.ce_d_model=16", "shape.ce_vocab=300", "shape.ce_edge=[]",
+                      "shape.ce_curve=[4,8]", "shape.ce_vocab_curve=[100,300]"],
 }
 
 
@@ -75,8 +80,8 @@ def test_an_existing_file_is_never_overwritten(workdir, capsys):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["op=nope", "k.py"], "unknown op 'nope': valid choices are attention, attention_noncausal, decode_attention, "
-                          "matmul, moe"),
+    (["op=nope", "k.py"], "unknown op 'nope': valid choices are attention, attention_noncausal, cross_entropy, "
+                          "decode_attention, matmul, moe, rmsnorm, rope, swiglu"),
     (["op=matmul"], "usage: posttrainllm new-impl op=OP FILE.py"),
     (["k.py"], "usage: posttrainllm new-impl op=OP FILE.py"),
     (["op=matmul", "k.py", "--name"], "--name needs a value"),

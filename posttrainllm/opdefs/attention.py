@@ -353,11 +353,11 @@ def _flex(x: Tensors, cfg: LabConfig) -> Tensors:
         _FLEX[key] = torch.compile(flex_attention, dynamic=False)
     mask = None
     if cfg.op.causal:
-        key = ("mask", q.shape[2], str(q.device))
-        if key not in _FLEX:
-            _FLEX[key] = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B=None, H=None,
+        mask_key = ("mask", q.shape[2], str(q.device))
+        if mask_key not in _FLEX:
+            _FLEX[mask_key] = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B=None, H=None,
                                            Q_LEN=q.shape[2], KV_LEN=k.shape[2], device=str(q.device))
-        mask = _FLEX[key]
+        mask = _FLEX[mask_key]
     return {"out": _FLEX[key](q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])}
 
 
