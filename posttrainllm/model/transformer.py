@@ -183,15 +183,10 @@ class Linear(nn.Linear):
 # --------------------------------------------------------------------------- building blocks
 
 
-def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight, computed in fp32 so bf16/fp16 activations keep their scale."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * weight).type_as(x)
-
-
-def reference_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+# The defaults are the readable math of posttrainllm/ops/reference.py, the one place it is written: the model's
+# RMSNorm in fp32 (x / rms(x) · weight, rounded once), SwiGLU's gate silu(gate) · up, RoPE's rotate-half in fp32.
+reference_norm: NormFn = reference.rmsnorm
+reference_swiglu: SwiGLUFn = reference.swiglu
 
 
 class RMSNorm(nn.Module):
@@ -218,16 +213,7 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x[..., i], x[..., i + hs/2]) by its position's angle.
-
-    x: (B, heads, T, hs); cos, sin: (T, hs/2). The "rotate half" layout of GPT-NeoX and
-    Hugging Face Llama. Rotating q and k by their positions makes q·k depend only on
-    the offset between them. Computed in fp32 and cast back to x's dtype.
-    """
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, heads, T, hs/2) each
-    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, heads, T, hs)
-    return rotated.type_as(x)
+apply_rope: RopeFn = reference.rope  # rotate each pair (x[..., i], x[..., i + hs/2]) by its position's angle
 
 
 class CausalSelfAttention(nn.Module):
