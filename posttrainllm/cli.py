@@ -3,7 +3,8 @@
     posttrainllm bench [--grid] [-m] [overrides...]   one point (or a Hydra multirun), printed as a table
     posttrainllm bench-train [overrides...]           the end-to-end training step of one point
     posttrainllm sweep [sweep=NAME] [overrides...]    plan a sweep into params.yaml for `dvc repro`
-    posttrainllm report                               the receipts of params.yaml's points, one row each
+    posttrainllm report [--wide]                      the receipts of params.yaml's points, one row each (--wide: every
+                                                      column); writes runs/report.md and runs/report.html (plots)
     posttrainllm receipt import FOLDER                log receipt JSON made elsewhere (a GPU node) into MLflow
     posttrainllm experimental train-heads [overrides...]   Medusa draft heads on a frozen base: base (cached)
                                                       -> heads -> decode measurement (lossless), a table
@@ -197,22 +198,34 @@ COMMANDS: dict[str, Callable[[DictConfig], None]] = {
 }
 
 
+REPORT_USAGE = ("usage: posttrainllm report [--wide]   (reads params.yaml and runs/<point>/receipt.json; --wide: "
+                "every column; writes runs/report.md and runs/report.html)")
+
+
 def report_sweep(args: list[str]) -> int:
-    """Print the sweep's receipts (runs/<point>/receipt.json for each point of params.yaml)."""
-    from posttrainllm.track import report
+    """Print the sweep's receipts (runs/<point>/receipt.json for each point of params.yaml): a table that fits
+    a terminal (report.TERMINAL_WIDTH), or every column with --wide; runs/report.md keeps every column and
+    runs/report.html adds each point's plots and parity."""
+    import textwrap
+
+    from posttrainllm.track import report, report_page
     from posttrainllm.lab.pipeline import PARAMS, RUNS
     from posttrainllm.files import read_json
     from posttrainllm.lab.sweep import read_points
     from posttrainllm.config import _one_line
 
-    if args:
-        print("usage: posttrainllm report   (reads params.yaml and runs/<point>/receipt.json)", file=sys.stderr)
+    if args in (["-h"], ["--help"]):
+        print(REPORT_USAGE)
+        return 0
+    if args not in ([], ["--wide"]):
+        print(REPORT_USAGE, file=sys.stderr)
         return EXIT_CONFIG
     try:
-        points = read_points(PARAMS)["points"]
+        plan = read_points(PARAMS)
     except ConfigError as exc:  # missing, not YAML, not a plan: one line, nothing written
         print(f"posttrainllm: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    points = plan["points"]
     receipts, unreadable = {}, []
     for name in points:
         path = Path(RUNS) / name / "receipt.json"
@@ -227,17 +240,23 @@ def report_sweep(args: list[str]) -> int:
     if not receipts:
         print("posttrainllm: no receipts yet: run `dvc repro`", file=sys.stderr)
         return EXIT_CONTRACT
-    print(report.sweep_table(receipts))
+    print(report.sweep_table(receipts) if args == ["--wide"] else report.summary_table(receipts))
     for name, receipt in receipts.items():  # the receipt stage stamps itself after its receipt is written
         own = Path(RUNS) / name / "stamps" / "receipt.json"
         if own.exists() and receipt.get("stamps") is not None:
             receipt["stamps"] = {**receipt["stamps"], "receipt": read_json(own)}
+    def fit(text: str) -> str:  # a long line of prose, wrapped to the table's width
+        return textwrap.fill(text, report.TERMINAL_WIDTH, subsequent_indent="  ")
+
     if report.stage_times_text(receipts):
-        print(report.stage_times_text(receipts))
-    (Path(RUNS) / "report.md").write_text(report.sweep_markdown(receipts))
-    print(f"written: {Path(RUNS) / 'report.md'}")
+        print(fit(report.stage_times_text(receipts)))
+    runs = Path(RUNS)
+    (runs / "report.md").write_text(report.sweep_markdown(receipts))
+    (runs / "report.html").write_text(report_page.sweep_page(receipts, runs, sweep=(plan.get("sweep") or {}).get(
+        "name", "")))
+    print(f"written: {runs / 'report.md'} (every column), {runs / 'report.html'} (plots and parity per point)")
     if missing:
-        print(f"no receipt yet for: {', '.join(missing)}")
+        print(fit(f"no receipt yet for: {', '.join(missing)}"))
     failed = [name for name, r in receipts.items() if report.point_failed(r)]
     if failed:  # so `dvc repro && posttrainllm report` still fails a CI job on a broken contract
         print(f"posttrainllm: {len(failed)} of {len(receipts)} points failed: {', '.join(failed)}", file=sys.stderr)

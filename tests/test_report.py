@@ -1,5 +1,7 @@
 """The sweep report: failing points first, the peer found by kind, the time split from the stamps."""
 
+import pytest
+
 from posttrainllm.track import report
 
 
@@ -34,3 +36,92 @@ def test_time_split_comes_from_the_stamps():
     assert times["per_stage_s"] == {"reference": 4.0, "kernel": 9.0}
     assert times["wall_s"] == 14.0  # from 00:00:06 (10 s - 4 s) to 00:00:20
     assert "reference 4 s" in report.stage_times_text({"a": _receipt("a", stamps=stamps)})
+
+
+def _worst_case(name, **overrides):
+    """A failing point whose names, failure and numbers are as wide as they come."""
+    receipt = _receipt(name, "fail", **overrides)
+    receipt["parity"]["first_failure"] = "triton: S4231-large_logits/grad_q: max_abs_err 3.1e-02 > allowed 1.0e-03 " * 3
+    receipt["parity"]["paths"].update({"sdpa_efficient": {"verdict": "fail", "worst": {}},
+                                       "sdpa_math": {"verdict": "fail", "worst": {}}})
+    receipt["kernel"]["paths"]["sdpa_efficient"] = {"kind": "peer"}
+    receipt["microbench"]["paths"]["sdpa_efficient"] = {"valid": True, "median_ms": 0.001, "speedup_vs_reference": 2000.0,
+                                                        "forward_backward": {"speedup_vs_reference": 12345.678}}
+    receipt["bench_train"]["amdahl"] = {"variants": {"sdpa": {"valid": True, "predicted_speedup": 1234.5,
+                                                              "measured_speedup": 0.5}}}
+    return receipt
+
+
+def test_the_default_table_fits_a_terminal_whatever_the_names():
+    receipts = {"baseline": _receipt("baseline"), "x" * 80: _worst_case("x" * 80)}
+    table = report.summary_table(receipts)
+    assert max(len(line) for line in table.splitlines()) <= report.TERMINAL_WIDTH, table
+    header, failing, passing = table.splitlines()[:3]
+    assert header.split() == ["point", "verdict", "first_failure", "parity", "best_peer", "peer_x", "peer_fb_x",
+                              "ours_x", "ours_fb_x", "e2e_path", "e2e_pred", "e2e_meas"]
+    assert failing.startswith("x" * 17 + "... FAIL") and "triton: S4231" in failing
+    assert " triton:fail,sdpa_... " in failing  # ours first, then the other paths that failed, clipped
+    # the numbers are never clipped: the text gives way
+    assert "2000.00" in failing and "12345.68" in failing and "1234.50" in failing
+    assert passing.split()[:5] == ["baseline", "pass", "-", "triton:pass", "sdpa"]
+
+
+def test_the_summary_names_the_best_peer_and_our_path():
+    receipt = _receipt("baseline")
+    micro = receipt["microbench"]["paths"]
+    micro["sdpa_flash"] = {"valid": True, "median_ms": 0.5, "speedup_vs_reference": 4.0,
+                           "forward_backward": {"median_ms": 1.0, "speedup_vs_reference": 3.0}}
+    micro["sdpa"]["forward_backward"]["median_ms"] = 2.0
+    micro["triton"] = {"valid": True, "median_ms": 0.25, "forward_backward": {"median_ms": 2.0}}
+    receipt["kernel"]["paths"]["sdpa_flash"] = {"kind": "peer"}
+    receipt["bench_train"]["amdahl"] = {"variants": {"sdpa": {"valid": True, "predicted_speedup": 1.1,
+                                                              "measured_speedup": 1.2},
+                                                     "triton": {"valid": True, "predicted_speedup": 1.3,
+                                                                "measured_speedup": 1.25}}}
+    row = report.summary_frame({"baseline": receipt}).iloc[0]
+    assert row["best_peer"] == "sdpa_flash" and (row["peer_x"], row["peer_fb_x"]) == (4.0, 3.0)
+    assert (row["ours_x"], row["ours_fb_x"]) == (2.0, 0.5)  # 0.5 / 0.25 forward; 1.0 / 2.0 forward+backward
+    assert (row["e2e_path"], row["e2e_pred"], row["e2e_meas"]) == ("triton", 1.3, 1.25)  # ours where it is valid
+    receipt["bench_train"]["amdahl"]["variants"]["triton"] = {"valid": False}
+    assert report.summary_frame({"baseline": receipt}).iloc[0]["e2e_path"] == "sdpa"  # else the peer's
+
+
+def _plan(root, receipts):
+    import json
+
+    import yaml
+
+    points = {name: {"changes": {}, "overrides": [], "config": {"op": {"name": "attention"}}} for name in receipts}
+    (root / "params.yaml").write_text(yaml.safe_dump({"sweep": {"name": "smoke", "grid": False}, "points": points}))
+    for name, receipt in receipts.items():
+        (root / "runs" / name).mkdir(parents=True)
+        (root / "runs" / name / "receipt.json").write_text(json.dumps(receipt))
+
+
+def test_report_prints_the_summary_and_wide_prints_every_column(tmp_path, monkeypatch, capsys):
+    from posttrainllm import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'none' / 'mlflow.db'}")  # no store
+    _plan(tmp_path, {"baseline": _receipt("baseline"), "x" * 80: _worst_case("x" * 80)})
+    assert cli.main(["report"]) == 1  # a point failed
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= report.TERMINAL_WIDTH, out
+    assert out.splitlines()[0].split()[:3] == ["point", "verdict", "first_failure"] and "peer_noisy" not in out
+    assert "MLflow runs" not in out and not (tmp_path / "none").exists()  # nothing started, nothing created
+    assert cli.main(["report", "--wide"]) == 1
+    wide = capsys.readouterr().out
+    columns = list(report.sweep_frame({"baseline": _receipt("baseline")}).columns)
+    assert wide.splitlines()[0].split() == columns and "x" * 80 in wide
+    assert (tmp_path / "runs" / "report.md").read_text().startswith("| " + " | ".join(columns) + " |")
+
+
+@pytest.mark.parametrize("args", [["--wid"], ["--wide", "--wide"], ["wide"], ["-x"]])
+def test_a_bad_report_flag_is_one_line_and_exit_2(args, tmp_path, monkeypatch, capsys):
+    from posttrainllm import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["report", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith("usage: posttrainllm report [--wide]")
+    assert list(tmp_path.iterdir()) == []

@@ -22,7 +22,7 @@ def point_table(receipt: dict[str, Any]) -> str:
         valid = b.get("valid", False)
         note = "; ".join(filter(None, [
             "bf16 emulated (see receipt)" if p.get("emulation") else "",
-            _backward_note(p.get("backward")),
+            backward_note(p.get("backward")),
             "interpreted: not speed" if b.get("reason", "").startswith("Triton ran through") else b.get("reason", ""),
         ]))
         rows.append({
@@ -44,7 +44,7 @@ def point_table(receipt: dict[str, Any]) -> str:
     return head + "\n" + pd.DataFrame(rows).to_string(index=False)
 
 
-def _backward_note(backward: str | None) -> str:
+def backward_note(backward: str | None) -> str:
     """parity.json's "backward" of a path, when its gradients are not its own (own or absent: nothing to say)."""
     if backward in (None, "own"):
         return ""
@@ -124,6 +124,11 @@ def point_failed(receipt: dict[str, Any]) -> bool:
     return parity_failed or any(v != "pass" for v in drift.values())
 
 
+def _failures_first(frame: pd.DataFrame) -> pd.DataFrame:
+    """Failing points first: a failure is evidence, and the first thing a reader must see."""
+    return frame.sort_values("verdict", key=lambda v: v != "FAIL", kind="stable").reset_index(drop=True)
+
+
 def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
     """One row per point: what it changes, parity verdicts, valid timings against the baseline point,
     roofline class, crossover, and bench-train (drift, Amdahl's predicted vs measured speedup)."""
@@ -164,9 +169,7 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "amdahl_pred": amdahl.get("predicted_speedup"),
             "amdahl_meas": amdahl.get("measured_speedup"),
         })
-    frame = pd.DataFrame(rows)
-    # failing points first: a failure is evidence, and the first thing a reader must see
-    frame = frame.sort_values("verdict", key=lambda v: v != "FAIL", kind="stable").reset_index(drop=True)
+    frame = _failures_first(pd.DataFrame(rows))
     baseline = frame[frame["point"] == "baseline"]
     if not baseline.empty and baseline["peer_ms"].notna().all():
         same_op = frame["peer"] == baseline["peer"].iloc[0]
@@ -174,12 +177,15 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
     return frame
 
 
+SUMMARY_NUMBERS = ("peer_x", "peer_fb_x", "ours_x", "ours_fb_x", "e2e_pred", "e2e_meas")  # summary_frame's numbers
 FORMATS = {"triton_err/allowed": ".3f", "ref_ms": ".3f", "peer_ms": ".3f", "peer_speedup": ".2f", "peer_fb_speedup": ".2f",
            "peer_vs_baseline": ".2f", "train_ms": ".1f", "max_drift": ".1e", "amdahl_pred": ".2f",
-           "amdahl_meas": ".2f", "triton_vs_best": ".2f", "triton_fb_vs_best": ".2f", "triton_of_peak": ".2f"}
+           "amdahl_meas": ".2f", "triton_vs_best": ".2f", "triton_fb_vs_best": ".2f", "triton_of_peak": ".2f",
+           **dict.fromkeys(SUMMARY_NUMBERS, ".2f")}
 
 
-def _formatted(frame: pd.DataFrame) -> pd.DataFrame:
+def formatted(frame: pd.DataFrame) -> pd.DataFrame:
+    """sweep_frame or summary_frame as strings: numbers in FORMATS, '-' where there is none."""
     frame = frame.copy()
     for column, spec in FORMATS.items():
         if column in frame:
@@ -188,12 +194,96 @@ def _formatted(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def sweep_table(receipts: dict[str, dict[str, Any]]) -> str:
-    return _formatted(sweep_frame(receipts)).to_string(index=False)
+    """Every column of sweep_frame (`posttrainllm report --wide`): far wider than a terminal."""
+    return formatted(sweep_frame(receipts)).to_string(index=False)
+
+
+TERMINAL_WIDTH = 160  # the default table's widest line, whatever the points' names and failures
+# text columns of the summary, clipped to these widths (first_failure narrower still if a number is unusually wide)
+CLIPPED = {"point": 20, "first_failure": 32, "parity": 20, "best_peer": 14, "e2e_path": 10}
+SUMMARY_LEGEND = (
+    "peer_x, peer_fb_x: reference time / the best valid peer's (forward; forward+backward). ours_x, ours_fb_x: "
+    "that peer's time / our Triton kernel's,",
+    "  >= 1 when ours is as fast ('-' where Triton is interpreted: never speed). e2e_pred, e2e_meas: the training "
+    "step's speedup with e2e_path,",
+    "  predicted by Amdahl from the microbench and measured. Speedups are ratios of medians.",
+)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _our_parity(receipt: dict[str, Any]) -> str:
+    """Our Triton path's parity verdict, and every other path that failed: `triton:pass,sdpa_math:fail`."""
+    paths = (receipt.get("parity") or {}).get("paths", {})
+    ours = [f"triton:{paths['triton']['verdict']}"] if "triton" in paths else []
+    return ",".join(ours + [f"{p}:{v['verdict']}" for p, v in paths.items()
+                            if p != "triton" and v["verdict"] != "pass"]) or "-"
+
+
+def _e2e(receipt: dict[str, Any]) -> tuple[str | None, float | None, float | None]:
+    """Amdahl's check of our Triton path where it is valid, else of the peer: (path, predicted, measured)."""
+    variants = ((receipt.get("bench_train") or {}).get("amdahl") or {}).get("variants", {})
+    for name in ("triton", _peer(receipt)):
+        check = variants.get(name) or {}
+        if check.get("valid"):
+            return name, check.get("predicted_speedup"), check.get("measured_speedup")
+    return None, None, None
+
+
+def summary_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """The few columns to read first, one row per point (failing points first): its verdict and first failure,
+    our path's parity, the fastest valid peer's speedup over the reference and ours over that peer (forward;
+    forward+backward), and the end-to-end training step's predicted and measured speedup."""
+    rows = []
+    for name, receipt in receipts.items():
+        best, ours_x, _ = _vs_best_peer(receipt, "forward")
+        best_entry = ((receipt.get("microbench") or {}).get("paths") or {}).get(best) or {}
+        e2e_path, e2e_pred, e2e_meas = _e2e(receipt)
+        rows.append({
+            "point": name,
+            "verdict": "FAIL" if point_failed(receipt) else "pass",
+            "first_failure": (receipt.get("parity") or {}).get("first_failure") or "-",
+            "parity": _our_parity(receipt),
+            "best_peer": best or "-",
+            "peer_x": best_entry.get("speedup_vs_reference"),
+            "peer_fb_x": (best_entry.get("forward_backward") or {}).get("speedup_vs_reference"),
+            "ours_x": ours_x,
+            "ours_fb_x": _vs_best_peer(receipt, "forward_backward")[1],
+            "e2e_path": e2e_path or "-",
+            "e2e_pred": e2e_pred,
+            "e2e_meas": e2e_meas,
+        })
+    return _failures_first(pd.DataFrame(rows))
+
+
+def _aligned(frame: pd.DataFrame, numbers: tuple[str, ...]) -> str:
+    """A frame of strings as columns one space apart: numbers right-aligned, text left-aligned."""
+    widths = {c: max([len(c), *frame[c].map(len)]) for c in frame.columns}
+    cell = lambda c, text: text.rjust(widths[c]) if c in numbers else text.ljust(widths[c])  # noqa: E731
+    rows = [list(frame.columns), *frame.itertuples(index=False)]
+    return "\n".join(" ".join(cell(c, text) for c, text in zip(frame.columns, row)).rstrip() for row in rows)
+
+
+def summary_table(receipts: dict[str, dict[str, Any]], width: int = TERMINAL_WIDTH) -> str:
+    """summary_frame for the terminal, its text clipped so that no line is wider than `width`; then its legend."""
+    frame = formatted(summary_frame(receipts))
+    clipped = dict(CLIPPED)
+    while True:
+        shown = frame.copy()
+        for column, most in clipped.items():
+            shown[column] = shown[column].map(lambda text, w=most: _clip(text, w))
+        table = _aligned(shown, SUMMARY_NUMBERS)
+        excess = max(map(len, table.splitlines())) - width
+        if excess <= 0 or clipped["first_failure"] <= len("first_failure"):
+            return table + "\n" + "\n".join(SUMMARY_LEGEND)
+        clipped["first_failure"] = max(len("first_failure"), clipped["first_failure"] - excess)
 
 
 def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
     """The same table as GitHub markdown, with the legend a reader needs."""
-    frame = _formatted(sweep_frame(receipts))
+    frame = formatted(sweep_frame(receipts))
     lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
     lines += ["| " + " | ".join(row) + " |" for row in frame.itertuples(index=False)]
     legend = [

@@ -1,0 +1,121 @@
+"""The sweep report as one static HTML page (runs/report.html), to open from disk.
+
+The page is self-contained but for the files it links: each point's plots and receipt.json, named by
+paths relative to the page's folder (the sweep's runs/), so the folder can be moved or archived whole.
+No script, no stylesheet or font from elsewhere, no server. Its order is the terminal's: the summary
+table with failing points first, then one section per point (its verdict, first failure, parity per
+path, plots and receipt).
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pandas as pd
+
+from posttrainllm.track import report
+
+PLOTS = ("time_vs_size.png", "memory_vs_size.png", "roofline.png")  # what the microbench stage draws
+
+STYLE = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1em; }
+th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: left; white-space: nowrap; }
+tr.fail td { background: #fde2e2; }
+.wide { overflow-x: auto; }
+img { max-width: 32%; min-width: 320px; margin: 0 0.5% 0.5em 0; border: 1px solid #eee; vertical-align: top; }
+section { border-top: 2px solid #888; margin-top: 1.5em; }
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape("-" if value is None else str(value))
+
+
+def _href(*parts: str) -> str:
+    """A relative link from the page to a file in a point's folder."""
+    return "/".join(quote(part) for part in parts)
+
+
+def _table(frame: pd.DataFrame, *, link_points: bool = False) -> str:
+    """A formatted frame (strings) as an HTML table; rows of failing points marked."""
+    head = "".join(f"<th>{_e(c)}</th>" for c in frame.columns)
+    rows = []
+    for row in frame.to_dict("records"):
+        cells = []
+        for column, value in row.items():
+            text = _e(value)
+            if link_points and column == "point":
+                text = f'<a href="#{_e(_anchor(value))}">{text}</a>'
+            cells.append(f"<td>{text}</td>")
+        marked = ' class="fail"' if row.get("verdict") == "FAIL" else ""
+        rows.append(f"<tr{marked}>{''.join(cells)}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _anchor(point: str) -> str:
+    return f"point-{point}"
+
+
+def parity_rows(receipt: dict[str, Any]) -> pd.DataFrame:
+    """One row per path: its verdict, its worst output or gradient against the contract's bound, what failed."""
+    rows = []
+    for name, entry in ((receipt.get("parity") or {}).get("paths") or {}).items():
+        worst = {output: w["max_abs_err"] / w["allowed_abs_err"] for output, w in (entry.get("worst") or {}).items()
+                 if w.get("allowed_abs_err") and w.get("max_abs_err") is not None}
+        top = max(worst, key=worst.get) if worst else None
+        failed = entry.get("failed_cases") or []
+        rows.append({
+            "path": name,
+            "verdict": entry.get("verdict", "-"),
+            "worst err/allowed": f"{worst[top]:.3f} ({top}, {entry['worst'][top].get('case', '-')})" if top else "-",
+            "failed cases": "; ".join(failed[:3]) + (f"; and {len(failed) - 3} more" if len(failed) > 3 else "")
+                            or "-",
+            "note": "; ".join(filter(None, ["bf16 emulated" if entry.get("emulation") else "",
+                                            report.backward_note(entry.get("backward"))])) or "-",
+        })
+    return pd.DataFrame(rows, columns=["path", "verdict", "worst err/allowed", "failed cases", "note"])
+
+
+def _point_section(name: str, receipt: dict[str, Any], runs: Path) -> str:
+    failed = report.point_failed(receipt)
+    parity = receipt.get("parity") or {}
+    changes = ", ".join(f"{k}={v}" for k, v in ((receipt.get("sweep") or {}).get("changes") or {}).items())
+    machine = (receipt.get("provenance") or {}).get("machine") or {}
+    facts = [
+        f"<b>{'FAIL' if failed else 'pass'}</b>",
+        f"changes: {_e(changes or 'none (the baseline)')}",
+        f"{_e(((receipt.get('config') or {}).get('op') or {}).get('name'))} "
+        f"{_e((receipt.get('microbench') or {}).get('problem', ''))} on {_e(machine.get('device_name'))}",
+        f'<a href="{_href(name, "receipt.json")}">receipt.json</a>',
+    ]
+    if parity.get("first_failure"):
+        facts.insert(1, f"first failure: <code>{_e(parity['first_failure'])}</code>")
+    plots = [plot for plot in PLOTS if (runs / name / plot).is_file()]
+    images = "".join(f'<a href="{_href(name, plot)}"><img src="{_href(name, plot)}" alt="{_e(name)}: {_e(plot)}">'
+                     f"</a>" for plot in plots)
+    return (f'<section id="{_e(_anchor(name))}"><h2>{_e(name)}</h2><p>{" · ".join(facts)}</p>'
+            f"<h3>Parity per path</h3>{_table(parity_rows(receipt).astype(str))}"
+            + (f"<h3>Plots</h3><p>{images}</p>" if plots else "<p>No plots in this point's folder.</p>")
+            + "</section>")
+
+
+def sweep_page(receipts: dict[str, dict[str, Any]], runs: Path, *, sweep: str = "") -> str:
+    """The page for `runs/report.html`: `runs` is the folder it is written to (the points' folders are in it)."""
+    summary = report.formatted(report.summary_frame(receipts))  # failing points first
+    failed = sum(report.point_failed(r) for r in receipts.values())
+    title = f"posttrainllm sweep {sweep}: {len(receipts)} points, {failed} failed".replace("  ", " ")
+    wide = report.formatted(report.sweep_frame(receipts))
+    legend = f"<p>{_e(' '.join(line.strip() for line in report.SUMMARY_LEGEND))}</p>"
+    body = [
+        f"<h1>{_e(title)}</h1>",
+        "<h2>Summary</h2>", _table(summary, link_points=True), legend,
+        f'<details><summary>Every column (as <a href="report.md">report.md</a>)</summary>'
+        f'<div class="wide">{_table(wide)}</div></details>',
+        *(_point_section(name, receipts[name], runs) for name in summary["point"]),
+    ]
+    return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
+            f"<style>{STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
