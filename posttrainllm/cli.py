@@ -5,6 +5,7 @@
     posttrainllm sweep [sweep=NAME] [overrides...]    plan a sweep into params.yaml for `dvc repro`
     posttrainllm report [--wide]                      the receipts of params.yaml's points, one row each (--wide: every
                                                       column); writes runs/report.md and runs/report.html (plots)
+    posttrainllm ui [--port N] [--host HOST]          the MLflow UI on the project's runs, and their addresses
     posttrainllm receipt import FOLDER                log receipt JSON made elsewhere (a GPU node) into MLflow
     posttrainllm experimental train-heads [overrides...]   Medusa draft heads on a frozen base: base (cached)
                                                       -> heads -> decode measurement (lossless), a table
@@ -205,7 +206,7 @@ REPORT_USAGE = ("usage: posttrainllm report [--wide]   (reads params.yaml and ru
 def report_sweep(args: list[str]) -> int:
     """Print the sweep's receipts (runs/<point>/receipt.json for each point of params.yaml): a table that fits
     a terminal (report.TERMINAL_WIDTH), or every column with --wide; runs/report.md keeps every column and
-    runs/report.html adds each point's plots and parity."""
+    runs/report.html adds each point's plots and parity; then the MLflow runs table's address, if there is one."""
     import textwrap
 
     from posttrainllm.track import report, report_page
@@ -255,6 +256,9 @@ def report_sweep(args: list[str]) -> int:
     (runs / "report.html").write_text(report_page.sweep_page(receipts, runs, sweep=(plan.get("sweep") or {}).get(
         "name", "")))
     print(f"written: {runs / 'report.md'} (every column), {runs / 'report.html'} (plots and parity per point)")
+    address = _runs_table_address()
+    if address:
+        print(f"MLflow runs: {address}  (serve it: posttrainllm ui)")
     if missing:
         print(fit(f"no receipt yet for: {', '.join(missing)}"))
     failed = [name for name, r in receipts.items() if report.point_failed(r)]
@@ -262,6 +266,99 @@ def report_sweep(args: list[str]) -> int:
         print(f"posttrainllm: {len(failed)} of {len(receipts)} points failed: {', '.join(failed)}", file=sys.stderr)
         return EXIT_CONTRACT
     return 0
+
+
+def _runs_table_address() -> str | None:
+    """The runs table's address as `posttrainllm ui` serves it, when the project's local store holds the
+    experiment; None otherwise (no store, a tracking server, MLflow absent or the store unreadable)."""
+    from posttrainllm.track import receipt, store, ui
+
+    uri = receipt.tracking_uri()
+    if store.sqlite_path(uri) is None or not ui.store_exists(uri) or not receipt.mlflow_available():
+        return None
+    try:
+        found = ui.addresses(uri, ui.base_url(ui.HOST, ui.PORT))
+    except store.tracking_errors():
+        return None
+    return found.runs_table if found else None
+
+
+UI_USAGE = ("usage: posttrainllm ui [--port N] [--host HOST]   (the MLflow UI on the project's store, "
+            "127.0.0.1:5000 by default; Ctrl-C stops it)")
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_ui(args: list[str]) -> int:
+    """`posttrainllm ui`: `mlflow ui` on the project's store (track/ui.py) until Ctrl-C (or SIGTERM), once it
+    answers, the addresses of the runs table and of the latest sweep's run. A tracking server is not served
+    again: its own addresses are printed. Refused in one line: a bad flag or port (exit 2), no store yet (1)."""
+    import signal
+
+    from posttrainllm.track import receipt, store, ui
+
+    if args in (["-h"], ["--help"]):
+        print(UI_USAGE)
+        return 0
+    options, rest = {"--port": str(ui.PORT), "--host": ui.HOST}, list(args)
+    while rest:
+        flag = rest.pop(0)
+        if flag not in options or not rest or rest[0].startswith("-"):
+            print(UI_USAGE, file=sys.stderr)
+            return EXIT_CONFIG
+        options[flag] = rest.pop(0)
+    host, port = options["--host"], options["--port"]
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        print(f"posttrainllm: ui: --port {port}: a port number, 1 to 65535", file=sys.stderr)
+        return EXIT_CONFIG
+    uri = receipt.tracking_uri()
+    if not receipt.mlflow_available():
+        print("posttrainllm: mlflow is not installed here (pip install -e '.[track]')", file=sys.stderr)
+        return EXIT_CONFIG
+    remote = store.sqlite_path(uri) is None  # a tracking server has its own UI
+    base = uri.rstrip("/") if remote else ui.base_url(host, int(port))
+    if not ui.store_exists(uri):
+        print(f"posttrainllm: no MLflow store yet ({uri}): log a point first (posttrainllm bench, dvc repro)",
+              file=sys.stderr)
+        return EXIT_CONTRACT
+    try:
+        found = ui.addresses(uri, base)
+    except store.tracking_errors() as exc:
+        print(f"posttrainllm: cannot read the MLflow store ({uri}: {store.short_reason(exc)})", file=sys.stderr)
+        return EXIT_CONFIG
+    if found is None:
+        print(f"posttrainllm: no {receipt.EXPERIMENT} experiment in {uri} yet: log a point first", file=sys.stderr)
+        return EXIT_CONTRACT
+    lines = [f"runs table: {found.runs_table}"] + ([f"latest sweep ({found.sweep}): {found.sweep_run}"]
+                                                  if found.sweep_run else [])
+    if remote:
+        print(f"the store is a tracking server: its UI is at {base}")
+        print("\n".join(lines))
+        return 0
+    if not ui.port_free(host, int(port)):
+        print(f"posttrainllm: ui: port {port} on {host} is taken: choose another (--port N)", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"starting the MLflow UI on {uri} (one worker) ...", flush=True)
+    previous = signal.signal(signal.SIGTERM, _interrupted)  # a supervisor's stop ends the server too, as Ctrl-C does
+    server = None
+    try:
+        server = ui.start(uri, host, int(port))
+        if not ui.wait_ready(server, base, timeout_s=120):
+            print(f"posttrainllm: the MLflow UI did not answer at {base} (exit code {server.poll()}; its output "
+                  "is above)", file=sys.stderr)
+            return EXIT_CONTRACT
+        print(f"MLflow UI at {base}, Ctrl-C stops it", *lines, sep="\n", flush=True)
+        server.wait()
+        print(f"posttrainllm: the MLflow UI stopped (exit code {server.returncode})", file=sys.stderr)
+        return EXIT_CONTRACT
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if server is not None:
+            ui.stop(server)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def import_receipts(args: list[str]) -> int:
@@ -531,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         return new_impl(args[1:])
     if args and args[0] == "report":
         return report_sweep(args[1:])
+    if args[:1] == ["ui"]:
+        return serve_ui(args[1:])
     if args and args[0] == "receipt":
         return import_receipts(args[1:])
     if args and args[0] == "replay":
