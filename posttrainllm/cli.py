@@ -108,6 +108,8 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
     device = devices.prepare(lab.device.name, lab.bench.threads)
     try:
         stages.check_memory(lab, device)  # before the point's folder is touched
+        if train:
+            stages.check_trainable(lab)
     except ConfigError as exc:
         _fail_config(exc)
     out = _fresh_point_dir(lab)

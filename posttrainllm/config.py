@@ -24,6 +24,10 @@ CONF_DIR = PROJECT_ROOT / "conf"
 # The sweep dimensions, in the order a point's name and the planner use them.
 DIMENSIONS = ("op", "precision", "tile", "workgroup", "architecture", "shape", "device", "heads")
 DTYPES = ("float32", "bfloat16", "float16")
+# The 8-bit float formats of a quantized precision (precision.quantize): e4m3 (3 mantissa bits, max 448) for the
+# forward operands, e5m2 (2 mantissa bits, max 57344: range for gradients) where a recipe quantizes gradients
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+SCALINGS = ("tensor", "row")  # one scale per tensor; rowwise: A's per row, B's per column (the output's rows, cols)
 
 
 class ConfigError(ValueError):
@@ -123,15 +127,48 @@ class Contract:
     # whole tensor's max|oracle|, for forward outputs and for gradients ("grad_*").
     row_floor_rel: float = 1e-6
     grad_row_floor_rel: float = 1e-5
+    # Signal-to-noise floor of each checked output against the oracle, in dB: 10·log10(Σ oracle² / Σ err²) must
+    # be at least this (lab/parity.py); None = off. A quantized precision's (conf/precision/fp8*.yaml: why)
+    min_sqnr_db: float | None = None
 
     def __post_init__(self) -> None:
         _positive("precision.contract", error_multiple=self.error_multiple, floor_rel=self.floor_rel,
                   train_loss_drift=self.train_loss_drift, row_floor_rel=self.row_floor_rel,
                   grad_row_floor_rel=self.grad_row_floor_rel)
+        require(self.min_sqnr_db is None or self.min_sqnr_db > 0,
+                 f"precision.contract.min_sqnr_db={self.min_sqnr_db}: must be > 0 dB, or null (off)")
         require(self.atol >= 0 and self.rtol >= 0 and self.atol_rel >= 0,
                  f"precision.contract: atol={self.atol}, rtol={self.rtol} and atol_rel={self.atol_rel} must be >= 0")
         require(0.0 <= self.max_mismatch < 1.0,
                  f"precision.contract.max_mismatch={self.max_mismatch}: must be in [0, 1)")
+
+
+@dataclass
+class QuantizeConfig:
+    """A quantized precision's recipe (conf/precision/fp8*.yaml): the operands' 8-bit format and scaling, the
+    gradients' format, and the floor on the quantization's own error (each case's oracle on the quantized inputs
+    against the same math on the unquantized ones, lab/parity.py `quantization_check`)."""
+
+    format: str = "float8_e4m3fn"  # the forward operands'
+    scaling: str = "tensor"  # tensor | row (A's scale per row of A, B's per column of B)
+    grad_format: str = "float8_e5m2"  # the gradients' in a training recipe (not checked by a forward-only op)
+    min_sqnr_db: float = 20.0  # the quantization's SQNR, per tensor
+    min_row_sqnr_db: float = 20.0  # ... and of its worst row
+    reason: str = ""  # why these floors (parity.json carries it)
+
+    def __post_init__(self) -> None:
+        for key in ("format", "grad_format"):
+            value = getattr(self, key)
+            require(value in FP8_DTYPES,
+                     f"precision.quantize.{key}={value!r}: valid choices are {', '.join(FP8_DTYPES)}")
+        require(self.scaling in SCALINGS,
+                 f"precision.quantize.scaling={self.scaling!r}: valid choices are {', '.join(SCALINGS)}")
+        _positive("precision.quantize", min_sqnr_db=self.min_sqnr_db, min_row_sqnr_db=self.min_row_sqnr_db)
+
+    @property
+    def recipe(self) -> str:
+        """'<format>:<scaling>', what a quantized case carries to its op's make_inputs (opdefs/base.py Case)."""
+        return f"{self.format}:{self.scaling}"
 
 
 @dataclass
@@ -145,6 +182,9 @@ class PrecisionConfig:
     # of its own, judged against the reference logsumexp computed in fp32 (see conf/precision/*.yaml).
     lse_contract: Contract = field(default_factory=lambda: Contract(floor_rel=1e-5, row_floor_rel=1e-5,
                                                                     grad_row_floor_rel=1e-5))
+    # A quantized precision (fp8): the operands every path sees are quantized once per case by the op's make_inputs;
+    # `dtype` is then the unquantized values' and the output's. None: not quantized
+    quantize: QuantizeConfig | None = None
 
     def __post_init__(self) -> None:
         require(self.dtype in DTYPES, f"precision.dtype={self.dtype!r}: valid choices are {', '.join(DTYPES)}")
@@ -514,7 +554,7 @@ class LabConfig:
 
 
 def itemsize(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}[dtype]
 
 
 def _one_line(exc: BaseException) -> str:

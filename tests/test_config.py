@@ -14,7 +14,7 @@ def test_default_config_is_valid():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["precision=fp64"], "unknown precision 'fp64': valid choices are bf16, fp16, fp32, tf32"),
+    (["precision=fp64"], "unknown precision 'fp64': valid choices are bf16, fp16, fp32, fp8, fp8_rowwise, tf32"),
     (["tile=b48"], "valid choices are auto, b128, b16, b32, b64"),
     (["architecture=mixtral"], "valid choices are gpu_gqa, gpu_mha, gpu_moe, gqa, hd64, mha, moe, mqa"),
     (["tile.block_q=48"], "tile.block_q=48: must be a power of two >= 16"),
@@ -48,7 +48,7 @@ def test_bad_config_is_refused_with_a_named_bound(overrides, message):
 @pytest.mark.parametrize("args", [
     ["bench", "precision=fp64"],
     ["bench", "tile.block_q=33"],
-    ["bench", "-m", "precision=fp32,fp8"],
+    ["bench", "-m", "precision=fp32,fp4"],
     ["bench-train", "architecture.n_kv_heads=3"],
     ["sweep", "sweep.vary.tile=[b99]"],
     ["bench", "foo==="],
@@ -78,8 +78,9 @@ def test_cli_without_a_command_prints_usage(capsys):
      "grad_w_up, grad_w_down, grad_route_weight"),
     (["op=matmul", "op.max_error_only.outputs=[lse]", "op.max_error_only.precisions=[bf16]",  # empty in matmul.yaml
       "op.max_error_only.reason=measured"], "unknown matmul output 'lse': valid choices are out, grad_a, grad_b"),
-    (["op=moe", "op.max_error_only.precisions=[fp32,fp8]"],
-     "op.max_error_only.precisions: unknown precision 'fp8': valid choices are bf16, fp16, fp32, tf32"),
+    (["op=moe", "op.max_error_only.precisions=[fp32,fp4]"],
+     "op.max_error_only.precisions: unknown precision 'fp4': valid choices are bf16, fp16, fp32, fp8, fp8_rowwise, "
+     "tf32"),
     (["op=moe", "op.max_error_only.reason="], "op.max_error_only: give outputs, precisions and the reason"),
 ])
 def test_a_bad_max_error_only_override_is_refused_naming_the_valid_outputs(overrides, message):

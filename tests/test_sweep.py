@@ -58,7 +58,7 @@ def test_grid_must_be_asked_for():
 
 @pytest.mark.parametrize("fields, message", [
     ({"vary": {"colour": ["red"]}}, "unknown dimension 'colour': valid dimensions are op, precision"),
-    ({"vary": {"precision": ["fp8"]}}, "sweep.vary.precision: unknown precision 'fp8'"),
+    ({"vary": {"precision": ["fp4"]}}, "sweep.vary.precision: unknown precision 'fp4'"),
     ({"baseline": {**BASELINE, "tile": "b7"}}, "sweep.baseline: unknown tile 'b7'"),
 ])
 def test_bad_sweep_names_the_valid_choices(fields, message):

@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from posttrainllm.config import LabConfig, compose, require, validate_schema
-from posttrainllm.opdefs import get_op
+from posttrainllm.opdefs import OPS, get_op
 
 
 def validate(cfg: DictConfig | dict[str, Any]) -> LabConfig:
@@ -36,10 +36,22 @@ def check_heads_rules(cfg: LabConfig) -> None:
                                                  f"choices are {', '.join(paths)}")
 
 
+def check_precision_rules(cfg: LabConfig) -> None:
+    """A quantized precision (precision.quantize: fp8) runs only for the ops whose inputs and paths know its recipe
+    (OpDef.quantizes): the precision dimension is global, so another op is refused by name, before anything runs."""
+    if cfg.precision.quantize is None:
+        return
+    supported = [name for name, op in OPS.items() if op.quantizes]
+    require(get_op(cfg.op.name).quantizes,
+            f"precision {cfg.precision.name} is supported by {', '.join(f'op={name}' for name in supported)} only: "
+            f"op={cfg.op.name} has no {cfg.precision.quantize.format} inputs or paths")
+
+
 def check_op_rules(cfg: LabConfig) -> None:
     """The op's own rules: its check_config, the paths this point has (built-in, optional peers and user
     paths, each loaded here so a bad spec fails now), and the outputs and paths other keys name."""
     op = get_op(cfg.op.name)
+    check_precision_rules(cfg)
     op.check_config(cfg)
     paths = op.paths(cfg)
     outputs = list(dict.fromkeys(name for impl in op.impls.values() for name in op.expected_outputs(impl)))

@@ -51,6 +51,14 @@ Why the row floor, and why two
 
 An oracle that is exactly zero everywhere (dQ when every query sees a single key) has no
 magnitude of its own: the floors then use `fallback_scale`, the case's forward output's.
+
+Quantized precisions (fp8: conf/precision/fp8*.yaml)
+    Every path sees the same quantized inputs (made once per case), and the oracle is the float64
+    math on those: the rules above judge what a path adds to the quantization, not the quantization.
+    The contract's `min_sqnr_db` adds a floor on each output's signal-to-quantization-noise ratio
+        SQNR = 10·log10(Σ oracle² / Σ (candidate − oracle)²)  (dB; torchao's fp8 tests ask > 20 dB)
+    and the quantization's own error is judged apart (`quantization_check`): each case's oracle on the
+    quantized inputs against the same float64 math on the unquantized ones, per tensor and per row.
 """
 
 from __future__ import annotations
@@ -69,7 +77,11 @@ GRADIENT_PREFIX = "grad_"  # outputs named so are gradients and take contract.gr
 RULE = ("tensor: max_abs_err <= error_multiple * baseline_max_abs_err + floor_rel * max|oracle|, "
         "mismatch_frac <= max_mismatch (outside: |err| > atol + atol_rel * max|oracle| + rtol * |oracle|); each row: err_r <= error_multiple * baseline_err_r "
         "+ floor_rel * max|oracle_r| + row_floor * max|oracle| (row_floor: grad_row_floor_rel for grad_*, "
-        "else row_floor_rel); all finite")
+        "else row_floor_rel); all finite; with min_sqnr_db, 10*log10(sum oracle^2 / sum err^2) >= min_sqnr_db")
+QUANTIZATION_RULE = ("the quantization's own error, apart from any path's: each case's float64 oracle on the quantized "
+                     "inputs against the same float64 math on the unquantized inputs; SQNR = 10*log10(sum exact^2 / "
+                     "sum (quantized - exact)^2) of each output >= min_sqnr_db, and of each of its rows >= "
+                     "min_row_sqnr_db")
 
 
 def error_metrics(candidate: torch.Tensor, oracle: torch.Tensor, contract: Contract) -> dict[str, float]:
@@ -135,6 +147,22 @@ def row_check(candidate: torch.Tensor, oracle: torch.Tensor, baseline: torch.Ten
     }
 
 
+def sqnr_db(signal: torch.Tensor, approx: torch.Tensor) -> float:
+    """10·log10(Σ signal² / Σ (approx − signal)²) in float64: +inf for an exact approx, −inf for a non-finite
+    one (or any error on an all-zero signal)."""
+    return float(row_sqnr_db(signal.reshape(1, -1), approx.reshape(1, -1), row_ndim=1)[0]) if signal.numel() \
+        else float("inf")
+
+
+def row_sqnr_db(signal: torch.Tensor, approx: torch.Tensor, row_ndim: int = 1) -> torch.Tensor:
+    """The SQNR (sqnr_db) of each row of a non-empty tensor, the last `row_ndim` dims, flattened: (n_rows,)."""
+    noise = _rows(_abs_err(approx, signal).pow(2), row_ndim).sum(dim=1)
+    power = _rows(signal.double().pow(2), row_ndim).sum(dim=1)
+    db = 10 * torch.log10(power / noise)  # x/0 = +inf (exact), 0/x = -inf, inf noise: -inf
+    db = torch.where(db.isnan(), float("-inf"), db)  # inf/inf: a non-finite signal
+    return torch.where(noise == 0, float("inf"), db)  # 0/0: an exact all-zero row
+
+
 def check_output(candidate: torch.Tensor, oracle: torch.Tensor, baseline: torch.Tensor,
                  contract: Contract, *, fallback_scale: float = 0.0, row_ndim: int = 1,
                  gradient: bool = False) -> dict[str, Any]:
@@ -171,8 +199,14 @@ def check_output(candidate: torch.Tensor, oracle: torch.Tensor, baseline: torch.
                        f"{worst['allowed_abs_err']:.3g} (row baseline err {worst['baseline_max_abs_err']:.3g}, "
                        f"row max|oracle| {worst['oracle_max_abs']:.3g}; {rows['rows_failed']} of {rows['rows']} rows fail)")
     tensor_ratio = _ratio(got["max_abs_err"], allowed)
+    sqnr = {}
+    if contract.min_sqnr_db is not None:  # as a ratio: the noise amplitude over the floor's (<= 1 passes)
+        sqnr = {"sqnr_db": sqnr_db(oracle, candidate), "min_sqnr_db": contract.min_sqnr_db}
+        if not sqnr["sqnr_db"] >= contract.min_sqnr_db:
+            reasons.append(f"sqnr {sqnr['sqnr_db']:.1f} dB < min_sqnr_db {contract.min_sqnr_db:g} dB")
+        tensor_ratio = max(tensor_ratio, 10 ** ((contract.min_sqnr_db - sqnr["sqnr_db"]) / 20))
     return {
-        **got,
+        **got, **sqnr,
         "baseline_max_abs_err": base["max_abs_err"],
         "allowed_abs_err": allowed,
         "error_ratio": got["max_abs_err"] / base["max_abs_err"] if base["max_abs_err"] > 0 else None,
@@ -247,4 +281,45 @@ def check_path(outputs: list[dict[str, torch.Tensor]] | None, oracles: list[dict
         "worst": {key: entry for key, (_, entry) in worst.items()},
         "cases": results,
         "unchecked_outputs": sorted(unchecked),
+    }
+
+
+def quantization_check(cases: list[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]], *,
+                       min_sqnr_db: float, min_row_sqnr_db: float,
+                       row_ndim: dict[str, int] | None = None) -> dict[str, Any]:
+    """QUANTIZATION_RULE over every case: (case name, its oracle on the quantized inputs, the same math on the
+    unquantized ones), for every output the latter has. Per case and output: the SQNR, the worst row's (its index)
+    and the verdict; overall the lowest of each and the failures, named."""
+    ndims = {**DEFAULT_ROW_NDIM, **(row_ndim or {})}
+    results, failed = [], []
+    for case, quantized, exact in cases:
+        for output, want in exact.items():
+            got = quantized.get(output)
+            if got is None or got.shape != want.shape or not want.numel():
+                failed.append(f"{case}/{output}: no quantized result of the unquantized shape {tuple(want.shape)}")
+                continue
+            ndim = ndims.get(output, 1)
+            rows = row_sqnr_db(want, got, ndim)
+            worst = int(rows.argmin())
+            lead = tuple(want.shape[:max(want.dim() - ndim, 0)])
+            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), lead)) if lead else ()
+            entry = {"case": case, "output": output, "sqnr_db": sqnr_db(want, got),
+                     "row_min_sqnr_db": rows[worst].item(), "worst_row": index, "rows": int(rows.numel())}
+            reasons = []
+            if not entry["sqnr_db"] >= min_sqnr_db:
+                reasons.append(f"sqnr {entry['sqnr_db']:.1f} dB < min_sqnr_db {min_sqnr_db:g} dB")
+            if not entry["row_min_sqnr_db"] >= min_row_sqnr_db:
+                reasons.append(f"row {index}: sqnr {entry['row_min_sqnr_db']:.1f} dB < min_row_sqnr_db "
+                               f"{min_row_sqnr_db:g} dB")
+            entry.update(verdict="fail" if reasons else "pass", reason="; ".join(reasons))
+            results.append(entry)
+            if reasons:
+                failed.append(f"{case}/{output}: {entry['reason']}")
+    return {
+        "verdict": "fail" if failed or not results else "pass",
+        "rule": QUANTIZATION_RULE, "min_sqnr_db": min_sqnr_db, "min_row_sqnr_db": min_row_sqnr_db,
+        "sqnr_db": min((r["sqnr_db"] for r in results), default=None),  # the lowest over cases
+        "row_min_sqnr_db": min((r["row_min_sqnr_db"] for r in results), default=None),
+        "failed_cases": failed,
+        "cases": results,
     }

@@ -61,7 +61,7 @@ def _emulation(impl: Impl, cfg: LabConfig) -> str | None:
         return None
     from posttrainllm.ops import interpreter_emulation
 
-    return interpreter_emulation(_dtype(cfg))
+    return interpreter_emulation(_dtype(cfg), quantized=cfg.precision.quantize is not None)
 
 
 def _interpreted(impl: Impl) -> bool:
@@ -153,10 +153,16 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
     Forward outputs and, for one upstream gradient dO per case, the input gradients
     (float64 autograd through the reference math is the gradient oracle). Outputs that are
     fp32 in every precision (the logsumexp) get their baseline from fp32 math on the same inputs.
+
+    Quantized precisions (precision.quantize): the op's make_inputs quantizes once per case, so every path,
+    the oracle and the baseline see the same quantized inputs; the record also keeps the float64 math on the
+    unquantized inputs (the same case without its recipe), which parity measures the quantization against.
+    A forward-only point reference (the fp8 paths) gets no gradient oracle.
     """
     op = get_op(cfg.op.name)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     check_memory(cfg, device)
+    with_gradients = op.paths(cfg)[REFERENCE].backward != NO_BACKWARD
     records = []
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for case in op.cases(cfg):
@@ -166,14 +172,18 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
                 forward = op.reference.fn(inputs, cfg)
             out_names = set(forward)
             grad_out = upstream_gradient(case, forward["out"])
-            oracle = reference_outputs(op, cfg, inputs64, case, grad_out.double())
-            baseline = reference_outputs(op, cfg, inputs, case, grad_out)
+            oracle = reference_outputs(op, cfg, inputs64, case, grad_out.double() if with_gradients else None)
+            baseline = reference_outputs(op, cfg, inputs, case, grad_out if with_gradients else None)
             # outputs that are fp32 in every precision (the logsumexp): their baseline is fp32 math
             extras32 = reference_outputs(op, cfg, cast_floats(inputs, torch.float32), case)
             baseline.update({k: v for k, v in extras32.items() if k not in out_names})
             records.append({"case": asdict(case), "inputs": _to_cpu(inputs), "grad_out": grad_out.cpu(),
                             "oracle": _to_cpu(oracle), "baseline": _to_cpu(baseline),
                             "input_checks": op.input_checks(case, inputs, cfg) if op.input_checks else None})
+            if case.quantize:  # the quantization's own error is measured against this (parity: "quantization")
+                plain = op.make_inputs(dataclasses.replace(case, quantize=""), _dtype(cfg), device)
+                exact = reference_outputs(op, cfg, cast_floats(plain, torch.float64), case)
+                records[-1]["unquantized"] = _to_cpu({k: v for k, v in exact.items() if k in out_names})
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"op": op.name, "dtype": cfg.precision.dtype, "records": records}, out / "reference.pt")
 
@@ -315,6 +325,13 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
         if not impl.checks_gradients:  # a borrowed backward is never a pass of this path's gradients
             result["gradients"] = backward_note(impl)
         report["paths"][impl.name] = result
+    quantized = [(r["case"]["name"], r["oracle"], r["unquantized"]) for r in records if r.get("unquantized")]
+    if quantized:  # the quantization itself (precision.quantize), apart from what any path adds to it
+        q = cfg.precision.quantize
+        report["quantization"] = {"recipe": q.recipe, "grad_format": q.grad_format, "reason": q.reason,
+                                  **parity.quantization_check(quantized, min_sqnr_db=q.min_sqnr_db,
+                                                              min_row_sqnr_db=q.min_row_sqnr_db,
+                                                              row_ndim=op.row_ndim)}
     checks = {r["case"]["name"]: r["input_checks"] for r in records if r.get("input_checks") is not None}
     if checks:  # the inputs themselves (MoE: the routing every path ran on), checked once by the reference stage
         failed = [f"{case}: {c['reason']}" for case, c in checks.items() if c["verdict"] != "pass"]
@@ -322,6 +339,8 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
     failures = {name: p["failed_cases"] for name, p in report["paths"].items() if p["verdict"] != "pass"}
     if report.get("inputs", {}).get("verdict") == "fail":  # a broken router: every path ran on its routing
         failures = {"inputs": report["inputs"]["failed_cases"], **failures}
+    if report.get("quantization", {}).get("verdict") == "fail":  # every path ran on the badly quantized inputs
+        failures = {"quantization": report["quantization"]["failed_cases"], **failures}
     report["verdict"] = "fail" if failures else "pass"
     broken = list(failures)
     report["first_failure"] = (f"{broken[0]}: {failures[broken[0]][0]}" if broken else None)
@@ -685,6 +704,15 @@ def _check_at(op: OpDef, cfg: LabConfig, case: Case, inputs: Tensors, names: lis
 # --- bench-train -------------------------------------------------------------------------
 
 
+def check_trainable(cfg: LabConfig) -> None:
+    """Refuse bench-train, one line, where the point's paths are forward-only: a quantized precision's (fp8)."""
+    q = cfg.precision.quantize
+    if q is not None:
+        raise ConfigError(f"bench-train under precision {cfg.precision.name}: its op={cfg.op.name} paths are "
+                          f"forward-only (training needs a recipe's {q.grad_format} gradients, not here yet); "
+                          "use posttrainllm bench")
+
+
 def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
     """The model from `architecture`, trained with each implementation of the point's op swapped in.
 
@@ -698,6 +726,7 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
     from posttrainllm.model.train import Variant, bench_train
     from posttrainllm.model.transformer import ModelConfig
 
+    check_trainable(cfg)
     op = get_op(cfg.op.name)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     arch, train = cfg.architecture, cfg.train

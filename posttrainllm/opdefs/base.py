@@ -41,6 +41,10 @@ class Case:
     dims: dict[str, int]
     main: bool
     inputs: str = "normal"  # normal | an op's adversarial kinds (large_logits, growing_logits, near_one_hot)
+    # A quantized precision's recipe, '<fp8 format>:<scaling>' (config.QuantizeConfig.recipe), or '' (none): the
+    # op's make_inputs then quantizes the operands once (every path sees the same), and the same case with ''
+    # gives the unquantized inputs the quantization's own error is measured against (lab/stages.py)
+    quantize: str = ""
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,9 @@ class OpDef:
     adapt: Callable[[Callable[..., Any]], Callable[[Tensors, LabConfig], Tensors]] | None = None
     # The body of `posttrainllm new-impl`'s file: the readable math in the natural signature, correct as it is
     template: str = ""
+    # Quantized precisions (precision.quantize: fp8) this op supports: its cases carry the recipe (Case.quantize)
+    # and its make_inputs quantizes; the point's paths are the quantized ones (point_impls). Other ops refuse them
+    quantizes: bool = False
 
     @property
     def reference(self) -> Impl:

@@ -7,21 +7,34 @@ Paths (one function each: checked, timed and trained as every projection of the 
     triton      posttrainllm.ops.matmul: our tiled, GROUP_M-swizzled kernel, forward and backward
     compiled    (opt-in, op.peers) the reference under torch.compile
     user paths  op.user_impls, in the natural signature SIGNATURE (opdefs/user.py)
+
+Under a quantized precision (precision=fp8, fp8_rowwise: precision.quantize) the inputs are A_q, a_scale, B_q,
+b_scale, quantized once per case by posttrainllm.ops.reference (make_inputs), and the paths are forward-only
+(gradients of a quantized GEMM are a recipe's: e5m2 dY with its own scaling):
+    reference   posttrainllm.ops.reference.fp8_matmul: dequantize, then the product (float64: the oracle)
+    scaled_mm   torch._scaled_mm, where it runs on the point's device and scaling (scaled_mm_refusal; absent
+                otherwise, named in microbench.json's describe.unavailable)
+    triton      posttrainllm.ops.fp8_matmul: tl.dot on the e4m3 operands, fp32 accumulator, scales in the epilogue
+and the microbench times beside them the bf16 GEMM of the same unquantized operands (describe: what fp8 buys).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
-from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.opdefs.base import (NO_BACKWARD, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
+                                      seeded_randn)
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
 
 def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
+    if "a_scale" in x:  # a quantized point's inputs: dequantize, then the product (bf16 out; float64 stays float64)
+        return {"out": reference.fp8_matmul(*_fp8_args(x), out_dtype=getattr(torch, cfg.precision.dtype))}
     return {"out": reference.matmul(x["a"], x["b"])}
 
 
@@ -73,21 +86,146 @@ IMPLS = {
 }
 
 
+# --- fp8 (precision.quantize): forward-only paths on operands quantized once per case --------------------
+
+
+def _fp8_args(x: Tensors) -> tuple[torch.Tensor, ...]:
+    return x["a"], x["a_scale"], x["b"], x["b_scale"]
+
+
+SCALED_MM_ALIGN = 16  # cuBLASLt's fp8 GEMM: torch._scaled_mm on CUDA refuses a dim of A or B off a multiple of 16
+_SCALED_MM_PROBES: dict[tuple, str | None] = {}
+
+
+def _pad(x: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
+    """x (R, C) with `rows` rows and `cols` columns of `value` appended (fp8 through its bytes: 0x00 is +0.0)."""
+    if not rows and not cols:
+        return x
+    if x.element_size() == 1:
+        return torch.nn.functional.pad(x.view(torch.uint8), (0, cols, 0, rows)).view(x.dtype)
+    return torch.nn.functional.pad(x, (0, cols, 0, rows), value=value)
+
+
+def _scaled_mm(x: Tensors, cfg: LabConfig) -> Tensors:
+    """torch._scaled_mm with B column-major, as it asks, and the point's output dtype. A dim off a multiple of 16 is
+    zero-padded (A's rows and K, B's K and columns; scales by ones) and C cut back: what a caller of it on CUDA must
+    do (torchao pads the same way); the padded rows and columns of C are never returned."""
+    a, a_scale, b, b_scale = _fp8_args(x)
+    (m, k), n = a.shape, b.shape[1]
+    pm, pk, pn = (-m) % SCALED_MM_ALIGN, (-k) % SCALED_MM_ALIGN, (-n) % SCALED_MM_ALIGN
+    if a_scale.dim() == 2:  # rowwise: (M, 1) and (1, N) follow A's rows and B's columns
+        a_scale, b_scale = _pad(a_scale, pm, 0, 1.0), _pad(b_scale, 0, pn, 1.0)
+    b = _pad(b, pk, pn).t().contiguous().t()  # (K, N) column-major
+    c = torch._scaled_mm(_pad(a, pm, pk), b, scale_a=a_scale, scale_b=b_scale,
+                         out_dtype=getattr(torch, cfg.precision.dtype))
+    return {"out": c[:m, :n].contiguous() if pm or pn else c}
+
+
+def scaled_mm_refusal(cfg: LabConfig) -> str | None:
+    """None if torch._scaled_mm runs the point's recipe (its scaling, e4m3 operands, the output dtype) on its
+    device, on a small aligned problem; else why not, one line (the path is then absent, not failed)."""
+    if not hasattr(torch, "_scaled_mm"):
+        return "torch._scaled_mm is not in this PyTorch"
+    device = cfg.device.name if cfg.device.name != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    key = (device, cfg.precision.quantize.recipe, cfg.precision.dtype)
+    if key not in _SCALED_MM_PROBES:
+        if device == "cuda" and not torch.cuda.is_available():
+            _SCALED_MM_PROBES[key] = "no CUDA device"
+        else:
+            try:
+                case = Case("probe", 0, dict(m=32, n=32, k=32), True, quantize=cfg.precision.quantize.recipe)
+                x = _make_inputs(case, getattr(torch, cfg.precision.dtype), device)
+                _scaled_mm(x, cfg)
+                _SCALED_MM_PROBES[key] = None
+            except Exception as exc:  # a refusal (device capability, scaling, dtype) is this path's absence
+                _SCALED_MM_PROBES[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}" \
+                    if str(exc).strip() else type(exc).__name__
+    return _SCALED_MM_PROBES[key]
+
+
+def _triton_fp8(x: Tensors, cfg: LabConfig) -> Tensors:
+    from posttrainllm.ops.fp8_matmul import fp8_matmul
+
+    t, w = cfg.tile, cfg.workgroup
+    return {"out": fp8_matmul(*_fp8_args(x), block_m=t.block_m, block_n=t.block_n, block_k=t.block_k,
+                              group_m=w.group_m, num_warps=w.num_warps, num_stages=w.num_stages)}
+
+
+def _triton_fp8_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
+    from posttrainllm.ops.matmul import matmul_launch
+
+    t, w, d = cfg.tile, cfg.workgroup, case.dims
+    return {**matmul_launch(d["m"], d["n"], d["k"], block_m=t.block_m, block_n=t.block_n, block_k=t.block_k,
+                            group_m=w.group_m, num_warps=w.num_warps, num_stages=w.num_stages),
+            "recipe": case.quantize, "epilogue": "acc * a_scale * b_scale, then bf16"}
+
+
+FP8_IMPLS = {
+    REFERENCE: Impl(REFERENCE, "reference", _reference, backward=NO_BACKWARD,
+                    backend="posttrainllm.ops.reference.fp8_matmul (dequantize, then the product)"),
+    "scaled_mm": Impl("scaled_mm", "peer", _scaled_mm, backward=NO_BACKWARD,
+                      backend="torch._scaled_mm (B column-major; dims zero-padded to multiples of 16)"),
+    "triton": Impl("triton", "triton", _triton_fp8, geometry=_triton_fp8_geometry, backward=NO_BACKWARD,
+                   backend="posttrainllm.ops.fp8_matmul.fp8_matmul", kernels={"forward": ("_fp8_matmul_kernel",)}),
+}
+
+
+def _impls_for(cfg: LabConfig) -> dict[str, Impl]:
+    """The registry for this point: under fp8 the quantized paths (scaled_mm only where it runs), else IMPLS."""
+    if cfg.precision.quantize is None:
+        return IMPLS
+    return {name: impl for name, impl in FP8_IMPLS.items() if name != "scaled_mm" or scaled_mm_refusal(cfg) is None}
+
+
+def _check_fp8_config(cfg: LabConfig) -> None:
+    """What the fp8 paths run: e4m3 operands, fixed tiles with BLOCK_K >= 32, the registry's paths only."""
+    q, name = cfg.precision.quantize, cfg.precision.name
+    if q.format != "float8_e4m3fn":
+        raise ConfigError(f"precision.quantize.format={q.format!r}: op=matmul's fp8 paths take float8_e4m3fn "
+                          "operands (e5m2 is the gradients' format, precision.quantize.grad_format)")
+    if cfg.tile.block_k < 32:
+        raise ConfigError(f"tile.block_k={cfg.tile.block_k} under precision {name}: tl.dot on fp8 operands takes K "
+                          "in steps of 32 (use a tile with block_k >= 32)")
+    if cfg.tile.autotune or cfg.workgroup.autotune:
+        raise ConfigError(f"tile/workgroup=auto under precision {name}: the fp8 kernel has no autotuner yet "
+                          "(choose a fixed tile and workgroup)")
+    for key, given in (("peers", cfg.op.peers), ("user_impls", cfg.op.user_impls)):
+        if given:
+            raise ConfigError(f"op.{key}={list(given)} under precision {name}: the fp8 paths are the registry's "
+                              "(reference, scaled_mm, triton); a compiled or user path takes no scales yet")
+
+
+def _recipe(cfg: LabConfig) -> str:
+    return cfg.precision.quantize.recipe if cfg.precision.quantize is not None else ""
+
+
 def _cases(cfg: LabConfig) -> list[Case]:
     """The point's shape, then sizes off every block (and 1x1x1), once per seed."""
-    shape = cfg.shape
+    shape, recipe = cfg.shape, _recipe(cfg)
     out = []
     for seed in cfg.parity.seeds:
         out.append(Case(f"{shape.m}x{shape.n}x{shape.k}-seed{seed}", seed, dict(m=shape.m, n=shape.n, k=shape.k),
-                        True))
-        out += [Case(f"{m}x{n}x{k}-seed{seed}", seed, dict(m=m, n=n, k=k), False) for m, n, k in shape.edge_mnk]
+                        True, quantize=recipe))
+        out += [Case(f"{m}x{n}x{k}-seed{seed}", seed, dict(m=m, n=n, k=k), False, quantize=recipe)
+                for m, n, k in shape.edge_mnk]
     return out
 
 
 def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
-    """Standard-normal A and B drawn in fp32 from the case's seed, cast to the point's dtype."""
+    """Standard-normal A and B drawn in fp32 from the case's seed, cast to the point's dtype.
+
+    A quantized case (Case.quantize '<fp8 format>:<scaling>') quantizes them, in the reference math: A_q, its
+    scale (one, or one per row of A: (M, 1)), B_q and its scale (one, or one per column of B: (1, N))."""
     randn, d = seeded_randn(case.seed, dtype, device), case.dims
-    return {"a": randn(d["m"], d["k"]), "b": randn(d["k"], d["n"])}
+    a, b = randn(d["m"], d["k"]), randn(d["k"], d["n"])
+    if not case.quantize:
+        return {"a": a, "b": b}
+    fmt, scaling = case.quantize.split(":")
+    fp8 = getattr(torch, fmt)
+    a_scale = reference.fp8_scale(a, None if scaling == "tensor" else 1, fp8)  # () or (M, 1)
+    b_scale = reference.fp8_scale(b, None if scaling == "tensor" else 0, fp8)  # () or (1, N)
+    return {"a": reference.quantize_fp8(a, a_scale, fp8), "a_scale": a_scale,
+            "b": reference.quantize_fp8(b, b_scale, fp8), "b_scale": b_scale}
 
 
 def _problem(case: Case) -> str:
@@ -97,15 +235,23 @@ def _problem(case: Case) -> str:
 
 def _costs(case: Case, cfg: LabConfig) -> Costs:
     """(M, K) @ (K, N): M·N dot products of length K -> 2·M·N·K FLOPs. Backward: dA = dC Bᵀ and
-    dB = Aᵀ dC, each 2·M·N·K -> 2x the forward. Bytes: read A and B, write C, once each."""
+    dB = Aᵀ dC, each 2·M·N·K -> 2x the forward. Bytes: read A and B, write C, once each (a quantized case:
+    1-byte A and B, their fp32 scales, C in the point's dtype; its paths are forward-only)."""
     d, size = case.dims, itemsize(cfg.precision.dtype)
+    if case.quantize:
+        fmt, scaling = case.quantize.split(":")
+        scales = 2 if scaling == "tensor" else d["m"] + d["n"]
+        return Costs(2 * d["m"] * d["n"] * d["k"],
+                     (d["m"] * d["k"] + d["k"] * d["n"]) * itemsize(fmt) + d["m"] * d["n"] * size + scales * 4, 2.0,
+                     "2*M*N*K", "(M*K + K*N)*1 + M*N*itemsize + scales*4 (scales: 2, or M + N rowwise)",
+                     "backward = 2 x forward (dA and dB, 2*M*N*K each); not timed: the fp8 paths are forward-only")
     return Costs(2 * d["m"] * d["n"] * d["k"], (d["m"] * d["k"] + d["k"] * d["n"] + d["m"] * d["n"]) * size, 2.0,
                  "2*M*N*K", "(M*K + K*N + M*N)*itemsize", "backward = 2 x forward (dA and dB, 2*M*N*K each)")
 
 
 def _curve_case(cfg: LabConfig, x: int) -> Case:
     seed = cfg.parity.seeds[0]
-    return Case(f"{x}x{x}x{x}-seed{seed}", seed, dict(m=x, n=x, k=x), True)
+    return Case(f"{x}x{x}x{x}-seed{seed}", seed, dict(m=x, n=x, k=x), True, quantize=_recipe(cfg))
 
 
 def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
@@ -133,19 +279,49 @@ def _model_problem(cfg: LabConfig) -> str:
 def _check_config(cfg: LabConfig) -> None:
     """A block larger than its dimension, or A and B tiles per pipeline stage over the shared memory, is refused.
 
-    Shared memory per program: (BLOCK_M·BLOCK_K + BLOCK_K·BLOCK_N) · itemsize · num_stages.
+    Shared memory per program: (BLOCK_M·BLOCK_K + BLOCK_K·BLOCK_N) · itemsize · num_stages (1 byte under fp8).
     """
     tile, shape = cfg.tile, cfg.shape
+    if cfg.precision.quantize is not None:
+        _check_fp8_config(cfg)
     for block, dim in (("block_m", "m"), ("block_n", "n"), ("block_k", "k")):
         bound = max(16, next_power_of_two(getattr(shape, dim)))
         if getattr(tile, block) > bound:
             raise ConfigError(f"tile.{block}={getattr(tile, block)} does not fit shape.{dim}={getattr(shape, dim)}: "
                               f"use a block <= {bound}")
-    smem = (tile.block_m * tile.block_k + tile.block_k * tile.block_n) * itemsize(cfg.precision.dtype) \
-        * cfg.workgroup.num_stages
+    operand = cfg.precision.quantize.format if cfg.precision.quantize is not None else cfg.precision.dtype
+    smem = (tile.block_m * tile.block_k + tile.block_k * tile.block_n) * itemsize(operand) * cfg.workgroup.num_stages
     if smem > cfg.device.smem_bytes:
         raise ConfigError(f"tile {tile.name} with num_stages={cfg.workgroup.num_stages} needs {smem} B of shared "
                           f"memory per program, over device.smem_bytes={cfg.device.smem_bytes}")
+
+
+def _describe(case: Case, inputs: Tensors, cfg: LabConfig) -> dict[str, Any]:
+    """Under fp8, what it buys: the bf16 GEMM of the same unquantized operands (torch.matmul, not a path: its
+    inputs are not the point's), timed as the paths are, with the bytes and FLOP/B of each; else nothing."""
+    if not case.quantize:
+        return {}
+    from posttrainllm.measure.timing import measure
+
+    d, bench, device = case.dims, cfg.bench, inputs["a"].device.type
+    plain = _make_inputs(dataclasses.replace(case, quantize=""), getattr(torch, cfg.precision.dtype), device)
+    with torch.no_grad():
+        timing = measure(lambda: torch.matmul(plain["a"], plain["b"]), device=device, warmup=bench.warmup,
+                         reps=bench.reps, min_time_s=bench.min_time_s, max_reps=bench.max_reps)
+    fp8 = _costs(case, cfg)
+    bf16_bytes = (d["m"] * d["k"] + d["k"] * d["n"] + d["m"] * d["n"]) * itemsize(cfg.precision.dtype)
+    seconds = timing.median_ms / 1e3
+    line = (f"beside fp8: torch.matmul in {cfg.precision.dtype} on the unquantized operands {timing.median_ms:.3f} ms "
+            f"(p20-p80 {timing.p20_ms:.3f}-{timing.p80_ms:.3f}), {fp8.flops / seconds / 1e9:.2f} GFLOP/s; "
+            f"{bf16_bytes} B moved against fp8's {fp8.bytes} B ({bf16_bytes / fp8.bytes:.2f}x)")
+    return {
+        "bf16_matmul": {"backend": f"torch.matmul on the unquantized operands in {cfg.precision.dtype}",
+                        **timing.summary(), "bytes": bf16_bytes, "flops_per_byte": fp8.flops / bf16_bytes,
+                        "gflops_per_s": fp8.flops / seconds / 1e9, "gbytes_per_s": bf16_bytes / seconds / 1e9},
+        "fp8_bytes": fp8.bytes, "fp8_flops_per_byte": fp8.flops / fp8.bytes,
+        "unavailable": {"scaled_mm": why} if (why := scaled_mm_refusal(cfg)) else {},
+        "summary": line,
+    }
 
 
 def _reference_bytes(case: Case, cfg: LabConfig) -> int:
@@ -185,4 +361,5 @@ OP = OpDef(
     curve_sizes=lambda cfg: list(cfg.shape.matmul_curve or cfg.shape.curve),
     optional_peers={"compiled": compiled("matmul", _reference, _make_inputs, "posttrainllm.ops.reference.matmul")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
+    point_impls=_impls_for, reserved_names=("scaled_mm",), describe=_describe, quantizes=True,
 )

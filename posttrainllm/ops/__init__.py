@@ -24,6 +24,13 @@ BF16_INTERPRETER_REASON = (
 )
 
 
+FP8_INTERPRETER_REASON = (
+    "fp8: tl.dot runs on the e4m3 operands as loaded (exact here against their upcast product) and the scales in "
+    "fp32, as on the GPU; the fp32 output tile is rounded to bf16 by PyTorch: the interpreter's fp32 -> bf16 cast "
+    "truncates"
+)
+
+
 def is_interpreted() -> bool:
     """True when Triton kernels run through the interpreter instead of a GPU compiler."""
     import triton  # not at module level: TRITON_INTERPRET must be set before triton is first imported
@@ -34,8 +41,11 @@ def is_interpreted() -> bool:
         return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def interpreter_emulation(dtype: torch.dtype) -> str | None:
-    """Why the kernels compute differently from the GPU for `dtype` here, or None if they don't."""
+def interpreter_emulation(dtype: torch.dtype, quantized: bool = False) -> str | None:
+    """Why the kernels compute differently from the GPU for `dtype` (operands quantized to fp8 with `quantized`)
+    here, or None if they don't."""
+    if quantized and is_interpreted():
+        return FP8_INTERPRETER_REASON
     if dtype == torch.bfloat16 and is_interpreted():
         return BF16_INTERPRETER_REASON
     return None

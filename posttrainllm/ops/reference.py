@@ -252,3 +252,43 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     logits = h.to(dtype) @ weight.to(dtype).t()  # (N, V), the loss's precision whatever h's dtype
     return torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index,
                                              label_smoothing=label_smoothing)
+
+
+# --- fp8: scaled 8-bit operands (precision=fp8, fp8_rowwise) ----------------------------
+# A value x is stored as q = fp8(x / s) with a scale s = amax / FP8_MAX (fp32), so the largest |x| of its group maps
+# to ±FP8_MAX and x ≈ q · s. The group is the whole tensor (dim None) or one row / column (dim = the reduced dim).
+# Every path of a quantized point sees the same q and s, made once per case by these functions (opdefs/matmul.py).
+AMAX_EPS = 1e-12  # an all-zero group's amax: a finite scale (q = 0 then), not 0/0
+
+
+def fp8_scale(x: torch.Tensor, dim: int | None = None, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """The dequantization scale s = max(amax|x|, eps) / FP8_MAX, in fp32: x ≈ quantize_fp8(x, s) · s.
+
+    dim None: one scale, a 0-dim tensor. dim=1: one per row of a 2-D x, (M, 1); dim=0: one per column, (1, N)."""
+    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    return amax.float().clamp_min(AMAX_EPS) / torch.finfo(fp8_dtype).max
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """q = fp8(x / s): in fp32, saturated to ±FP8_MAX (|x| <= amax keeps x / s in range, bar the division's rounding;
+    a cast past it would be NaN in e4m3fn), rounded to nearest. x: any shape, s broadcast to it -> x's shape, fp8."""
+    fp8_max = torch.finfo(fp8_dtype).max
+    return (x.float() * scale.reciprocal()).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q · s in `dtype` (float64: exact, the oracle's; fp32 rounds the product of 4 + 24 significant bits)."""
+    return q.to(dtype) * scale.to(dtype)
+
+
+def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """C = (A_q · s_a) @ (B_q · s_b): dequantize, then the product.
+
+    a: (M, K) fp8 (or its values in a wider dtype), a_scale: () or (M, 1); b: (K, N), b_scale: () or (1, N).
+    In fp32 rounded to out_dtype (an fp8 GEMM's fp32 accumulator and 16-bit output); in float64 for float64
+    inputs (the oracle: exact dequantized values, their product in float64), left in float64.
+    """
+    compute = torch.float64 if a.dtype == torch.float64 else torch.float32
+    c = dequantize_fp8(a, a_scale, compute) @ dequantize_fp8(b, b_scale, compute)  # (M, N)
+    return c if compute == torch.float64 else c.to(out_dtype)

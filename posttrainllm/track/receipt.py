@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -58,7 +59,7 @@ def _parity_summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     return {"verdict": report["verdict"], "precision": report["precision"], "contract": report["contract"],
             "lse_contract": report.get("lse_contract"), "first_failure": report.get("first_failure"),
-            "inputs": report.get("inputs"),
+            "inputs": report.get("inputs"), "quantization": report.get("quantization"),
             "rule": report["rule"], "notes": report["notes"], "backward_rule": report.get("backward_rule"),
             "paths": {name: {k: p.get(k) for k in ("verdict", "failed_cases", "worst", "emulation", "backward",
                                                    "gradients")}
@@ -143,6 +144,10 @@ def metrics(receipt: dict[str, Any]) -> dict[str, float]:
             for key in ("max_abs_err", "max_rel_err", "mismatch_frac", "allowed_abs_err"):
                 if key in worst:
                     flat[f"parity.{name}.{output}.{key}"] = worst[key]
+    quantization = parity_report.get("quantization") or {}
+    for key in ("sqnr_db", "row_min_sqnr_db"):  # the lowest over cases (a near-exact case's may be +inf)
+        if quantization.get(key) is not None and math.isfinite(quantization[key]):
+            flat[f"parity.quantization.{key}"] = quantization[key]
     bench = receipt.get("microbench") or {"paths": {}}
     for name, entry in bench["paths"].items():
         if not entry["valid"]:

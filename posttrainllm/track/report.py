@@ -41,7 +41,16 @@ def point_table(receipt: dict[str, Any]) -> str:
     head = (f"point {receipt['point']}: {(receipt.get('microbench') or {}).get('problem', '')} "
             f"{receipt['config']['precision']['name']} on {machine['device_name']} ({machine['threads']} threads), "
             f"parity {(receipt.get('parity') or {}).get('verdict', 'missing')}")
-    return head + "\n" + pd.DataFrame(rows).to_string(index=False)
+    lines = [head, pd.DataFrame(rows).to_string(index=False)]
+    quantization = (receipt.get("parity") or {}).get("quantization")
+    if quantization:  # a quantized precision: the quantization's own error, apart from the paths'
+        lines.append(f"quantization {quantization['recipe']}: SQNR {_fmt(quantization['sqnr_db'], '.1f')} dB, worst "
+                     f"row {_fmt(quantization['row_min_sqnr_db'], '.1f')} dB (min {quantization['min_sqnr_db']:g} / "
+                     f"{quantization['min_row_sqnr_db']:g} dB): {quantization['verdict']}")
+    summary = ((receipt.get("microbench") or {}).get("describe") or {}).get("summary")
+    if summary:  # the op's own line about the point (fp8 matmul: the bf16 GEMM beside it)
+        lines.append(summary)
+    return "\n".join(lines)
 
 
 def backward_note(backward: str | None) -> str:
