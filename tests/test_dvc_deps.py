@@ -131,7 +131,8 @@ def _with_points_of_other_ops(root: Path) -> None:
 @pytest.fixture(scope="module")
 def project(project_copy):
     """A committed copy of the project, the smoke sweep and op-matmul planned, the baseline point reproduced
-    and op-matmul up to parity (what its timed stages read)."""
+    and op-matmul up to parity (what its timed stages read). Every stage checks its stamp against its inputs
+    file (lab/pipeline.py `stamped`): a file or key missing there fails `dvc repro`."""
     root, env = project_copy("deps", sweep="smoke", edit=_with_points_of_other_ops, env=ENV_RECORD)
     _run(["dvc", "repro", f"receipt@{POINT}", f"parity@{MATMUL}"], root, env)
     return root, env
@@ -373,6 +374,43 @@ def test_point_stages_depend_on_their_inputs_file_which_every_repro_rewrites():
     inputs = dvc["stages"]["inputs"]
     assert inputs["always_changed"] is True and inputs["outs"] == [{"runs/inputs": {"cache": False}}]
     assert inputs["cmd"] == "python pipelines/inputs.py runs/inputs"
+
+
+# --- a stage refuses to finish on code or config its inputs file does not list -----------------------
+
+
+def test_check_inputs_refuses_a_file_or_a_key_the_inputs_file_does_not_list():
+    made = {"stage": "kernel", "sources": {"pipelines/kernel.py": "a" * 64, "posttrainllm/ops/matmul.py": "b" * 64},
+            "config_keys": ["tile.block_m", "op.name"]}
+    listed = {"sources": {"pipelines/kernel.py": "a" * 64, "posttrainllm/ops/matmul.py": "c" * 64},
+              "params": {"config.tile": {}, "config.op": {}}}
+    stamp.check_inputs(made, listed, "runs/inputs/x/kernel.json")  # the hashes may differ: a set check
+    stamp.check_inputs({**made, "config_keys": None}, listed, "here")  # a timed stage's reads unrecorded
+    fewer = {**listed, "sources": {"pipelines/kernel.py": "a" * 64}}
+    with pytest.raises(stamp.StampMismatch, match=r"^stage kernel ran with posttrainllm/ops/matmul.py, which "
+                                                  r"runs/inputs/x/kernel.json does not list: DVC would not rerun"):
+        stamp.check_inputs(made, fewer, "runs/inputs/x/kernel.json")
+    with pytest.raises(stamp.StampMismatch, match=r"ran with config key tile.block_m, which here does not list"):
+        stamp.check_inputs(made, {**listed, "params": {"config.tile.block_n": 32, "config.op": {}}}, "here")
+
+
+def test_a_point_stage_that_ran_code_its_inputs_file_does_not_list_exits_2(planned, monkeypatch, capsys):
+    from posttrainllm.lab import pipeline
+
+    monkeypatch.setattr(pipeline, "_stage", lambda name: lambda cfg, sweep_: None)
+    loaded = {"pipelines/parity.py": "a" * 64, "posttrainllm/ops/matmul.py": "b" * 64}
+    monkeypatch.setattr(stamp, "stage_sources", lambda stage, root=PROJECT_ROOT: dict(loaded))
+    inputs = planned / "runs" / "inputs" / POINT / "parity.json"
+    inputs.parent.mkdir(parents=True)
+    inputs.write_text(json.dumps({"sources": {"pipelines/parity.py": "a" * 64}, "params": {"config": {}}}))
+
+    assert pipeline.run_stage("parity", [POINT]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if not line.endswith(" ...")]
+    assert lines == [f"posttrainllm: parity {POINT}: stage parity ran with posttrainllm/ops/matmul.py, which "
+                     f"runs/inputs/{POINT}/parity.json does not list: DVC would not rerun it when that changes; "
+                     "add it to posttrainllm/lab/sweep.py `stage_deps`, then `dvc repro`"]
+    inputs.write_text(json.dumps({"sources": loaded, "params": {"config": {}}}))
+    assert pipeline.run_stage("parity", [POINT]) == 0
 
 
 def test_an_inputs_file_names_a_missing_source_in_one_line(tmp_path):

@@ -159,7 +159,8 @@ def refuse_multi_dimension_multirun(overrides: list[str], grid: bool) -> None:
 #
 # One place for a point stage's dependencies: its files (a folder stands for every .py file under it) and the
 # config keys it reads, from the point's config. tests/test_dvc_deps.py checks them against what the stages
-# load and read (their stamps).
+# load and read (their stamps), and every stage checks its own stamp against its inputs file when it ends
+# (lab/pipeline.py `stamped`).
 
 POINT_STAGES = ("reference", "kernel", "parity", "microbench", "bench_train", "receipt")
 
