@@ -30,6 +30,7 @@ from posttrainllm.track import stamp
 
 POINT = "baseline"
 MATMUL = "op-matmul"  # a point of another op: its kernel is not attention's
+MOE = "op-moe"  # one more op, up to parity: its paths depend on its shape (opdefs/moe.py probes grouped_mm)
 POINT_STAGES = sweep.POINT_STAGES
 KERNEL_STAGES = sweep.KERNEL_STAGES  # the stages that run the op's Triton path
 ALWAYS_CHANGED = {"device", "inputs"}  # dvc.yaml: they run on every `dvc repro`
@@ -121,20 +122,20 @@ def listed_kernels(plan: dict, point: str, stage: str, root: Path = PROJECT_ROOT
 
 
 def _with_points_of_other_ops(root: Path) -> None:
-    """The smoke sweep and a point of another op (op-matmul: one dimension changed)."""
+    """The smoke sweep and points of other ops (op-matmul, op-moe: one dimension changed each)."""
     path = root / "conf" / "sweep" / "smoke.yaml"
     plan = yaml.safe_load(path.read_text())
-    plan["vary"]["op"] = ["matmul"]
+    plan["vary"]["op"] = ["matmul", "moe"]
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
 
 
 @pytest.fixture(scope="module")
 def project(project_copy):
-    """A committed copy of the project, the smoke sweep and op-matmul planned, the baseline point reproduced
-    and op-matmul up to parity (what its timed stages read). Every stage checks its stamp against its inputs
-    file (lab/pipeline.py `stamped`): a file or key missing there fails `dvc repro`."""
+    """A committed copy of the project, the smoke sweep, op-matmul and op-moe planned, the baseline point
+    reproduced, op-matmul and op-moe up to parity (what the timed stages read). Every stage checks its stamp
+    against its inputs file (lab/pipeline.py `stamped`): a file or key missing there fails `dvc repro`."""
     root, env = project_copy("deps", sweep="smoke", edit=_with_points_of_other_ops, env=ENV_RECORD)
-    _run(["dvc", "repro", f"receipt@{POINT}", f"parity@{MATMUL}"], root, env)
+    _run(["dvc", "repro", f"receipt@{POINT}", f"parity@{MATMUL}", f"parity@{MOE}"], root, env)
     return root, env
 
 
@@ -195,6 +196,15 @@ def matmul_stamps(project, tmp_path_factory):
     return made
 
 
+@pytest.fixture(scope="module")
+def moe_stamps(project):
+    """op-moe's reference, kernel and parity stamps, as DVC ran them."""
+    root, _ = project
+    made = stamp.read_stamps(root / "runs" / MOE)
+    assert set(made) == {"reference", "kernel", "parity"}
+    return made
+
+
 def _imports_of(root: Path, env: dict, script: str, *args: str) -> list[str]:
     out = root.parent / f"imports-{Path(script).stem}.json"
     _run([sys.executable, "-c", IMPORTS, str(out), script, *args], root, env)
@@ -206,7 +216,7 @@ def _imports_of(root: Path, env: dict, script: str, *args: str) -> list[str]:
 
 @pytest.mark.slow
 def test_every_stage_depends_on_every_module_it_loads(project, dvc, plan, stamps, gpu_like_stamps, matmul_stamps,
-                                                      tmp_path):
+                                                      moe_stamps, tmp_path):
     root, env = project
     assert set(stamps) == set(POINT_STAGES)
     loaded = {(POINT, stage): set(stamps[stage]["sources"]) for stage in POINT_STAGES}
@@ -214,6 +224,8 @@ def test_every_stage_depends_on_every_module_it_loads(project, dvc, plan, stamps
         loaded[POINT, stage] |= set(made["sources"])
     for stage, made in matmul_stamps.items():
         loaded[MATMUL, stage] = set().union(*(m["sources"] for m in made))
+    for stage, made in moe_stamps.items():
+        loaded[MOE, stage] = set(made["sources"])
     for stage in ("device", "calibrate", "inputs"):
         out = str(tmp_path / ("runs/inputs" if stage == "inputs" else f"{stage}.json"))
         loaded[POINT, stage] = set(_imports_of(root, env, f"pipelines/{stage}.py", out))
@@ -243,12 +255,13 @@ def test_the_timed_stages_were_missing_the_kernels_and_their_params(dvc, plan, g
 
 
 @pytest.mark.slow
-def test_a_point_stage_lists_an_ops_kernel_file_exactly_where_it_runs_it(plan, stamps, gpu_like_stamps, matmul_stamps):
+def test_a_point_stage_lists_an_ops_kernel_file_exactly_where_it_runs_it(plan, stamps, gpu_like_stamps, matmul_stamps,
+                                                                        moe_stamps):
     """What was seen: after an edit of ops/attention.py, `dvc status` listed microbench and bench_train of
     every point, op-matmul's too, though its stamps showed no attention kernel loaded."""
     ran = {POINT: {stage: [stamps[stage], *([gpu_like_stamps[stage]] if stage in gpu_like_stamps else [])]
                    for stage in POINT_STAGES},
-           MATMUL: matmul_stamps}
+           MATMUL: matmul_stamps, MOE: {stage: [made] for stage, made in moe_stamps.items()}}
     for point, by_stage in ran.items():
         for stage, made in by_stage.items():
             loaded = {f for m in made for f in m["sources"] if f.startswith("posttrainllm/ops/")}
@@ -261,11 +274,14 @@ def test_a_point_stage_lists_an_ops_kernel_file_exactly_where_it_runs_it(plan, s
 
 
 @pytest.mark.slow
-def test_every_stage_lists_every_config_key_it_reads_in_its_params(dvc, plan, stamps, gpu_like_stamps, matmul_stamps):
+def test_every_stage_lists_every_config_key_it_reads_in_its_params(dvc, plan, stamps, gpu_like_stamps, matmul_stamps,
+                                                                   moe_stamps):
     read = {(POINT, stage): set(stamps[stage]["config_keys"])
             | set((gpu_like_stamps.get(stage) or {}).get("config_keys") or []) for stage in POINT_STAGES}
     for stage, made in matmul_stamps.items():
         read[MATMUL, stage] = set().union(*(m["config_keys"] for m in made))
+    for stage, made in moe_stamps.items():
+        read[MOE, stage] = set(made["config_keys"])
     for (point, stage), keys in read.items():
         assert keys, stage
         assert not any(k.split(".")[0] in ("run", "sweep") for k in keys)
@@ -279,6 +295,8 @@ def test_every_stage_lists_every_config_key_it_reads_in_its_params(dvc, plan, st
                 missing = uncovered_keys(keys, without(spec, "params", param)["params"], point)
                 assert set(covered) <= set(missing), (stage, param)
     assert "bench.threads" in stamps["reference"]["config_keys"]  # prepare() sets the thread count it computes with
+    for stage in ("kernel", "parity"):  # the bug this guards against: keys op-moe's grouped_mm probe reads, unlisted
+        assert {"shape.moe_d_model", "shape.moe_ffn"} <= read[MOE, stage]
 
 
 @pytest.mark.slow
@@ -304,7 +322,8 @@ def test_an_edit_reruns_the_stages_that_run_the_edited_file_and_no_others(projec
     inputs = root / "runs" / "inputs"
 
     def status() -> set[str]:
-        out = _run(["dvc", "status", "--with-deps", f"receipt@{POINT}", f"parity@{MATMUL}"], root, env).stdout
+        out = _run(["dvc", "status", "--with-deps", f"receipt@{POINT}", f"parity@{MATMUL}", f"parity@{MOE}"],
+                   root, env).stdout
         return {line[:-1] for line in out.splitlines() if line.endswith(":") and not line[0].isspace()}
 
     def after_editing(path: str) -> tuple[set[str], set[str], set[str]]:

@@ -164,3 +164,11 @@ def test_write_inputs_writes_every_point_stage_of_the_plan(tmp_path):
     assert "posttrainllm/measure/curves.py" in made["sources"]  # a folder: every .py file under it
     assert made["params"]["config.op"] == points["op-matmul"]["config"]["op"]
 
+
+def test_an_ops_own_config_reads_are_listed_for_its_points_only():
+    moe = {"config": {"op": {"name": "moe"}, "tile": {"name": "b32"}, "workgroup": {"name": "w4s2"}}}
+    attention = {"config": {**moe["config"], "op": {"name": "attention"}}}
+    probe = ["config.shape.moe_d_model", "config.shape.moe_ffn"]  # opdefs/moe.py probes grouped_mm at that size
+    for stage in ("kernel", "parity", "bench_train"):
+        assert sweep.stage_deps(stage, moe)["params"][-2:] == probe
+        assert not set(probe) & set(sweep.stage_deps(stage, attention)["params"])

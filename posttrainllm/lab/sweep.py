@@ -231,6 +231,17 @@ def op_sources(stage: str, config: dict[str, Any]) -> list[str]:
     return files
 
 
+def op_params(stage: str, config: dict[str, Any]) -> list[str]:
+    """The config keys the op's own code reads in `stage` beyond the stage's STAGE_PARAMS.
+
+    op=moe probes whether its grouped_mm path runs (which paths the point has: every stage that lists
+    them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (opdefs/moe.py).
+    """
+    if config["op"]["name"] == "moe" and stage in ("kernel", "parity", "bench_train"):
+        return ["config.shape.moe_d_model", "config.shape.moe_ffn"]
+    return []
+
+
 def stage_deps(stage: str, point: dict[str, Any]) -> dict[str, list[str]]:
     """What a planned point's stage depends on: {"sources": files and folders, "params": paths in the point}."""
     if stage not in POINT_STAGES:
@@ -239,7 +250,7 @@ def stage_deps(stage: str, point: dict[str, Any]) -> dict[str, list[str]]:
                                   *op_sources(stage, point["config"])]))
     folders = [s for s in sources if not s.endswith(".py")]
     sources = [s for s in sources if not any(s.startswith(folder + "/") for folder in folders)]  # each file once
-    return {"sources": sources, "params": list(STAGE_PARAMS[stage])}
+    return {"sources": sources, "params": [*STAGE_PARAMS[stage], *op_params(stage, point["config"])]}
 
 
 def source_files(sources: list[str], root: Path) -> list[str]:
