@@ -530,6 +530,9 @@ class SweepConfig:
     vary: dict[str, list[str]] = field(default_factory=dict)
     points: dict[str, dict[str, str]] = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
+    # Key overrides of the baseline point alone (the default sweep: the peers users reach for, op.peers): the
+    # points that change a dimension start from the baseline's group choices, not from these
+    baseline_overrides: list[str] = field(default_factory=list)
 
 
 @dataclass

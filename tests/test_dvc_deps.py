@@ -1,17 +1,21 @@
-"""Complete, checked dependencies: dvc.yaml against what each stage imports and reads, and stamps.
+"""Complete, checked dependencies: what each stage depends on against what it imports and reads, and stamps.
 
-Every stage's `deps` must cover every posttrainllm module its process loads and its `params`
-every config key it reads; both are derived by running the stages of one point (in a copy of
-the project, with `dvc repro`) and reading their stamps (posttrainllm/track/stamp.py). On a
-CPU the timed stages skip the Triton path (interpreter timings are not speed), so microbench
-and bench_train also run once more "as on a GPU" (the interpreter counted as a device: what
-they import and read is the point, not their numbers). The receipt refuses stamps that
-disagree about shared code, and a speed-only kernel edit reruns the timed stages.
+A point stage depends on its inputs file runs/inputs/<point>/<stage>.json (dvc.yaml), which lists,
+from the point's config, every file it runs and every config key it reads (posttrainllm/lab/sweep.py
+`stage_deps`); the other stages list theirs in dvc.yaml. Each must cover every posttrainllm module its
+process loads and every config key it reads; both are derived by running the stages of two points of
+different ops (in a copy of the project, with `dvc repro`) and reading their stamps
+(posttrainllm/track/stamp.py). On a CPU the timed stages skip the Triton path (interpreter timings
+are not speed), so microbench and bench_train also run once more "as on a GPU" (the interpreter
+counted as a device: what they import and read is the point, not their numbers). A point stage lists
+an op's kernel file exactly where it runs it, so an edit reruns the points that run the edited code
+and no others. The receipt refuses stamps that disagree about shared code.
 """
 
 import copy
 import functools
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -20,13 +24,17 @@ import pytest
 from conftest import run_command as _run
 import yaml
 
-from posttrainllm.config import Contract, TileConfig
-
+from posttrainllm.config import PROJECT_ROOT, ConfigError, Contract, TileConfig
+from posttrainllm.lab import sweep
 from posttrainllm.lab.configure import load
 from posttrainllm.track import stamp
 
 POINT = "baseline"
-POINT_STAGES = ("reference", "kernel", "parity", "microbench", "bench_train", "receipt")
+MATMUL = "op-matmul"  # a point of another op: its kernel is not attention's
+MOE = "op-moe"  # one more op, up to parity: its paths depend on its shape (opdefs/moe.py probes grouped_mm)
+POINT_STAGES = sweep.POINT_STAGES
+KERNEL_STAGES = sweep.KERNEL_STAGES  # the stages that run the op's Triton path
+ALWAYS_CHANGED = {"device", "inputs"}  # dvc.yaml: they run on every `dvc repro`
 ENV_RECORD = {stamp.RECORD_ENV: "1"}  # the timed stages record their config reads too
 
 # Run a stage script with the Triton path treated as on a GPU (timed, profiled): what it imports and reads.
@@ -56,12 +64,19 @@ IMPORTS = (
 # --- the checks, as functions (so that each is also shown to fail) ------------------------------
 
 
-def stage_spec(dvc: dict, stage: str, point: str = POINT) -> dict:
-    """A stage's deps, params and outs from dvc.yaml's dict, `${key}` / `${item}` of a foreach stage set to `point`."""
+def stage_spec(dvc: dict, stage: str, point: str = POINT, plan: dict | None = None) -> dict:
+    """A stage's deps, params and outs from dvc.yaml's dict, `${key}` / `${item}` of a foreach stage set to `point`.
+
+    A point stage's inputs file stands for what it lists: the planned point's `stage_deps` (plan: params.yaml),
+    its params as `points.<point>.<path>`; `${item.<path>}` is the planned point's value.
+    """
     spec = dvc["stages"][stage]
     spec = spec.get("do", spec)
 
     def sub(text: str) -> str:
+        if plan is not None and point in plan["points"]:  # ${item.a.b}: a value of the planned point
+            text = re.sub(r"\$\{item\.([\w.]+)\}", lambda m: str(functools.reduce(
+                lambda value, part: value[part], m[1].split("."), plan["points"][point])), text)
         return text.replace("${key}", point).replace("${item}", point)
 
     deps = [sub(next(iter(d)) if isinstance(d, dict) else d) for d in spec.get("deps", [])]
@@ -71,6 +86,10 @@ def stage_spec(dvc: dict, stage: str, point: str = POINT) -> dict:
             params += [f"{sub(file)}:{key}" for file, keys in p.items() for key in keys]
         else:
             params.append(sub(p))
+    if f"runs/inputs/{point}/{stage}.json" in deps:
+        planned = sweep.stage_deps(stage, plan["points"][point])
+        deps += planned["sources"]
+        params += [f"points.{point}.{path}" for path in planned["params"]]
     outs = [sub(next(iter(o)) if isinstance(o, dict) else o) for o in spec.get("outs", [])]
     return {"deps": deps, "params": params, "outs": outs}
 
@@ -87,23 +106,37 @@ def uncovered_keys(keys, params: list[str], point: str = POINT) -> list[str]:
     return sorted(key for key, name in full.items() if not any(name == p or name.startswith(p + ".") for p in params))
 
 
-def without(dvc: dict, stage: str, field: str, entry: str) -> dict:
-    """dvc.yaml's dict with one entry of one stage's deps or params removed."""
-    changed = copy.deepcopy(dvc)
-    spec = changed["stages"][stage].get("do", changed["stages"][stage])
-    spec[field] = [e for e in spec[field] if e != entry]
-    assert len(spec[field]) < len(dvc["stages"][stage].get("do", dvc["stages"][stage])[field]), entry
-    return changed
+def without(spec: dict, field: str, entry: str) -> dict:
+    """A stage spec with one entry of its deps or params removed."""
+    fewer = {**spec, field: [e for e in spec[field] if e != entry]}
+    assert len(fewer[field]) < len(spec[field]), entry
+    return fewer
 
 
-# --- a copy of the project, one point reproduced ------------------------------------------------
+def listed_kernels(plan: dict, point: str, stage: str, root: Path = PROJECT_ROOT) -> set[str]:
+    """The posttrainllm/ops/ files a point's stage depends on (its inputs file's sources)."""
+    files = sweep.source_files(sweep.stage_deps(stage, plan["points"][point])["sources"], root)
+    return {f for f in files if f.startswith("posttrainllm/ops/")}
+
+
+# --- a copy of the project, two points reproduced ------------------------------------------------
+
+
+def _with_points_of_other_ops(root: Path) -> None:
+    """The smoke sweep and points of other ops (op-matmul, op-moe: one dimension changed each)."""
+    path = root / "conf" / "sweep" / "smoke.yaml"
+    plan = yaml.safe_load(path.read_text())
+    plan["vary"]["op"] = ["matmul", "moe"]
+    path.write_text(yaml.safe_dump(plan, sort_keys=False))
 
 
 @pytest.fixture(scope="module")
 def project(project_copy):
-    """A committed copy of the project, the smoke sweep planned and its baseline point reproduced."""
-    root, env = project_copy("deps", sweep="smoke", env=ENV_RECORD)
-    _run(["dvc", "repro", f"receipt@{POINT}"], root, env)
+    """A committed copy of the project, the smoke sweep, op-matmul and op-moe planned, the baseline point
+    reproduced, op-matmul and op-moe up to parity (what the timed stages read). Every stage checks its stamp
+    against its inputs file (lab/pipeline.py `stamped`): a file or key missing there fails `dvc repro`."""
+    root, env = project_copy("deps", sweep="smoke", edit=_with_points_of_other_ops, env=ENV_RECORD)
+    _run(["dvc", "repro", f"receipt@{POINT}", f"parity@{MATMUL}", f"parity@{MOE}"], root, env)
     return root, env
 
 
@@ -114,31 +147,62 @@ def dvc(project):
 
 
 @pytest.fixture(scope="module")
+def plan(project):
+    root, _ = project
+    return yaml.safe_load((root / "params.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
 def stamps(project):
     root, _ = project
     return stamp.read_stamps(root / "runs" / POINT)
 
 
-@pytest.fixture(scope="module")
-def gpu_like_stamps(project, tmp_path_factory):
-    """microbench and bench_train of a smaller copy of the point, the Triton path timed as on a GPU."""
-    root, env = project
-    side = tmp_path_factory.mktemp("gpu_like")
+def _gpu_like(root: Path, env: dict, side: Path, point: str) -> dict:
+    """microbench and bench_train of a smaller copy of `point` in `side`, the Triton path timed as on a GPU."""
     params = yaml.safe_load((root / "params.yaml").read_text())
-    config = params["points"][POINT]["config"]
+    config = params["points"][point]["config"]
     config["shape"]["curve"] = [32, 64]
     config["bench"].update(warmup=0, reps=1, max_reps=1, min_time_s=0.0)
     config["train"].update(steps=2, warmup_steps=1)
-    params["points"] = {POINT: params["points"][POINT]}
+    params["points"] = {point: params["points"][point]}
     (side / "params.yaml").write_text(yaml.safe_dump(params))
-    (side / "runs" / POINT).mkdir(parents=True)
+    (side / "runs" / point).mkdir(parents=True)
     shutil.copy(root / "runs" / "calibration.json", side / "runs")
-    shutil.copy(root / "runs" / POINT / "parity.json", side / "runs" / POINT)
+    shutil.copy(root / "runs" / point / "parity.json", side / "runs" / point)
     for stage in ("microbench", "bench_train"):
-        _run([sys.executable, "-c", GPU_LIKE, str(root / "pipelines" / f"{stage}.py"), POINT], side, env)
-    made = stamp.read_stamps(side / "runs" / POINT)
+        _run([sys.executable, "-c", GPU_LIKE, str(root / "pipelines" / f"{stage}.py"), point], side, env)
+    made = stamp.read_stamps(side / "runs" / point)
     assert set(made) == {"microbench", "bench_train"}
-    assert json.loads((side / "runs" / POINT / "microbench.json").read_text())["paths"]["triton"]["valid"]
+    assert json.loads((side / "runs" / point / "microbench.json").read_text())["paths"]["triton"]["valid"]
+    return made
+
+
+@pytest.fixture(scope="module")
+def gpu_like_stamps(project, tmp_path_factory):
+    """microbench and bench_train of the baseline, as on a GPU."""
+    root, env = project
+    return _gpu_like(root, env, tmp_path_factory.mktemp("gpu_like"), POINT)
+
+
+@pytest.fixture(scope="module")
+def matmul_stamps(project, tmp_path_factory):
+    """op-matmul's stamps, stage: [made]: reference, kernel, parity as DVC ran them, microbench and bench_train
+    as on a GPU."""
+    root, env = project
+    made = {stage: [found] for stage, found in stamp.read_stamps(root / "runs" / MATMUL).items()}
+    assert set(made) == {"reference", "kernel", "parity"}
+    for stage, found in _gpu_like(root, env, tmp_path_factory.mktemp("gpu_like_matmul"), MATMUL).items():
+        made[stage] = [found]
+    return made
+
+
+@pytest.fixture(scope="module")
+def moe_stamps(project):
+    """op-moe's reference, kernel and parity stamps, as DVC ran them."""
+    root, _ = project
+    made = stamp.read_stamps(root / "runs" / MOE)
+    assert set(made) == {"reference", "kernel", "parity"}
     return made
 
 
@@ -152,66 +216,88 @@ def _imports_of(root: Path, env: dict, script: str, *args: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_every_stage_depends_on_every_module_it_loads(project, dvc, stamps, gpu_like_stamps, tmp_path):
+def test_every_stage_depends_on_every_module_it_loads(project, dvc, plan, stamps, gpu_like_stamps, matmul_stamps,
+                                                      moe_stamps, tmp_path):
     root, env = project
     assert set(stamps) == set(POINT_STAGES)
-    loaded = {stage: set(stamps[stage]["sources"]) for stage in POINT_STAGES}
+    loaded = {(POINT, stage): set(stamps[stage]["sources"]) for stage in POINT_STAGES}
     for stage, made in gpu_like_stamps.items():
-        loaded[stage] |= set(made["sources"])
-    loaded["device"] = set(_imports_of(root, env, "pipelines/device.py", str(tmp_path / "device.json")))
-    loaded["calibrate"] = set(_imports_of(root, env, "pipelines/calibrate.py", str(tmp_path / "calibration.json")))
-    assert "posttrainllm/ops/attention.py" in loaded["microbench"]  # the GPU path: what was missed before
+        loaded[POINT, stage] |= set(made["sources"])
+    for stage, made in matmul_stamps.items():
+        loaded[MATMUL, stage] = set().union(*(m["sources"] for m in made))
+    for stage, made in moe_stamps.items():
+        loaded[MOE, stage] = set(made["sources"])
+    for stage in ("device", "calibrate", "inputs"):
+        out = str(tmp_path / ("runs/inputs" if stage == "inputs" else f"{stage}.json"))
+        loaded[POINT, stage] = set(_imports_of(root, env, f"pipelines/{stage}.py", out))
+    assert "posttrainllm/ops/attention.py" in loaded[POINT, "microbench"]  # the GPU path: what was missed before
+    assert "posttrainllm/ops/matmul.py" in loaded[MATMUL, "microbench"]
 
-    for stage, sources in loaded.items():
+    for (point, stage), sources in loaded.items():
         assert f"pipelines/{stage}.py" in sources
-        deps = stage_spec(dvc, stage)["deps"]
-        assert uncovered_sources(sources, deps) == [], f"dvc.yaml: stage {stage} misses deps"
+        spec = stage_spec(dvc, stage, point, plan)
+        assert uncovered_sources(sources, spec["deps"]) == [], f"stage {stage} of {point} misses deps"
         # and the check bites: without any one dep that covers a loaded file, that file is reported
-        for dep in deps:
+        for dep in spec["deps"]:
             covered = [s for s in sources if s == dep or s.startswith(dep + "/")]
             if covered:
-                missing = uncovered_sources(sources, stage_spec(without(dvc, stage, "deps", _raw_dep(dvc, stage, dep)),
-                                                                stage)["deps"])
-                assert set(covered) <= set(missing), (stage, dep)
-
-
-def _raw_dep(dvc: dict, stage: str, dep: str) -> str:
-    """A dep as written in dvc.yaml (with `${key}`), from its form with the point filled in."""
-    spec = dvc["stages"][stage].get("do", dvc["stages"][stage])
-    return next(d for d in spec["deps"] if d.replace("${key}", POINT) == dep)
+                assert set(covered) <= set(uncovered_sources(sources, without(spec, "deps", dep)["deps"])), (stage, dep)
 
 
 @pytest.mark.slow
-def test_the_timed_stages_were_missing_the_kernels_and_their_params(dvc, gpu_like_stamps):
-    """The bug this guards against: microbench and bench_train without posttrainllm/ops and the tile params."""
+def test_the_timed_stages_were_missing_the_kernels_and_their_params(dvc, plan, gpu_like_stamps):
+    """The bug this guards against: microbench and bench_train without the op's kernel and the tile params."""
     for stage, made in gpu_like_stamps.items():
-        deps_before = stage_spec(without(dvc, stage, "deps", "posttrainllm/ops"), stage)["deps"]
+        spec = stage_spec(dvc, stage, POINT, plan)
+        deps_before = without(spec, "deps", "posttrainllm/ops/attention.py")["deps"]
         assert "posttrainllm/ops/attention.py" in uncovered_sources(made["sources"], deps_before)
-        params_before = without(dvc, stage, "params", "points.${key}.config.tile")
-        missing = uncovered_keys(made["config_keys"], stage_spec(params_before, stage)["params"])
-        assert {"tile.block_q", "tile.block_kv"} <= set(missing), stage
+        params_before = without(spec, "params", f"points.{POINT}.config.tile")["params"]
+        assert {"tile.block_q", "tile.block_kv"} <= set(uncovered_keys(made["config_keys"], params_before)), stage
+
+
+@pytest.mark.slow
+def test_a_point_stage_lists_an_ops_kernel_file_exactly_where_it_runs_it(plan, stamps, gpu_like_stamps, matmul_stamps,
+                                                                        moe_stamps):
+    """What was seen: after an edit of ops/attention.py, `dvc status` listed microbench and bench_train of
+    every point, op-matmul's too, though its stamps showed no attention kernel loaded."""
+    ran = {POINT: {stage: [stamps[stage], *([gpu_like_stamps[stage]] if stage in gpu_like_stamps else [])]
+                   for stage in POINT_STAGES},
+           MATMUL: matmul_stamps, MOE: {stage: [made] for stage, made in moe_stamps.items()}}
+    for point, by_stage in ran.items():
+        for stage, made in by_stage.items():
+            loaded = {f for m in made for f in m["sources"] if f.startswith("posttrainllm/ops/")}
+            assert listed_kernels(plan, point, stage) == loaded, (point, stage)
+    assert "posttrainllm/ops/attention.py" not in listed_kernels(plan, MATMUL, "microbench")
+    assert "posttrainllm/ops/attention.py" in listed_kernels(plan, MATMUL, "kernel")  # its launch geometry's note
 
 
 # --- (b) params cover every config key a stage reads ---------------------------------------------
 
 
 @pytest.mark.slow
-def test_every_stage_lists_every_config_key_it_reads_in_its_params(dvc, stamps, gpu_like_stamps):
-    for stage in POINT_STAGES:
-        keys = set(stamps[stage]["config_keys"]) | set((gpu_like_stamps.get(stage) or {}).get("config_keys") or [])
+def test_every_stage_lists_every_config_key_it_reads_in_its_params(dvc, plan, stamps, gpu_like_stamps, matmul_stamps,
+                                                                   moe_stamps):
+    read = {(POINT, stage): set(stamps[stage]["config_keys"])
+            | set((gpu_like_stamps.get(stage) or {}).get("config_keys") or []) for stage in POINT_STAGES}
+    for stage, made in matmul_stamps.items():
+        read[MATMUL, stage] = set().union(*(m["config_keys"] for m in made))
+    for stage, made in moe_stamps.items():
+        read[MOE, stage] = set(made["config_keys"])
+    for (point, stage), keys in read.items():
         assert keys, stage
         assert not any(k.split(".")[0] in ("run", "sweep") for k in keys)
-        params = stage_spec(dvc, stage)["params"]
-        assert uncovered_keys(keys, params) == [], f"dvc.yaml: stage {stage} misses params"
+        spec = stage_spec(dvc, stage, point, plan)
+        assert uncovered_keys(keys, spec["params"], point) == [], f"stage {stage} of {point} misses params"
         # and the check bites: without any one param that covers a key read, that key is reported
-        for param in dvc["stages"][stage]["do"]["params"]:
-            name = param.replace("${key}", POINT)
-            covered = [k for k in keys if f"points.{POINT}.config.{k}" == name
-                       or f"points.{POINT}.config.{k}".startswith(name + ".")]
+        for param in spec["params"]:
+            covered = [k for k in keys if f"points.{point}.config.{k}" == param
+                       or f"points.{point}.config.{k}".startswith(param + ".")]
             if covered:
-                missing = uncovered_keys(keys, stage_spec(without(dvc, stage, "params", param), stage)["params"])
+                missing = uncovered_keys(keys, without(spec, "params", param)["params"], point)
                 assert set(covered) <= set(missing), (stage, param)
     assert "bench.threads" in stamps["reference"]["config_keys"]  # prepare() sets the thread count it computes with
+    for stage in ("kernel", "parity"):  # the bug this guards against: keys op-moe's grouped_mm probe reads, unlisted
+        assert {"shape.moe_d_model", "shape.moe_ffn"} <= read[MOE, stage]
 
 
 @pytest.mark.slow
@@ -228,27 +314,131 @@ def test_stamps_carry_the_revision_the_device_and_are_in_the_receipt(project, st
     assert receipt["stamps"] == {s: stamps[s] for s in POINT_STAGES if s != "receipt"}
 
 
-# --- (d) a speed-only kernel edit reruns the timed stages -----------------------------------------
+# --- (d) an edit reruns the points that run the edited code and no others ------------------------
 
 
 @pytest.mark.slow
-def test_a_speed_only_kernel_edit_reruns_the_timed_stages_not_reference(project):
+def test_an_edit_reruns_the_stages_that_run_the_edited_file_and_no_others(project):
     root, env = project
+    inputs = root / "runs" / "inputs"
 
-    def changed() -> set[str]:
-        out = _run(["dvc", "status", "--with-deps", f"receipt@{POINT}"], root, env).stdout
+    def status() -> set[str]:
+        out = _run(["dvc", "status", "--with-deps", f"receipt@{POINT}", f"parity@{MATMUL}", f"parity@{MOE}"],
+                   root, env).stdout
         return {line[:-1] for line in out.splitlines() if line.endswith(":") and not line[0].isspace()}
 
-    assert changed() <= {"device"}  # always changed by design; everything else is up to date
-    kernel = root / "posttrainllm" / "ops" / "attention.py"
-    original = kernel.read_text()
-    try:
-        kernel.write_text(original + "# a speed-only edit\n")
-        listed = changed()
-    finally:
-        kernel.write_text(original)
-    assert {f"kernel@{POINT}", f"microbench@{POINT}", f"bench_train@{POINT}"} <= listed
-    assert f"reference@{POINT}" not in listed and f"parity@{POINT}" not in listed and "calibrate" not in listed
+    def after_editing(path: str) -> tuple[set[str], set[str], set[str]]:
+        """What `dvc status` lists at once and once the inputs stage saw the edit, and which inputs files changed."""
+        before = {f.relative_to(inputs).as_posix(): f.read_bytes() for f in inputs.rglob("*.json")}
+        edited = root / path
+        original = edited.read_text()
+        try:
+            edited.write_text(original + "# a speed-only edit\n")
+            at_once = status() - ALWAYS_CHANGED
+            _run(["dvc", "repro", "inputs"], root, env)
+            listed = status() - ALWAYS_CHANGED
+            changed = {name for name, content in before.items() if (inputs / name).read_bytes() != content}
+        finally:
+            edited.write_text(original)
+            _run(["dvc", "repro", "inputs"], root, env)
+        return at_once, listed, changed
+
+    assert status() <= ALWAYS_CHANGED  # everything else is up to date
+    at_once, listed, changed = after_editing("posttrainllm/ops/attention.py")
+    assert at_once == {f"kernel@{POINT}", f"microbench@{POINT}", f"bench_train@{POINT}"}  # they name ops/<op>.py
+    assert listed == at_once | {f"kernel@{MATMUL}"}  # op-matmul's launch geometry reads the module's note
+    assert changed == {f"{point}/{stage}.json" for point in (POINT, "precision-fp16") for stage in KERNEL_STAGES} | {
+        f"{MATMUL}/kernel.json"}
+    at_once, listed, changed = after_editing("posttrainllm/ops/matmul.py")
+    assert at_once == listed == {f"kernel@{MATMUL}"}  # its timed stages did not run in this copy
+    assert changed == {f"{MATMUL}/{stage}.json" for stage in KERNEL_STAGES}
+    assert status() <= ALWAYS_CHANGED
+
+
+def test_an_edit_changes_the_inputs_of_the_default_sweeps_points_that_run_it_and_no_others(tmp_path):
+    """The default sweep (the committed params.yaml): which point stages an edit of each kernel reruns."""
+    for folder in ("pipelines", "posttrainllm"):
+        shutil.copytree(PROJECT_ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    points = sweep.read_points(PROJECT_ROOT / "params.yaml")["points"]
+
+    def inputs() -> dict[tuple[str, str], dict]:
+        return {(name, stage): sweep.stage_inputs(name, stage, point, tmp_path)
+                for name, point in points.items() for stage in POINT_STAGES}
+
+    ops = {name: point["config"]["op"]["name"] for name, point in points.items()}
+    assert {"attention", "matmul", "decode_attention", "moe"} <= set(ops.values())
+    before = inputs()
+    for kernel in ("attention", "matmul", "decode_attention", "moe"):
+        path = tmp_path / "posttrainllm" / "ops" / f"{kernel}.py"
+        original = path.read_text()
+        path.write_text(original + "# a speed-only edit\n")
+        after = inputs()
+        path.write_text(original)
+        changed = {key for key in before if after[key] != before[key]}
+        expected = {(name, stage) for name, op in ops.items() if op == kernel for stage in KERNEL_STAGES}
+        if kernel == "attention":  # opdefs/matmul.py's launch geometry reads ops/attention.py's AUTO_CPU_NOTE
+            expected |= {(name, "kernel") for name, op in ops.items() if op == "matmul"}
+        assert changed == expected, kernel
+    assert inputs() == before
+
+
+def test_point_stages_depend_on_their_inputs_file_which_every_repro_rewrites():
+    dvc = yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())
+    for stage in POINT_STAGES:
+        spec = dvc["stages"][stage]["do"]
+        assert spec["deps"][0] == f"runs/inputs/${{key}}/{stage}.json"
+        # the code and the config reach a point stage through its inputs file, and its op's kernel by name too
+        code = [d for d in spec["deps"] if d.startswith(("posttrainllm", "pipelines", "conf", "params"))]
+        assert code == (["posttrainllm/ops/${item.config.op.name}.py"] if stage in KERNEL_STAGES else []), stage
+        assert "params" not in spec, stage
+    inputs = dvc["stages"]["inputs"]
+    assert inputs["always_changed"] is True and inputs["outs"] == [{"runs/inputs": {"cache": False}}]
+    assert inputs["cmd"] == "python pipelines/inputs.py runs/inputs"
+
+
+# --- a stage refuses to finish on code or config its inputs file does not list -----------------------
+
+
+def test_check_inputs_refuses_a_file_or_a_key_the_inputs_file_does_not_list():
+    made = {"stage": "kernel", "sources": {"pipelines/kernel.py": "a" * 64, "posttrainllm/ops/matmul.py": "b" * 64},
+            "config_keys": ["tile.block_m", "op.name"]}
+    listed = {"sources": {"pipelines/kernel.py": "a" * 64, "posttrainllm/ops/matmul.py": "c" * 64},
+              "params": {"config.tile": {}, "config.op": {}}}
+    stamp.check_inputs(made, listed, "runs/inputs/x/kernel.json")  # the hashes may differ: a set check
+    stamp.check_inputs({**made, "config_keys": None}, listed, "here")  # a timed stage's reads unrecorded
+    fewer = {**listed, "sources": {"pipelines/kernel.py": "a" * 64}}
+    with pytest.raises(stamp.StampMismatch, match=r"^stage kernel ran with posttrainllm/ops/matmul.py, which "
+                                                  r"runs/inputs/x/kernel.json does not list: DVC would not rerun"):
+        stamp.check_inputs(made, fewer, "runs/inputs/x/kernel.json")
+    with pytest.raises(stamp.StampMismatch, match=r"ran with config key tile.block_m, which here does not list"):
+        stamp.check_inputs(made, {**listed, "params": {"config.tile.block_n": 32, "config.op": {}}}, "here")
+
+
+def test_a_point_stage_that_ran_code_its_inputs_file_does_not_list_exits_2(planned, monkeypatch, capsys):
+    from posttrainllm.lab import pipeline
+
+    monkeypatch.setattr(pipeline, "_stage", lambda name: lambda cfg, sweep_: None)
+    loaded = {"pipelines/parity.py": "a" * 64, "posttrainllm/ops/matmul.py": "b" * 64}
+    monkeypatch.setattr(stamp, "stage_sources", lambda stage, root=PROJECT_ROOT: dict(loaded))
+    inputs = planned / "runs" / "inputs" / POINT / "parity.json"
+    inputs.parent.mkdir(parents=True)
+    inputs.write_text(json.dumps({"sources": {"pipelines/parity.py": "a" * 64}, "params": {"config": {}}}))
+
+    assert pipeline.run_stage("parity", [POINT]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if not line.endswith(" ...")]
+    assert lines == [f"posttrainllm: parity {POINT}: stage parity ran with posttrainllm/ops/matmul.py, which "
+                     f"runs/inputs/{POINT}/parity.json does not list: DVC would not rerun it when that changes; "
+                     "add it to posttrainllm/lab/sweep.py `stage_deps`, then `dvc repro`"]
+    inputs.write_text(json.dumps({"sources": loaded, "params": {"config": {}}}))
+    assert pipeline.run_stage("parity", [POINT]) == 0
+
+
+def test_an_inputs_file_names_a_missing_source_in_one_line(tmp_path):
+    point = {"changes": {}, "config": {"op": {"name": "nosuchop"}, "tile": {"name": "b32"},
+                                       "workgroup": {"name": "w4s2"}}}
+    with pytest.raises(ConfigError, match=r"^posttrainllm/ops/nosuchop.py: not found under .*, but a point stage "
+                                          r"depends on it \(posttrainllm/lab/sweep.py `stage_deps`\)$"):
+        sweep.stage_inputs("p", "kernel", point, PROJECT_ROOT)
 
 
 # --- (e) the heads stages (posttrainllm/lab/heads.py): the same checks, config keys mapped to conf/ files ----

@@ -1,5 +1,6 @@
 """The planner: one dimension at a time around a baseline, a grid only when asked, params.yaml in sync."""
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -120,3 +121,55 @@ def test_read_points_reads_the_committed_plan_and_refuses_a_broken_one(tmp_path)
     (tmp_path / "params.yaml").write_text("sweep: {name: x}\npoints: [baseline]\n")
     with pytest.raises(ConfigError, match="not a sweep plan"):
         sweep.read_points(tmp_path / "params.yaml")
+
+
+def _kernels(stage: str, op: str, tile: str = "b32", workgroup: str = "w4s2") -> list[str]:
+    point = {"config": {"op": {"name": op}, "tile": {"name": tile}, "workgroup": {"name": workgroup}}}
+    return [s for s in sweep.stage_deps(stage, point)["sources"] if s.startswith("posttrainllm/ops")]
+
+
+def test_a_point_stage_depends_on_its_ops_kernel_only_where_it_runs_it():
+    common = ["posttrainllm/ops/__init__.py", "posttrainllm/ops/reference.py"]
+    attention, matmul = "posttrainllm/ops/attention.py", "posttrainllm/ops/matmul.py"
+    for stage in ("reference", "parity", "receipt"):
+        assert _kernels(stage, "attention") == common and _kernels(stage, "moe") == common
+    for stage in ("kernel", "microbench", "bench_train"):
+        assert _kernels(stage, "attention") == [*common, attention]
+        assert _kernels(stage, "moe") == [*common, "posttrainllm/ops/moe.py"]
+        assert _kernels(stage, "decode_attention") == [*common, "posttrainllm/ops/decode_attention.py"]
+        # matmul's autotuner asks ops/attention.py for the device's shared memory
+        assert _kernels(stage, "matmul", tile="auto") == [*common, matmul, attention]
+        assert _kernels(stage, "matmul", workgroup="auto") == [*common, matmul, attention]
+    assert _kernels("kernel", "matmul") == [*common, matmul, attention]  # the launch geometry's AUTO_CPU_NOTE
+    assert _kernels("microbench", "matmul") == _kernels("bench_train", "matmul") == [*common, matmul]
+
+
+def test_stage_deps_name_the_script_each_file_once_and_the_keys_read():
+    point = {"config": {"op": {"name": "attention"}, "tile": {"name": "b32"}, "workgroup": {"name": "w4s2"}}}
+    deps = sweep.stage_deps("microbench", point)
+    assert deps["sources"][0] == "pipelines/microbench.py" and len(deps["sources"]) == len(set(deps["sources"]))
+    assert "config.tile" in deps["params"] and "config.train" not in deps["params"]
+    assert sweep.stage_deps("receipt", point)["params"] == ["changes", "config"]
+    with pytest.raises(ValueError, match="unknown point stage 'device': the point stages are reference, kernel"):
+        sweep.stage_deps("device", point)
+
+
+def test_write_inputs_writes_every_point_stage_of_the_plan(tmp_path):
+    sweep.write_inputs(PROJECT_ROOT / "params.yaml", tmp_path / "inputs", PROJECT_ROOT)
+    points = sweep.read_points(PROJECT_ROOT / "params.yaml")["points"]
+    written = sorted(p.relative_to(tmp_path / "inputs").as_posix() for p in (tmp_path / "inputs").rglob("*.json"))
+    assert written == sorted(f"{name}/{stage}.json" for name in points for stage in sweep.POINT_STAGES)
+    made = json.loads((tmp_path / "inputs" / "op-matmul" / "microbench.json").read_text())
+    assert made["point"] == "op-matmul" and made["stage"] == "microbench"
+    assert "posttrainllm/ops/matmul.py" in made["sources"] and "posttrainllm/ops/attention.py" not in made["sources"]
+    assert "posttrainllm/measure/curves.py" in made["sources"]  # a folder: every .py file under it
+    assert made["params"]["config.op"] == points["op-matmul"]["config"]["op"]
+
+
+def test_an_ops_own_config_reads_are_listed_for_its_points_only():
+    moe = {"config": {"op": {"name": "moe"}, "tile": {"name": "b32"}, "workgroup": {"name": "w4s2"}}}
+    attention = {"config": {**moe["config"], "op": {"name": "attention"}}}
+    probe = ["config.shape.moe_d_model", "config.shape.moe_ffn"]  # opdefs/moe.py probes grouped_mm at that size
+    for stage in ("kernel", "parity", "bench_train"):
+        assert sweep.stage_deps(stage, moe)["params"][-2:] == probe
+        assert not set(probe) & set(sweep.stage_deps(stage, attention)["params"])

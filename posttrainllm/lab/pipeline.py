@@ -5,8 +5,9 @@ point stages (`run_stage`) and the heads stages (lab/heads.py) both go through t
 
 Exit codes: 0 done, including a point whose contract broke or a lossy speculative decode (a
 verdict, recorded in its report: the sweep runs on, and `posttrainllm report` exits 1 on a broken
-contract); 2 bad config, a point that does not fit in memory, or stages whose stamps disagree
-about the code they shared; 3 the receipt's MLflow run could not be logged (its JSON is kept).
+contract); 2 bad config, a point that does not fit in memory, stages whose stamps disagree
+about the code they shared, or a stage that ran code its inputs file does not list (DVC would
+not rerun it on that code); 3 the receipt's MLflow run could not be logged (its JSON is kept).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from posttrainllm.files import point_dir, read_json
 PARAMS = Path("params.yaml")
 RUNS = "runs"
 CALIBRATION = Path(RUNS) / "calibration.json"
+INPUTS = Path(RUNS) / "inputs"  # runs/inputs/<point>/<stage>.json: what DVC reruns a point stage on (lab/sweep.py)
 TIMED_STAGES = ("microbench", "bench_train")  # they run timing loops: approval on a GPU (lab/approval.py)
 
 
@@ -94,11 +96,14 @@ class StageRun:
     folder: Path  # the stamp goes to folder/stamps/<stage>.json
     work: Callable[[], Any]
     label: str = ""  # shown in the progress lines (default: the point)
+    inputs: Path | None = None  # what DVC reruns the stage on (a point stage's runs/inputs file), checked at the end
 
 
 def stamped(stage: str, run: StageRun, *, written: tuple[type[Exception], ...] = ()) -> Any:
     """run.work() with the config keys it reads recorded, then its stamp (track/stamp.py); its result.
 
+    The stamp is checked against run.inputs, where given: a file loaded or a key read that the inputs
+    file does not list is refused (StampMismatch), since DVC would not rerun the stage when it changes.
     An exception of a `written` type was raised after the stage had written its files (a broken
     contract, a lossy decode, an MLflow failure): it is stamped too, then re-raised.
     """
@@ -115,7 +120,9 @@ def stamped(stage: str, run: StageRun, *, written: tuple[type[Exception], ...] =
         except written as exc:
             raised = exc
     timing = {"stage_s": time.perf_counter() - started, "process_s": stamp.process_seconds()}
-    stamp.write_stage_stamp(stage, cfg, reads, timing, folder=run.folder, point=run.point)
+    made = stamp.write_stage_stamp(stage, cfg, reads, timing, folder=run.folder, point=run.point)
+    if run.inputs is not None and run.inputs.is_file():  # absent when the script is run without DVC's inputs stage
+        stamp.check_inputs(json.loads(made.read_text()), json.loads(run.inputs.read_text()), run.inputs)
     print(f"posttrainllm: {stage} {run.label or run.point} done in {timing['stage_s']:.1f} s", file=sys.stderr,
           flush=True)
     if raised is not None:
@@ -172,7 +179,8 @@ def run_stage(stage: str, argv: list[str]) -> int:
             return None
         points = sweep.get("points") or [argv[0]]
         where = f" ({points.index(argv[0]) + 1}/{len(points)})" if argv[0] in points else ""
-        return StageRun(cfg, argv[0], point_dir(cfg), lambda: _stage(stage)(cfg, sweep), label=argv[0] + where)
+        return StageRun(cfg, argv[0], point_dir(cfg), lambda: _stage(stage)(cfg, sweep), label=argv[0] + where,
+                        inputs=INPUTS / argv[0] / f"{stage}.json")
 
     return execute(stage, setup, verdicts=(ContractBroken,))
 

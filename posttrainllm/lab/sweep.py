@@ -4,18 +4,23 @@ Each point is the baseline with exactly one dimension changed (`precision-bf16`,
 `tile-b64`, ...). A point that changes two dimensions at once is refused unless
 the sweep asks for a grid. The plan is written to params.yaml, where dvc.yaml's
 `foreach` runs every point as its own cached set of stages.
+
+What each point's stage runs and reads is listed here too, from the point's config
+(`stage_deps`): the `inputs` stage hashes it into runs/inputs/<point>/<stage>.json
+(`write_inputs`), which the stage depends on in dvc.yaml, so an edit reruns the points
+that run the edited code and no others.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from posttrainllm.config import DIMENSIONS, ConfigError, SweepConfig, group_options, point_config
-
+from posttrainllm.config import AUTO, DIMENSIONS, ConfigError, SweepConfig, group_options, point_config
 from posttrainllm.lab.configure import load
 
 HEADER = (
@@ -72,6 +77,8 @@ def plan(sweep: SweepConfig) -> dict[str, Any]:
     for name, changes in point_changes(sweep).items():
         choices = {**sweep.baseline, **changes}
         overrides = [f"{d}={choices[d]}" for d in DIMENSIONS if d in choices] + list(sweep.overrides)
+        if name == "baseline":
+            overrides += list(sweep.baseline_overrides)
         try:
             cfg = load(overrides)
         except ConfigError as exc:
@@ -149,3 +156,178 @@ def refuse_multi_dimension_multirun(overrides: list[str], grid: bool) -> None:
             f"this multirun sweeps {' and '.join(swept_dimensions)} at once: sweep one dimension at a time, "
             "or pass --grid to run the cartesian product"
         )
+
+
+# --- what a point's stages depend on: runs/inputs/<point>/<stage>.json -------------------------------------
+#
+# One place for a point stage's dependencies: its files (a folder stands for every .py file under it) and the
+# config keys it reads, from the point's config. tests/test_dvc_deps.py checks them against what the stages
+# load and read (their stamps), and every stage checks its own stamp against its inputs file when it ends
+# (lab/pipeline.py `stamped`).
+
+POINT_STAGES = ("reference", "kernel", "parity", "microbench", "bench_train", "receipt")
+
+# Every point stage loads these, besides its own script pipelines/<stage>.py
+CORE_SOURCES = (
+    "posttrainllm/__init__.py",
+    "posttrainllm/config.py",
+    "posttrainllm/files.py",
+    "posttrainllm/lab/__init__.py",
+    "posttrainllm/lab/configure.py",
+    "posttrainllm/lab/pipeline.py",
+    "posttrainllm/lab/stages.py",
+    "posttrainllm/lab/guards.py",
+    "posttrainllm/lab/parity.py",
+    "posttrainllm/measure/__init__.py",
+    "posttrainllm/measure/device.py",
+    "posttrainllm/measure/calibrate.py",
+    "posttrainllm/measure/memory.py",
+    "posttrainllm/measure/roofline.py",
+    "posttrainllm/measure/timing.py",
+    "posttrainllm/opdefs",  # every op's definition: validating a config applies the ops' rules
+    "posttrainllm/ops/__init__.py",
+    "posttrainllm/ops/reference.py",
+    "posttrainllm/track/__init__.py",
+    "posttrainllm/track/provenance.py",
+    "posttrainllm/track/receipt.py",
+    "posttrainllm/track/store.py",
+    "posttrainllm/track/stamp.py",
+)
+STAGE_SOURCES = {
+    "microbench": ("posttrainllm/lab/approval.py",  # a GPU times only with approval (POSTTRAINLLM_APPROVE=1)
+                   "posttrainllm/measure", "posttrainllm/track/plots.py"),
+    "bench_train": ("posttrainllm/lab/approval.py", "posttrainllm/model"),
+}
+# The stages that run the op's Triton path: kernel checks it and records its launch geometry; microbench times
+# it and bench_train trains it (on a GPU; bench_train also on a CPU, through the interpreter, for a few steps)
+KERNEL_STAGES = ("kernel", "microbench", "bench_train")
+# The config keys each stage reads, as paths in the point (`config.tile` covers every tile key)
+STAGE_PARAMS = {
+    "reference": ("config.op", "config.precision.dtype", "config.precision.allow_tf32",
+                  "config.precision.lse_contract",  # op=moe: the router's fp32 check (opdefs/moe.py)
+                  "config.precision.quantize",  # fp8: the recipe each case's inputs are quantized by
+                  "config.shape", "config.architecture", "config.device.name", "config.parity",
+                  "config.bench.threads"),
+    "kernel": ("config.op", "config.precision.dtype", "config.precision.allow_tf32", "config.precision.dot_precision",
+               "config.precision.quantize",  # fp8: the quantized paths, the interpreter's emulation note
+               "config.tile", "config.workgroup", "config.architecture", "config.device.name", "config.bench.threads"),
+    "parity": ("config.op",  # op.max_error_only too: outputs without the elementwise count
+               "config.precision", "config.architecture", "config.device.name", "config.bench.threads"),
+    "microbench": ("config.op", "config.precision", "config.tile", "config.workgroup", "config.shape",
+                   "config.architecture", "config.parity", "config.bench", "config.device.name"),
+    "bench_train": ("config.op", "config.precision", "config.tile", "config.workgroup", "config.architecture",
+                    "config.train", "config.bench.threads", "config.device.name"),
+    "receipt": ("changes", "config"),  # it records the whole config and what the point changes
+}
+
+
+def op_sources(stage: str, config: dict[str, Any]) -> list[str]:
+    """The op's kernel code `stage` runs: posttrainllm/ops/<op>.py where it runs the op's Triton path.
+
+    matmul borrows from the attention module: opdefs/matmul.py's launch geometry (the kernel stage) reads
+    its AUTO_CPU_NOTE, and ops/matmul.py's autotuner (tile or workgroup auto) its device_smem_bytes.
+    """
+    files = user_sources(config) if stage in USER_STAGES else []
+    if stage not in KERNEL_STAGES:
+        return files
+    op = config["op"]["name"]
+    quantized = (config["precision"].get("quantize") or {}).get("format")
+    files.append(f"posttrainllm/ops/{'fp8_matmul' if quantized and op == 'matmul' else op}.py")
+    autotune = AUTO in (config["tile"]["name"], config["workgroup"]["name"])
+    if op == "matmul" and (stage == "kernel" or autotune):
+        files.append("posttrainllm/ops/attention.py")
+    return files
+
+
+# The stages whose outputs depend on a user path's code: kernel runs it (and records its identity), parity
+# records its identity and judges its outputs, microbench times it, bench_train trains it
+USER_STAGES = ("kernel", "parity", "microbench", "bench_train")
+
+
+def user_sources(config: dict[str, Any]) -> list[str]:
+    """The files of the point's user paths (op.user_impls): project-relative, or absolute when installed
+    elsewhere (the inputs stage hashes them either way, so an edit reruns the stages that run them)."""
+    specs = config["op"].get("user_impls") or []
+    if not specs:
+        return []
+    from posttrainllm.opdefs import get_op
+    from posttrainllm.opdefs.user import resolve
+
+    op = get_op(config["op"]["name"])
+    return [resolve(spec, op).identity["file"] for spec in specs]
+
+
+def op_params(stage: str, config: dict[str, Any]) -> list[str]:
+    """The config keys the op's own code reads in `stage` beyond the stage's STAGE_PARAMS.
+
+    op=moe probes whether its grouped_mm path runs (which paths the point has: every stage that lists
+    them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (opdefs/moe.py).
+    """
+    if config["op"]["name"] == "moe" and stage in ("kernel", "parity", "bench_train"):
+        return ["config.shape.moe_d_model", "config.shape.moe_ffn"]
+    return []
+
+
+def stage_deps(stage: str, point: dict[str, Any]) -> dict[str, list[str]]:
+    """What a planned point's stage depends on: {"sources": files and folders, "params": paths in the point}."""
+    if stage not in POINT_STAGES:
+        raise ValueError(f"unknown point stage {stage!r}: the point stages are {', '.join(POINT_STAGES)}")
+    sources = list(dict.fromkeys([f"pipelines/{stage}.py", *CORE_SOURCES, *STAGE_SOURCES.get(stage, ()),
+                                  *op_sources(stage, point["config"])]))
+    folders = [s for s in sources if not s.endswith(".py")]
+    sources = [s for s in sources if not any(s.startswith(folder + "/") for folder in folders)]  # each file once
+    return {"sources": sources, "params": [*STAGE_PARAMS[stage], *op_params(stage, point["config"])]}
+
+
+def source_files(sources: list[str], root: Path) -> list[str]:
+    """`sources` with every folder replaced by the .py files under it (root-relative, sorted); a ConfigError
+    names the first that does not exist."""
+    files = set()
+    for source in sources:
+        path = root / source
+        if path.is_dir():
+            files.update(f.relative_to(root).as_posix() for f in path.rglob("*.py"))
+        elif path.is_file():
+            files.add(source)
+        else:
+            raise ConfigError(f"{source}: not found under {root.resolve()}, but a point stage depends on it "
+                              "(posttrainllm/lab/sweep.py `stage_deps`)")
+    return sorted(files)
+
+
+def _value(point: dict[str, Any], key: str) -> Any:
+    value = point
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ConfigError(f"{key}: not in the planned point: regenerate params.yaml with `posttrainllm sweep`")
+        value = value[part]
+    return value
+
+
+def stage_inputs(point_name: str, stage: str, point: dict[str, Any], root: Path = Path("."),
+                 digests: dict[str, str] | None = None) -> dict[str, Any]:
+    """The content of runs/inputs/<point>/<stage>.json: the sha256 of every file the stage runs and the value
+    of every config key it reads. DVC reruns the stage when it changes. `digests`: hashes already taken."""
+    from posttrainllm.track.stamp import file_sha256
+
+    digests = {} if digests is None else digests
+    deps = stage_deps(stage, point)
+    files = source_files(deps["sources"], root)
+    for path in files:
+        if path not in digests:
+            digests[path] = file_sha256(root / path)
+    return {"point": point_name, "stage": stage, "sources": {path: digests[path] for path in files},
+            "params": {key: _value(point, key) for key in deps["params"]}}
+
+
+def write_inputs(params_path: Path, out: Path, root: Path = Path(".")) -> int:
+    """The `inputs` stage: <out>/<point>/<stage>.json for every planned point and point stage (out: runs/inputs)."""
+    points = read_points(params_path)["points"]
+    digests: dict[str, str] = {}
+    for name, point in points.items():
+        for stage in POINT_STAGES:
+            path = out / name / f"{stage}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)  # DVC removes the stage's outs before it runs
+            made = stage_inputs(name, stage, point, root, digests)
+            path.write_text(json.dumps(made, indent=1, sort_keys=True) + "\n")
+    return 0

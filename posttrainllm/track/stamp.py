@@ -17,9 +17,10 @@ heads stages write theirs in runs/heads/base/ and runs/heads/<K name>/):
 The receipt (track/receipt.py `build`) refuses to combine stages whose stamps disagree
 about the code they shared, or timed stages from different devices (`check_consistent`),
 and records every stamp. A revision alone may differ: DVC keeps a stage whose inputs did
-not change across commits. The hashes are taken when the stage ends, as DVC's are. A test
-(tests/test_dvc_deps.py) checks that every source and key of a stamp is covered by the
-stage's `deps` and `params` in dvc.yaml.
+not change across commits. The hashes are taken when the stage ends, as DVC's are. A point
+stage refuses its own stamp when it names a file or config key that the stage's inputs file
+(runs/inputs/<point>/<stage>.json, what DVC reruns it on) does not list (`check_inputs`); a
+test (tests/test_dvc_deps.py) checks every stage's stamps against its deps and params.
 
 Config reads are recorded without touching the code that reads: `record_config_reads`
 replaces `__getattribute__` of the config dataclasses (posttrainllm/config.py) while the
@@ -293,6 +294,23 @@ def check_consistent(stamps: dict[str, dict[str, Any]], where: Path | str) -> No
                 raise StampMismatch(
                     f"stages {a} and {b} were timed on different devices (differ in {', '.join(diff)}; "
                     f"stamps in {where}): their timings do not belong in one receipt; rerun with `dvc repro`")
+
+
+def check_inputs(stamp: dict[str, Any], inputs: dict[str, Any], where: Path | str) -> None:
+    """Refuse a point stage that loaded a file or read a config key its inputs file does not list.
+
+    runs/inputs/<point>/<stage>.json (lab/sweep.py `stage_inputs`) is what DVC reruns the stage on: a file
+    or key missing there would leave the stage's output stale when it changes. Raises StampMismatch, one line.
+    """
+    params = list(inputs.get("params") or {})
+    files = sorted(set(stamp.get("sources") or {}) - set(inputs.get("sources") or {}))
+    keys = [key for key in stamp.get("config_keys") or []
+            if not any(f"config.{key}" == p or f"config.{key}".startswith(p + ".") for p in params)]
+    if files or keys:
+        missed = ", ".join([*files, *(f"config key {key}" for key in keys)])
+        raise StampMismatch(
+            f"stage {stamp.get('stage')} ran with {missed}, which {where} does not list: DVC would not rerun it "
+            "when that changes; add it to posttrainllm/lab/sweep.py `stage_deps`, then `dvc repro`")
 
 
 def _made(stamp: dict[str, Any]) -> str:
