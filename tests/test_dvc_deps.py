@@ -676,3 +676,24 @@ def test_the_checks_report_what_is_missing():
     assert uncovered_keys(["tile.block_q", "tiles.x", "workgroup.num_warps"], spec["params"]) == [
         "tiles.x", "workgroup.num_warps"]
     assert uncovered_keys(["tile.block_q"], [f"points.{POINT}"]) == []
+
+
+def test_editing_a_user_paths_file_reruns_kernel_parity_microbench_and_bench_train_only(tmp_path):
+    """op.user_impls: the user's file is in the inputs of the stages that run it or record its identity."""
+    from posttrainllm.config import point_config
+
+    for folder in ("pipelines", "posttrainllm"):
+        shutil.copytree(PROJECT_ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    kernel = tmp_path / "my_attention.py"
+    kernel.write_text((PROJECT_ROOT / "examples" / "torch_attention.py").read_text())
+    point = {"changes": {}, "config": point_config(load(["device=cpu", f"op.user_impls=[{kernel}:sdpa_attention]"]))}
+
+    def inputs() -> dict[str, dict]:
+        return {stage: sweep.stage_inputs("baseline", stage, point, tmp_path) for stage in POINT_STAGES}
+
+    before = inputs()
+    assert str(kernel) in before["kernel"]["sources"] and str(kernel) not in before["reference"]["sources"]
+    kernel.write_text(kernel.read_text() + "# a speed-only edit\n")
+    after = inputs()
+    assert {stage for stage in POINT_STAGES if after[stage] != before[stage]} == set(sweep.USER_STAGES)
+    assert set(sweep.USER_STAGES) == {"kernel", "parity", "microbench", "bench_train"}

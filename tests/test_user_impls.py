@@ -5,8 +5,8 @@ planted-bug twin is a copy of the Triton example with its online-softmax rescale
 here as a user would write them: a stored result for inputs seen before, a result of the wrong form.
 """
 
+import hashlib
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +39,7 @@ def test_a_triton_kernel_from_outside_is_judged_and_not_timed_under_the_interpre
     assert path["verdict"] == "pass", path["failed_cases"]
     assert path["backward"] == "own" and {"out", "grad_q", "grad_k", "grad_v"} <= set(path["worst"])
     assert path["launched"] == {"_attn_fwd": len(report["cases"]) * 2}  # forward and backward calls, every case
-    assert path["user"]["sha256"] == __import__("hashlib").sha256((EXAMPLES / "triton_attention.py").read_bytes()).hexdigest()
+    assert path["user"]["sha256"] == hashlib.sha256((EXAMPLES / "triton_attention.py").read_bytes()).hexdigest()
     kernel = json.loads((tmp_path / "kernel.json").read_text())
     assert kernel["paths"]["attention"]["kind"] == "user"
     paths = stages.parity_paths(get_op("attention"), load([*ATTENTION, f"op.user_impls=[{spec}]"]), tmp_path)

@@ -513,7 +513,8 @@ def _timed_result_check(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, input
             if check["verdict"] != "pass":
                 return f"timed result check failed on {label}: {check['reason']} (a stored result?): no speed"
     except Exception as exc:
-        return f"timed result check raised {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"timed result check raised {type(exc).__name__}: {message}"
     finally:
         for name, x in inputs.items():
             x.copy_(saved[name])

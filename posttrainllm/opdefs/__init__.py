@@ -17,4 +17,5 @@ def get_op(name: str) -> OpDef:
         raise ConfigError(f"unknown op {name!r}: valid choices are {', '.join(OPS)}") from None
 
 
-__all__ = ["NO_BACKWARD", "OPS", "OWN_BACKWARD", "REFERENCE", "Case", "Costs", "Impl", "ModelHooks", "OpDef", "Tensors", "get_op"]
+__all__ = ["NO_BACKWARD", "OPS", "OWN_BACKWARD", "REFERENCE", "Case", "Costs", "Impl", "ModelHooks", "OpDef", "Tensors",
+           "get_op"]

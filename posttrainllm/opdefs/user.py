@@ -4,9 +4,9 @@
     op.user_impls=[mine=my_package.kernels:attention]        an importable module (named `mine`)
     op.user_impls=[entry:fast]                               an installed distribution's entry point
 
-A spec is `[name=]target`; the name defaults to the attribute's name (`attention` above). An entry point lives in the group
-`posttrainllm.impls` under the name `<op>.<name>` (`attention.fast = my_package.kernels:attention`) and joins
-a point only when named, never by being installed.
+A spec is `[name=]target`; the name defaults to the attribute's name (`attention` above). An entry point
+lives in the group `posttrainllm.impls` under the name `<op>.<name>` (`attention.fast = my_package.kernels:attention`)
+and joins a point only when named, never by being installed.
 
 The callable takes the op's natural signature (`OpDef.signature`: attention `fn(q, k, v, *, causal, sm_scale)`,
 matmul `fn(a, b)`, ...); the op's `adapt` turns it into the registry's dict form, so the user never sees it.
