@@ -321,7 +321,7 @@ def decode_attention(cfg: LabConfig) -> tuple[AttentionFn, dict[str, Any]]:
     from posttrainllm.opdefs import get_op
 
     op = get_op("decode_attention")
-    impl = op.paths(cfg)[cfg.heads.decode_attention]
+    impl = op.impls[cfg.heads.decode_attention]  # its built-in registry: op.peers / op.user_impls are a point's
     interpreted = impl.kind == "triton" and devices.triton_interpreted()
     return op.model_hooks(impl, cfg).attention, {"path": impl.name, "backend": impl.backend,
                                                  "triton_interpreted": interpreted, "timed": not interpreted}

@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 from posttrainllm.measure import device as devices
 from posttrainllm.config import ConfigError, LabConfig
-from posttrainllm.lab.configure import validate
 from posttrainllm.files import point_dir, read_json
 
 PARAMS = Path("params.yaml")
@@ -45,6 +44,8 @@ def load_point(point: str, params_path: Path = PARAMS) -> tuple[LabConfig, dict[
     points = params.get("points") or {}
     if point not in points:
         raise ConfigError(f"unknown point {point!r}: params.yaml has {', '.join(points) or 'no points'}")
+    from posttrainllm.lab.configure import validate  # the ops' rules: not for the light device stage
+
     cfg = validate({**points[point]["config"], "run": {"name": point, "out_dir": RUNS}})
     sweep = {"name": params["sweep"]["name"], "id": sweep_id(points), "changes": points[point]["changes"],
              "points": list(points)}  # the sweep's run is FINISHED only when all of them are logged
