@@ -232,3 +232,16 @@ def test_a_spec_resolves_again_when_its_file_changes_or_the_directory_does(tmp_p
     (tmp_path / "b" / "k.py").write_text("def matmul(a, b):  # edited\n    return a @ b\n")
     third = resolve("k.py:matmul", op)
     assert third.identity["sha256"] != second.identity["sha256"]
+
+
+def test_the_compiled_peer_runs_while_a_dvc_stage_records_config_reads():
+    """The DVC stages record config reads by patching the config classes (track/stamp.py): dynamo recursed on them,
+    so the compiled peer failed in every DVC stage and ran under `posttrainllm bench`. It sees a plain copy."""
+    from posttrainllm.track import stamp
+
+    cfg = load([*MATMUL, "op.peers=[compiled]"])
+    op = get_op("matmul")
+    x = op.make_inputs(next(c for c in op.cases(cfg) if c.main), torch.float32, "cpu")
+    with stamp.recording("kernel", cfg):
+        out = op.paths(cfg)["compiled"].fn(x, cfg)["out"]
+    torch.testing.assert_close(out, x["a"] @ x["b"])

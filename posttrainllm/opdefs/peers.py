@@ -13,7 +13,9 @@ cache (its default) makes a second process's compile of the same graph quicker.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -23,6 +25,30 @@ from posttrainllm.opdefs.base import Case, Impl, Tensors
 
 COMPILED = "compiled"
 _COMPILED: dict[tuple, Callable[..., Any]] = {}
+
+
+_PLAIN: dict[int, tuple[LabConfig, SimpleNamespace]] = {}
+
+
+def _plain(value: Any) -> Any:
+    """A dataclass tree as SimpleNamespaces, read with object.__getattribute__: what the compiled reference sees.
+
+    The DVC stages record config reads by replacing the config classes' __getattribute__ (track/stamp.py), which
+    dynamo cannot trace (it recursed); the plain copy is read outside the recording, once per config object."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return SimpleNamespace(**{f.name: _plain(object.__getattribute__(value, f.name))
+                                  for f in dataclasses.fields(value)})
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def plain_config(cfg: LabConfig) -> SimpleNamespace:
+    if id(cfg) not in _PLAIN or _PLAIN[id(cfg)][0] is not cfg:
+        _PLAIN[id(cfg)] = (cfg, _plain(cfg))
+    return _PLAIN[id(cfg)][1]
 
 
 def _signature(x: Tensors) -> tuple:
@@ -37,7 +63,7 @@ def compiled(op_name: str, reference: Callable[[Tensors, LabConfig], Tensors], m
         key = (op_name, _signature(x))
         if key not in _COMPILED:
             _COMPILED[key] = torch.compile(reference, dynamic=False)
-        return _COMPILED[key](x, cfg)
+        return _COMPILED[key](x, plain_config(cfg))
 
     def make(cfg: LabConfig) -> Impl:
         return Impl(COMPILED, "peer", fn, train=False, backend=f"torch.compile({backend})",
