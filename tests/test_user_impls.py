@@ -239,9 +239,9 @@ def test_the_compiled_peer_runs_while_a_dvc_stage_records_config_reads():
     so the compiled peer failed in every DVC stage and ran under `posttrainllm bench`. It sees a plain copy."""
     from posttrainllm.track import stamp
 
-    cfg = load([*MATMUL, "op.peers=[compiled]"])
-    op = get_op("matmul")
+    cfg = load(["device=cpu", "tile=b16", "shape.seq_len=32", "op.peers=[compiled]"])  # reference reads cfg.op.causal
+    op = get_op("attention")
     x = op.make_inputs(next(c for c in op.cases(cfg) if c.main), torch.float32, "cpu")
     with stamp.recording("kernel", cfg):
         out = op.paths(cfg)["compiled"].fn(x, cfg)["out"]
-    torch.testing.assert_close(out, x["a"] @ x["b"])
+    torch.testing.assert_close(out, op.reference.fn(x, cfg)["out"])
