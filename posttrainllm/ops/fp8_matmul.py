@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from posttrainllm.ops import use_bf16_emulation
-from posttrainllm.ops.matmul import matmul_launch
+from posttrainllm.ops.matmul import grouped_tile, matmul_launch
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 MIN_BLOCK_K = 32  # tl.dot on 8-bit operands (NVIDIA): K per MMA step
@@ -45,16 +45,7 @@ def _fp8_matmul_kernel(
     EVEN_K: tl.constexpr,
     ROWWISE: tl.constexpr,
 ):
-    # -- grouped ordering: program id -> (pid_m, pid_n), GROUP_M tile rows at a time (ops/matmul.py)
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)  # grouped ordering of the tiles
 
     # -- rows of A and columns of B, wrapped modulo M and N: a ragged edge tile re-reads valid ones (never stored)
     offs_m = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) % M

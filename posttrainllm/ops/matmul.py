@@ -33,6 +33,22 @@ INPUT_PRECISIONS = ("ieee", "tf32")
 
 
 @triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (pid_m, pid_n), GROUP_M tile rows at a time, so programs running together share B's columns
+    (Triton's matmul tutorial, "L2 cache optimizations"). Used by every GEMM kernel here (ops/fp8_matmul.py too)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr,
     M, N, K,
@@ -45,16 +61,7 @@ def _matmul_kernel(
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    # -- grouped ordering: program id -> (pid_m, pid_n), GROUP_M tile rows at a time
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)  # grouped ordering of the tiles
 
     # -- rows of A and columns of B this tile reads, wrapped modulo M and N (as Triton's matmul tutorial
     #    does): a ragged edge tile re-reads valid rows instead of masking every load; its extra results are
