@@ -5,6 +5,8 @@
     posttrainllm sweep [sweep=NAME] [overrides...]    plan a sweep into params.yaml for `dvc repro`
     posttrainllm report [--wide]                      the receipts of params.yaml's points, one row each (--wide: every
                                                       column); writes runs/report.md and runs/report.html (plots)
+    posttrainllm progress                             where `dvc repro` of the planned sweep stands: each point's
+                                                      stages done, and the time left estimated from the stamps
     posttrainllm ui [--port N] [--host HOST]          the MLflow UI on the project's runs, and their addresses
     posttrainllm receipt import FOLDER                log receipt JSON made elsewhere (a GPU node) into MLflow
     posttrainllm experimental train-heads [overrides...]   Medusa draft heads on a frozen base: base (cached)
@@ -267,6 +269,23 @@ def report_sweep(args: list[str]) -> int:
     if failed:  # so `dvc repro && posttrainllm report` still fails a CI job on a broken contract
         print(f"posttrainllm: {len(failed)} of {len(receipts)} points failed: {', '.join(failed)}", file=sys.stderr)
         return EXIT_CONTRACT
+    return 0
+
+
+def show_progress(args: list[str]) -> int:
+    """`posttrainllm progress`: the planned sweep's stages done per point, and the time left (track/progress.py)."""
+    from posttrainllm.lab.pipeline import PARAMS, POINT_STAGES, RUNS
+    from posttrainllm.track import progress
+
+    if args:
+        print(f"posttrainllm: config error: posttrainllm progress takes no arguments (got {' '.join(args)}); "
+              "it reads params.yaml and runs/ in this folder", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        print(progress.table(progress.read_progress(PARAMS, Path(RUNS), POINT_STAGES)))
+    except ConfigError as exc:
+        print(f"posttrainllm: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     return 0
 
 
@@ -632,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
         return report_sweep(args[1:])
     if args[:1] == ["ui"]:
         return serve_ui(args[1:])
+    if args[:1] == ["progress"]:
+        return show_progress(args[1:])
     if args and args[0] == "receipt":
         return import_receipts(args[1:])
     if args and args[0] == "replay":

@@ -425,7 +425,8 @@ def test_a_point_stage_that_ran_code_its_inputs_file_does_not_list_exits_2(plann
     inputs.write_text(json.dumps({"sources": {"pipelines/parity.py": "a" * 64}, "params": {"config": {}}}))
 
     assert pipeline.run_stage("parity", [POINT]) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if not line.endswith(" ...")]
+    lines = [line for line in capsys.readouterr().err.splitlines()
+             if not line.endswith(" ...") and " ... [sweep: " not in line]  # the stage's start line
     assert lines == [f"posttrainllm: parity {POINT}: stage parity ran with posttrainllm/ops/matmul.py, which "
                      f"runs/inputs/{POINT}/parity.json does not list: DVC would not rerun it when that changes; "
                      "add it to posttrainllm/lab/sweep.py `stage_deps`, then `dvc repro`"]
@@ -585,7 +586,8 @@ def test_receipt_stage_refuses_stamps_that_disagree_about_shared_code(planned, c
 
     assert run_stage("receipt", [POINT]) == 2
 
-    lines = [line for line in capsys.readouterr().err.splitlines() if not line.endswith(" ...")]  # progress
+    lines = [line for line in capsys.readouterr().err.splitlines()
+             if not line.endswith(" ...") and " ... [sweep: " not in line]  # the stage's start line
     err = lines[0]
     assert len(lines) == 1 and "Traceback" not in err
     assert err.startswith(f"posttrainllm: receipt {POINT}: stages kernel and microbench ran different versions "

@@ -47,6 +47,17 @@ def test_every_stage_of_every_point_ran(project):
         assert (root / "runs" / point / "stamps" / "receipt.json").exists()
 
 
+def test_the_sweep_says_where_it_stands_and_the_progress_command_agrees(project):
+    root, env, repro = project
+    started = [line for line in repro.stderr.splitlines() if line.startswith("posttrainllm: ") and "... [sweep: " in line]
+    assert len(started) == 12  # every point stage said so when it started
+    assert started[0].endswith("[sweep: 0/2 points done, 0/12 stages; no estimate yet (no stage has a stamp)]")
+    assert "1/12 stages; about" in started[1]  # estimated from the first stage's stamp
+    shown = run_command([sys.executable, "-m", "posttrainllm", "progress"], root, env).stdout.splitlines()
+    assert shown[-1] == "2/2 points done, 12/12 stages"
+    assert shown[0].split() == ["baseline", "reference", "kernel", "parity", "microbench", "bench_train", "receipt"]
+
+
 def test_receipts_are_in_mlflow_nested_under_one_sweep_run(project, mlflow_uri):
     from mlflow.tracking import MlflowClient
 

@@ -28,6 +28,7 @@ PARAMS = Path("params.yaml")
 RUNS = "runs"
 CALIBRATION = Path(RUNS) / "calibration.json"
 INPUTS = Path(RUNS) / "inputs"  # runs/inputs/<point>/<stage>.json: what DVC reruns a point stage on (lab/sweep.py)
+POINT_STAGES = ("reference", "kernel", "parity", "microbench", "bench_train", "receipt")  # a point's, in DVC's order
 TIMED_STAGES = ("microbench", "bench_train")  # they run timing loops: approval on a GPU (lab/approval.py)
 
 
@@ -98,6 +99,7 @@ class StageRun:
     work: Callable[[], Any]
     label: str = ""  # shown in the progress lines (default: the point)
     inputs: Path | None = None  # what DVC reruns the stage on (a point stage's runs/inputs file), checked at the end
+    progress: str = ""  # where the sweep stands (track/progress.py), shown when the stage starts
 
 
 def stamped(stage: str, run: StageRun, *, written: tuple[type[Exception], ...] = ()) -> Any:
@@ -121,7 +123,7 @@ def stamped(stage: str, run: StageRun, *, written: tuple[type[Exception], ...] =
         except written as exc:
             raised = exc
     timing = {"stage_s": time.perf_counter() - started, "process_s": stamp.process_seconds()}
-    made = stamp.write_stage_stamp(stage, cfg, reads, timing, folder=run.folder, point=run.point)
+    made = stamp.write_stage_stamp(stage, cfg, reads, timing, folder=run.folder, point=run.point, inputs=run.inputs)
     if run.inputs is not None and run.inputs.is_file():  # absent when the script is run without DVC's inputs stage
         stamp.check_inputs(json.loads(made.read_text()), json.loads(run.inputs.read_text()), run.inputs)
     print(f"posttrainllm: {stage} {run.label or run.point} done in {timing['stage_s']:.1f} s", file=sys.stderr,
@@ -143,7 +145,8 @@ def execute(stage: str, setup: Callable[[], StageRun | None], verdicts: tuple[ty
         run = setup()
         if run is None:
             return 2
-        print(f"posttrainllm: {stage} {run.label or run.point} ...", file=sys.stderr, flush=True)
+        where = f" [sweep: {run.progress}]" if run.progress else ""
+        print(f"posttrainllm: {stage} {run.label or run.point} ...{where}", file=sys.stderr, flush=True)
         stamped(stage, run, written=(*verdicts, TrackingFailed))
     except ConfigError as exc:
         print(f"posttrainllm: config error: {exc}", file=sys.stderr)
@@ -181,9 +184,20 @@ def run_stage(stage: str, argv: list[str]) -> int:
         points = sweep.get("points") or [argv[0]]
         where = f" ({points.index(argv[0]) + 1}/{len(points)})" if argv[0] in points else ""
         return StageRun(cfg, argv[0], point_dir(cfg), lambda: _stage(stage)(cfg, sweep), label=argv[0] + where,
-                        inputs=INPUTS / argv[0] / f"{stage}.json")
+                        inputs=INPUTS / argv[0] / f"{stage}.json", progress=sweep_progress())
 
     return execute(stage, setup, verdicts=(ContractBroken,))
+
+
+def sweep_progress() -> str:
+    """One line on where the planned sweep stands, from the stamps (track/progress.py); "" where it cannot
+    be read: showing progress never stops a stage."""
+    from posttrainllm.track import progress  # display only: left out of the stage's sources (stamp.DISPLAY_ONLY)
+
+    try:
+        return progress.read_progress(PARAMS, Path(RUNS), POINT_STAGES).line()
+    except (ConfigError, OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def write_fingerprint(path: Path) -> int:

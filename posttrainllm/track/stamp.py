@@ -10,6 +10,8 @@ heads stages write theirs in runs/heads/base/ and runs/heads/<K name>/):
     sources            {repo-relative path: sha256} of every posttrainllm module loaded in the
                        stage's process, plus its pipelines/<stage>.py script and the file of every
                        user path it ran (op.user_impls; absolute when outside the project)
+    inputs_sha256      a point stage's: the sha256 of runs/inputs/<point>/<stage>.json, the inputs file it
+                       ran on (track/progress.py: the stage is done while that file keeps this hash)
     config_keys        the dotted config keys the stage read ("tile.block_q"), `run.*` and
                        `sweep` left out (where to write and the plan, not what is computed);
                        null for a timed stage unless POSTTRAINLLM_RECORD_CONFIG_READS=1 (RECORD_ENV)
@@ -50,6 +52,10 @@ NOT_COMPUTED = ("run", "sweep")  # config groups that say where to write and wha
 # Recording config reads adds a Python call to every config attribute access, also inside timed calls
 # (~0.2 us each): the timed stages record only when this is "1" (tests/test_dvc_deps.py sets it).
 RECORD_ENV = "POSTTRAINLLM_RECORD_CONFIG_READS"
+# Modules a stage loads only to print, never to compute what it writes: left out of its sources, so a change
+# to how progress is shown reruns no stage
+DISPLAY_ONLY = ("posttrainllm/track/progress.py",)
+INPUTS_KEY = "inputs_sha256"
 
 
 class StampMismatch(RuntimeError):
@@ -77,7 +83,9 @@ def loaded_sources(root: Path = PROJECT_ROOT) -> dict[str, str]:
             continue
         path = Path(name).resolve()
         if path.suffix == ".py" and path.is_relative_to(package) and path.is_file():
-            found[path.relative_to(root).as_posix()] = file_sha256(path)
+            relative = path.relative_to(root).as_posix()
+            if relative not in DISPLAY_ONLY:
+                found[relative] = file_sha256(path)
     found.update(USER_SOURCES)  # the files of user paths that ran here (opdefs/user.py), hashed when loaded
     return dict(sorted(found.items()))
 
@@ -224,19 +232,23 @@ def process_seconds() -> float | None:
 
 
 def stage_stamp(stage: str, point: str, device: dict[str, Any], config_keys: list[str] | None,
-                root: Path = PROJECT_ROOT, timing: dict[str, float | None] | None = None) -> dict[str, Any]:
-    """The stamp of a stage that just ran in this process; `timing`: its wall seconds (stage_s, process_s)."""
+                root: Path = PROJECT_ROOT, timing: dict[str, float | None] | None = None,
+                inputs: Path | None = None) -> dict[str, Any]:
+    """The stamp of a stage that just ran in this process; `timing`: its wall seconds (stage_s, process_s);
+    `inputs`: the inputs file it ran on, where it has one."""
     from posttrainllm.track.provenance import git_revision
 
-    return {"stage": stage, "point": point,
+    made = {"stage": stage, "point": point,
             "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            **git_revision(), "device": device, "sources": stage_sources(stage, root),
-            "config_keys": config_keys, "timing": timing}
+            **git_revision(), "device": device, "sources": stage_sources(stage, root)}
+    if inputs is not None and inputs.is_file():
+        made[INPUTS_KEY] = file_sha256(inputs)
+    return {**made, "config_keys": config_keys, "timing": timing}
 
 
 def write_stage_stamp(stage: str, cfg: LabConfig, reads: ConfigReads | None,
                       timing: dict[str, float | None] | None = None, *, folder: Path | None = None,
-                      point: str | None = None) -> Path:
+                      point: str | None = None, inputs: Path | None = None) -> Path:
     """After a stage ran in this process: its stamp, in <folder>/stamps/<stage>.json.
 
     folder and point default to the sweep point's (runs/<point>/, cfg.run.name); the heads stages
@@ -249,7 +261,7 @@ def write_stage_stamp(stage: str, cfg: LabConfig, reads: ConfigReads | None,
     device = devices.fingerprint(devices.resolve(cfg.device.name))
     keys = reads.keys() if reads is not None else None
     return write_stamp(folder if folder is not None else point_dir(cfg),
-                       stage_stamp(stage, point or cfg.run.name, device, keys, timing=timing))
+                       stage_stamp(stage, point or cfg.run.name, device, keys, timing=timing, inputs=inputs))
 
 
 def write_stamp(point_dir: Path, stamp: dict[str, Any]) -> Path:
