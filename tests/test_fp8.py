@@ -193,3 +193,15 @@ def test_fp8_costs_count_one_byte_operands_and_the_scales():
     cfg = load(["op=matmul", "precision=fp8_rowwise", "device=cpu"])
     costs = matmul.OP.costs(Case("c", 0, dict(m=8, n=4, k=16), True, quantize="float8_e4m3fn:row"), cfg)
     assert (costs.flops, costs.bytes) == (2 * 8 * 4 * 16, (8 * 16 + 16 * 4) * 1 + 8 * 4 * 2 + (8 + 4) * 4)
+
+
+def test_an_fp8_points_roofline_is_drawn_against_the_fp8_peak_or_none(tmp_path):
+    cfg = load([*SMALL, "precision=fp8", f"run.out_dir={tmp_path}", "run.name=p", "bench.reps=3",
+                "bench.min_time_s=0", "shape.curve=[32,64]", "shape.matmul_curve=[32,64]"])
+    out = tmp_path / "p"
+    parity_report(cfg, out)
+    bf16 = {"float32": 1e11, "bfloat16": 4e11}
+    for flops, peak in ((bf16, None), ({**bf16, "float8_e4m3fn": 9e11}, 9e11)):  # not measured: no roof, not bf16's
+        micro = stages.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": flops, "copy_bytes_per_s": 1e10}})
+        assert micro["peaks"]["gemm_flops_per_s"] == peak
+        assert (micro["paths"]["scaled_mm"]["roofline"] is None) == (peak is None)

@@ -542,8 +542,10 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     costs = op.costs(case, cfg)
     inputs = op.make_inputs(case, _dtype(cfg), device)
     grad_out = upstream_gradient(case, op.reference.fn(inputs, cfg)["out"])
+    quantize = cfg.precision.quantize
     peak_flops, peak_bandwidth = calibrate.peak_for(calibration, cfg.precision.dtype,
-                                                    cfg.precision.allow_tf32 and device == "cuda")
+                                                    cfg.precision.allow_tf32 and device == "cuda",
+                                                    quantize.format if quantize is not None else None)
     report: dict[str, Any] = {"device": device, "threads": torch.get_num_threads(), "case": case.name,
                               "problem": op.problem(case), "flops": costs.flops, "bytes": costs.bytes,
                               "train_flops": costs.train_flops, "flops_formula": costs.flops_formula,

@@ -2,6 +2,8 @@
 
 GEMM rate per dtype: C = A @ B with square (n, n) operands,
     flops = 2·n³ (a multiply-add is 2 FLOPs),   rate = flops / median seconds      [FLOP/s]
+fp8 ("float8_e4m3fn"): the same with torch._scaled_mm on e4m3 A and B, per-tensor fp32 scales and
+bf16 C (what precision=fp8 runs); where _scaled_mm refuses, skipped with its reason.
 Memory bandwidth: dst.copy_(src) over a buffer far larger than the last-level cache,
     bytes = 2·size (read src + write dst),       rate = bytes / median seconds      [B/s]
 
@@ -35,8 +37,17 @@ GEMM_SHARE = 0.8  # of the budget; the rest is the copy's
 GEMM_SIZES = {"cpu": (128, 256, 512, 1024), "cuda": (1024, 2048, 4096, 8192)}
 # Per buffer: 4x the 32 MiB L3 of our CPUs; on the GPU 20x the 50 MB L2.
 COPY_BYTES = {"cpu": 128 * 2**20, "cuda": 1 * 2**30}
-# "tf32" is float32 operands with TF32 tensor-core math allowed; "float32" is IEEE fp32.
-GEMM_DTYPES = {"cpu": ("float32", "bfloat16", "float16"), "cuda": ("float32", "tf32", "bfloat16", "float16")}
+# "tf32" is float32 operands with TF32 tensor-core math allowed; "float32" is IEEE fp32. FP8: e4m3 operands
+# through torch._scaled_mm, the peak of a quantized precision (peak_for).
+FP8 = "float8_e4m3fn"
+GEMM_DTYPES = {"cpu": ("float32", "bfloat16", "float16", FP8), "cuda": ("float32", "tf32", "bfloat16", "float16", FP8)}
+# Skipped before the first call, with the reason. On the CPU torch._scaled_mm runs, but through no fast kernel:
+# 0.055, 0.065, 0.12, 0.11 GFLOP/s at n=128, 256, 512, 1024 (2-core Xeon, torch 2.13 CPU build; fp32 ran at
+# 110 GFLOP/s, bf16 1.4 TFLOP/s). The time rule below would still measure it at n=128 (4 calls: 0.3 s of a 3.2 s
+# share), adding ~1.6 s to the calibration for a "peak" the fp8 point's own reference (dequantize, then an fp32
+# GEMM) beats ~1000-fold: no roof. Unmeasured, an fp8 point on the CPU gets no FLOP roof (peak_for: None).
+NO_FAST_KERNEL = {("cpu", FP8): "torch._scaled_mm has no fast kernel on the CPU (~0.1 GFLOP/s at n=128-1024 on a "
+                                "2-core Xeon, torch 2.13): under the fp8 reference's own fp32 GEMM, so no roof"}
 MIN_REPS = 3
 WARMUP = 1
 
@@ -56,6 +67,29 @@ def _operands(n: int, dtype_name: str, device: str) -> tuple[torch.Tensor, torch
     return a, b
 
 
+def _gemm(n: int, dtype_name: str, device: str) -> Any:
+    """The call to time at size n: a @ b, or for FP8 torch._scaled_mm with B column-major (as it asks), per-tensor
+    fp32 scales (ones: a scale's value does not change the work) and bf16 C."""
+    a, b = _operands(n, dtype_name, device)
+    if dtype_name != FP8:
+        return lambda: a @ b
+    b = b.t().contiguous().t()
+    one = torch.ones((), device=a.device)
+    return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def _fp8_refusal(device: str) -> str | None:
+    """None if torch._scaled_mm runs e4m3 operands on `device` (a small aligned probe), else why not, one line."""
+    if not hasattr(torch, "_scaled_mm"):
+        return "torch._scaled_mm is not in this PyTorch"
+    try:
+        _gemm(16, FP8, device)()
+    except Exception as exc:  # a refusal (compute capability under 8.9, a build without fp8 kernels) is a skip
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        return f"torch._scaled_mm refused e4m3 operands on {device}: {type(exc).__name__}{': ' * bool(first)}{first}"
+    return None
+
+
 def _one_call_s(fn: Any, device: str) -> float:
     """Seconds of one warm call (one warmup, one timed): only to size the real measurement."""
     return measure(fn, device=device, warmup=1, reps=1, min_time_s=0.0, max_reps=1, flush=None).median_ms / 1e3
@@ -64,6 +98,8 @@ def _one_call_s(fn: Any, device: str) -> float:
 def _unsupported(dtype_name: str, device: str) -> str | None:
     if device == "cuda" and dtype_name == "bfloat16" and not torch.cuda.is_bf16_supported():
         return "this GPU has no bf16 support"
+    if dtype_name == FP8:
+        return _fp8_refusal(device) or NO_FAST_KERNEL.get((device, FP8))
     return None
 
 
@@ -81,8 +117,8 @@ def gemm_rate(dtype_name: str, device: str, share_s: float) -> dict[str, Any]:
     spent, probes = 0.0, {}  # n -> seconds of one warm call
     with devices.fp32_matmuls(tf32=dtype_name == "tf32"):
         for i, n in enumerate(sizes):
-            a, b = _operands(n, dtype_name, device)
-            probe_s = _one_call_s(lambda: a @ b, device)
+            call = _gemm(n, dtype_name, device)
+            probe_s = _one_call_s(call, device)
             spent += 2 * probe_s  # its warmup and timed call
             probes[str(n)] = probe_s
             if i == 0 and calls * probe_s > share_s:
@@ -95,7 +131,7 @@ def gemm_rate(dtype_name: str, device: str, share_s: float) -> dict[str, Any]:
                 if spent + (2 + calls) * next_call_s > share_s:
                     break
         left = max(share_s - spent, calls * probe_s)
-        timing = measure(lambda: a @ b, device=device, warmup=WARMUP, reps=MIN_REPS, min_time_s=0.5 * left,
+        timing = measure(call, device=device, warmup=WARMUP, reps=MIN_REPS, min_time_s=0.5 * left,
                          max_reps=max(MIN_REPS, int(0.8 * left / probe_s)))
     flops = 2 * n**3
     entry: dict[str, Any] = {"n": n, "flops": flops, "flops_per_s": flops / (timing.median_ms / 1e3),
@@ -126,8 +162,14 @@ def calibrate(device: str, *, budget_s: float = DEFAULT_BUDGET_S) -> dict[str, A
         raise ValueError(f"calibrate: device={device!r}: valid choices are {', '.join(GEMM_SIZES)}")
     started = time.perf_counter()
     dtypes = GEMM_DTYPES[device]
-    share = budget_s * GEMM_SHARE / len(dtypes)
-    gemm = {name: gemm_rate(name, device, share) for name in dtypes}
+    unsupported = {name: reason for name in dtypes if (reason := _unsupported(name, device))}
+    # The GEMM share is split among the dtypes that are timed: one skipped before its first call leaves its share
+    # to the others. So the CPU's three keep theirs (fp8 is skipped there: NO_FAST_KERNEL); on a GPU with fp8 each
+    # of five gets 1/5 (1.92 s of the default 12 s, was 2.4 s): at n=8192 still ~50 calls of IEEE fp32 (~16 ms
+    # each at an H100's datasheet 67 TFLOP/s) and hundreds of the tensor-core dtypes', within the stage's budget.
+    share = budget_s * GEMM_SHARE / max(len(dtypes) - len(unsupported), 1)
+    gemm = {name: {"skipped": unsupported[name]} if name in unsupported else gemm_rate(name, device, share)
+            for name in dtypes}
     copy = copy_rate(device, budget_s * (1 - GEMM_SHARE))
     fingerprint = devices.fingerprint(device)
     return {
@@ -184,12 +226,14 @@ def _variant(device_name: str) -> str | None:
 
 
 def published_peaks(device_name: str) -> dict[str, Any] | None:
-    """Datasheet peaks (dense) for an H100/H200 name as torch.cuda.get_device_name() gives it; else None."""
+    """Datasheet peaks (dense) for an H100/H200 name as torch.cuda.get_device_name() gives it; else None.
+    Keyed as the calibration's measured peaks: the datasheet's FP8 (e4m3 and e5m2 alike) as FP8."""
     variant = _variant(device_name)
     if variant is None:
         return None
     sheet = _DATASHEET[variant]
-    flops = {k: v * 1e12 / (2 if k in _SPARSE else 1) for k, v in sheet.items() if k != "tb_per_s"}
+    flops = {FP8 if k == "float8" else k: v * 1e12 / (2 if k in _SPARSE else 1)
+             for k, v in sheet.items() if k != "tb_per_s"}
     return {
         "source": f"published: NVIDIA {variant} datasheet, not measured",
         "variant": variant,
@@ -201,11 +245,13 @@ def published_peaks(device_name: str) -> dict[str, Any] | None:
 
 
 def load_or_measure(path: Path, device: str, *, budget_s: float = DEFAULT_BUDGET_S) -> dict[str, Any]:
-    """The calibration at `path` if it was measured on this device (same fingerprint), else a fresh one."""
+    """The calibration at `path` if it was measured on this device (same fingerprint) for today's dtypes (one
+    from before FP8 was measured is not kept), else a fresh one."""
     fingerprint = devices.fingerprint(device)
     if path.exists():
         kept = json.loads(path.read_text())
-        if kept.get("fingerprint") == fingerprint:
+        if (kept.get("fingerprint") == fingerprint
+                and set(kept.get("measurements", {}).get("gemm", {})) == set(GEMM_DTYPES[device])):
             return kept
     measured = calibrate(device, budget_s=budget_s)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,8 +259,12 @@ def load_or_measure(path: Path, device: str, *, budget_s: float = DEFAULT_BUDGET
     return measured
 
 
-def peak_for(calibration: dict[str, Any], dtype: str, allow_tf32: bool) -> tuple[float | None, float]:
-    """(peak GEMM FLOP/s for this precision or None if not measured, copy bandwidth B/s)."""
-    peaks = calibration["peaks"]
-    key = "tf32" if allow_tf32 and "tf32" in peaks["gemm_flops_per_s"] else dtype
-    return peaks["gemm_flops_per_s"].get(key), peaks["copy_bytes_per_s"]
+def peak_for(calibration: dict[str, Any], dtype: str, allow_tf32: bool,
+             quantize: str | None = None) -> tuple[float | None, float]:
+    """(peak GEMM FLOP/s for this precision or None if not measured, copy bandwidth B/s).
+
+    A quantized precision (`quantize`: its operands' format, precision.quantize.format) gets that format's peak,
+    None where it was not measured: not `dtype`'s, which its fp8 paths may exceed (fp8 is 2x bf16 on an H100)."""
+    flops = calibration["peaks"]["gemm_flops_per_s"]
+    key = quantize or ("tf32" if allow_tf32 and "tf32" in flops else dtype)
+    return flops.get(key), calibration["peaks"]["copy_bytes_per_s"]
