@@ -110,10 +110,10 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
     device = devices.prepare(lab.device.name, lab.bench.threads)
     try:
         stages.check_memory(lab, device)  # before the point's folder is touched
-        if train:
-            stages.check_trainable(lab)
     except ConfigError as exc:
         _fail_config(exc)
+    if train:
+        stages.ensure_quality_base(lab)  # a quantized precision's quality gate decodes with it
     out = _fresh_point_dir(lab)
     stages.run_reference(lab, out)
     stages.run_kernel(lab, out)

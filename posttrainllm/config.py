@@ -144,6 +144,31 @@ class Contract:
 
 
 @dataclass
+class QualityConfig:
+    """bench-train's quality gate of a quantized precision (conf/precision/fp8*.yaml: the numbers and why): what the
+    model outputs when its linear layers run in fp8, against the same model in bf16 (posttrainllm/model/quality.py).
+    A path that fails it gets no speed in the report, as a parity failure does."""
+
+    heldout_frac: float = 0.1  # the corpus's tail held out of training (the draft-heads base holds out the same)
+    heldout_batches: int = 8  # batches of the tail the held-out loss averages (train.batch_size x train.seq_len)
+    max_heldout_loss_gap: float = 0.05  # held-out loss, fp8-trained minus bf16-trained, nats/byte
+    prompts: int = 8  # held-out prompts the draft-heads base decodes greedily, with fp8 and with bf16 linear layers
+    prompt_len: int = 32
+    new_tokens: int = 32
+    min_greedy_agreement: float = 0.9  # the fraction of generated tokens equal at the same position
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        require(0 < self.heldout_frac < 1, f"precision.quantize.quality.heldout_frac={self.heldout_frac}: must be in "
+                                           "(0, 1)")
+        require(0 <= self.min_greedy_agreement <= 1,
+                f"precision.quantize.quality.min_greedy_agreement={self.min_greedy_agreement}: must be in [0, 1]")
+        _positive("precision.quantize.quality", heldout_batches=self.heldout_batches,
+                  max_heldout_loss_gap=self.max_heldout_loss_gap, prompts=self.prompts, prompt_len=self.prompt_len,
+                  new_tokens=self.new_tokens)
+
+
+@dataclass
 class QuantizeConfig:
     """A quantized precision's recipe (conf/precision/fp8*.yaml): the operands' 8-bit format and scaling, the
     gradients' format, and the floor on the quantization's own error (each case's oracle on the quantized inputs
@@ -155,6 +180,7 @@ class QuantizeConfig:
     min_sqnr_db: float = 20.0  # the quantization's SQNR, per tensor
     min_row_sqnr_db: float = 20.0  # ... and of its worst row
     reason: str = ""  # why these floors (parity.json carries it)
+    quality: QualityConfig = field(default_factory=QualityConfig)  # bench-train's gate on what the model outputs
 
     def __post_init__(self) -> None:
         for key in ("format", "grad_format"):

@@ -76,14 +76,12 @@ def test_a_bad_fp8_matmul_config_is_refused_naming_the_bound(overrides, message)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_cli_refuses_fp8_for_another_op_and_bench_train_under_fp8(tmp_path, monkeypatch, capsys):
+def test_cli_refuses_fp8_for_another_op(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["bench", "op=rmsnorm", "precision=fp8_rowwise"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("posttrainllm: config error: precision fp8_rowwise is supported by op=matmul only: op=rmsnorm "
                    "has no float8_e4m3fn inputs or paths")
-    with pytest.raises(ConfigError, match="bench-train under precision fp8: its op=matmul paths are forward-only"):
-        stages.check_trainable(load(["op=matmul", "precision=fp8"]))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -125,7 +123,8 @@ def test_fp8_paths_pass_forward_only_with_the_quantization_reported_apart(precis
         assert path["backward"] == "none" and {c["output"] for c in path["cases"]} == {"out"}
         assert all(c["sqnr_db"] > 50 for c in path["cases"])  # bf16 output rounding only, against the oracle
     quantization = report["quantization"]
-    assert quantization["recipe"] == f"float8_e4m3fn:{scaling}" and quantization["grad_format"] == "float8_e5m2"
+    grads = "float8_e5m2" if scaling == "tensor" else "float8_e4m3fn"  # bench-train's dY: each recipe's, as torchao's
+    assert quantization["recipe"] == f"float8_e4m3fn:{scaling}" and quantization["grad_format"] == grads
     assert quantization["verdict"] == "pass" and 25 < quantization["row_min_sqnr_db"] < quantization["sqnr_db"] < 35
     records = torch.load(tmp_path / "reference.pt", weights_only=True)["records"]
     inputs = records[0]["inputs"]

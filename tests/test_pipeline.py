@@ -147,3 +147,29 @@ def test_the_failed_path_has_no_speed_anywhere(project):
     assert "triton" not in (point / "timings.csv").read_text()
     metrics = json.loads((point / "metrics.json").read_text())
     assert not any(k.startswith(("bench.triton.", "train.triton.", "curve.triton.")) for k in metrics)
+
+
+def test_the_quality_gates_greedy_check_catches_a_scale_bug_on_the_trained_base(project):
+    """The base `dvc repro` trained (train_base, 600 steps): greedy tokens with fp8 linear layers agree with bf16
+    ones above the gate's floor (conf/precision/fp8.yaml), and far below it with the scale applied twice."""
+    import torch
+    import torch.nn.functional as F
+
+    from posttrainllm.lab.configure import load
+    from posttrainllm.model import quality
+    from posttrainllm.model.corpus import load_corpus, prompts, split_tail
+    from posttrainllm.ops import reference
+
+    root, _, _ = project
+    gate = load(["op=matmul", "precision=fp8"]).precision.quantize.quality
+    base, _ = quality.load_trained_base(root / "runs" / "heads" / "base")
+    held = prompts(split_tail(load_corpus(), gate.heldout_frac)[1], gate.prompts, gate.prompt_len, "eval")
+
+    def fp8(gemm):
+        return lambda x, w: reference.fp8_linear(x.to(torch.bfloat16), w.to(torch.bfloat16), gemm, rowwise=False)
+
+    found = quality.greedy_section(base, held, gate.new_tokens, {
+        "fp8": fp8(reference.fp8_matmul),
+        "scale twice": fp8(lambda a, a_s, b, b_s: reference.fp8_matmul(a, a_s * a_s, b, b_s))}, F.linear)["variants"]
+    assert found["fp8"]["agreement"] >= gate.min_greedy_agreement  # measured 0.80 (tensorwise)
+    assert found["scale twice"]["agreement"] < gate.min_greedy_agreement  # measured 0.28

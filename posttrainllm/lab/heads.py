@@ -25,7 +25,6 @@ evaluation, so neither the base nor the heads ever trained on an eval prompt.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -42,7 +41,8 @@ from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
 from posttrainllm.lab.pipeline import StageRun, execute, stamped
 from posttrainllm.measure import device as devices
-from posttrainllm.model.corpus import Corpus, batch_at, load_corpus
+from posttrainllm.model.corpus import Corpus, batch_at, load_corpus, split_tail
+from posttrainllm.model.corpus import prompts as corpus_prompts
 from posttrainllm.model.decode import Generation, first_mismatch, greedy_cached, speculative, speculative_tree
 from posttrainllm.model.heads import MedusaHeads, head_accuracy, self_distillation_loss
 from posttrainllm.model.transformer import AttentionFn, KVCache, ModelConfig, Transformer, reference_chunk_attention
@@ -85,29 +85,23 @@ def model_config(cfg: LabConfig) -> ModelConfig:
 
 
 def split_corpus(cfg: LabConfig) -> tuple[Corpus, Corpus, Corpus]:
-    """(train, held-out, the whole): the held-out part is the corpus's last heldout_frac of bytes."""
+    """(train, held-out, the whole): the held-out part is the corpus's last heads.base.heldout_frac of bytes."""
     corpus = load_corpus()
-    cut = int(corpus.n_bytes * (1 - cfg.heads.base.heldout_frac))
-    train = dataclasses.replace(corpus, data=corpus.data[:cut], n_bytes=cut)
-    heldout = dataclasses.replace(corpus, data=corpus.data[cut:], n_bytes=corpus.n_bytes - cut)
-    return train, heldout, corpus
+    return (*split_tail(corpus, cfg.heads.base.heldout_frac), corpus)
+
+
+def prompts(heldout: Corpus, count: int, length: int, part: str) -> torch.Tensor:
+    """model/corpus.py `prompts`, a held-out half too short for the configured prompts being a ConfigError."""
+    try:
+        return corpus_prompts(heldout, count, length, part)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def base_fingerprint(cfg: LabConfig, corpus: Corpus) -> str:
     """What the base depends on: the architecture, heads.base and the exact corpus bytes."""
     key = {"architecture": asdict(cfg.architecture), "base": asdict(cfg.heads.base), "corpus": corpus.sha256}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def prompts(heldout: Corpus, count: int, length: int, part: str) -> torch.Tensor:
-    """`count` windows of `length` bytes, evenly spaced over the first ("distill") or second ("eval") half
-    of the held-out bytes: (count, length) int64."""
-    half = heldout.n_bytes // 2
-    lo, hi = (0, half) if part == "distill" else (half, heldout.n_bytes)
-    if hi - lo < length + count:
-        raise ConfigError(f"the held-out corpus half ({hi - lo} bytes) is too short for {count} prompts of {length}")
-    starts = torch.linspace(lo, hi - length - 1, count).long()  # (count,)
-    return heldout.data[starts[:, None] + torch.arange(length)].long()  # (count, length)
 
 
 def _lr(step: int, steps: int, warmup: int, peak: float) -> float:

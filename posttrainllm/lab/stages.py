@@ -707,13 +707,28 @@ def _check_at(op: OpDef, cfg: LabConfig, case: Case, inputs: Tensors, names: lis
 # --- bench-train -------------------------------------------------------------------------
 
 
-def check_trainable(cfg: LabConfig) -> None:
-    """Refuse bench-train, one line, where the point's paths are forward-only: a quantized precision's (fp8)."""
-    q = cfg.precision.quantize
-    if q is not None:
-        raise ConfigError(f"bench-train under precision {cfg.precision.name}: its op={cfg.op.name} paths are "
-                          f"forward-only (training needs a recipe's {q.grad_format} gradients, not here yet); "
-                          "use posttrainllm bench")
+QUANTIZED_BASELINE = "bf16"  # under a quantized precision, bench-train's baseline: the same model, linear layers in bf16
+AUTOCAST_OF = {"bfloat16": "bf16", "float16": "fp16"}  # a quantized precision's dtype -> bench-train's autocast
+
+
+def quality_base_dir(cfg: LabConfig) -> Path:
+    """Where the draft-heads base lives (lab/heads.py base_dir): the trained model the quality gate decodes with."""
+    return Path(cfg.heads.out_dir) / "base"
+
+
+def ensure_quality_base(cfg: LabConfig) -> None:
+    """`posttrainllm bench-train` under a quantized precision: train the draft-heads base where there is none, with
+    the settings DVC's train_base stage uses (conf/ as it is: architecture mha, heads k3), into heads.out_dir."""
+    if cfg.precision.quantize is None or (quality_base_dir(cfg) / "base.json").exists():
+        return
+    import sys
+
+    from posttrainllm.lab import heads
+    from posttrainllm.lab.configure import load
+
+    print(f"posttrainllm: no draft-heads base under {quality_base_dir(cfg)}: training it (the quality gate decodes "
+          "with it) ...", file=sys.stderr, flush=True)
+    heads.ensure_base(load([f"heads.out_dir={cfg.heads.out_dir}", f"device={cfg.device.name}"]))
 
 
 def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
@@ -729,8 +744,8 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
     from posttrainllm.model.train import Variant, bench_train
     from posttrainllm.model.transformer import ModelConfig
 
-    check_trainable(cfg)
     op = get_op(cfg.op.name)
+    quantized = cfg.precision.quantize
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     arch, train = cfg.architecture, cfg.train
     model_fields = dict(vocab_size=256, d_model=arch.d_model, n_layers=arch.n_layers, n_heads=arch.n_heads,
@@ -741,12 +756,17 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
     passed = passed_parity(out)
     paths = parity_paths(op, cfg, out)
     variants, skipped = [], {}
+    if quantized is not None:  # the baseline: the same model with F.linear in bf16 (what the fp8 recipe is against)
+        variants.append(Variant(QUANTIZED_BASELINE))
     for name in op.train_impls(cfg):
         if not passed.get(name, False):
             skipped[name] = FAILED_PARITY
             continue
         impl = paths[name]
-        if impl.backward == NO_BACKWARD:
+        if impl.train_refusal:
+            skipped[name] = impl.train_refusal
+            continue
+        if impl.backward == NO_BACKWARD and quantized is None:  # a quantized path trains by the recipe's backward
             skipped[name] = backward_note(impl)
             continue
         hooks = op.model_hooks(impl, cfg)
@@ -754,16 +774,62 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
         variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, moe=hooks.moe, norm=hooks.norm,
                                 rope=hooks.rope, swiglu=hooks.swiglu, loss=hooks.loss, interpreted=interpreted,
                                 steps=min(train.interpreted_steps, train.steps) if interpreted else None))
-    result = bench_train(model_cfg, variants=variants, steps=train.steps, warmup_steps=train.warmup_steps,
-                         batch_size=train.batch_size, seq_len=train.seq_len, lr=train.lr, seed=train.seed,
-                         precision=cfg.precision.name, device=device, skipped=skipped)
+    common = dict(variants=variants, steps=train.steps, warmup_steps=train.warmup_steps, batch_size=train.batch_size,
+                  seq_len=train.seq_len, lr=train.lr, seed=train.seed, device=device, skipped=skipped)
+    if quantized is None:
+        result = bench_train(model_cfg, precision=cfg.precision.name, **common)
+    else:
+        result = _train_quantized(cfg, model_cfg, common, device)
     limit = cfg.precision.contract.train_loss_drift
     result["drift_limit"] = limit
     result["drift_verdict"] = {name: "pass" if drift <= limit else "fail" for name, drift in result["drift"].items()}
     result["amdahl"] = amdahl.check(result, read_json(out / "microbench.json"), profiled_range=op.profiled_range,
                                     model_problem=op.model_problem(cfg))
     write_json(out / "bench_train.json", result)
-    broken = [name for name, verdict in result["drift_verdict"].items() if verdict != "pass"]
+    broken = [f"loss drift of {name} exceeds train_loss_drift={limit:g}"
+              for name, verdict in result["drift_verdict"].items() if verdict != "pass"]
+    broken += [f"quality of {name}: {'; '.join(q['failed'])}"
+               for name, q in (result.get("quality") or {}).get("variants", {}).items() if q["verdict"] != "pass"]
     if broken:
-        raise ContractBroken(f"loss drift of {', '.join(broken)} exceeds train_loss_drift={limit:g}")
+        raise ContractBroken(", ".join(broken))
+    return result
+
+
+def _train_quantized(cfg: LabConfig, model_cfg: Any, common: dict[str, Any], device: str) -> dict[str, Any]:
+    """bench-train under a quantized precision: every variant trained on the corpus's head under the precision's
+    16-bit autocast (the bf16 baseline with F.linear, each fp8 path through the recipe, opdefs/matmul.py), scored
+    on its held-out tail; then the draft-heads base decodes held-out prompts with each path's fp8 linear layers
+    against bf16 ones (model/quality.py). The `quality` section and its verdicts join the result."""
+    from posttrainllm.model import quality
+    from posttrainllm.model.corpus import batch_at, load_corpus, prompts, split_tail
+    from posttrainllm.model.train import bench_train
+
+    q, train = cfg.precision.quantize, cfg.train
+    gate = q.quality
+    corpus = load_corpus()
+    head, tail = split_tail(corpus, gate.heldout_frac)
+    heldout = [batch_at(tail, i, batch_size=train.batch_size, seq_len=train.seq_len, seed=train.seed + 1)
+               for i in range(gate.heldout_batches)]
+    result = bench_train(model_cfg, precision=AUTOCAST_OF[cfg.precision.dtype], corpus=head, heldout=heldout,
+                         **common)
+    result["precision"] = cfg.precision.name
+    result["quantize"] = {"recipe": q.recipe, "grad_format": q.grad_format,
+                          "trained_on": f"the corpus's first {1 - gate.heldout_frac:.0%} ({head.n_bytes} bytes); "
+                                        f"held-out loss over {gate.heldout_batches} batches of the rest"}
+    folder = quality_base_dir(cfg)
+    try:
+        base, identity = quality.load_trained_base(folder)
+    except FileNotFoundError:
+        raise ConfigError(f"no draft-heads base under {folder}: the quality gate decodes with it; train it with "
+                          "`dvc repro train_base` or `posttrainllm experimental train-heads`") from None
+    base = base.to(device)
+    paths = get_op(cfg.op.name).paths(cfg)
+    names = [v.name for v in common["variants"][1:]]
+    linears = {name: get_op(cfg.op.name).model_hooks(paths[name], cfg).linear for name in names}
+    interpreted = {name for name in names if _interpreted(paths[name])}
+    held_prompts = prompts(tail, gate.prompts, gate.prompt_len, "eval").to(device)
+    greedy = quality.greedy_section(base, held_prompts, gate.new_tokens, linears, torch.nn.functional.linear)
+    greedy["base"] = identity
+    greedy["interpreted"] = sorted(interpreted)
+    result["quality"] = quality.gate(result, greedy, gate)
     return result

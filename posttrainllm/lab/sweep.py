@@ -262,10 +262,13 @@ def op_params(stage: str, config: dict[str, Any]) -> list[str]:
     """The config keys the op's own code reads in `stage` beyond the stage's STAGE_PARAMS.
 
     op=moe probes whether its grouped_mm path runs (which paths the point has: every stage that lists
-    them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (opdefs/moe.py).
+    them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (opdefs/moe.py). Under a quantized
+    precision, bench_train's quality gate finds the draft-heads base under heads.out_dir (lab/stages.py).
     """
     if config["op"]["name"] == "moe" and stage in ("kernel", "parity", "bench_train"):
         return ["config.shape.moe_d_model", "config.shape.moe_ffn"]
+    if stage == "bench_train" and (config.get("precision") or {}).get("quantize"):
+        return ["config.heads.out_dir"]  # the draft-heads base the quality gate decodes with
     return []
 
 

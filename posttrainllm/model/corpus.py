@@ -15,6 +15,7 @@ Shape legend
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 import sysconfig
@@ -95,6 +96,24 @@ def load_corpus(max_bytes: int | None = None) -> Corpus:
         n_bytes=len(raw),
         sha256=hashlib.sha256(raw).hexdigest(),
     )
+
+
+def split_tail(corpus: Corpus, heldout_frac: float) -> tuple[Corpus, Corpus]:
+    """(train, held-out): the held-out part is the corpus's last `heldout_frac` of bytes, never trained on."""
+    cut = int(corpus.n_bytes * (1 - heldout_frac))
+    train = dataclasses.replace(corpus, data=corpus.data[:cut], n_bytes=cut)
+    return train, dataclasses.replace(corpus, data=corpus.data[cut:], n_bytes=corpus.n_bytes - cut)
+
+
+def prompts(heldout: Corpus, count: int, length: int, part: str) -> torch.Tensor:
+    """`count` windows of `length` bytes, evenly spaced over the first ("distill") or second ("eval") half
+    of the held-out bytes: (count, length) int64. A ValueError (one line) when that half is too short."""
+    half = heldout.n_bytes // 2
+    lo, hi = (0, half) if part == "distill" else (half, heldout.n_bytes)
+    if hi - lo < length + count:
+        raise ValueError(f"the held-out corpus half ({hi - lo} bytes) is too short for {count} prompts of {length}")
+    starts = torch.linspace(lo, hi - length - 1, count).long()  # (count,)
+    return heldout.data[starts[:, None] + torch.arange(length)].long()  # (count, length)
 
 
 def batch_at(

@@ -85,11 +85,15 @@ def bench_train(
     device: str,
     corpus: Corpus | None = None,
     skipped: dict[str, str] | None = None,
+    heldout: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict:
     """Train once per variant; return a JSON-serialisable result dict.
 
     skipped: variants not trained, with why (a path that failed parity gets no training time);
     recorded in the result as they are.
+    heldout: batches never trained on; each variant's model is scored on them (mean loss, no gradients) after
+    its last step, and the baseline's also after every other variant's last step (its `steps`), so each
+    variant's held-out loss has the baseline's at the same step beside it: impls[name]["heldout_loss"].
     """
     _check_args(model_cfg, variants, steps, warmup_steps, batch_size, seq_len, precision)
     dev = torch.device(device)
@@ -106,10 +110,13 @@ def bench_train(
 
     results: dict[str, dict] = {}
     n_params = 0
+    held = [tuple(t.to(dev) for t in batch) for batch in heldout] if heldout else None
+    last_steps = {v.steps or steps for v in variants}
     with _precision_mode(precision, dev):
-        for variant in variants:
+        for i, variant in enumerate(variants):
+            score_after = (last_steps if i == 0 else {variant.steps or steps}) if held else set()
             results[variant.name], n_params = _train_one(model_cfg, variant, batches, lr, seed, precision, dev,
-                                                         warmup_steps)
+                                                         warmup_steps, held, score_after)
 
     baseline = variants[0].name
     baseline_losses = results[baseline]["losses"]
@@ -159,6 +166,8 @@ def _train_one(
     precision: str,
     dev: torch.device,
     warmup_steps: int,
+    heldout: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    score_after: set[int] = frozenset(),
 ) -> tuple[dict, int]:
     # Built on CPU then moved, so the initial weights are identical on every device.
     model = Transformer(model_cfg, seed=seed, attention=variant.attention, linear=variant.linear).to(dev)
@@ -193,13 +202,25 @@ def _train_one(
     losses: list[float] = []
     step_ms: list[float] = []
     routing_steps: list[dict] = []  # MoE models: each step's routing, read after its clock stopped
-    for x, y in batches[:variant.steps or len(batches)]:
+    heldout_loss: dict[str, float] = {}  # steps trained -> mean loss on the held-out batches
+
+    @torch.no_grad()
+    def score() -> float:
+        model.eval()
+        with _autocast(dev, autocast_dtype):
+            total = sum(float(model(x, y)[1]) for x, y in heldout)
+        model.train()
+        return total / len(heldout)
+
+    for n, (x, y) in enumerate(batches[:variant.steps or len(batches)], start=1):
         t0 = time.perf_counter()
         loss = step(x, y)
         step_ms.append((time.perf_counter() - t0) * 1e3)
         losses.append(loss.item())
         if (routing := moe_stats(model)) is not None:
             routing_steps.append(routing)
+        if n in score_after and heldout:  # outside the step's clock
+            heldout_loss[str(n)] = score()
 
     interpreted = variant.interpreted
     if dev.type == "cuda":
@@ -226,6 +247,7 @@ def _train_one(
         "timing_valid": not interpreted,
         "profile": profiled,
         **({"moe_routing": _routing_summary(routing_steps)} if routing_steps else {}),
+        **({"heldout_loss": heldout_loss} if heldout_loss else {}),
     }, n_params
 
 

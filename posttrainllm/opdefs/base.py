@@ -71,6 +71,8 @@ class Impl:
     # trained by default in bench-train (train.impls=[]); False for peers that only pin another path's
     # backend (the model trains the generic path), so the end-to-end step is not repeated per backend
     train: bool = True
+    # why bench-train does not train this path on this point's device, recorded as skipped (None: it does)
+    train_refusal: str | None = None
     backward: str = OWN_BACKWARD
     kernels: dict[str, tuple[str, ...]] = field(default_factory=dict)
     user: dict[str, Any] | None = None  # a user path's identity (opdefs/user.py): spec, file, sha256, distribution

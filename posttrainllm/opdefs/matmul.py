@@ -116,7 +116,7 @@ def _scaled_mm(x: Tensors, cfg: LabConfig) -> Tensors:
     if a_scale.dim() == 2:  # rowwise: (M, 1) and (1, N) follow A's rows and B's columns
         a_scale, b_scale = _pad(a_scale, pm, 0, 1.0), _pad(b_scale, 0, pn, 1.0)
     b = _pad(b, pk, pn).t().contiguous().t()  # (K, N) column-major
-    c = torch._scaled_mm(_pad(a, pm, pk), b, scale_a=a_scale, scale_b=b_scale,
+    c = torch._scaled_mm(_pad(a, pm, pk).contiguous(), b, scale_a=a_scale, scale_b=b_scale,
                          out_dtype=getattr(torch, cfg.precision.dtype))
     return {"out": c[:m, :n].contiguous() if pm or pn else c}
 
@@ -126,7 +126,7 @@ def scaled_mm_refusal(cfg: LabConfig) -> str | None:
     device, on a small aligned problem; else why not, one line (the path is then absent, not failed)."""
     if not hasattr(torch, "_scaled_mm"):
         return "torch._scaled_mm is not in this PyTorch"
-    device = cfg.device.name if cfg.device.name != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    device = _device(cfg)
     key = (device, cfg.precision.quantize.recipe, cfg.precision.dtype)
     if key not in _SCALED_MM_PROBES:
         if device == "cuda" and not torch.cuda.is_available():
@@ -170,11 +170,25 @@ FP8_IMPLS = {
 }
 
 
+# torch._scaled_mm on a CPU with per-tensor scales: 66-168 ms for one 128³ product (0.01-0.03 GFLOP/s; rowwise scales:
+# 0.25 ms), measured 2026-12-01 on the 2-core machine, torch 2.13. One training step of the tiny model took 9.7 s and
+# its greedy decode minutes, so on a CPU bench-train trains it only rowwise; parity checks its forward either way
+SCALED_MM_CPU_TRAIN = ("torch._scaled_mm with per-tensor scales has no fast CPU kernel (0.01-0.03 GFLOP/s at 128³, "
+                       "measured): not trained on a CPU; parity checks its forward, and bench-train trains it on a GPU")
+
+
 def _impls_for(cfg: LabConfig) -> dict[str, Impl]:
     """The registry for this point: under fp8 the quantized paths (scaled_mm only where it runs), else IMPLS."""
     if cfg.precision.quantize is None:
         return IMPLS
-    return {name: impl for name, impl in FP8_IMPLS.items() if name != "scaled_mm" or scaled_mm_refusal(cfg) is None}
+    found = {name: impl for name, impl in FP8_IMPLS.items() if name != "scaled_mm" or scaled_mm_refusal(cfg) is None}
+    if "scaled_mm" in found and _device(cfg) == "cpu" and cfg.precision.quantize.scaling == "tensor":
+        found["scaled_mm"] = dataclasses.replace(found["scaled_mm"], train_refusal=SCALED_MM_CPU_TRAIN)
+    return found
+
+
+def _device(cfg: LabConfig) -> str:
+    return cfg.device.name if cfg.device.name != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_fp8_config(cfg: LabConfig) -> None:
@@ -268,7 +282,27 @@ def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
         out = impl.fn({"a": rows, "b": weight.t()}, cfg)["out"]  # (N, in) @ (in, out) -> (N, out)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
+    if cfg.precision.quantize is not None:
+        return ModelHooks(linear=_fp8_linear(impl, cfg))
     return ModelHooks(linear=linear)
+
+
+def _fp8_linear(impl: Impl, cfg: LabConfig) -> Any:
+    """Every projection trained with the fp8 recipe (ops/reference.py fp8_linear): its forward GEMM and both backward
+    GEMMs are `impl`'s scaled GEMM, on operands quantized afresh each call (x and W e4m3, dY the recipe's
+    grad_format). Under the bf16 autocast of bench-train, x and W arrive cast to bf16 as F.linear's would."""
+    q = cfg.precision.quantize
+
+    def gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+        return impl.fn({"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale}, cfg)["out"]
+
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+        return reference.fp8_linear(x, weight, gemm, rowwise=q.scaling == "row", grad_dtype=getattr(torch, q.grad_format))
+
+    return linear
 
 
 def _model_problem(cfg: LabConfig) -> str:

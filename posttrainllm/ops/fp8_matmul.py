@@ -29,7 +29,7 @@ import triton.language as tl
 from posttrainllm.ops import use_bf16_emulation
 from posttrainllm.ops.matmul import grouped_tile, matmul_launch
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # e5m2: a training recipe's gradients (ops/reference.py fp8_linear)
 MIN_BLOCK_K = 32  # tl.dot on 8-bit operands (NVIDIA): K per MMA step
 
 

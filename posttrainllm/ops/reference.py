@@ -14,6 +14,7 @@ Shape legend
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -292,3 +293,55 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
     compute = torch.float64 if a.dtype == torch.float64 else torch.float32
     c = dequantize_fp8(a, a_scale, compute) @ dequantize_fp8(b, b_scale, compute)  # (M, N)
     return c if compute == torch.float64 else c.to(out_dtype)
+
+
+# --- fp8 training: a linear layer's three GEMMs in 8 bits (bench-train under precision=fp8, fp8_rowwise) --------
+# y = x Wᵀ, dx = dy W, dW = dyᵀ x, each an fp8 GEMM C = (A_q s_A)(B_q s_B) with fresh dynamic scales (amax of the
+# tensor as it is now: no history). The forward operands x and W are e4m3; dy is the recipe's grad_format (e5m2:
+# range for gradients, the tensorwise recipe's; e4m3 where the rowwise recipe keeps it). Rowwise, each operand is
+# scaled along the dim its GEMM keeps (A per row, B per column), so a scale factors out of every sum over K; x, W
+# and dy are quantized again per GEMM along the dim that GEMM keeps. Per tensor, one scale serves both orientations
+# and the forward's x_q and W_q are reused. `gemm(a_q, a_scale, b_q, b_scale)` is the path: fp8_matmul above (the
+# readable math), torch._scaled_mm, or the Triton fp8 GEMM; it returns C in the output dtype (bf16).
+
+
+def _quantized(x: torch.Tensor, keep: int | None, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q, s) of a 2-D x: one scale per tensor (keep None), per row (keep 0: (M, 1)) or per column (keep 1: (1, N))."""
+    scale = fp8_scale(x, None if keep is None else 1 - keep, fp8_dtype)
+    return quantize_fp8(x, scale, fp8_dtype), scale
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, gemm: Any, rowwise: bool,
+                grad_dtype: torch.dtype) -> torch.Tensor:
+        e4m3 = torch.float8_e4m3fn
+        row, col = (0, 1) if rowwise else (None, None)
+        x_q, x_s = _quantized(x, row, e4m3)  # A = x (M, K): per row of x
+        w_q, w_s = _quantized(weight.t(), col, e4m3)  # B = Wᵀ (K, N): per column of Wᵀ = per row of W
+        ctx.gemm, ctx.rowwise, ctx.grad_dtype = gemm, rowwise, grad_dtype
+        ctx.save_for_backward(x, weight, *(() if rowwise else (x_q, x_s, w_q, w_s)))
+        return gemm(x_q, x_s, w_q, w_s)  # (M, N)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        e4m3, gemm = torch.float8_e4m3fn, ctx.gemm
+        if ctx.rowwise:  # every operand scaled along the dim its GEMM keeps
+            x, weight = ctx.saved_tensors
+            dx = gemm(*_quantized(dy, 0, ctx.grad_dtype), *_quantized(weight, 1, e4m3))  # (M, N)(N, K): dy rows, W cols
+            dw = gemm(*_quantized(dy.t(), 0, ctx.grad_dtype), *_quantized(x, 1, e4m3))  # (N, M)(M, K): dy cols, x cols
+        else:  # one scale per tensor: the forward's x_q and W_q serve transposed
+            x, weight, x_q, x_s, w_q, w_s = ctx.saved_tensors
+            dy_q, dy_s = _quantized(dy, None, ctx.grad_dtype)
+            dx = gemm(dy_q, dy_s, w_q.t(), w_s)
+            dw = gemm(dy_q.t(), dy_s, x_q, x_s)
+        return dx.to(x.dtype), dw.to(weight.dtype), None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, gemm: Any, *, rowwise: bool,
+               grad_dtype: torch.dtype = torch.float8_e5m2) -> torch.Tensor:
+    """x Wᵀ with its forward and both backward GEMMs in fp8 (the recipe above): x (..., K), weight (N, K) -> (..., N)
+    in gemm's output dtype. Differentiable in x and weight."""
+    rows = x.reshape(-1, x.shape[-1])  # (M, K)
+    out = _Fp8Linear.apply(rows, weight, gemm, rowwise, grad_dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])

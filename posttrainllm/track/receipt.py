@@ -97,6 +97,7 @@ def build(cfg: LabConfig, *, sweep: dict[str, Any] | None = None) -> dict[str, A
         "bench_train": _read_optional(out / "bench_train.json"),
         "stamps": stamps,
     }
+    withhold_speed(receipt)
     # the user paths' identities (spec, file, sha256, distribution, version), where a reader looks for them
     receipt["user_impls"] = {name: entry["user"] for name, entry in ((receipt["kernel"] or {}).get("paths")
                                                                      or {}).items() if entry.get("user")}
@@ -195,11 +196,29 @@ def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:
         out[prefix] = str(value)
 
 
+def quality_failures(receipt: dict[str, Any]) -> dict[str, str]:
+    """{path: why} for the paths that failed bench-train's quality gate (a quantized precision's, model/quality.py)."""
+    found = ((receipt.get("bench_train") or {}).get("quality") or {}).get("variants") or {}
+    return {name: "; ".join(entry["failed"]) for name, entry in found.items() if entry["verdict"] != "pass"}
+
+
+def withhold_speed(receipt: dict[str, Any]) -> None:
+    """A path that failed the quality gate gets no speed, as one that failed parity: its microbench entry in the
+    receipt is marked invalid with the reason (its raw timings stay in microbench.json and timings.csv)."""
+    paths = (receipt.get("microbench") or {}).get("paths") or {}
+    for name, why in quality_failures(receipt).items():
+        if name in paths:
+            paths[name] = {**paths[name], "valid": False,
+                           "reason": f"failed the quality gate ({why}): no speed"}
+
+
 def verdict(receipt: dict[str, Any]) -> str:
-    """'pass' when parity passed and every training-loss drift is within its limit, else 'fail'."""
+    """'pass' when parity passed, every training-loss drift is within its limit and every path passed the quality
+    gate (a quantized precision's), else 'fail'."""
     parity = (receipt.get("parity") or {}).get("verdict", "missing")
     drift = (receipt.get("bench_train") or {}).get("drift_verdict") or {}
-    return "pass" if parity == "pass" and all(v == "pass" for v in drift.values()) else "fail"
+    return ("pass" if parity == "pass" and all(v == "pass" for v in drift.values()) and not quality_failures(receipt)
+            else "fail")
 
 
 def _tags(receipt: dict[str, Any]) -> dict[str, str]:

@@ -66,9 +66,10 @@ def train_table(receipt: dict[str, Any]) -> str:
     if not train:
         return f"point {receipt['point']}: no bench-train result"
     amdahl = train.get("amdahl", {}).get("variants", {})
+    quality = (train.get("quality") or {}).get("variants") or {}  # a quantized precision's gate, per path
     rows = []
     for name, entry in train["impls"].items():
-        valid = entry.get("timing_valid", True)
+        valid = entry.get("timing_valid", True) and (quality.get(name) or {}).get("verdict", "pass") == "pass"
         check = amdahl.get(name, {})
         rows.append({
             "variant": name,
@@ -79,9 +80,14 @@ def train_table(receipt: dict[str, Any]) -> str:
             f"loss[{len(entry['losses']) - 1}]": f"{entry['losses'][-1]:.4f}",
             "drift": _fmt(train["drift"].get(name), ".2e"),
             "verdict": train.get("drift_verdict", {}).get(name, "baseline"),
+            **({"quality": (quality.get(name) or {}).get("verdict", "baseline"),
+                "heldout_gap": _fmt((quality.get(name) or {}).get("heldout_gap"), ".4f"),
+                "greedy_agree": _fmt(((quality.get(name) or {}).get("greedy") or {}).get("agreement"), ".3f")}
+               if quality else {}),
             "predicted": _fmt(check.get("predicted_speedup"), ".2f"),
-            "measured": _fmt(check.get("measured_speedup"), ".2f"),
-            "note": check.get("reading") or ("" if valid else "interpreted: not speed"),
+            "measured": _fmt(check.get("measured_speedup") if valid else None, ".2f"),
+            "note": check.get("reading") or ("" if valid else "failed the quality gate: no speed"
+                                             if entry.get("timing_valid", True) else "interpreted: not speed"),
         })
     fraction = train.get("amdahl", {}).get("fraction")
     head = (f"point {receipt['point']}: bench-train {receipt['config']['architecture']['name']} "
@@ -127,10 +133,10 @@ def _crossover(curve: dict[str, Any], mode: str, peer: str | None) -> Any:
 
 
 def point_failed(receipt: dict[str, Any]) -> bool:
-    """A point failed when a path broke its numerical contract or its loss drift limit."""
-    parity_failed = (receipt.get("parity") or {}).get("verdict", "fail") != "pass"
-    drift = (receipt.get("bench_train") or {}).get("drift_verdict", {})
-    return parity_failed or any(v != "pass" for v in drift.values())
+    """A point failed when a path broke its numerical contract, its loss drift limit or its quality gate."""
+    from posttrainllm.track.receipt import verdict
+
+    return verdict(receipt) != "pass"
 
 
 def _failures_first(frame: pd.DataFrame) -> pd.DataFrame:
