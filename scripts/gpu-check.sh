@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The prepared GPU check, for a CUDA machine with PyTorch and Triton but no network, MLflow or DVC: ~8 minutes
 # on one H200 (conf/sweep/gpu_check.yaml): bf16 attention at head dim 128, causal and non-causal, S = 1k..16k, and
-# bf16 matmul at 4096³ and 8192³, forward and forward + backward, against every peer; then tile=auto.
+# bf16 matmul at 4096³ and 8192³ (at 64x64x32 tiles, then 128x128x64), forward and forward + backward, against
+# every peer; fp8 matmul (per-tensor scaled e4m3, 128x128x64 tiles) at 4096³ and 8192³ against torch._scaled_mm,
+# forward only; then tile=auto. By the rough estimate (every SDPA backend present) the points end at ~416 s of the
+# 450 s budget, tile=auto last: the first it would skip. None of it has run on a GPU yet: no figure is measured.
 #
 #   scripts/gpu-check.sh OUTDIR [WHEELS_DIR] [gpucheck flags: --train, --budget-s S, --sweep NAME]
 #   scripts/gpu-check.sh OUTDIR --dry-run        # CPU, tiny shapes: what the tests run

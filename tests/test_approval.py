@@ -102,7 +102,8 @@ def test_the_prepared_gpu_check_prints_its_estimate_and_needs_approve(gpu, monke
     assert "posttrainllm gpucheck: gpu_check sweep on cuda:" in captured.out and "timing loops" in captured.out
     # a rough estimate per point, in the order they run
     table = [line.split()[0] for line in captured.out.splitlines()[2:]]
-    assert table == ["(calibrate)", "baseline", "op-matmul", "op-attention_noncausal", "tile-auto"]
+    assert table == ["(calibrate)", "baseline", "op-matmul", "op-matmul_tile-b128", "op-matmul_tile-b128_precision-fp8",
+                     "op-attention_noncausal", "tile-auto"]
     assert "not approved: these timing loops need --approve or POSTTRAINLLM_APPROVE=1" in captured.err
     assert not (gpu / "out").exists()
 
@@ -125,6 +126,20 @@ def test_loops_count_every_curve_axis_and_mode_and_the_rough_estimate_follows_th
     assert approval.rough_seconds(big, train=False) > approval.rough_seconds(plain, train=False)
     found = approval.estimate([plain], train=False)
     assert [p.rough_s for p in found.per_point] == [approval.rough_seconds(plain, train=False)]
+
+
+def test_forward_only_paths_are_counted_forward_only_and_untrained():
+    """fp8's paths (reference, scaled_mm, triton) have no backward: one loop per size, not two, even with
+    bench.curve_backward; one more for the bf16 GEMM its microbench times beside them; no training steps."""
+    fp8 = load(["op=matmul", "precision=fp8", "tile=b32", "device=cpu", "bench.curve_backward=true"])
+    paths = get_op("matmul").paths(fp8)
+    assert list(paths) == ["reference", "scaled_mm", "triton"]  # torch._scaled_mm runs on this CPU
+    found = approval.estimate([fp8], train=True)
+    assert (found.loops, found.train_steps) == (3 * (1 + len(fp8.shape.curve)) + 1, 0)
+    # the same point in bf16 times both modes everywhere: the fp8 point's rough time holds fewer loops
+    bf16 = load(["op=matmul", "precision=bf16", "tile=b32", "device=cpu", "bench.curve_backward=true"])
+    assert approval.estimate([bf16], train=False).loops == 3 * (2 + 2 * len(bf16.shape.curve))
+    assert approval.rough_seconds(fp8, train=True) < approval.rough_seconds(bf16, train=False)
 
 
 @pytest.mark.parametrize("stage", ["train_base", "train_heads", "decode"])

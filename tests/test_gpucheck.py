@@ -17,12 +17,22 @@ from posttrainllm.lab import sweep
 from posttrainllm.opdefs import get_op
 
 
-def test_the_gpu_plan_is_the_issues_run_one_dimension_at_a_time():
+FP8 = "op-matmul_tile-b128_precision-fp8"
+
+
+def test_the_gpu_plan_is_the_issues_run_one_dimension_at_a_time(monkeypatch):
     """bf16 attention at head dim 128, causal then non-causal, S from 1k to 16k, forward and forward+backward;
-    bf16 matmul at 4096³ and 8192³; tile=auto last. The most important points first."""
+    bf16 matmul at 4096³ and 8192³, then at 128x128x64 tiles, then fp8 there (forward only, against
+    torch._scaled_mm); tile=auto last. The most important points first."""
     points = sweep.plan(load(["sweep=gpu_check"]).sweep)["points"]
-    assert list(points) == ["baseline", "op-matmul", "op-attention_noncausal", "tile-auto"]
-    assert all(len(spec["changes"]) <= 1 for spec in points.values())  # the planner's rule holds
+    assert list(points) == ["baseline", "op-matmul", "op-matmul_tile-b128", FP8, "op-attention_noncausal",
+                            "tile-auto"]
+    seen = []  # the planner's rule holds: each point one change from the baseline or from an earlier point
+    for spec in points.values():
+        changes = spec["changes"]
+        assert len(changes) <= 1 or any(set(s.items()) < set(changes.items()) and len(changes) == len(s) + 1
+                                        for s in seen)
+        seen.append(changes)
     labs = {name: validate(spec["config"]) for name, spec in points.items()}
     for lab in labs.values():
         assert (lab.precision.dtype, lab.device.name, lab.bench.curve_backward) == ("bfloat16", "cuda", True)
@@ -35,6 +45,23 @@ def test_the_gpu_plan_is_the_issues_run_one_dimension_at_a_time():
     matmul = labs["op-matmul"]
     assert get_op("matmul").curve_sizes(matmul) == [4096, 8192] and "torch" in get_op("matmul").paths(matmul)
     assert labs["tile-auto"].tile.autotune and not labs["baseline"].tile.autotune
+    # fp8: per-tensor scaled e4m3 at M=N=K = 4096 and 8192 on a fixed Hopper-sized tile, against torch._scaled_mm
+    # (where it runs: probed on the device, absent here), every path forward-only and never trained
+    from posttrainllm.lab.gpucheck import _trains
+    from posttrainllm.opdefs import matmul as matmul_op
+
+    fp8 = labs[FP8]
+    assert (fp8.op.name, fp8.precision.name, fp8.precision.quantize.recipe) == ("matmul", "fp8",
+                                                                                 "float8_e4m3fn:tensor")
+    assert (fp8.shape.m, fp8.shape.n, fp8.shape.k) == (4096, 4096, 4096)
+    assert get_op("matmul").curve_sizes(fp8) == [4096, 8192]
+    assert (fp8.tile.block_m, fp8.tile.block_n, fp8.tile.block_k) == (128, 128, 64) and not fp8.tile.autotune
+    assert labs["op-matmul_tile-b128"].tile == fp8.tile and labs["op-matmul_tile-b128"].precision.name == "bf16"
+    monkeypatch.setitem(matmul_op._SCALED_MM_PROBES, ("cuda", fp8.precision.quantize.recipe, "bfloat16"), None)
+    paths = get_op("matmul").paths(fp8)
+    assert list(paths) == ["reference", "scaled_mm", "triton"] and paths["scaled_mm"].fn is matmul_op._scaled_mm
+    assert {impl.backward for impl in paths.values()} == {"none"}
+    assert not _trains(fp8) and _trains(matmul)
 
 
 @pytest.mark.slow
@@ -47,10 +74,29 @@ def test_dry_run_writes_importable_receipts(tmp_path, monkeypatch, mlflow_uri, c
     assert "rough_s" in done.stdout  # the per-point estimate, printed before anything runs
     summary = json.loads((out / "summary.json").read_text())
     assert summary["sweep"] == "smoke" and summary["skipped"] == [] and summary["complete"] is True
-    assert {p: s["status"] for p, s in summary["points"].items()} == {"baseline": "pass", "precision-fp16": "pass"}
+    # the smoke sweep's points, then the GPU check's fp8 point on the smoke baseline (tiny, CPU)
+    assert {p: s["status"] for p, s in summary["points"].items()} == {"baseline": "pass", "precision-fp16": "pass",
+                                                                      FP8: "pass"}
     assert all(s["estimated_s"] > 0 for s in summary["points"].values())
     assert summary["peaks"]["copy_bytes_per_s"] > 0
-    for point in summary["points"]:
+    assert done.stdout.index(f"  {FP8} ") < done.stdout.index("baseline: pass")  # estimated before anything runs
+    fp8 = json.loads((out / FP8 / "receipt.json").read_text())
+    assert fp8["sweep"]["changes"] == {"op": "matmul", "tile": "b128", "precision": "fp8"}
+    assert (fp8["config"]["precision"]["name"], fp8["config"]["device"]["name"]) == ("fp8", "cpu")
+    assert fp8["parity"]["verdict"] == "pass" and fp8["parity"]["quantization"]
+    assert {name: path["verdict"] for name, path in fp8["parity"]["paths"].items()} == {"scaled_mm": "pass",
+                                                                                       "triton": "pass"}
+    assert fp8["kernel"]["paths"]["triton"]["launched"]["_fp8_matmul_kernel"] > 0  # through the interpreter
+    assert not (out / FP8 / "reference.pt").exists() and not (out / FP8 / "kernel.pt").exists()
+    bench = fp8["microbench"]
+    assert [name for name, path in bench["paths"].items() if path["valid"]] == ["reference", "scaled_mm"]
+    assert bench["paths"]["scaled_mm"]["forward_backward"]["valid"] is False  # forward-only
+    assert "interpreter" in bench["paths"]["triton"]["reason"] and "bf16_matmul" in bench["describe"]
+    curve = pd.read_csv(out / FP8 / "curve.csv")  # forward only, though bench.curve_backward is on
+    assert set(curve["mode"]) == {"forward"} and set(curve["impl"]) == {"reference", "scaled_mm"}
+    assert (curve["check"] == "pass").all() and sorted(set(curve["x_value"])) == [32, 64]
+    assert [(c["x_name"], c["mode"]) for c in bench["curve"]["crossovers"]] == [("size", "forward")]
+    for point in ("baseline", "precision-fp16"):
         folder = out / point
         receipt = json.loads((folder / "receipt.json").read_text())
         assert receipt["parity"]["verdict"] == "pass" and receipt["sweep"]["name"] == "smoke"
@@ -76,7 +122,7 @@ def test_dry_run_writes_importable_receipts(tmp_path, monkeypatch, mlflow_uri, c
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     assert cli.main(["receipt", "import", str(out)]) == 0
-    assert "2 receipts in" in capsys.readouterr().out
+    assert "3 receipts in" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -85,7 +131,7 @@ def test_budget_skips_whole_points(tmp_path):
 
     assert gpucheck.main([str(tmp_path), "--dry-run", "--no-train", "--budget-s", "0"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["points"] == {} and summary["skipped"] == ["baseline", "precision-fp16"]
+    assert summary["points"] == {} and summary["skipped"] == ["baseline", "precision-fp16", FP8]
 
 
 def test_sdpa_backends_are_probed_at_the_kernel_stages_lengths_on_cuda():

@@ -53,6 +53,18 @@ def test_point_changing_two_dimensions_is_refused():
         sweep.point_changes(_sweep(points={"both": {"precision": "bf16", "tile": "b16"}}))
 
 
+def test_a_named_point_may_change_one_dimension_from_an_earlier_point():
+    """op-matmul, then its precision (fp8 is matmul's alone), then its tile: each one change from the one before."""
+    chain = {"mm-fp8": {"op": "matmul", "precision": "fp8"}, "mm-fp8-b64": {"op": "matmul", "precision": "fp8",
+                                                                          "tile": "b64"}}
+    points = sweep.point_changes(_sweep(vary={"op": ["matmul"]}, points=chain))
+    assert list(points) == ["baseline", "op-matmul", "mm-fp8", "mm-fp8-b64"]
+    assert points["mm-fp8-b64"] == {"op": "matmul", "precision": "fp8", "tile": "b64"}
+    with pytest.raises(ConfigError, match="mm-fp8-b64 changes op and precision and tile at once: .* from the "
+                                          "baseline or from an earlier point"):
+        sweep.point_changes(_sweep(vary={"op": ["matmul"]}, points={"mm-fp8-b64": chain["mm-fp8-b64"]}))
+
+
 def test_grid_must_be_asked_for():
     points = sweep.point_changes(_sweep(grid=True, vary={"precision": ["bf16"], "tile": ["b16"]}))
     assert points["precision-bf16_tile-b16"] == {"precision": "bf16", "tile": "b16"}

@@ -13,6 +13,8 @@ where a timing loop runs at least `bench.reps` calls and until `bench.min_time_s
 (posttrainllm/measure/timing.py), and call_s / step_s are a nominal 1 ms call and 50 ms
 training step (a loop can take longer: at most `bench.max_reps` calls). The curve sizes are those of
 every curve axis of the op; its modes are forward, and forward + backward with bench.curve_backward.
+A forward-only path (Impl.backward "none": fp8's) is timed forward alone and trains nothing; a quantized
+point's microbench times one more loop, the bf16 GEMM of its unquantized operands (opdefs/matmul.py).
 
 Each point also gets a rough expectation on a GPU (`PointEstimate.rough_s`, what the prepared GPU
 check prints and budgets with), from the op's own FLOP formulas and the ROUGH_* constants below. No
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 from posttrainllm.config import LabConfig
 from posttrainllm.measure import device as devices
-from posttrainllm.opdefs import get_op
+from posttrainllm.opdefs import NO_BACKWARD, get_op
 
 ENV = "POSTTRAINLLM_APPROVE"
 NOMINAL_CALL_S = 1e-3
@@ -87,21 +89,29 @@ def _call_s(flops: float) -> float:
     return max(ROUGH_MIN_CALL_S, flops / ROUGH_FLOPS_PER_S)
 
 
+def _timed_paths(lab: LabConfig) -> tuple[int, int, int]:
+    """The point's paths timed forward, those timed forward + backward too (not a forward-only path), and the
+    extra loops of its own (a quantized point's bf16 GEMM beside its paths)."""
+    impls = get_op(lab.op.name).paths(lab).values()  # every path passes parity at best; Triton included on a GPU
+    return len(impls), sum(impl.backward != NO_BACKWARD for impl in impls), int(lab.precision.quantize is not None)
+
+
 def rough_seconds(lab: LabConfig, *, train: bool) -> float:
     """The rough expectation of one point on a GPU (module docstring): fixed costs, then every timing loop
     with its call time from the op's FLOPs at that size and mode."""
     op = get_op(lab.op.name)
-    paths = len(op.paths(lab))
+    forward, backward, extra = _timed_paths(lab)
     seconds = ROUGH_POINT_S + (ROUGH_AUTOTUNE_S if lab.tile.autotune or lab.workgroup.autotune else 0.0)
     main = op.costs(next(c for c in op.cases(lab) if c.main), lab)
-    seconds += paths * (_loop_s(_call_s(main.flops), lab) + _loop_s(_call_s(main.train_flops), lab))
+    seconds += (forward + extra) * _loop_s(_call_s(main.flops), lab)
+    seconds += backward * _loop_s(_call_s(main.train_flops), lab)
     for axis in op.curve_axes:
         for x in axis.sizes(lab):
             costs = op.costs(axis.case(lab, x), lab)
-            seconds += ROUGH_CHECK_S + paths * _loop_s(_call_s(costs.flops), lab)
+            seconds += ROUGH_CHECK_S + forward * _loop_s(_call_s(costs.flops), lab)
             if lab.bench.curve_backward:
-                seconds += paths * _loop_s(_call_s(costs.train_flops), lab)
-    if train:
+                seconds += backward * _loop_s(_call_s(costs.train_flops), lab)
+    if train and backward:  # every path forward-only (fp8): bench-train refuses the point, gpucheck skips it
         seconds += ROUGH_TRAIN_S + len(op.train_impls(lab)) * lab.train.steps * NOMINAL_STEP_S
     return seconds
 
@@ -124,14 +134,14 @@ def estimate(labs: list[LabConfig], *, train: bool, microbench: bool = True, hea
             seconds += 2 * (h.eval_prompts + h.warmup_prompts) * h.new_tokens * NOMINAL_CALL_S
             continue
         op = get_op(lab.op.name)
-        paths = len(op.paths(lab))  # every path passes parity at best; Triton included on a GPU
+        forward, backward, extra = _timed_paths(lab)
         n = s = 0
         floor = 0.0
         if microbench:
-            modes = 2 if lab.bench.curve_backward else 1
-            n = paths * (2 + modes * sum(len(axis.sizes(lab)) for axis in op.curve_axes))
+            sizes = sum(len(axis.sizes(lab)) for axis in op.curve_axes)
+            n = forward * (1 + sizes) + backward * (1 + (sizes if lab.bench.curve_backward else 0)) + extra
             floor += n * max(lab.bench.min_time_s, lab.bench.reps * NOMINAL_CALL_S)
-        if train:
+        if train and backward:
             s = len(op.train_impls(lab)) * lab.train.steps
             floor += s * NOMINAL_STEP_S
         loops, steps, seconds = loops + n, steps + s, seconds + floor

@@ -5,10 +5,12 @@
 Calibrates the device, then runs every point of the `gpu_check` sweep (conf/sweep/gpu_check.yaml)
 through the same stage functions as `dvc repro`: reference, kernel, parity, microbench (and,
 with --train, bench-train). In order: bf16 attention at head dim 128, causal; bf16 matmul
-(cuBLAS as the peer); the same attention non-causal; then tile=auto (Triton's autotuner). Each
-curve runs S = 1k..16k (M=N=K = 4096, 8192 for matmul), forward and forward + backward, against
-every peer the device has. Each point's receipt and evidence land in OUTDIR/<point>/; the big
-tensors (reference.pt, kernel.pt) are deleted once parity has read them.
+(cuBLAS as the peer); the same at 128x128x64 tiles; fp8 matmul at those tiles (per-tensor scaled
+e4m3, torch._scaled_mm as the peer, forward only); the attention non-causal; then tile=auto
+(Triton's autotuner). Each curve runs S = 1k..16k (M=N=K = 4096, 8192 for matmul), forward and
+forward + backward (forward only for fp8), against every peer the device has. Each point's receipt
+and evidence land in OUTDIR/<point>/; the big tensors (reference.pt, kernel.pt) are deleted once
+parity has read them.
 
 Before anything runs it prints each point's rough device time (lab/approval.py: ROUGH_*, not yet
 measured on a GPU) and starts no point that, by that estimate, would end after `--budget-s`
@@ -16,17 +18,21 @@ seconds from the start: such points are listed as skipped, never half-run. summa
 point's estimate next to the seconds it took. Bring the folder back and run
 `posttrainllm receipt import OUTDIR` where MLflow lives.
 
-bench-train is off by default: by the rough estimate the four points end at ~5.5 minutes on an H200
+bench-train is off by default: by the rough estimate the six points end at ~7 minutes (416 s) on an H200
 with every SDPA backend, and training adds ~1 minute (ROUGH_TRAIN_S and 50 ms steps, guessed), which
-leaves no margin for an estimate that is off; the issue's run does not ask for it. --train adds it.
+leaves no margin for an estimate that is off; the issue's run does not ask for it. --train adds it
+(not to the fp8 point: its paths are forward-only, and bench-train refuses them).
 
 --dry-run runs the `smoke` sweep on the CPU with tiny shapes, its curves timed in both modes as
-on the GPU: what the tests run.
+on the GPU, and the GPU sweep's quantized point (fp8) on the smoke sweep's baseline: its changes
+(op, tile, precision) with the smoke sweep's shape, device and overrides, so its paths (reference,
+torch._scaled_mm, the Triton fp8 GEMM through the interpreter) run too: what the tests run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -37,7 +43,7 @@ from posttrainllm.track import receipt
 from posttrainllm.lab import approval, stages
 from posttrainllm.lab import sweep
 from posttrainllm.measure import device as devices
-from posttrainllm.config import ConfigError
+from posttrainllm.config import ConfigError, LabConfig, SweepConfig
 from posttrainllm.lab.configure import load, validate
 from posttrainllm.files import point_dir, write_json
 from posttrainllm.lab.pipeline import sweep_id
@@ -72,12 +78,16 @@ def run_point(cfg: Any, calibration: dict[str, Any], sweep_info: dict[str, Any],
 
 DRY_RUN_SWEEP = "smoke"
 DRY_RUN_BENCH = {"curve_backward": True}  # as the GPU check's sweep sets it
+# The rehearsed fp8 point's curve (M=N=K) stays small: torch._scaled_mm on a CPU is a scalar loop (measured on a
+# 2-core CPU, one thread, torch 2.13: 17 s a call at 512³, 0.27 s at 128³), and the smoke curve runs to 512
+REHEARSAL_OVERRIDES = ["shape.matmul_curve=[32,64]"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m posttrainllm.lab.gpucheck", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder for calibration.json, summary.json and <point>/ receipts")
-    parser.add_argument("--dry-run", action="store_true", help="the smoke sweep on the CPU (tiny shapes)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the smoke sweep on the CPU (tiny shapes), and the GPU sweep's fp8 point")
     parser.add_argument("--sweep", default="gpu_check", help="the sweep to run on the GPU (conf/sweep/)")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="start no point whose rough estimate ends it after this many seconds")
@@ -89,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     name = DRY_RUN_SWEEP if args.dry_run else args.sweep
     try:
-        plan = sweep.plan(load([f"sweep={name}"]).sweep)
+        planned = load([f"sweep={name}"]).sweep
+        plan = sweep.plan(planned)
+        if args.dry_run:
+            plan["points"].update(_rehearsals(load([f"sweep={args.sweep}"]).sweep, planned))
         configs = {point: _point_config(spec["config"], args.dry_run) for point, spec in plan["points"].items()}
         threads = next(iter(configs.values()))["bench"]["threads"] if configs else load().bench.threads
         device = devices.prepare("cpu" if args.dry_run else "cuda", threads)  # 0: torch's default, every core
@@ -118,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         cfg = validate({**configs[point], "run": {"name": point, "out_dir": str(args.out), "log_mlflow": False}})
         t0 = time.perf_counter()
-        status = run_point(cfg, calibration, {**info, "changes": spec["changes"]}, train=args.train)
+        status = run_point(cfg, calibration, {**info, "changes": spec["changes"]}, train=args.train and _trains(cfg))
         seconds = time.perf_counter() - t0
         summary["points"][point] = {"status": status, "seconds": seconds, "estimated_s": rough[point]}
         summary["seconds"] = time.perf_counter() - started
@@ -130,6 +143,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(p["status"] == "pass" for p in summary["points"].values()) else 1
 
 
+def _rehearsals(gpu: SweepConfig, dry: SweepConfig) -> dict[str, Any]:
+    """The GPU sweep's quantized points (fp8), planned on the dry-run sweep's baseline: the smoke sweep's
+    attention never runs their paths (quantized inputs, forward-only, torch._scaled_mm, the fp8 kernel)."""
+    found = {}
+    for point, spec in sweep.plan(gpu)["points"].items():
+        if spec["config"]["precision"].get("quantize"):
+            changes = {d: v for d, v in spec["changes"].items() if v != dry.baseline.get(d)}
+            found[point] = sweep.plan_point(dataclasses.replace(dry, overrides=[*dry.overrides, *REHEARSAL_OVERRIDES]),
+                                            point, changes)
+    return found
+
+
+def _trains(cfg: LabConfig) -> bool:
+    """Whether bench-train takes the point (not fp8's forward-only paths: stages.check_trainable)."""
+    try:
+        stages.check_trainable(cfg)
+    except ConfigError:
+        return False
+    return True
+
+
 def _point_config(config: dict[str, Any], dry_run: bool) -> dict[str, Any]:
     """A planned point's config; the dry run times its curves in both modes, as the GPU check does."""
     return {**config, "bench": {**config["bench"], **DRY_RUN_BENCH}} if dry_run else config
@@ -137,14 +171,15 @@ def _point_config(config: dict[str, Any], dry_run: bool) -> dict[str, Any]:
 
 def _estimate_table(found: approval.Estimate, budget_s: float) -> str:
     """Each point's rough device time and when it would end, in the order they run."""
-    lines = [f"  {'point':<28} {'loops':>5} {'rough_s':>8} {'ends_by_s':>9}  (rough: lab/approval.py ROUGH_*; "
+    w = max([28] + [len(p.name) for p in found.per_point])
+    lines = [f"  {'point':<{w}} {'loops':>5} {'rough_s':>8} {'ends_by_s':>9}  (rough: lab/approval.py ROUGH_*; "
              f"budget {budget_s:.0f} s)"]
     total = calibrate.DEFAULT_BUDGET_S
-    lines.append(f"  {'(calibrate)':<28} {'':>5} {total:>8.0f} {total:>9.0f}")
+    lines.append(f"  {'(calibrate)':<{w}} {'':>5} {total:>8.0f} {total:>9.0f}")
     for p in found.per_point:
         total += p.rough_s
         late = "  over budget: skipped unless earlier points run faster" if total > budget_s else ""
-        lines.append(f"  {p.name:<28} {p.loops:>5} {p.rough_s:>8.0f} {total:>9.0f}{late}")
+        lines.append(f"  {p.name:<{w}} {p.loops:>5} {p.rough_s:>8.0f} {total:>9.0f}{late}")
     return "\n".join(lines)
 
 

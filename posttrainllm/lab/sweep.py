@@ -1,8 +1,10 @@
 """Sweep planner: a baseline and the values to try, expanded into named points.
 
 Each point is the baseline with exactly one dimension changed (`precision-bf16`,
-`tile-b64`, ...). A point that changes two dimensions at once is refused unless
-the sweep asks for a grid. The plan is written to params.yaml, where dvc.yaml's
+`tile-b64`, ...), or a named point one dimension away from an earlier point (the
+GPU check's fp8 matmul: op-matmul, then its tile, then its precision). A point
+that changes two dimensions at once from every earlier one is refused unless the
+sweep asks for a grid. The plan is written to params.yaml, where dvc.yaml's
 `foreach` runs every point as its own cached set of stages.
 
 What each point's stage runs and reads is listed here too, from the point's config
@@ -62,31 +64,40 @@ def point_changes(sweep: SweepConfig) -> dict[str, dict[str, str]]:
         for dimension, option in changes.items():
             _check_choice(dimension, option, f"sweep.points.{name}")
         changed = {k: v for k, v in changes.items() if v != sweep.baseline.get(k)}
-        if len(changed) > 1 and not sweep.grid:
+        if len(changed) > 1 and not sweep.grid and not any(
+                len(_differing(changed, earlier, sweep.baseline)) == 1 for earlier in points.values()):
             raise ConfigError(
                 f"sweep.points.{name} changes {' and '.join(sorted(changed))} at once: a sweep changes one "
-                "dimension at a time (set sweep.grid=true to allow a grid)"
+                "dimension at a time, from the baseline or from an earlier point (set sweep.grid=true to allow a grid)"
             )
         points[name] = changed
     return points
 
 
+def _differing(a: dict[str, str], b: dict[str, str], baseline: dict[str, str]) -> set[str]:
+    """The dimensions where two points' choices differ, given their changes from `baseline`."""
+    return {d for d in {*a, *b} if a.get(d, baseline.get(d)) != b.get(d, baseline.get(d))}
+
+
 def plan(sweep: SweepConfig) -> dict[str, Any]:
     """The params.yaml content: every point's overrides and its fully resolved config."""
+    points = {name: plan_point(sweep, name, changes) for name, changes in point_changes(sweep).items()}
+    return {"sweep": {"name": sweep.name, "grid": sweep.grid}, "points": points}
+
+
+def plan_point(sweep: SweepConfig, name: str, changes: dict[str, str]) -> dict[str, Any]:
+    """One point: the sweep's baseline with `changes`, its overrides and its fully resolved config."""
     from posttrainllm.lab.configure import load  # the ops' rules: not for the inputs stage, which only hashes
 
-    points = {}
-    for name, changes in point_changes(sweep).items():
-        choices = {**sweep.baseline, **changes}
-        overrides = [f"{d}={choices[d]}" for d in DIMENSIONS if d in choices] + list(sweep.overrides)
-        if name == "baseline":
-            overrides += list(sweep.baseline_overrides)
-        try:
-            cfg = load(overrides)
-        except ConfigError as exc:
-            raise ConfigError(f"sweep point {name}: {exc}") from None
-        points[name] = {"changes": changes, "overrides": overrides, "config": point_config(cfg)}
-    return {"sweep": {"name": sweep.name, "grid": sweep.grid}, "points": points}
+    choices = {**sweep.baseline, **changes}
+    overrides = [f"{d}={choices[d]}" for d in DIMENSIONS if d in choices] + list(sweep.overrides)
+    if name == "baseline":
+        overrides += list(sweep.baseline_overrides)
+    try:
+        cfg = load(overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"sweep point {name}: {exc}") from None
+    return {"changes": changes, "overrides": overrides, "config": point_config(cfg)}
 
 
 def render(params: dict[str, Any]) -> str:
