@@ -46,8 +46,8 @@ def test_the_gpu_plan_is_the_issues_run_one_dimension_at_a_time(monkeypatch):
     assert get_op("matmul").curve_sizes(matmul) == [4096, 8192] and "torch" in get_op("matmul").paths(matmul)
     assert labs["tile-auto"].tile.autotune and not labs["baseline"].tile.autotune
     # fp8: per-tensor scaled e4m3 at M=N=K = 4096 and 8192 on a fixed Hopper-sized tile, against torch._scaled_mm
-    # (where it runs: probed on the device, absent here), every path forward-only and never trained
-    from posttrainllm.lab.gpucheck import _trains
+    # (where it runs: probed on the device, absent here), every path forward-only in the microbench, trained by the fp8 recipe
+    from posttrainllm.lab import approval
     from posttrainllm.opdefs import matmul as matmul_op
 
     fp8 = labs[FP8]
@@ -61,7 +61,8 @@ def test_the_gpu_plan_is_the_issues_run_one_dimension_at_a_time(monkeypatch):
     paths = get_op("matmul").paths(fp8)
     assert list(paths) == ["reference", "scaled_mm", "triton"] and paths["scaled_mm"].fn is matmul_op._scaled_mm
     assert {impl.backward for impl in paths.values()} == {"none"}
-    assert not _trains(fp8) and _trains(matmul)
+    trained = approval.estimate([fp8], train=True).train_steps  # the fp8 recipe per path, and the bf16 baseline
+    assert trained == (len(get_op("matmul").train_impls(fp8)) + 1) * fp8.train.steps
 
 
 @pytest.mark.slow

@@ -13,8 +13,9 @@ where a timing loop runs at least `bench.reps` calls and until `bench.min_time_s
 (posttrainllm/measure/timing.py), and call_s / step_s are a nominal 1 ms call and 50 ms
 training step (a loop can take longer: at most `bench.max_reps` calls). The curve sizes are those of
 every curve axis of the op; its modes are forward, and forward + backward with bench.curve_backward.
-A forward-only path (Impl.backward "none": fp8's) is timed forward alone and trains nothing; a quantized
-point's microbench times one more loop, the bf16 GEMM of its unquantized operands (opdefs/matmul.py).
+A forward-only path (Impl.backward "none": fp8's) is timed forward alone; a quantized point's microbench times
+one more loop, the bf16 GEMM of its unquantized operands (opdefs/matmul.py), and its bench-train trains each
+path by the fp8 recipe plus a bf16 baseline (its quality gate's decoding is not counted: ~256 tokens).
 
 Each point also gets a rough expectation on a GPU (`PointEstimate.rough_s`, what the prepared GPU
 check prints and budgets with), from the op's own FLOP formulas and the ROUGH_* constants below. No
@@ -96,6 +97,11 @@ def _timed_paths(lab: LabConfig) -> tuple[int, int, int]:
     return len(impls), sum(impl.backward != NO_BACKWARD for impl in impls), int(lab.precision.quantize is not None)
 
 
+def _trained(lab: LabConfig) -> int:
+    """The models bench-train trains: one per path it takes, plus a quantized point's bf16 baseline."""
+    return len(get_op(lab.op.name).train_impls(lab)) + int(lab.precision.quantize is not None)
+
+
 def rough_seconds(lab: LabConfig, *, train: bool) -> float:
     """The rough expectation of one point on a GPU (module docstring): fixed costs, then every timing loop
     with its call time from the op's FLOPs at that size and mode."""
@@ -111,8 +117,8 @@ def rough_seconds(lab: LabConfig, *, train: bool) -> float:
             seconds += ROUGH_CHECK_S + forward * _loop_s(_call_s(costs.flops), lab)
             if lab.bench.curve_backward:
                 seconds += backward * _loop_s(_call_s(costs.train_flops), lab)
-    if train and backward:  # every path forward-only (fp8): bench-train refuses the point, gpucheck skips it
-        seconds += ROUGH_TRAIN_S + len(op.train_impls(lab)) * lab.train.steps * NOMINAL_STEP_S
+    if train and (backward or extra):  # a quantized point trains its forward-only paths by the fp8 recipe
+        seconds += ROUGH_TRAIN_S + _trained(lab) * lab.train.steps * NOMINAL_STEP_S
     return seconds
 
 
@@ -141,8 +147,8 @@ def estimate(labs: list[LabConfig], *, train: bool, microbench: bool = True, hea
             sizes = sum(len(axis.sizes(lab)) for axis in op.curve_axes)
             n = forward * (1 + sizes) + backward * (1 + (sizes if lab.bench.curve_backward else 0)) + extra
             floor += n * max(lab.bench.min_time_s, lab.bench.reps * NOMINAL_CALL_S)
-        if train and backward:
-            s = len(op.train_impls(lab)) * lab.train.steps
+        if train and (backward or extra):
+            s = _trained(lab) * lab.train.steps
             floor += s * NOMINAL_STEP_S
         loops, steps, seconds = loops + n, steps + s, seconds + floor
         if microbench:
