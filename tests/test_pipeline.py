@@ -51,8 +51,9 @@ def test_the_sweep_says_where_it_stands_and_the_progress_command_agrees(project)
     root, env, repro = project
     started = [line for line in repro.stderr.splitlines() if line.startswith("posttrainllm: ") and "... [sweep: " in line]
     assert len(started) == 12  # every point stage said so when it started
-    assert started[0].endswith("[sweep: 0/2 points done, 0/12 stages; no estimate yet (no stage has a stamp)]")
-    assert "1/12 stages; about" in started[1]  # estimated from the first stage's stamp
+    assert started[0].endswith("[sweep: 0/2 points done, 0/12 stages; no estimate yet (none of the stages left "
+                               "has a stamp to go by)]")
+    assert "1/12 stages; at least" in started[1]  # estimated from the first stage's stamp, the others not yet
     shown = run_command([sys.executable, "-m", "posttrainllm", "progress"], root, env).stdout.splitlines()
     assert shown[-1] == "2/2 points done, 12/12 stages"
     assert shown[0].split() == ["baseline", "reference", "kernel", "parity", "microbench", "bench_train", "receipt"]

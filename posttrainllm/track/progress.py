@@ -60,19 +60,19 @@ class Progress:
         return sum(1 for key in self.pending() if key not in self.estimate_s)
 
     def line(self) -> str:
-        """'2/12 points done, 14/72 stages; about 6 min left (from the stamps)'."""
+        """'2/12 points done, 14/72 stages; about 6 min left (from the stamps)': "at least" while some stage
+        left has no stamp to estimate it by."""
         text = f"{len(self.points_done())}/{len(self.points)} points done, {len(self.done)}/{len(self.stages)} stages"
         pending = self.pending()
         if not pending:
             return text
         left = self.left_s()
-        if self.estimate_s:
-            when = f"{left / 60:.0f} min" if left >= 90 else f"{left:.0f} s"
-            text += f"; about {when} left (from the stamps"
-            text += f", {self.unestimated()} stage(s) not yet estimated)" if self.unestimated() else ")"
-        else:
-            text += "; no estimate yet (no stage has a stamp)"
-        return text
+        if not self.estimate_s:
+            return text + "; no estimate yet (none of the stages left has a stamp to go by)"
+        when = f"{left / 60:.0f} min" if left >= 90 else f"{left:.0f} s"
+        if self.unestimated():  # a first sweep: DVC runs one stage of every point, then the next stage
+            return text + f"; at least {when} left (from the stamps; {self.unestimated()} stage(s) not yet estimated)"
+        return text + f"; about {when} left (from the stamps)"
 
 
 def read_progress(params_path: Path, runs: Path, stages: tuple[str, ...], now: float | None = None) -> Progress:
