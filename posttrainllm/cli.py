@@ -40,7 +40,7 @@ from omegaconf import DictConfig
 
 from posttrainllm.config import CONF_DIR, ConfigError, LabConfig
 
-from posttrainllm.lab.configure import load, validate
+from posttrainllm.lab.configure import check_train_rules, load, validate
 
 EXIT_CONTRACT, EXIT_CONFIG = 1, 2
 EXIT_UNTRACKED = 3  # the receipt JSON was written, MLflow was not (server unreachable, store failed)
@@ -671,6 +671,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         labs = _check_before_running(rest, grid)
+        if command == "bench-train":  # a quantized point trains by the precision's recipe: an op without one is refused
+            for lab in labs:
+                check_train_rules(lab)
         if command in TIMED and not any(a.split("=")[0] in _INSPECT_FLAGS for a in rest):  # before any work
             found = approval.check(labs, train=command == "bench-train", heads=command.startswith("experimental"),
                                    what=f"posttrainllm {command}")

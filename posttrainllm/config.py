@@ -10,7 +10,7 @@ or the violated bound.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,20 @@ class QualityConfig:
 
 
 @dataclass
+class QuantizeFloors:
+    """An op's own floors on the quantization's error (QuantizeConfig.op_floors), where its quantized math is more than
+    one fp8 GEMM and its output's SQNR sits lower for it (op=moe: two GEMMs chained, h quantized again between them;
+    the numbers and why: conf/precision/fp8*.yaml)."""
+
+    min_sqnr_db: float = 20.0
+    min_row_sqnr_db: float = 20.0
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        _positive("precision.quantize.op_floors", min_sqnr_db=self.min_sqnr_db, min_row_sqnr_db=self.min_row_sqnr_db)
+
+
+@dataclass
 class QuantizeConfig:
     """A quantized precision's recipe (conf/precision/fp8*.yaml): the operands' 8-bit format and scaling, the
     gradients' format, and the floor on the quantization's own error (each case's oracle on the quantized inputs
@@ -180,6 +194,8 @@ class QuantizeConfig:
     min_sqnr_db: float = 20.0  # the quantization's SQNR, per tensor
     min_row_sqnr_db: float = 20.0  # ... and of its worst row
     reason: str = ""  # why these floors (parity.json carries it)
+    # {op: floors}: an op's own, in place of the three above for its points (for_op; lab/configure.py validate)
+    op_floors: dict[str, QuantizeFloors] = field(default_factory=dict)
     quality: QualityConfig = field(default_factory=QualityConfig)  # bench-train's gate on what the model outputs
 
     def __post_init__(self) -> None:
@@ -195,6 +211,15 @@ class QuantizeConfig:
     def recipe(self) -> str:
         """'<format>:<scaling>', what a quantized case carries to its op's make_inputs (opdefs/base.py Case)."""
         return f"{self.format}:{self.scaling}"
+
+    def for_op(self, op: str) -> QuantizeConfig:
+        """The recipe as op `op`'s points are judged: its op_floors entry, if any, in place of min_sqnr_db,
+        min_row_sqnr_db and their reason (what parity reads and reports)."""
+        floors = self.op_floors.get(op)
+        if floors is None:
+            return self
+        return replace(self, min_sqnr_db=floors.min_sqnr_db, min_row_sqnr_db=floors.min_row_sqnr_db,
+                       reason=floors.reason)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""precision=fp8 / fp8_rowwise for op=matmul: the scaling recipe, the quantized contract, the paths, planted bugs.
+"""precision=fp8 / fp8_rowwise for op=matmul: the scaling recipe, the quantized contract, the paths, planted bugs
+(op=moe's: tests/test_fp8_moe.py).
 
 The kernel's bugs are one-line mutations of posttrainllm/ops/fp8_matmul.py; saturating instead of scaling is one of
 the quantization helper in posttrainllm/ops/reference.py, caught by the quantization's own SQNR (the paths, which
@@ -53,12 +54,12 @@ def test_an_all_zero_group_gets_a_finite_scale_and_zeros():
 # --- config: the precision is global; the recipe's own bounds -----------------------------------
 
 
-@pytest.mark.parametrize("op", [name for name in OPS if name != "matmul"])
+@pytest.mark.parametrize("op", [name for name in OPS if name not in ("matmul", "moe")])
 def test_other_ops_under_fp8_are_refused_in_one_line(op):
     with pytest.raises(ConfigError) as err:
         load([f"op={op}", "precision=fp8"])
-    assert str(err.value) == (f"precision fp8 is supported by op=matmul only: op={op} has no float8_e4m3fn inputs "
-                              "or paths")
+    assert str(err.value) == (f"precision fp8 is supported by op=matmul, op=moe only: op={op} has no float8_e4m3fn "
+                              "inputs or paths")
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -80,8 +81,8 @@ def test_cli_refuses_fp8_for_another_op(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["bench", "op=rmsnorm", "precision=fp8_rowwise"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("posttrainllm: config error: precision fp8_rowwise is supported by op=matmul only: op=rmsnorm "
-                   "has no float8_e4m3fn inputs or paths")
+    assert err == ("posttrainllm: config error: precision fp8_rowwise is supported by op=matmul, op=moe only: "
+                   "op=rmsnorm has no float8_e4m3fn inputs or paths")
     assert list(tmp_path.iterdir()) == []
 
 

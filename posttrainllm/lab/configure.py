@@ -17,8 +17,11 @@ from posttrainllm.opdefs import OPS, get_op
 
 
 def validate(cfg: DictConfig | dict[str, Any]) -> LabConfig:
-    """The schema, then the op's rules and the heads' choice of decode path; ConfigError with one line."""
+    """The schema (an fp8 precision's floors as the op's own, QuantizeConfig.for_op), then the op's rules and the heads'
+    choice of decode path; ConfigError with one line."""
     lab = validate_schema(cfg)
+    if lab.precision.quantize is not None:  # the op's own quantization floors, where the precision names some
+        lab.precision.quantize = lab.precision.quantize.for_op(lab.op.name)
     check_op_rules(lab)
     check_heads_rules(lab)
     return lab
@@ -45,6 +48,18 @@ def check_precision_rules(cfg: LabConfig) -> None:
     require(get_op(cfg.op.name).quantizes,
             f"precision {cfg.precision.name} is supported by {', '.join(f'op={name}' for name in supported)} only: "
             f"op={cfg.op.name} has no {cfg.precision.quantize.format} inputs or paths")
+
+
+def check_train_rules(cfg: LabConfig) -> None:
+    """bench-train under a quantized precision trains by the precision's training recipe, which only some ops carry
+    (OpDef.trains_quantized): an op whose fp8 paths are forward-only is refused by name (the CLI before anything
+    runs, the bench-train stage again)."""
+    if cfg.precision.quantize is None:
+        return
+    trained = " and ".join(f"op={name}" for name, op in OPS.items() if op.trains_quantized)
+    require(get_op(cfg.op.name).trains_quantized,
+            f"bench-train under precision {cfg.precision.name}: op={cfg.op.name}'s fp8 paths are forward-only (the fp8 "
+            f"training recipe covers {trained}'s linear layers only); `posttrainllm bench` checks and times them")
 
 
 def check_op_rules(cfg: LabConfig) -> None:

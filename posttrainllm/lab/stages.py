@@ -800,10 +800,12 @@ def _train_quantized(cfg: LabConfig, model_cfg: Any, common: dict[str, Any], dev
     16-bit autocast (the bf16 baseline with F.linear, each fp8 path through the recipe, opdefs/matmul.py), scored
     on its held-out tail; then the draft-heads base decodes held-out prompts with each path's fp8 linear layers
     against bf16 ones (model/quality.py). The `quality` section and its verdicts join the result."""
+    from posttrainllm.lab.configure import check_train_rules
     from posttrainllm.model import quality
     from posttrainllm.model.corpus import batch_at, load_corpus, prompts, split_tail
     from posttrainllm.model.train import bench_train
 
+    check_train_rules(cfg)  # an op whose fp8 paths are forward-only (op=moe) has no training recipe: refused
     q, train = cfg.precision.quantize, cfg.train
     gate = q.quality
     corpus = load_corpus()

@@ -237,14 +237,17 @@ def op_sources(stage: str, config: dict[str, Any]) -> list[str]:
     """The op's kernel code `stage` runs: posttrainllm/ops/<op>.py where it runs the op's Triton path.
 
     matmul borrows from the attention module: opdefs/matmul.py's launch geometry (the kernel stage) reads
-    its AUTO_CPU_NOTE, and ops/matmul.py's autotuner (tile or workgroup auto) its device_smem_bytes.
+    its AUTO_CPU_NOTE, and ops/matmul.py's autotuner (tile or workgroup auto) its device_smem_bytes. Under a
+    quantized precision the op's fp8 kernels run (ops/fp8_<op>.py), moe's with ops/moe.py's plan.
     """
     files = user_sources(config) if stage in USER_STAGES else []
     if stage not in KERNEL_STAGES:
         return files
     op = config["op"]["name"]
     quantized = ((config.get("precision") or {}).get("quantize") or {}).get("format")
-    files.append(f"posttrainllm/ops/{'fp8_matmul' if quantized and op == 'matmul' else op}.py")
+    files.append(f"posttrainllm/ops/{f'fp8_{op}' if quantized else op}.py")  # fp8: matmul's and moe's own kernels
+    if quantized and op == "moe":  # ops/fp8_moe.py runs ops/moe.py's plan, row blocks and unpermute
+        files.append("posttrainllm/ops/moe.py")
     autotune = AUTO in (config["tile"]["name"], config["workgroup"]["name"])
     if op == "matmul" and (stage == "kernel" or autotune):
         files.append("posttrainllm/ops/attention.py")

@@ -179,6 +179,10 @@ class OpDef:
     # Quantized precisions (precision.quantize: fp8) this op supports: its cases carry the recipe (Case.quantize)
     # and its make_inputs quantizes; the point's paths are the quantized ones (point_impls). Other ops refuse them
     quantizes: bool = False
+    # ... and bench-train trains it under them: its model hook carries the precision's training recipe (op=matmul:
+    # every linear layer's three GEMMs in fp8, ops/reference.py fp8_linear). Else its fp8 paths are forward-only and
+    # bench-train refuses the point (lab/configure.py check_train_rules)
+    trains_quantized: bool = False
 
     @property
     def reference(self) -> Impl:
@@ -234,3 +238,22 @@ def seeded_randn(seed: int, dtype: torch.dtype, device: str) -> Callable[..., to
         return (torch.randn(*size, generator=gen, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
 
     return randn
+
+
+def check_fp8_config(cfg: LabConfig, paths: str) -> None:
+    """What an op's fp8 paths run (precision.quantize): e4m3 operands, fixed tiles with BLOCK_K >= 32, and the
+    registry's paths only (`paths`, named in the refusal)."""
+    q, name, op = cfg.precision.quantize, cfg.precision.name, cfg.op.name
+    if q.format != "float8_e4m3fn":
+        raise ConfigError(f"precision.quantize.format={q.format!r}: op={op}'s fp8 paths take float8_e4m3fn "
+                          "operands (e5m2 is the gradients' format, precision.quantize.grad_format)")
+    if cfg.tile.block_k < 32:
+        raise ConfigError(f"tile.block_k={cfg.tile.block_k} under precision {name}: tl.dot on fp8 operands takes K "
+                          "in steps of 32 (use a tile with block_k >= 32)")
+    if cfg.tile.autotune or cfg.workgroup.autotune:
+        raise ConfigError(f"tile/workgroup=auto under precision {name}: the fp8 kernel has no autotuner yet "
+                          "(choose a fixed tile and workgroup)")
+    for key, given in (("peers", cfg.op.peers), ("user_impls", cfg.op.user_impls)):
+        if given:
+            raise ConfigError(f"op.{key}={list(given)} under precision {name}: the fp8 paths are the registry's "
+                              f"({paths}); a compiled or user path takes no scales yet")

@@ -27,7 +27,7 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
 from posttrainllm.opdefs.base import (NO_BACKWARD, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
-                                      seeded_randn)
+                                      check_fp8_config, seeded_randn)
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
@@ -191,24 +191,6 @@ def _device(cfg: LabConfig) -> str:
     return cfg.device.name if cfg.device.name != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_fp8_config(cfg: LabConfig) -> None:
-    """What the fp8 paths run: e4m3 operands, fixed tiles with BLOCK_K >= 32, the registry's paths only."""
-    q, name = cfg.precision.quantize, cfg.precision.name
-    if q.format != "float8_e4m3fn":
-        raise ConfigError(f"precision.quantize.format={q.format!r}: op=matmul's fp8 paths take float8_e4m3fn "
-                          "operands (e5m2 is the gradients' format, precision.quantize.grad_format)")
-    if cfg.tile.block_k < 32:
-        raise ConfigError(f"tile.block_k={cfg.tile.block_k} under precision {name}: tl.dot on fp8 operands takes K "
-                          "in steps of 32 (use a tile with block_k >= 32)")
-    if cfg.tile.autotune or cfg.workgroup.autotune:
-        raise ConfigError(f"tile/workgroup=auto under precision {name}: the fp8 kernel has no autotuner yet "
-                          "(choose a fixed tile and workgroup)")
-    for key, given in (("peers", cfg.op.peers), ("user_impls", cfg.op.user_impls)):
-        if given:
-            raise ConfigError(f"op.{key}={list(given)} under precision {name}: the fp8 paths are the registry's "
-                              "(reference, scaled_mm, triton); a compiled or user path takes no scales yet")
-
-
 def _recipe(cfg: LabConfig) -> str:
     return cfg.precision.quantize.recipe if cfg.precision.quantize is not None else ""
 
@@ -317,7 +299,7 @@ def _check_config(cfg: LabConfig) -> None:
     """
     tile, shape = cfg.tile, cfg.shape
     if cfg.precision.quantize is not None:
-        _check_fp8_config(cfg)
+        check_fp8_config(cfg, "reference, scaled_mm, triton")
     for block, dim in (("block_m", "m"), ("block_n", "n"), ("block_k", "k")):
         bound = max(16, next_power_of_two(getattr(shape, dim)))
         if getattr(tile, block) > bound:
@@ -395,5 +377,5 @@ OP = OpDef(
     curve_sizes=lambda cfg: list(cfg.shape.matmul_curve or cfg.shape.curve),
     optional_peers={"compiled": compiled("matmul", _reference, _make_inputs, "posttrainllm.ops.reference.matmul")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
-    point_impls=_impls_for, reserved_names=("scaled_mm",), describe=_describe, quantizes=True,
+    point_impls=_impls_for, reserved_names=("scaled_mm",), describe=_describe, quantizes=True, trains_quantized=True,
 )

@@ -17,6 +17,18 @@ precision can neither hide nor fake an expert bug. The router itself is checked 
 (`_router_check`, in parity.json's "inputs"): its fp32 expert ids must equal the float64 router's
 exactly, and its fp32 weights must meet the fp32-level contract (precision.lse_contract).
 
+Under a quantized precision (precision=fp8, fp8_rowwise: precision.quantize) the expert GEMMs run in fp8, forward
+only (the recipe: posttrainllm/ops/reference.py fp8_moe). make_inputs quantizes x and the three expert weights once
+per case (x per tensor or per token; each expert's weights per expert or per output column) and every path gets
+x, x_scale, w_gate, w_gate_scale, w_up, w_up_scale, w_down, w_down_scale and the routing (the router runs on the
+unquantized x, as the model's does: the routing is the unquantized case's). h = silu(g)·u is quantized by each path
+between its GEMMs (an intermediate):
+    reference   posttrainllm.ops.reference.fp8_moe: dequantize, then moe_dense with h quantized (float64: the oracle)
+    triton      posttrainllm.ops.fp8_moe: e4m3 grouped GEMMs, scales and the routing weight in the epilogues
+torch._scaled_grouped_mm (and F.scaled_grouped_mm) is probed and named absent (scaled_grouped_mm_refusal): it has
+no CPU kernel, and on CUDA it takes rowwise scales only; no torch peer is wired yet. bench-train refuses the point
+(lab/configure.py check_train_rules: the fp8 training recipe covers op=matmul's linear layers only).
+
 Shapes: x (T, d); w_gate, w_up (E, d, f); w_down (E, f, d); route_weight (T, k) in the point's dtype;
 route_idx (T, k) int64 (not differentiable) -> out (T, d).
 """
@@ -29,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize
-from posttrainllm.opdefs.base import (REFERENCE, Case, Costs, CurveAxis, Impl, ModelHooks, OpDef, Tensors,
-                                      seeded_randn)
+from posttrainllm.opdefs.base import (NO_BACKWARD, REFERENCE, Case, Costs, CurveAxis, Impl, ModelHooks, OpDef,
+                                      Tensors, check_fp8_config, seeded_randn)
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
@@ -53,6 +65,8 @@ def _args(x: Tensors) -> list[torch.Tensor]:
 
 
 def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
+    if "x_scale" in x:  # a quantized point's inputs: dequantize, then moe_dense with h quantized (float64 stays)
+        return {"out": reference.fp8_moe(*_fp8_args(x), out_dtype=getattr(torch, cfg.precision.dtype))}
     return {"out": reference.moe_dense(*_args(x))}
 
 
@@ -104,7 +118,10 @@ def grouped_mm_refusal(cfg: LabConfig) -> str | None:
 
 
 def _impls_for(cfg: LabConfig) -> dict[str, Impl]:
-    """The registry for this point: grouped_mm only where it runs (grouped_mm_refusal)."""
+    """The registry for this point: under fp8 the quantized paths (FP8_IMPLS), else IMPLS with grouped_mm only
+    where it runs (grouped_mm_refusal)."""
+    if cfg.precision.quantize is not None:
+        return FP8_IMPLS
     return {name: impl for name, impl in IMPLS.items() if name != "grouped_mm" or grouped_mm_refusal(cfg) is None}
 
 
@@ -135,7 +152,74 @@ IMPLS = {
 }
 
 
+# --- fp8 (precision.quantize): forward-only paths on x and expert weights quantized once per case -------------
+
+FP8_INPUTS = ("x", "x_scale", "w_gate", "w_gate_scale", "w_up", "w_up_scale", "w_down", "w_down_scale", "route_idx",
+              "route_weight")
+
+
+def _fp8_args(x: Tensors) -> list[torch.Tensor]:
+    return [x[name] for name in FP8_INPUTS]
+
+
+def _fp8_triton(x: Tensors, cfg: LabConfig) -> Tensors:
+    from posttrainllm.ops.fp8_moe import fp8_moe
+
+    t, w = cfg.tile, cfg.workgroup
+    return {"out": fp8_moe(*_fp8_args(x), block_m=t.block_m, block_n=t.block_n, block_k=t.block_k,
+                           num_warps=w.num_warps, num_stages=w.num_stages,
+                           out_dtype=getattr(torch, cfg.precision.dtype))}
+
+
+def _fp8_triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
+    launch = _triton_geometry(case, cfg)
+    return {**launch, "backward": None, "recipe": case.quantize,
+            "epilogues": "gate/up: acc * x_scale * w_scale, then SwiGLU, h in fp32; h -> e4m3 in PyTorch; down: "
+                         "acc * h_scale * w_down_scale * route_weight, y in fp32; unpermute, then the output dtype"}
+
+
+FP8_IMPLS = {
+    REFERENCE: Impl(REFERENCE, "reference", _reference, backward=NO_BACKWARD,
+                    backend="posttrainllm.ops.reference.fp8_moe (dequantize, then moe_dense with h quantized)"),
+    "triton": Impl("triton", "triton", _fp8_triton, geometry=_fp8_triton_geometry, backward=NO_BACKWARD,
+                   backend="posttrainllm.ops.fp8_moe.fp8_moe",
+                   kernels={"forward": ("_fp8_gate_up_kernel", "_fp8_down_kernel", "_unpermute_kernel")}),
+}
+
+SCALED_GROUPED_MM = getattr(torch, "_scaled_grouped_mm", None)
+_SCALED_GROUPED_MM_PROBES: dict[str, str] = {}  # device -> why not
+
+
+def scaled_grouped_mm_refusal(cfg: LabConfig) -> str:
+    """Why torch's fp8 grouped GEMM is no path of this point, one line: where torch._scaled_grouped_mm refuses a small
+    rowwise problem on the point's device (CPU: no kernel), that refusal; where it runs, that it is not wired yet."""
+    if SCALED_GROUPED_MM is None:
+        return "torch._scaled_grouped_mm is not in this PyTorch"
+    device = cfg.device.name if cfg.device.name != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in _SCALED_GROUPED_MM_PROBES:
+        if device == "cuda" and not torch.cuda.is_available():
+            _SCALED_GROUPED_MM_PROBES[device] = "no CUDA device"
+        else:
+            try:  # 2 groups of 16 rows; B column-major (E, K, N), rowwise scales: what its CUDA kernel takes
+                fp8 = torch.float8_e4m3fn
+                a = torch.ones(32, 32, device=device).to(fp8)
+                b = torch.ones(2, 32, 32, device=device).to(fp8).transpose(-2, -1).contiguous().transpose(-2, -1)
+                SCALED_GROUPED_MM(a, b, torch.ones(32, device=device), torch.ones(2, 32, device=device),
+                                  offs=torch.tensor([16, 32], dtype=torch.int32, device=device),
+                                  out_dtype=torch.bfloat16)
+                _SCALED_GROUPED_MM_PROBES[device] = ("runs on this device (rowwise scales only), but no path calls it "
+                                                     "yet: unmeasured")
+            except Exception as exc:  # a refusal (no kernel for the device, capability) is this peer's absence
+                _SCALED_GROUPED_MM_PROBES[device] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}" \
+                    if str(exc).strip() else type(exc).__name__
+    return _SCALED_GROUPED_MM_PROBES[device]
+
+
 # --- cases and inputs -------------------------------------------------------------------
+
+
+def _recipe(cfg: LabConfig) -> str:
+    return cfg.precision.quantize.recipe if cfg.precision.quantize is not None else ""
 
 
 def _dims(cfg: LabConfig, tokens: int, d_model: int, ffn: int, top_k: int | None = None,
@@ -149,16 +233,18 @@ def _cases(cfg: LabConfig) -> list[Case]:
     """Per seed: the point's shape, a single token, sizes off every tile. On the first seed: every token
     routed to expert 0 (and expert 1 next), the last expert receiving no token, and top-k = E (sparse
     must then equal dense)."""
-    shape = cfg.shape
+    shape, recipe = cfg.shape, _recipe(cfg)
     main = (shape.moe_tokens, shape.moe_d_model, shape.moe_ffn)
     out = []
     for seed in cfg.parity.seeds:
-        out.append(Case(f"T{main[0]}-seed{seed}", seed, _dims(cfg, *main), True))
-        out += [Case(f"T{t}-d{d}-f{f}-seed{seed}", seed, _dims(cfg, t, d, f), False) for t, d, f in shape.moe_edge]
+        out.append(Case(f"T{main[0]}-seed{seed}", seed, _dims(cfg, *main), True, quantize=recipe))
+        out += [Case(f"T{t}-d{d}-f{f}-seed{seed}", seed, _dims(cfg, t, d, f), False, quantize=recipe)
+                for t, d, f in shape.moe_edge]
     seed = cfg.parity.seeds[0]
-    out += [Case(f"T{main[0]}-{kind}", seed, _dims(cfg, *main), False, kind) for kind in ROUTING_KINDS]
+    out += [Case(f"T{main[0]}-{kind}", seed, _dims(cfg, *main), False, kind, quantize=recipe) for kind in ROUTING_KINDS]
     if shape.moe_top_k != shape.moe_experts:
-        out.append(Case(f"T{main[0]}-top{shape.moe_experts}", seed, _dims(cfg, *main, top_k=shape.moe_experts), False))
+        out.append(Case(f"T{main[0]}-top{shape.moe_experts}", seed, _dims(cfg, *main, top_k=shape.moe_experts), False,
+                        quantize=recipe))
     return out
 
 
@@ -187,7 +273,12 @@ def _router_inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, Any]:
 
 def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
     """x, the router and the experts drawn in fp32 from the case's seed (experts scaled so each projection keeps
-    unit scale), cast to the point's dtype; the routing from the reference router in fp32 on the cast x."""
+    unit scale), cast to the point's dtype; the routing from the reference router in fp32 on the cast x.
+
+    A quantized case (Case.quantize '<fp8 format>:<scaling>') then quantizes x and the three expert weights, in the
+    reference math (ops/reference.py fp8_moe's recipe): x per tensor () or per token (T, 1); each expert's w_gate
+    and w_up per expert (E, 1, 1) or per output column (E, 1, f), w_down (E, 1, 1) or (E, 1, d). The routing is the
+    unquantized case's."""
     d = case.dims
     x, w_router, randn = _router_inputs(case)
     n_exp, dm, f = d["experts"], d["d_model"], d["ffn"]
@@ -196,7 +287,15 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
     x = x.to(dtype)
     route_idx, route_weight = reference.moe_router(x.float(), w_router, d["top_k"])  # (T, k) each, fp32 router
     tensors = {"x": x, "w_gate": w_gate, "w_up": w_up, "w_down": w_down, "route_weight": route_weight}
-    return {**{k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, "route_idx": route_idx.to(device)}
+    tensors = {**{k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, "route_idx": route_idx.to(device)}
+    if not case.quantize:
+        return tensors
+    fmt, scaling = case.quantize.split(":")
+    fp8, rowwise = getattr(torch, fmt), scaling == "row"
+    for name in ("x", "w_gate", "w_up", "w_down"):  # x: dim 1 is d (per token); weights: dim 1 is K (per column)
+        scale = reference.fp8_scale(tensors[name], 1 if rowwise else None if name == "x" else (1, 2), fp8)
+        tensors[name], tensors[f"{name}_scale"] = reference.quantize_fp8(tensors[name], scale, fp8), scale
+    return tensors
 
 
 def _router_check(case: Case, inputs: Tensors, cfg: LabConfig) -> dict[str, Any]:
@@ -204,7 +303,8 @@ def _router_check(case: Case, inputs: Tensors, cfg: LabConfig) -> dict[str, Any]
     fp32-level contract (max|w32 − w64| <= error_multiple · max|round_fp32(w64) − w64| + floor_rel · max|w64|)."""
     contract, k = cfg.precision.lse_contract, case.dims["top_k"]
     x, w_router, _ = _router_inputs(case)
-    x = inputs["x"].cpu()
+    # the router's input: the cast x (a quantized case's is the unquantized one the routing was made from)
+    x = x.to(getattr(torch, cfg.precision.dtype)) if case.quantize else inputs["x"].cpu()
     idx32, w32 = reference.moe_router(x.float(), w_router, k)
     idx64, w64 = reference.moe_router(x.double(), w_router.double(), k)
     logits = torch.sort(x.double() @ w_router.double(), dim=-1, descending=True).values  # (T, E)
@@ -242,10 +342,22 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
     """Active FLOPs: each of the T·k assignments runs gate, up and down (d x f each): 2·T·k·3·d·f; the routing
     weight and SwiGLU are O(T·k·f) and left out. The dense reference runs all E experts: 2·T·E·3·d·f.
     Bytes: read x and write out (T·d each), the weights of the experts actually touched (3·d·f each), the
-    routing (T·k ids of 8 B and weights). Backward: 2x (dX and dW, one GEMM each per projection)."""
+    routing (T·k ids of 8 B and weights). Backward: 2x (dX and dW, one GEMM each per projection).
+    A quantized case: x and the weights in 1 byte, their fp32 scales (x: 1 or T; each touched expert: 3, or
+    2·f + d rowwise), out in the point's dtype; h's round trip is the path's own traffic, not counted."""
     d, size = case.dims, itemsize(cfg.precision.dtype)
     t, dm, f, k = d["tokens"], d["d_model"], d["ffn"], d["top_k"]
     flops = 2 * t * k * 3 * dm * f
+    if case.quantize:
+        fmt, scaling = case.quantize.split(":")
+        touched, one = _touched_experts(case), itemsize(fmt)
+        scales = 1 + 3 * touched if scaling == "tensor" else t + touched * (2 * f + dm)
+        nbytes = (t * dm + touched * 3 * dm * f) * one + t * dm * size + scales * 4 + t * k * (8 + size)
+        return Costs(flops, nbytes, 2.0, "2*T*k*3*d*f (active; dense reference: 2*T*E*3*d*f)",
+                     "(T*d + E_touched*3*d*f)*1 + T*d*itemsize + scales*4 + T*k*(8 + itemsize) (scales: "
+                     "1 + 3*E_touched, or T + E_touched*(2*f + d) rowwise)",
+                     "backward = 2 x forward (dX and dW of gate, up and down); not timed: the fp8 paths are "
+                     "forward-only")
     nbytes = (2 * t * dm + _touched_experts(case) * 3 * dm * f) * size + t * k * (8 + size)
     return Costs(flops, nbytes, 2.0, "2*T*k*3*d*f (active; dense reference: 2*T*E*3*d*f)",
                  "(2*T*d + E_touched*3*d*f)*itemsize + T*k*(8 + itemsize)",
@@ -254,7 +366,8 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
 
 def _describe(case: Case, inputs: Tensors, cfg: LabConfig) -> dict[str, Any]:
     """What the microbench records beyond time: the routing's histogram and the sparse-vs-dense cost gap."""
-    d, size = case.dims, itemsize(cfg.precision.dtype)
+    d = case.dims
+    size = itemsize(case.quantize.split(":")[0] if case.quantize else cfg.precision.dtype)  # the expert weights'
     t, dm, f, n_exp, k = d["tokens"], d["d_model"], d["ffn"], d["experts"], d["top_k"]
     counts = torch.bincount(inputs["route_idx"].reshape(-1).cpu(), minlength=n_exp)
     touched = int((counts > 0).sum())
@@ -265,17 +378,19 @@ def _describe(case: Case, inputs: Tensors, cfg: LabConfig) -> dict[str, Any]:
         "dense_flops": 2 * t * n_exp * 3 * dm * f, "dense_flops_formula": "2*T*E*3*d*f (E/k x the active)",
         "expert_weight_bytes_touched": touched * 3 * dm * f * size,
         "expert_weight_bytes_total": n_exp * 3 * dm * f * size,
-        "expert_weight_bytes_formula": "E_touched*3*d*f*itemsize (total: E*3*d*f*itemsize)",
+        "expert_weight_bytes_formula": "E_touched*3*d*f*itemsize (total: E*3*d*f*itemsize; the weights' itemsize: "
+                                       "1 under fp8)",
         "active_params": k * 3 * dm * f, "total_params": n_exp * 3 * dm * f,
         "decode_note": "at T=1 every touched expert's 3*d*f weights are read for 2*k*3*d*f FLOPs: intensity "
                        "~1/itemsize FLOP/B, memory-bound on expert weights (the curve starts at T=1)",
-        "unavailable": {"grouped_mm": why} if (why := grouped_mm_refusal(cfg)) else {},
+        "unavailable": ({"scaled_grouped_mm": scaled_grouped_mm_refusal(cfg)} if case.quantize else
+                        {"grouped_mm": why} if (why := grouped_mm_refusal(cfg)) else {}),
     }
 
 
 def _curve_case(cfg: LabConfig, x: int) -> Case:
     shape, seed = cfg.shape, cfg.parity.seeds[0]
-    return Case(f"T{x}-seed{seed}", seed, _dims(cfg, x, shape.moe_d_model, shape.moe_ffn), True)
+    return Case(f"T{x}-seed{seed}", seed, _dims(cfg, x, shape.moe_d_model, shape.moe_ffn), True, quantize=_recipe(cfg))
 
 
 def _expert_curve_case(cfg: LabConfig, x: int) -> Case:
@@ -283,7 +398,7 @@ def _expert_curve_case(cfg: LabConfig, x: int) -> Case:
     and the dense reference's FLOPs (2·T·E·3·d·f) grow with E; the routed paths' active FLOPs do not."""
     shape, seed = cfg.shape, cfg.parity.seeds[0]
     dims = _dims(cfg, shape.moe_tokens, shape.moe_d_model, shape.moe_ffn, experts=x)
-    return Case(f"E{x}-T{shape.moe_tokens}-seed{seed}", seed, dims, True)
+    return Case(f"E{x}-T{shape.moe_tokens}-seed{seed}", seed, dims, True, quantize=_recipe(cfg))
 
 
 # --- the model --------------------------------------------------------------------------
@@ -314,11 +429,15 @@ def _model_overrides(cfg: LabConfig) -> dict[str, Any]:
 
 def _check_config(cfg: LabConfig) -> None:
     """grouped_mm reads rows of 16 bytes (d and f multiples of 16 / itemsize); gate+up hold an X tile and two
-    weight tiles per pipeline stage: (BLOCK_M·BLOCK_K + 2·BLOCK_K·BLOCK_N) · itemsize · num_stages of shared memory."""
-    shape, tile, size = cfg.shape, cfg.tile, itemsize(cfg.precision.dtype)
+    weight tiles per pipeline stage: (BLOCK_M·BLOCK_K + 2·BLOCK_K·BLOCK_N) · itemsize · num_stages of shared memory
+    (1-byte operands under fp8, whose paths follow opdefs/base.py check_fp8_config and have no grouped_mm)."""
+    shape, tile, quantize = cfg.shape, cfg.tile, cfg.precision.quantize
+    if quantize is not None:
+        check_fp8_config(cfg, "reference, triton")
+    size = itemsize(quantize.format if quantize is not None else cfg.precision.dtype)
     align = 16 // size
     for t, d, f in [(shape.moe_tokens, shape.moe_d_model, shape.moe_ffn), *shape.moe_edge]:
-        if GROUPED_MM is not None and (d % align or f % align):
+        if quantize is None and GROUPED_MM is not None and (d % align or f % align):
             raise ConfigError(f"moe sizes d={d}, f={f}: torch grouped_mm needs multiples of {align} in "
                               f"{cfg.precision.dtype} (16-byte rows)")
     smem = (tile.block_m * tile.block_k + 2 * tile.block_k * tile.block_n) * size * cfg.workgroup.num_stages
@@ -381,7 +500,7 @@ OP = OpDef(
     curve_sizes=lambda cfg: list(cfg.shape.moe_curve), model_overrides=_model_overrides,
     extra_curves=(CurveAxis("experts", lambda cfg: list(cfg.shape.moe_expert_curve), _expert_curve_case),),
     describe=_describe,  # the weight and routing-weight gradients' max_error_only: conf/op/moe.yaml
-    point_impls=_impls_for,
+    point_impls=_impls_for, quantizes=True, reserved_names=("scaled_grouped_mm",),
     optional_peers={"compiled": compiled("moe", _reference, _make_inputs, "posttrainllm.ops.reference.moe_dense")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
 )

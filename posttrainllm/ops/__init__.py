@@ -26,8 +26,9 @@ BF16_INTERPRETER_REASON = (
 
 FP8_INTERPRETER_REASON = (
     "fp8: tl.dot runs on the e4m3 operands as loaded (exact here against their upcast product) and the scales in "
-    "fp32, as on the GPU; the fp32 output tile is rounded to bf16 by PyTorch: the interpreter's fp32 -> bf16 cast "
-    "truncates"
+    "fp32, as on the GPU; the fp32 output is rounded to bf16 by PyTorch (matmul) or on the bits in-kernel (MoE's "
+    "unpermute): the interpreter's fp32 -> bf16 cast truncates. MoE's h is quantized to e4m3 in PyTorch between "
+    "its launches, on the GPU too"
 )
 
 

@@ -155,15 +155,22 @@ def swiglu_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
 
 
 def moe_dense(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-              route_idx: torch.Tensor, route_weight: torch.Tensor) -> torch.Tensor:
+              route_idx: torch.Tensor, route_weight: torch.Tensor, quantize_h: Any = None) -> torch.Tensor:
     """Every expert on every token, combined by a (T, E) gate that is zero for unchosen experts.
 
     E x the active FLOPs (the honest dense baseline). x: (T, d) -> (T, d).
+    quantize_h(h, routed): what an fp8 chain does to h = silu(x W_gate) · (x W_up) (E, T, f) between its GEMMs,
+    given which (expert, token) rows are routed ((E, T) bool); None: nothing (fp8_moe below passes one).
     """
     n_experts = w_gate.shape[0]
     gate = torch.zeros(x.shape[0], n_experts, dtype=route_weight.dtype, device=x.device)  # (T, E)
     gate = gate.scatter(1, route_idx, route_weight)  # (T, E): route_weight where chosen, else 0
-    expert_out = swiglu_expert(x.unsqueeze(0), w_gate, w_up, w_down)  # (1, T, d) through (E, ...) -> (E, T, d)
+    if quantize_h is None:
+        expert_out = swiglu_expert(x.unsqueeze(0), w_gate, w_up, w_down)  # (1, T, d) through (E, ...) -> (E, T, d)
+    else:
+        rows = x.unsqueeze(0)  # (1, T, d)
+        routed = torch.zeros(gate.shape, dtype=torch.bool, device=x.device).scatter(1, route_idx, True).t()  # (E, T)
+        expert_out = quantize_h(swiglu(rows @ w_gate, rows @ w_up), routed) @ w_down  # (E, T, f) -> (E, T, d)
     return torch.einsum("te,etd->td", gate.to(expert_out.dtype), expert_out)  # (T, d)
 
 
@@ -262,10 +269,12 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
 AMAX_EPS = 1e-12  # an all-zero group's amax: a finite scale (q = 0 then), not 0/0
 
 
-def fp8_scale(x: torch.Tensor, dim: int | None = None, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+def fp8_scale(x: torch.Tensor, dim: int | tuple[int, ...] | None = None,
+              fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """The dequantization scale s = max(amax|x|, eps) / FP8_MAX, in fp32: x ≈ quantize_fp8(x, s) · s.
 
-    dim None: one scale, a 0-dim tensor. dim=1: one per row of a 2-D x, (M, 1); dim=0: one per column, (1, N)."""
+    dim None: one scale, a 0-dim tensor. dim=1: one per row of a 2-D x, (M, 1); dim=0: one per column, (1, N);
+    the reduced dims kept as 1 (MoE's expert weights (E, d, f): dim=1 one per expert and column, (E, 1, f))."""
     amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
     return amax.float().clamp_min(AMAX_EPS) / torch.finfo(fp8_dtype).max
 
@@ -293,6 +302,39 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
     compute = torch.float64 if a.dtype == torch.float64 else torch.float32
     c = dequantize_fp8(a, a_scale, compute) @ dequantize_fp8(b, b_scale, compute)  # (M, N)
     return c if compute == torch.float64 else c.to(out_dtype)
+
+
+# --- fp8 MoE: the routed experts' GEMMs in 8 bits (op=moe under precision=fp8, fp8_rowwise), forward only --------
+# The expert GEMMs are an fp8 GEMM chain: g = x W_gate[e], u = x W_up[e] on e4m3 x and weights, h = silu(g) · u in
+# fp32, h quantized again to e4m3, y = h W_down[e] · route_weight. Scales, per recipe (x and the weights are quantized
+# once per case by the op's make_inputs, opdefs/moe.py; h by each path, being an intermediate):
+#     tensorwise  x: one scale (); each expert's w_gate, w_up, w_down: one scale each, (E, 1, 1); h: one scale over
+#                 the routed rows (the T·k rows of a grouped GEMM; rows no token picked are no part of it)
+#     rowwise     x: one per token (T, 1); w_gate[e], w_up[e] (d, f): one per output column, (E, 1, f); w_down[e]
+#                 (f, d): (E, 1, d); h: one per routed row (over f)
+# Every scale is constant along its GEMM's K, so it factors out of the sum and an fp8 kernel applies it in the epilogue.
+
+
+def fp8_moe(x: torch.Tensor, x_scale: torch.Tensor, w_gate: torch.Tensor, w_gate_scale: torch.Tensor,
+            w_up: torch.Tensor, w_up_scale: torch.Tensor, w_down: torch.Tensor, w_down_scale: torch.Tensor,
+            route_idx: torch.Tensor, route_weight: torch.Tensor,
+            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """moe_dense on the dequantized operands, h quantized between the GEMMs (the recipe above): x_scale 0-dim is the
+    tensorwise recipe, (T, 1) the rowwise one. x (T, d), w_gate, w_up (E, d, f), w_down (E, f, d) fp8 (or their
+    values in a wider dtype) -> (T, d). In fp32, rounded to out_dtype; in float64 for float64 inputs (the oracle:
+    exact dequantized values; h is quantized as every path does, from its value rounded to fp32), left in float64.
+    """
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rowwise = x_scale.dim() == 2
+
+    def quantize_h(h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:  # h (E, T, f), routed (E, T)
+        scale = fp8_scale(h, -1) if rowwise else fp8_scale(h[routed])  # (E, T, 1), or () over the routed rows
+        return dequantize_fp8(quantize_fp8(h, scale), scale, compute)
+
+    out = moe_dense(dequantize_fp8(x, x_scale, compute), dequantize_fp8(w_gate, w_gate_scale, compute),
+                    dequantize_fp8(w_up, w_up_scale, compute), dequantize_fp8(w_down, w_down_scale, compute),
+                    route_idx, route_weight.to(compute), quantize_h=quantize_h)
+    return out if compute == torch.float64 else out.to(out_dtype)
 
 
 # --- fp8 training: a linear layer's three GEMMs in 8 bits (bench-train under precision=fp8, fp8_rowwise) --------
