@@ -205,3 +205,17 @@ def test_an_fp8_points_roofline_is_drawn_against_the_fp8_peak_or_none(tmp_path):
         micro = stages.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": flops, "copy_bytes_per_s": 1e10}})
         assert micro["peaks"]["gemm_flops_per_s"] == peak
         assert (micro["paths"]["scaled_mm"]["roofline"] is None) == (peak is None)
+
+
+def test_an_fp8_points_stages_depend_on_both_kernel_modules_and_the_quality_base():
+    """ops/fp8_matmul.py imports ops/matmul.py (its grouped tile and launch): a stage that runs it loads both,
+    so an edit to either reruns it. bench_train reads no heads key: the DVC stage takes the draft-heads base from
+    the train_base stage's folder (dvc.yaml lists it), not from heads.out_dir, which no point carries."""
+    from posttrainllm.config import point_config
+    from posttrainllm.lab.sweep import stage_deps
+
+    point = {"config": point_config(load(["op=matmul", "precision=fp8", "tile=b32"]))}
+    for stage in ("kernel", "microbench", "bench_train"):
+        sources = stage_deps(stage, point)["sources"]
+        assert {"posttrainllm/ops/fp8_matmul.py", "posttrainllm/ops/matmul.py"} <= set(sources), stage
+    assert not [key for key in stage_deps("bench_train", point)["params"] if key.startswith("config.heads")]

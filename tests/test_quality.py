@@ -143,14 +143,20 @@ def base_dir(tmp_path_factory):
     return out
 
 
-def _train_fp8(base_dir, extra=()):
-    from posttrainllm.lab import stages
+def _fp8_config(base_dir, extra=()):
     from posttrainllm.lab.configure import load
+
+    return load([*TINY_BASE, *POINT, f"heads.out_dir={base_dir}", *extra])
+
+
+def _train_fp8(base_dir, extra=(), cfg=None):
+    """bench-train's quantized part on the point, the base from base_dir/base (as a DVC stage passes it)."""
+    from posttrainllm.lab import stages
     from posttrainllm.model.train import Variant
     from posttrainllm.model.transformer import ModelConfig
     from posttrainllm.opdefs import get_op
 
-    cfg = load([*TINY_BASE, *POINT, f"heads.out_dir={base_dir}", *extra])
+    cfg = cfg or _fp8_config(base_dir, extra)
     op, a = get_op("matmul"), cfg.architecture
     model_cfg = ModelConfig(vocab_size=256, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
                             n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, mlp_hidden=a.mlp_hidden, max_seq_len=64)
@@ -158,7 +164,7 @@ def _train_fp8(base_dir, extra=()):
     variants = [Variant("bf16"), Variant("reference", linear=op.model_hooks(paths["reference"], cfg).linear)]
     common = dict(variants=variants, steps=cfg.train.steps, warmup_steps=1, batch_size=cfg.train.batch_size,
                   seq_len=cfg.train.seq_len, lr=cfg.train.lr, seed=0, device="cpu", skipped={})
-    return stages._train_quantized(cfg, model_cfg, common, "cpu")
+    return stages._train_quantized(cfg, model_cfg, common, "cpu", base_dir / "base")
 
 
 def test_fp8_training_is_scored_held_out_and_decoded_by_the_base(base_dir):
@@ -208,3 +214,20 @@ def test_a_path_that_failed_the_gate_gets_no_speed_in_the_receipt_or_report():
     assert "quality gate" in made["microbench"]["paths"]["triton"]["reason"]
     assert made["microbench"]["paths"]["reference"]["valid"] is True
     assert receipts.verdict(made) == "fail" and point_failed(made)
+
+
+def test_fp8_bench_train_reads_only_config_keys_its_inputs_file_lists(base_dir, monkeypatch):
+    """What DVC reruns the stage on: every key the quantized bench-train reads is in its inputs file (a key it
+    does not list, heads.out_dir once, makes the DVC stage exit 2: no planned point carries the heads group)."""
+    from posttrainllm.config import PROJECT_ROOT, point_config
+    from posttrainllm.lab.sweep import stage_inputs
+    from posttrainllm.track import stamp
+
+    monkeypatch.setenv(stamp.RECORD_ENV, "1")
+    cfg = _fp8_config(base_dir)
+    with stamp.recording("bench_train", cfg) as reads:
+        _train_fp8(base_dir, cfg=cfg)
+    keys = reads.keys()
+    assert "precision.quantize.quality.min_greedy_agreement" in keys or "precision.quantize.quality" in keys
+    inputs = stage_inputs("fp8", "bench_train", {"config": point_config(cfg), "changes": {}}, PROJECT_ROOT)
+    stamp.check_inputs({"stage": "bench_train", "sources": {}, "config_keys": keys}, inputs, "the inputs file")

@@ -27,6 +27,7 @@ from posttrainllm.files import point_dir, read_json
 PARAMS = Path("params.yaml")
 RUNS = "runs"
 CALIBRATION = Path(RUNS) / "calibration.json"
+HEADS_BASE = Path(RUNS) / "heads" / "base"  # dvc.yaml's train_base writes the draft-heads base here
 INPUTS = Path(RUNS) / "inputs"  # runs/inputs/<point>/<stage>.json: what DVC reruns a point stage on (lab/sweep.py)
 POINT_STAGES = ("reference", "kernel", "parity", "microbench", "bench_train", "receipt")  # a point's, in DVC's order
 TIMED_STAGES = ("microbench", "bench_train")  # they run timing loops: approval on a GPU (lab/approval.py)
@@ -68,7 +69,7 @@ def _stage(name: str) -> Callable[[LabConfig, dict[str, Any]], Any]:
         "parity": lambda cfg, _: stages.run_parity(cfg, point_dir(cfg)),
         "microbench": lambda cfg, _: stages.run_microbench(cfg, point_dir(cfg),
                                                            read_json(CALIBRATION)),
-        "bench_train": lambda cfg, _: stages.run_bench_train(cfg, point_dir(cfg)),
+        "bench_train": lambda cfg, _: stages.run_bench_train(cfg, point_dir(cfg), quality_base=HEADS_BASE),
         "receipt": _record,
     }
     return table[name]

@@ -731,14 +731,16 @@ def ensure_quality_base(cfg: LabConfig) -> None:
     heads.ensure_base(load([f"heads.out_dir={cfg.heads.out_dir}", f"device={cfg.device.name}"]))
 
 
-def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
+def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = None) -> dict[str, Any]:
     """The model from `architecture`, trained with each implementation of the point's op swapped in.
 
     The implementations come from the op's registry (train.impls, or all; the reference
     first, the drift baseline), each swapped in by the op's own model hook: the function
     trained is the function checked and timed. A path that failed parity is not trained
     (recorded as skipped). Records the loss drift against the reference (the contract's
-    train_loss_drift) and Amdahl's prediction from the forward+backward microbench speedup.
+    train_loss_drift) and Amdahl's prediction from the forward+backward microbench speedup. Under a quantized
+    precision, the quality gate decodes with the draft-heads base in `quality_base` (a DVC stage: the train_base
+    stage's folder; None: under heads.out_dir, `quality_base_dir`).
     """
     from posttrainllm.model import amdahl
     from posttrainllm.model.train import Variant, bench_train
@@ -779,7 +781,7 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
     if quantized is None:
         result = bench_train(model_cfg, precision=cfg.precision.name, **common)
     else:
-        result = _train_quantized(cfg, model_cfg, common, device)
+        result = _train_quantized(cfg, model_cfg, common, device, quality_base or quality_base_dir(cfg))
     limit = cfg.precision.contract.train_loss_drift
     result["drift_limit"] = limit
     result["drift_verdict"] = {name: "pass" if drift <= limit else "fail" for name, drift in result["drift"].items()}
@@ -795,7 +797,8 @@ def run_bench_train(cfg: LabConfig, out: Path) -> dict[str, Any]:
     return result
 
 
-def _train_quantized(cfg: LabConfig, model_cfg: Any, common: dict[str, Any], device: str) -> dict[str, Any]:
+def _train_quantized(cfg: LabConfig, model_cfg: Any, common: dict[str, Any], device: str,
+                     folder: Path) -> dict[str, Any]:
     """bench-train under a quantized precision: every variant trained on the corpus's head under the precision's
     16-bit autocast (the bf16 baseline with F.linear, each fp8 path through the recipe, opdefs/matmul.py), scored
     on its held-out tail; then the draft-heads base decodes held-out prompts with each path's fp8 linear layers
@@ -818,7 +821,6 @@ def _train_quantized(cfg: LabConfig, model_cfg: Any, common: dict[str, Any], dev
     result["quantize"] = {"recipe": q.recipe, "grad_format": q.grad_format,
                           "trained_on": f"the corpus's first {1 - gate.heldout_frac:.0%} ({head.n_bytes} bytes); "
                                         f"held-out loss over {gate.heldout_batches} batches of the rest"}
-    folder = quality_base_dir(cfg)
     try:
         base, identity = quality.load_trained_base(folder)
     except FileNotFoundError:

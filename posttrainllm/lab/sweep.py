@@ -246,8 +246,8 @@ def op_sources(stage: str, config: dict[str, Any]) -> list[str]:
     op = config["op"]["name"]
     quantized = ((config.get("precision") or {}).get("quantize") or {}).get("format")
     files.append(f"posttrainllm/ops/{f'fp8_{op}' if quantized else op}.py")  # fp8: matmul's and moe's own kernels
-    if quantized and op == "moe":  # ops/fp8_moe.py runs ops/moe.py's plan, row blocks and unpermute
-        files.append("posttrainllm/ops/moe.py")
+    if quantized:  # the fp8 kernel imports its op's module: matmul's grouped tile and launch, moe's plan and unpermute
+        files.append(f"posttrainllm/ops/{op}.py")
     autotune = AUTO in (config["tile"]["name"], config["workgroup"]["name"])
     if op == "matmul" and (stage == "kernel" or autotune):
         files.append("posttrainllm/ops/attention.py")
@@ -276,13 +276,10 @@ def op_params(stage: str, config: dict[str, Any]) -> list[str]:
     """The config keys the op's own code reads in `stage` beyond the stage's STAGE_PARAMS.
 
     op=moe probes whether its grouped_mm path runs (which paths the point has: every stage that lists
-    them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (opdefs/moe.py). Under a quantized
-    precision, bench_train's quality gate finds the draft-heads base under heads.out_dir (lab/stages.py).
+    them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (opdefs/moe.py).
     """
     if config["op"]["name"] == "moe" and stage in ("kernel", "parity", "bench_train"):
         return ["config.shape.moe_d_model", "config.shape.moe_ffn"]
-    if stage == "bench_train" and (config.get("precision") or {}).get("quantize"):
-        return ["config.heads.out_dir"]  # the draft-heads base the quality gate decodes with
     return []
 
 
