@@ -51,13 +51,12 @@ def test_a_stage_is_done_while_its_inputs_file_keeps_the_hash_its_stamp_names(tm
 
 def test_the_time_left_comes_from_the_stamps_own_point_then_same_op_then_any(tmp_path):
     params, runs = plan(tmp_path, {"a": "attention", "b": "attention", "c": "attention", "m": "matmul"})
-    old = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)  # before this repro's inputs stage: pace 1
+    old = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
     stamp_stage(runs, "a", "reference", 10.0, created=old)
     stamp_stage(runs, "b", "reference", 20.0, created=old)
     stamp_stage(runs, "c", "reference", 99.0, current=False, created=old)  # its own last run: the estimate
     stamp_stage(runs, "m", "kernel", 7.0, current=False, created=old)
     got = progress.read_progress(params, runs, STAGES)
-    assert got.pace == 1.0
     assert got.estimate_s[("c", "reference")] == 99.0
     assert got.estimate_s[("m", "reference")] == 20.0  # no matmul reference stamp: the median of 10, 20, 99
     assert got.estimate_s[("m", "kernel")] == 7.0
@@ -75,15 +74,6 @@ def test_no_estimate_is_guessed_for_a_stage_no_stamp_has(tmp_path):
     got = progress.read_progress(params, runs, STAGES)
     assert got.unestimated() == 2  # the two kernel stages
     assert got.line() == "0/2 points done, 1/4 stages; at least 30 s left (from the stamps; 2 stage(s) not yet estimated)"
-
-
-def test_the_estimate_is_scaled_by_this_repros_pace(tmp_path):
-    params, runs = plan(tmp_path, {"a": "attention", "b": "attention"})
-    started = (runs / "inputs" / "a" / "reference.json").stat().st_mtime
-    stamp_stage(runs, "a", "reference", 10.0)
-    got = progress.read_progress(params, runs, STAGES, now=started + 30)  # 30 s of wall for 10 s of stamps
-    assert got.pace == pytest.approx(3.0)
-    assert got.left_s() == pytest.approx(3.0 * 10.0)  # b's reference, estimated by a's; no kernel stamp
 
 
 def test_a_stamp_names_its_inputs_hash_and_progress_code_is_not_a_source(tmp_path):

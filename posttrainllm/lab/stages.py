@@ -617,10 +617,16 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
         for row in rows:
             writer.writerow({"op": op.name, **row, "device": device, "threads": report["threads"],
                              "problem": report["problem"]})
-    lines = [{"label": name, **report["paths"][name]["roofline"]} for name in timed
-             if report["paths"][name].get("roofline")]
-    if lines:
-        plots.roofline_plot(lines, calibration["peaks"], out / "roofline.png", title=f"{op.name} {report['problem']}")
+    # every timed path at its intensity and achieved rate, against each calibrated dtype's roof; drawn even where
+    # the point's own dtype has no calibrated peak (an fp8 point on a CPU: its paths then have no roofline entry)
+    lines = [{"label": name, "intensity_flops_per_byte": entry["gflops_per_s"] / entry["gbytes_per_s"],
+              "achieved_flops_per_s": entry["gflops_per_s"] * 1e9}
+             for name in timed if (entry := report["paths"][name]).get("gflops_per_s")]
+    title = f"{op.name} {report['problem']}"
+    if not peak_flops:
+        title += f"\n(no {cfg.precision.quantize.format if cfg.precision.quantize else cfg.precision.dtype} peak "\
+                 "calibrated here: the other dtypes' roofs)"
+    plots.roofline_plot(lines, calibration["peaks"], out / "roofline.png", title=title)
     return report
 
 
