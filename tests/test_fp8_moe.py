@@ -196,7 +196,7 @@ def test_bench_train_refuses_op_moe_under_fp8_in_one_line_before_anything_runs(t
     assert list(tmp_path.iterdir()) == []
     cfg = load(["op=moe", "precision=fp8_rowwise", "device=cpu"])  # the stage refuses it too (a DVC bench_train)
     with pytest.raises(ConfigError, match="^bench-train under precision fp8_rowwise: op=moe's fp8 paths are forward"):
-        stages._train_quantized(cfg, None, {}, "cpu")
+        stages._train_quantized(cfg, None, {}, "cpu", stages.quality_base_dir(cfg))
 
 
 def test_torch_scaled_grouped_mm_is_absent_and_named_and_the_costs_count_one_byte_weights():
