@@ -231,3 +231,12 @@ def test_fp8_bench_train_reads_only_config_keys_its_inputs_file_lists(base_dir, 
     assert "precision.quantize.quality.min_greedy_agreement" in keys or "precision.quantize.quality" in keys
     inputs = stage_inputs("fp8", "bench_train", {"config": point_config(cfg), "changes": {}}, PROJECT_ROOT)
     stamp.check_inputs({"stage": "bench_train", "sources": {}, "config_keys": keys}, inputs, "the inputs file")
+
+
+def test_prompts_the_held_out_tail_cannot_hold_are_refused_in_one_line_before_training(base_dir, monkeypatch):
+    from posttrainllm.config import ConfigError
+    from posttrainllm.model import train
+
+    monkeypatch.setattr(train, "bench_train", lambda *a, **k: pytest.fail("trained before the refusal"))
+    with pytest.raises(ConfigError, match=r"^precision.quantize.quality: the held-out corpus half .* too short"):
+        _train_fp8(base_dir, extra=["precision.quantize.quality.prompts=1000000"])

@@ -817,8 +817,17 @@ def _train_quantized(cfg: LabConfig, model_cfg: Any, common: dict[str, Any], dev
     check_train_rules(cfg)  # an op whose fp8 paths are forward-only (op=moe) has no training recipe: refused
     q, train = cfg.precision.quantize, cfg.train
     gate = q.quality
+    try:  # before any training: the gate cannot run without it
+        base, identity = quality.load_trained_base(folder)
+    except FileNotFoundError:
+        raise ConfigError(f"no draft-heads base under {folder}: the quality gate decodes with it; train it with "
+                          "`dvc repro train_base` or `posttrainllm experimental train-heads`") from None
     corpus = load_corpus()
     head, tail = split_tail(corpus, gate.heldout_frac)
+    try:
+        held_prompts = prompts(tail, gate.prompts, gate.prompt_len, "eval").to(device)
+    except ValueError as exc:
+        raise ConfigError(f"precision.quantize.quality: {exc}") from None
     heldout = [batch_at(tail, i, batch_size=train.batch_size, seq_len=train.seq_len, seed=train.seed + 1)
                for i in range(gate.heldout_batches)]
     result = bench_train(model_cfg, precision=AUTOCAST_OF[cfg.precision.dtype], corpus=head, heldout=heldout,
@@ -827,17 +836,11 @@ def _train_quantized(cfg: LabConfig, model_cfg: Any, common: dict[str, Any], dev
     result["quantize"] = {"recipe": q.recipe, "grad_format": q.grad_format,
                           "trained_on": f"the corpus's first {1 - gate.heldout_frac:.0%} ({head.n_bytes} bytes); "
                                         f"held-out loss over {gate.heldout_batches} batches of the rest"}
-    try:
-        base, identity = quality.load_trained_base(folder)
-    except FileNotFoundError:
-        raise ConfigError(f"no draft-heads base under {folder}: the quality gate decodes with it; train it with "
-                          "`dvc repro train_base` or `posttrainllm experimental train-heads`") from None
     base = base.to(device)
     paths = get_op(cfg.op.name).paths(cfg)
     names = [v.name for v in common["variants"][1:]]
     linears = {name: get_op(cfg.op.name).model_hooks(paths[name], cfg).linear for name in names}
     interpreted = {name for name in names if _interpreted(paths[name])}
-    held_prompts = prompts(tail, gate.prompts, gate.prompt_len, "eval").to(device)
     greedy = quality.greedy_section(base, held_prompts, gate.new_tokens, linears, torch.nn.functional.linear)
     greedy["base"] = identity
     greedy["interpreted"] = sorted(interpreted)
