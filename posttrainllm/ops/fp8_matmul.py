@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from posttrainllm.ops import use_bf16_emulation
-from posttrainllm.ops.matmul import grouped_tile, matmul_launch
+from posttrainllm.ops.matmul import grouped_tile, k_walk, matmul_launch, store_tile
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # e5m2: a training recipe's gradients (ops/reference.py fp8_linear)
 MIN_BLOCK_K = 32  # tl.dot on 8-bit operands (NVIDIA): K per MMA step
@@ -54,21 +54,9 @@ def _fp8_matmul_kernel(
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
 
-    # -- Σ_k A_q B_q over K in fp32, on the fp8 operands as loaded; a ragged last slab loads 0 (adds nothing)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        # max_num_imprecise_acc: on sm_90 wgmma accumulates fp8 products below fp32 precision, and Triton's
-        # default (2^30) never promotes; BLOCK_K adds each slab's partial sum into the fp32 accumulator
-        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    # -- Σ_k A_q B_q over K in fp32, on the fp8 operands as loaded (ops/matmul.py k_walk, its FP8 dot)
+    acc = k_walk(a_ptrs, b_ptrs, offs_k, K, stride_ak, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, "ieee", False,
+                 True)
 
     # -- epilogue: the scales, once per tile (rowwise: A's of each row, B's of each column)
     if ROWWISE:
@@ -78,11 +66,7 @@ def _fp8_matmul_kernel(
         a_s = tl.load(a_scale_ptr)
         b_s = tl.load(b_scale_ptr)
     acc = acc * a_s * b_s
-
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    store_tile(c_ptr, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
 
 
 def scaling_of(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> str:

@@ -39,7 +39,8 @@ import triton.language as tl
 
 from posttrainllm.ops import reference, use_bf16_emulation
 from posttrainllm.ops.fp8_matmul import MIN_BLOCK_K
-from posttrainllm.ops.moe import _check_spans, _k_steps, _row_block, _unpermute, moe_launch, plan
+from posttrainllm.ops.moe import (_check_spans, _row_block, _unpermute, gate_up_dots, moe_launch, plan,
+                                  rows_dot)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -63,21 +64,9 @@ def _fp8_gate_up_kernel(
     wg_ptrs = wg_ptr + w_off
     wu_ptrs = wu_ptr + w_off
 
-    # -- Σ_k X_q W_q over d in fp32 on the e4m3 operands as loaded; gate and up share the X tile
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, _k_steps(D, BLOCK_K, n_valid)):
-        k_left = D - k * BLOCK_K
-        a = tl.load(x_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w_mask = (offs_k[:, None] < k_left) & (offs_n[None, :] < F)
-        bg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
-        bu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
-        # max_num_imprecise_acc: each slab's partial sum is added into the fp32 accumulator (ops/fp8_matmul.py)
-        acc_g = tl.dot(a, bg, acc_g, max_num_imprecise_acc=BLOCK_K)
-        acc_u = tl.dot(a, bu, acc_u, max_num_imprecise_acc=BLOCK_K)
-        x_ptrs += BLOCK_K * stride_xd
-        wg_ptrs += BLOCK_K * stride_wd
-        wu_ptrs += BLOCK_K * stride_wd
+    # -- Σ_k X_q W_q over d in fp32 on the e4m3 operands as loaded; gate and up share the X tile (ops/moe.py)
+    acc_g, acc_u = gate_up_dots(x_ptrs, wg_ptrs, wu_ptrs, valid, offs_k, offs_n, D, F, n_valid, stride_xd, stride_wd,
+                                BLOCK_M, BLOCK_N, BLOCK_K, "ieee", False, True)
 
     # -- epilogue: the scales (x's per row or one; the expert's per column or one), then SwiGLU in fp32
     n_mask = offs_n < F
@@ -111,14 +100,8 @@ def _fp8_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None] * stride_hp + offs_k[None, :] * stride_hf
     w_ptrs = wd_ptr + expert * stride_we + offs_k[:, None] * stride_wf + offs_n[None, :] * stride_wd
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, _k_steps(F, BLOCK_K, n_valid)):
-        k_left = F - k * BLOCK_K
-        a = tl.load(h_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < D), other=0.0)
-        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-        h_ptrs += BLOCK_K * stride_hf
-        w_ptrs += BLOCK_K * stride_wf
+    acc = rows_dot(h_ptrs, w_ptrs, valid, offs_k, offs_n, F, D, n_valid, stride_hf, stride_wf, BLOCK_M, BLOCK_N,
+                   BLOCK_K, "ieee", False, True)
 
     # -- epilogue: h's scale (per row or one), the expert's (per column or one), the routing weight of each row
     n_mask = offs_n < D

@@ -99,6 +99,58 @@ def _k_steps(size, BLOCK_K: tl.constexpr, n_valid):
 
 
 @triton.jit
+def _dot(a, b, acc, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+         FP8: tl.constexpr):
+    """acc + a b in fp32. FP8 (ops/fp8_moe.py): on the e4m3 operands as loaded, each BLOCK_K slab's partial sum
+    added into the fp32 accumulator (max_num_imprecise_acc, ops/matmul.py k_walk); else at INPUT_PRECISION, the
+    operands upcast first under the interpreter's bf16 emulation."""
+    if FP8:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+    if EMULATE_BF16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def gate_up_dots(x_ptrs, wg_ptrs, wu_ptrs, valid, offs_k, offs_n, D, F, n_valid, stride_xd, stride_wd,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                 EMULATE_BF16: tl.constexpr, FP8: tl.constexpr):
+    """(X[tok] W_gate[e], X[tok] W_up[e]) of one row block and column tile, in fp32: one K loop over d, the X tile
+    shared by both dots; masked lanes (padding rows, past d or f) load 0."""
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, _k_steps(D, BLOCK_K, n_valid)):
+        k_left = D - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w_mask = (offs_k[:, None] < k_left) & (offs_n[None, :] < F)
+        bg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
+        bu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
+        acc_g = _dot(a, bg, acc_g, BLOCK_K, INPUT_PRECISION, EMULATE_BF16, FP8)
+        acc_u = _dot(a, bu, acc_u, BLOCK_K, INPUT_PRECISION, EMULATE_BF16, FP8)
+        x_ptrs += BLOCK_K * stride_xd
+        wg_ptrs += BLOCK_K * stride_wd
+        wu_ptrs += BLOCK_K * stride_wd
+    return acc_g, acc_u
+
+
+@triton.jit
+def rows_dot(a_ptrs, b_ptrs, valid, offs_k, offs_n, K, N, n_valid, stride_ak, stride_bk, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+             FP8: tl.constexpr):
+    """A[rows] B[e] of one row block and column tile over K, in fp32 (the down GEMM: h rows, W_down[e])."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, _k_steps(K, BLOCK_K, n_valid)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc = _dot(a, b, acc, BLOCK_K, INPUT_PRECISION, EMULATE_BF16, FP8)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, wg_ptr, wu_ptr, g_ptr, u_ptr, h_ptr,
     row_token_ptr, block_expert_ptr, block_rows_ptr,
@@ -119,23 +171,8 @@ def _gate_up_kernel(
     wu_ptrs = wu_ptr + w_off
 
     # -- gate and up share the X tile: one K loop, two accumulators
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, _k_steps(D, BLOCK_K, n_valid)):
-        k_left = D - k * BLOCK_K
-        a = tl.load(x_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w_mask = (offs_k[:, None] < k_left) & (offs_n[None, :] < F)
-        bg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
-        bu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
-        if EMULATE_BF16:
-            a = a.to(tl.float32)
-            bg = bg.to(tl.float32)
-            bu = bu.to(tl.float32)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=INPUT_PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xd
-        wg_ptrs += BLOCK_K * stride_wd
-        wu_ptrs += BLOCK_K * stride_wd
+    acc_g, acc_u = gate_up_dots(x_ptrs, wg_ptrs, wu_ptrs, valid, offs_k, offs_n, D, F, n_valid, stride_xd, stride_wd,
+                                BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, EMULATE_BF16, False)
 
     # -- epilogue: SwiGLU in fp32
     h = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -163,17 +200,8 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None] * stride_hp + offs_k[None, :] * stride_hf
     w_ptrs = wd_ptr + expert * stride_we + offs_k[:, None] * stride_wf + offs_n[None, :] * stride_wd
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, _k_steps(F, BLOCK_K, n_valid)):
-        k_left = F - k * BLOCK_K
-        a = tl.load(h_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < D), other=0.0)
-        if EMULATE_BF16:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_K * stride_hf
-        w_ptrs += BLOCK_K * stride_wf
+    acc = rows_dot(h_ptrs, w_ptrs, valid, offs_k, offs_n, F, D, n_valid, stride_hf, stride_wf, BLOCK_M, BLOCK_N,
+                   BLOCK_K, INPUT_PRECISION, EMULATE_BF16, False)
 
     # -- epilogue: the routing weight of each row (padding rows hold NaN and are masked)
     weight = tl.load(row_weight_ptr + rows, mask=valid, other=0.0)
