@@ -120,10 +120,12 @@ def check_memory(cfg: LabConfig, device: str) -> dict[str, Any]:
 
 
 def reference_outputs(op: OpDef, cfg: LabConfig, inputs: Tensors, case: Case,
-                      grad_out: torch.Tensor | None = None) -> Tensors:
+                      grad_out: torch.Tensor | None = None,
+                      formulation: Callable[[Tensors, LabConfig], Tensors] | None = None) -> Tensors:
     """The reference's forward outputs, extra outputs and (given dO) input gradients, computed chunk by
-    chunk (op.oracle_chunks) in the inputs' dtype, assembled into whole tensors."""
-    fn = lambda x: op.reference.fn(x, cfg)  # noqa: E731
+    chunk (op.oracle_chunks) in the inputs' dtype, assembled into whole tensors. `formulation`: another readable
+    formulation of the reference (op.gradient_baselines) in its place."""
+    fn = lambda x: (formulation or op.reference.fn)(x, cfg)  # noqa: E731
     chunks = op.oracle_chunks(case)
     if chunks == [{}]:
         result = {**fn(inputs), **op.oracle_extra(inputs, cfg)}
@@ -174,6 +176,8 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
             grad_out = upstream_gradient(case, forward["out"])
             oracle = reference_outputs(op, cfg, inputs64, case, grad_out.double() if with_gradients else None)
             baseline = reference_outputs(op, cfg, inputs, case, grad_out if with_gradients else None)
+            if with_gradients:
+                worst_gradient_baseline(op, cfg, inputs, case, grad_out, oracle, baseline)
             # outputs that are fp32 in every precision (the logsumexp): their baseline is fp32 math
             extras32 = reference_outputs(op, cfg, cast_floats(inputs, torch.float32), case)
             baseline.update({k: v for k, v in extras32.items() if k not in out_names})
@@ -186,6 +190,24 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
                 records[-1]["unquantized"] = _to_cpu({k: v for k, v in exact.items() if k in out_names})
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"op": op.name, "dtype": cfg.precision.dtype, "records": records}, out / "reference.pt")
+
+
+def worst_gradient_baseline(op: OpDef, cfg: LabConfig, inputs: Tensors, case: Case, grad_out: torch.Tensor,
+                            oracle: Tensors, baseline: Tensors) -> None:
+    """Each gradient of `baseline` becomes, element by element, the value of whichever readable formulation (the
+    reference, op.gradient_baselines) errs more against the oracle: the contract's allowance is relative to the
+    readable math's error, and a flash backward's own formulation is readable math too (GRADIENT_BASELINE_RULE)."""
+    for _, formulation in op.gradient_baselines:
+        other = reference_outputs(op, cfg, inputs, case, grad_out, formulation=formulation)
+        for name in [k for k in baseline if k.startswith(parity.GRADIENT_PREFIX) and k in other]:
+            mine, theirs, exact = baseline[name], other[name], oracle[name].to(baseline[name].device)
+            worse = (theirs.double() - exact).abs() > (mine.double() - exact).abs()
+            baseline[name] = torch.where(worse, theirs, mine)
+
+
+GRADIENT_BASELINE_RULE = ("each gradient's baseline is, element by element, the larger-error of the op's readable "
+                          "formulations in the point's precision (attention: torch.softmax, and P = exp(S - lse) as "
+                          "a flash backward recomputes it from the stored logsumexp)")
 
 
 def _load_reference(out: Path) -> dict[str, Any]:
@@ -298,6 +320,8 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
                               "cases": case_names, "paths": {}, "notes": []}
     if any(r["case"]["inputs"] != "normal" for r in records):
         report["notes"].append(ADVERSARIAL_NOTE)
+    if op.gradient_baselines:
+        report["gradient_baseline_rule"] = GRADIENT_BASELINE_RULE
     exempt = cfg.op.max_error_only.outputs_for(cfg.precision.name)
     if exempt:  # config (conf/op/<op>.yaml op.max_error_only), with its measured reason
         report["max_error_only"] = {"outputs": exempt, "reason": cfg.op.max_error_only.reason}

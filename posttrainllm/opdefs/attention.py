@@ -42,6 +42,12 @@ def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
     return {"out": reference.attention(x["q"], x["k"], x["v"], causal=cfg.op.causal)}
 
 
+def _reference_from_lse(x: Tensors, cfg: LabConfig) -> Tensors:
+    """The reference with P = exp(S − lse): a flash backward's formulation (gradient_baselines)."""
+    return {"out": reference.attention(x["q"], x["k"], x["v"], causal=cfg.op.causal,
+                                       softmax=reference.softmax_from_logsumexp)}
+
+
 def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
     """PyTorch's fused attention. GQA: fp16/bf16 pass enable_gqa=True (the flash kernel reads the
     small K/V directly); fp32 repeats the K/V heads first, because on CUDA enable_gqa with fp32 leaves
@@ -450,6 +456,7 @@ OP = OpDef(
     # P ≈ one-hot): a fused backward forms D = rowsum(dO∘O) from the rounded O, so SDPA's and our backward
     # both miss the per-row bound there in bf16/fp16 while the readable math (exact softmax backward) does not.
     forward_only_inputs=("near_one_hot",),
+    gradient_baselines=(("exp(S - lse)", _reference_from_lse),),
     oracle_chunks=_oracle_chunks, reference_bytes=_reference_bytes,
     output_follows={"out": "q", "lse": "q", "grad_q": "q", "grad_k": "k", "grad_v": "v"},
     point_impls=_impls_for,

@@ -161,6 +161,10 @@ class OpDef:
     model_overrides: Callable[[LabConfig], dict[str, Any]] = lambda cfg: {}
     # Extra measurements of the point's own case for the microbench report (MoE: tokens per expert)
     describe: Callable[[Case, Tensors, LabConfig], dict[str, Any]] | None = None
+    # Other readable formulations of the reference's backward: (name, fn in the registry's form). Each gradient's
+    # baseline is, element by element, whichever of the reference and these errs more against the oracle in the
+    # point's precision (attention: P = exp(S − lse) as a flash backward recomputes it, beside torch.softmax)
+    gradient_baselines: tuple[tuple[str, Callable[[Tensors, LabConfig], Tensors]], ...] = ()
 
     # The paths that exist for one point (e.g. only the SDPA backends its device has); None: `impls`
     point_impls: Callable[[LabConfig], dict[str, Impl]] | None = None

@@ -41,6 +41,11 @@ def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
     return {"out": reference.chunk_attention(x["q"], x["k"], x["v"])}
 
 
+def _reference_from_lse(x: Tensors, cfg: LabConfig) -> Tensors:
+    """The reference with P = exp(S − lse): a flash backward's formulation (gradient_baselines)."""
+    return {"out": reference.chunk_attention(x["q"], x["k"], x["v"], softmax=reference.softmax_from_logsumexp)}
+
+
 def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
     """SDPA with the bottom-right mask made explicit (is_causal is top-left when Sq != Sk). GQA as in
     opdefs/attention.py: enable_gqa for fp16/bf16, K/V heads repeated for fp32 (pytorch/pytorch#181528)."""
@@ -233,7 +238,7 @@ OP = OpDef(
     name="decode_attention", x_name="kv_len", input_names=("q", "k", "v"), impls=IMPLS, cases=_cases,
     make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
     model_problem=_model_problem, profiled_range="attention", check_config=_check_config,
-    reference_bytes=_reference_bytes,
+    reference_bytes=_reference_bytes, gradient_baselines=(("exp(S - lse)", _reference_from_lse),),
     optional_peers={"compiled": compiled("decode_attention", _reference, _make_inputs,
                                          "posttrainllm.ops.reference.chunk_attention")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,

@@ -14,7 +14,7 @@ Shape legend
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -42,11 +42,13 @@ def attention(
     *,
     causal: bool = True,
     sm_scale: float | None = None,
+    softmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """softmax(Q Kᵀ · scale + mask) · V, materialising the (S, S) score matrix.
 
     q: (B, H, S, D), k and v: (B, Hkv, S, D) -> (B, H, S, D).
     scale defaults to 1/sqrt(D); the causal mask lets query i see keys j <= i.
+    softmax: the row softmax's formulation (default torch.softmax; `softmax_from_logsumexp` as a flash backward).
     """
     n_heads, seq_len, head_dim = q.shape[1], q.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
@@ -56,8 +58,20 @@ def attention(
     if causal:
         future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # (B, H, S, S), rows sum to 1
+    probs = (softmax or _softmax)(scores)  # (B, H, S, S), rows sum to 1
     return probs @ v  # (B, H, S, D)
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(scores, dim=-1)
+
+
+def softmax_from_logsumexp(scores: torch.Tensor) -> torch.Tensor:
+    """exp(S − logsumexp(S)) over the last dim: the same function as the softmax, formed as a flash backward forms
+    it, from the row logsumexp (rounded to the precision) and the recomputed scores. With scores of magnitude |s|,
+    that rounding of lse alone moves each probability by ~ulp(|s|) relatively: the readable math's own error for
+    a kernel that stores lse, and none for torch.softmax, which normalises by the exact row sum."""
+    return torch.exp(scores - torch.logsumexp(scores, dim=-1, keepdim=True))
 
 
 def attention_logsumexp(
@@ -90,11 +104,13 @@ def chunk_causal_mask(q_len: int, kv_len: int, device: torch.device | str | None
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).triu(kv_len - q_len + 1)
 
 
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None) -> torch.Tensor:
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                    softmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """softmax(Q Kᵀ · scale + bottom-right causal mask) · V for a query chunk at the end of a KV cache.
 
     q: (B, H, Sq, D), k and v: (B, Hkv, Sk, D) with Sq <= Sk -> (B, H, Sq, D).
     Sq == Sk is ordinary causal attention; Sq == 1 is one decode step (sees every key).
+    softmax: as in `attention`.
     """
     head_dim = q.shape[3]
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
@@ -102,7 +118,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sca
     v = repeat_kv(v, q.shape[1])  # (B, H, Sk, D)
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
     scores = scores.masked_fill(chunk_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # (B, H, Sq, Sk), rows sum to 1
+    probs = (softmax or _softmax)(scores)  # (B, H, Sq, Sk), rows sum to 1
     return probs @ v  # (B, H, Sq, D)
 
 
