@@ -446,9 +446,13 @@ class BenchConfig:
     # A median under this fraction of the roofline's minimum time (FLOPs at the best calibrated GEMM peak)
     # is refused as impossible (conf/config.yaml: why not 1, and why not the bytes roof)
     impossible_below: float = 0.5
+    # Distinct input sets the timed repetitions rotate over (lab/rooms.py): a stored result is never the answer
+    input_sets: int = 4
 
     def __post_init__(self) -> None:
         require(0 < self.impossible_below <= 1, f"bench.impossible_below={self.impossible_below}: must be in (0, 1]")
+        require(self.input_sets >= 4, f"bench.input_sets={self.input_sets}: must be >= 4 (timed repetitions rotate "
+                                      "over distinct inputs, so a result stored for one set cannot answer the next)")
         require(self.warmup >= 0, f"bench.warmup={self.warmup}: must be >= 0")
         require(self.reps >= 1, f"bench.reps={self.reps}: must be >= 1")
         require(self.max_reps >= self.reps, f"bench.max_reps={self.max_reps}: must be >= bench.reps={self.reps}")

@@ -123,14 +123,15 @@ def test_a_stored_result_for_seen_inputs_gets_no_speed(tmp_path):
 
 
 def test_a_time_under_the_roofline_floor_is_impossible():
-    floor = stages.roofline_floor_s(2e9, {"peaks": {"gemm_flops_per_s": {"float32": 1e11, "bfloat16": 1e9},
-                                                    "copy_bytes_per_s": 1e10}})
-    assert floor == pytest.approx(2e9 / 1e11)  # the best GEMM peak of any dtype, not the point's own
-    costs = type("C", (), {"flops": 2e9, "bytes": 1e6})()
-    fast = type("T", (), {"median_ms": 0.4 * floor * 1e3})()
-    slow = type("T", (), {"median_ms": 0.6 * floor * 1e3})()
-    assert stages._impossible(fast, floor, 0.5, costs).startswith("impossible: median")
-    assert stages._impossible(slow, floor, 0.5, costs) is None
+    calibration = {"peaks": {"gemm_flops_per_s": {"float32": 1e10, "bfloat16": 1e11}, "copy_bytes_per_s": 1e10}}
+    own = stages.roofline_floor_s(2e9, calibration, peak_flops=1e10)
+    assert own == pytest.approx(2e9 / 1e10)  # the point's own precision's peak (fp32), not bf16's
+    assert stages.roofline_floor_s(2e9, calibration) == pytest.approx(2e9 / 1e11)  # none given: the best of any
+    fp32 = dict(flops=2e9, calibration=calibration, peak_flops=1e10, fraction=0.5)
+    assert stages.impossible(0.4 * own * 1e3, **fp32).startswith("impossible: forward median")
+    assert stages.impossible(0.6 * own * 1e3, **fp32) is None
+    # at 0.4 x the fp32 floor, a floor at bf16's peak (10x higher) would have let it pass
+    assert stages.impossible(0.4 * own * 1e3, **{**fp32, "peak_flops": None}) is None
 
 
 @pytest.mark.parametrize("body, reason", [

@@ -179,7 +179,8 @@ def output_violations(outputs: dict[str, Any], expected: dict[str, torch.Tensor]
 
 def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, torch.Tensor], *,
                 expect_triton: bool, kernels: tuple[str, ...] = (),
-                launched: Counter | None = None) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
+                launched: Counter | None = None,
+                unchanged: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
     """Call fn() once and return (its outputs, violations).
 
     Violations: "changed input q" (bitwise, NaN-aware, shape and dtype too), "output out shares
@@ -188,9 +189,12 @@ def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, tor
     did not launch, "launched no <name> (a kernel the path names)". If fn raises (or returns no
     dict), the outputs are None and the first violation says so ("raised <Type>: <message>");
     the inputs are still checked, the launches are not. `launched`, if given, gains the call's
-    Triton launches by kernel name.
+    Triton launches by kernel name. `unchanged`: more tensors the call is handed (the upstream gradient of a
+    backward) that it must leave unchanged ("changed <name>"); an output may share their storage (autograd
+    passes a gradient through unchanged where the math is the identity).
     """
     snapshot = {name: x.detach().clone() for name, x in inputs.items()}
+    others = {name: (x, x.detach().clone()) for name, x in (unchanged or {}).items()}
     violations: list[str] = []
     outputs: dict[str, torch.Tensor] | None = None
     with count_triton_launches() as launches:
@@ -204,6 +208,7 @@ def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, tor
     for name, x in inputs.items():
         if not _same_bits(snapshot[name], x):
             violations.append(f"changed input {name}")
+    violations += [f"changed {name}" for name, (x, before) in others.items() if not _same_bits(before, x)]
     if outputs is not None and not isinstance(outputs, dict):
         violations.append(f"returned {type(outputs).__name__}, not a dict of tensors")
         outputs = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
-from posttrainllm.lab import guards, parity
+from posttrainllm.lab import guards, parity, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
@@ -66,6 +67,9 @@ def _emulation(impl: Impl, cfg: LabConfig) -> str | None:
 
 def _interpreted(impl: Impl) -> bool:
     return impl.kind == "triton" and devices.triton_interpreted()
+
+
+UPSTREAM_GRADIENT = "upstream gradient dO"  # how a guard names the gradient fed to a backward
 
 
 def upstream_gradient(case: Case, out: torch.Tensor) -> torch.Tensor:
@@ -267,7 +271,8 @@ def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str,
     """One case: the forward call, then (a backward of its own) the gradients' call, each guarded on its own
     (inputs unchanged, no aliasing, the path's kernels of that direction launched); the outputs' form (tensor,
     shape, dtype, device) against the reference's. Outputs of the wrong form are dropped (parity: missing)."""
-    inputs = {k: v.to(device) for k, v in record["inputs"].items()}
+    inputs = rooms.fresh(record["inputs"], device)  # this path's own copy: its writes reach no other path
+    grad_out = record["grad_out"].to(device, copy=True)
     triton = impl.kind == "triton"
     got, violations = guards.run_guarded(lambda: impl.fn(inputs, cfg), inputs, expect_triton=triton,
                                          kernels=impl.kernels.get("forward", ()), launched=launched)
@@ -281,8 +286,9 @@ def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str,
                                                                                       for w in wrong)}
     if impl.checks_gradients:
         grads, broken = guards.run_guarded(
-            lambda: gradients(lambda x: impl.fn(x, cfg), inputs, record["grad_out"].to(device)), inputs,
-            expect_triton=triton, kernels=impl.kernels.get("backward", ()), launched=launched)
+            lambda: gradients(lambda x: impl.fn(x, cfg), inputs, grad_out), inputs,
+            expect_triton=triton, kernels=impl.kernels.get("backward", ()), launched=launched,
+            unchanged={UPSTREAM_GRADIENT: grad_out})
         got.update(grads or {})
         violations += [f"backward {v}" for v in broken]
     return _to_cpu(got), violations
@@ -295,7 +301,7 @@ def result_backward(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: 
     if impl.user is None or not impl.checks_gradients:
         return impl.backward
     try:
-        out = impl.fn(leaves_of({k: v.to(device) for k, v in record["inputs"].items()}), cfg).get("out")
+        out = impl.fn(leaves_of(rooms.fresh(record["inputs"], device)), cfg).get("out")
     except Exception:
         return impl.backward
     return NO_BACKWARD if isinstance(out, torch.Tensor) and not out.requires_grad else impl.backward
@@ -468,14 +474,16 @@ def _forward_backward(impl: Impl, inputs: Tensors, grad_out: torch.Tensor, cfg: 
     return call
 
 
-TIMED_RESULT_RULE = ("after timing, each timed path is called on the same input buffers and its output checked "
-                     "against the float64 oracle; then the buffers are refilled in place with new values (another "
+TIMED_RESULT_RULE = ("after timing, each timed path is called on one of its timed input sets and its outputs checked "
+                     "against the float64 oracle; then those buffers are refilled in place with new values (another "
                      "seed) and the check repeated: a path returning a stored result for inputs it has seen fails "
-                     "and gets no speed")
-IMPOSSIBLE_RULE = ("a median under {fraction:g} x the roofline's minimum time (FLOPs at the best calibrated GEMM "
-                   "peak of any dtype) is refused as impossible; the bytes roof is not used: a working set that fits "
-                   "the caches moves faster than the calibrated DRAM copy bandwidth (torch's rms_norm measured at "
-                   "1.5x it on a 132 KB point)")
+                     "and gets no speed. Forward: the output; forward + backward: every output and gradient, "
+                     "under the parity stage's rules")
+IMPOSSIBLE_RULE = ("a median under {fraction:g} x the roofline's minimum time (the FLOPs of what was timed, forward "
+                   "or forward + backward, at the calibrated GEMM peak of the point's own precision; where that is "
+                   "not calibrated here, the best of any dtype) is refused as impossible; the bytes roof is not "
+                   "used: a working set that fits the caches moves faster than the calibrated DRAM copy bandwidth "
+                   "(torch's rms_norm measured at 1.5x it on a 132 KB point)")
 FRESH_SEED = 104_729  # added to a case's seed for the refreshed inputs of the timed-result check
 
 
@@ -504,23 +512,28 @@ def _first_call_ms(call: Callable[[], Any], device: str) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def roofline_floor_s(flops: float, calibration: dict[str, Any]) -> float:
-    """The least time the calibrated device allows a call: its FLOPs at the best GEMM peak of any dtype
+def roofline_floor_s(flops: float, calibration: dict[str, Any], peak_flops: float | None = None) -> float:
+    """The least time the calibrated device allows a call: its FLOPs at `peak_flops`, the GEMM peak of the point's
+    own precision (calibrate.peak_for); where that is not calibrated (None), the best GEMM peak of any dtype
     (IMPOSSIBLE_RULE: why not the bytes at the copy bandwidth)."""
-    best = max([v for v in (calibration["peaks"].get("gemm_flops_per_s") or {}).values() if v] or [0.0])
+    best = peak_flops or max([v for v in (calibration["peaks"].get("gemm_flops_per_s") or {}).values() if v] or [0.0])
     return flops / best if best else 0.0
 
 
-def _impossible(forward: Timing, floor_s: float, fraction: float, costs: Any) -> str | None:
-    if floor_s and forward.median_ms / 1e3 < fraction * floor_s:
-        return (f"impossible: median {forward.median_ms:.4g} ms is under {fraction:g} x the roofline's minimum "
-                f"{floor_s * 1e3:.4g} ms ({costs.flops} FLOP at the best calibrated GEMM peak): no speed")
+def impossible(median_ms: float, flops: float, calibration: dict[str, Any], peak_flops: float | None,
+               fraction: float, what: str = "forward") -> str | None:
+    """IMPOSSIBLE_RULE on one median: None, or why it cannot be this many FLOPs' time."""
+    floor_s = roofline_floor_s(flops, calibration, peak_flops)
+    if floor_s and median_ms / 1e3 < fraction * floor_s:
+        return (f"impossible: {what} median {median_ms:.4g} ms is under {fraction:g} x the roofline's "
+                f"minimum {floor_s * 1e3:.4g} ms ({flops:.4g} FLOP at the calibrated GEMM peak): no speed")
     return None
 
 
-def _timed_result_check(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, inputs: Tensors) -> str | None:
-    """TIMED_RESULT_RULE: None if the path computed what was timed, else why not."""
-    contract = cfg.precision.contract
+def _timed_result_check(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, inputs: Tensors,
+                        grad_out: torch.Tensor | None = None) -> str | None:
+    """TIMED_RESULT_RULE: None if the path computed what was timed, else why not. With `grad_out`, the forward +
+    backward: every output and gradient against the oracle's, as the parity stage checks them."""
     saved = {name: x.clone() for name, x in inputs.items()}
     fresh = op.make_inputs(dataclasses.replace(case, seed=case.seed + FRESH_SEED), _dtype(cfg), str(
         next(iter(inputs.values())).device.type))
@@ -529,13 +542,11 @@ def _timed_result_check(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, input
             if values is not None:
                 for name, x in inputs.items():
                     x.copy_(values[name])
-            oracle = reference_outputs(op, cfg, cast_floats(inputs, torch.float64), case)["out"].cpu()
-            baseline = reference_outputs(op, cfg, inputs, case)["out"].cpu()
-            with torch.no_grad():
-                got = impl.fn(inputs, cfg)["out"]
-            check = parity.check_output(got.detach().cpu(), oracle, baseline, contract)
-            if check["verdict"] != "pass":
-                return f"timed result check failed on {label}: {check['reason']} (a stored result?): no speed"
+            reason = (_check_forward(op, cfg, case, impl, inputs) if grad_out is None else
+                      _check_forward_backward(op, cfg, case, impl, inputs, grad_out))
+            if reason:
+                what = "forward" if grad_out is None else "forward + backward"
+                return f"timed result check failed on {label} ({what}): {reason} (a stored result?): no speed"
     except Exception as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return f"timed result check raised {type(exc).__name__}: {message}"
@@ -543,6 +554,52 @@ def _timed_result_check(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, input
         for name, x in inputs.items():
             x.copy_(saved[name])
     return None
+
+
+def _check_forward(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, inputs: Tensors) -> str | None:
+    oracle = reference_outputs(op, cfg, cast_floats(inputs, torch.float64), case)["out"].cpu()
+    baseline = reference_outputs(op, cfg, inputs, case)["out"].cpu()
+    with torch.no_grad():
+        got = impl.fn(inputs, cfg)["out"]
+    check = parity.check_output(got.detach().cpu(), oracle, baseline, cfg.precision.contract)
+    return None if check["verdict"] == "pass" else check["reason"]
+
+
+def _check_forward_backward(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, inputs: Tensors,
+                            grad_out: torch.Tensor) -> str | None:
+    oracle = reference_outputs(op, cfg, cast_floats(inputs, torch.float64), case, grad_out.double())
+    baseline = reference_outputs(op, cfg, inputs, case, grad_out)
+    worst_gradient_baseline(op, cfg, inputs, case, grad_out, oracle, baseline)
+    with torch.no_grad():
+        got = dict(impl.fn(inputs, cfg))
+    got.update(gradients(lambda x: impl.fn(x, cfg), inputs, grad_out))
+    record = {"case": asdict(case), "oracle": _to_cpu(oracle), "baseline": _to_cpu(baseline)}
+    result = _check_path(op, impl, cfg, [record], [_to_cpu({k: v for k, v in got.items()
+                                                            if isinstance(v, torch.Tensor)})])
+    return None if result["verdict"] == "pass" else result["failed_cases"][0]
+
+
+STATE_RULE = ("torch's thread count, grad mode, anomaly detection, default dtype and backends flags are read around "
+              "every timed region: a path that changes them is named, gets no speed, and the state is put back")
+
+
+def _time_path(impl: Impl, cfg: LabConfig, sets: list[Tensors], grad_outs: list[torch.Tensor], device: str,
+               settings: dict[str, Any]) -> tuple[Timing, Timing | None, dict[str, Any], float, str | None]:
+    """One path at the point's shape, in its own buffers: (forward, forward + backward or None, peak memory of one
+    forward, the first call's ms, what it changed of torch's state or None). The timed repetitions rotate over
+    `sets` (lab/rooms.py); the first call and the memory use the first set."""
+    with rooms.StateGuard() as guard:  # from the first call on: a path may change torch's state in any call
+        with torch.no_grad():
+            first_call_ms = _first_call_ms(lambda: impl.fn(sets[0], cfg), device)
+            forward = measure(rooms.rotating([lambda x=x: impl.fn(x, cfg) for x in sets]), device=device,
+                              **settings)
+            memory = peak_bytes(lambda: impl.fn(sets[0], cfg), device, warmup=0)
+        train = None if impl.backward == NO_BACKWARD else measure(
+            rooms.rotating([_forward_backward(impl, x, g, cfg) for x, g in zip(sets, grad_outs)]), device=device,
+            **settings)
+    state = (f"changed torch's state while timed ({'; '.join(guard.changed)}): put back, no speed"
+             if guard.changed else None)
+    return forward, train, memory, first_call_ms, state
 
 
 def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> dict[str, Any]:
@@ -564,8 +621,11 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     passed = passed_parity(out)
     case = next(c for c in op.cases(cfg) if c.main)
     costs = op.costs(case, cfg)
-    inputs = op.make_inputs(case, _dtype(cfg), device)
-    grad_out = upstream_gradient(case, op.reference.fn(inputs, cfg)["out"])
+    bench = cfg.bench
+    sets = rooms.input_sets(op, case, _dtype(cfg), device, bench.input_sets)  # values; every path copies them
+    with torch.no_grad():
+        grad_outs = [upstream_gradient(c, op.reference.fn(x, cfg)["out"]) for c, x in sets]
+    inputs = sets[0][1]
     quantize = cfg.precision.quantize
     peak_flops, peak_bandwidth = calibrate.peak_for(calibration, cfg.precision.dtype,
                                                     cfg.precision.allow_tf32 and device == "cuda",
@@ -577,11 +637,11 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                               "noisy_rule": NOISY_RULE, "band_rule": BAND_RULE, "roofline_rule": roofline.RULE,
                               "peaks": {"gemm_flops_per_s": peak_flops, "copy_bytes_per_s": peak_bandwidth},
                               "paths": {}}
-    bench = cfg.bench
     settings = dict(warmup=bench.warmup, reps=bench.reps, min_time_s=bench.min_time_s, max_reps=bench.max_reps)
     report["timed_result_rule"] = TIMED_RESULT_RULE
     report["impossible_rule"] = IMPOSSIBLE_RULE.format(fraction=bench.impossible_below)
-    floor_s = roofline_floor_s(costs.flops, calibration)
+    report["rotation_rule"] = rooms.ROTATION_RULE.format(n=len(sets))
+    report["state_rule"] = STATE_RULE
     rows, timings = [], {}
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for name, impl in parity_paths(op, cfg, out).items():
@@ -591,15 +651,17 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
             if _interpreted(impl):
                 report["paths"][name] = {"valid": False, "reason": INTERPRETER_NOT_SPEED}
                 continue
-            with torch.no_grad():
-                first_call_ms = _first_call_ms(lambda impl=impl: impl.fn(inputs, cfg), device)
-                forward = measure(lambda impl=impl: impl.fn(inputs, cfg), device=device, **settings)
-                memory = peak_bytes(lambda impl=impl: impl.fn(inputs, cfg), device, warmup=0)
-            train = (None if impl.backward == NO_BACKWARD else
-                     measure(_forward_backward(impl, inputs, grad_out, cfg), device=device, **settings))
+            mine = [rooms.fresh(x, device) for _, x in sets]  # this path's own buffers of every input set
+            dos = [g.clone() for g in grad_outs]
+            forward, train, memory, first_call_ms, state = _time_path(impl, cfg, mine, dos, device, settings)
             refused = None if name == REFERENCE else (
-                _timed_result_check(op, cfg, case, impl, inputs)
-                or _impossible(forward, floor_s, bench.impossible_below, costs))
+                state
+                or _timed_result_check(op, cfg, case, impl, mine[0])
+                or impossible(forward.median_ms, costs.flops, calibration, peak_flops, bench.impossible_below)
+                or (train is not None and (
+                    _timed_result_check(op, cfg, case, impl, mine[0], grad_out=dos[0])
+                    or impossible(train.median_ms, costs.train_flops, calibration, peak_flops,
+                                  bench.impossible_below, "forward + backward"))) or None)
             if refused:  # the path's numbers were right in parity, but what was timed was not that function
                 report["paths"][name] = {"valid": False, "reason": refused, "first_call_ms": first_call_ms}
                 continue
@@ -633,7 +695,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     timed = list(timings)
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
         report["describe"] = op.describe(case, inputs, cfg)
-    report["curve"] = _curve(cfg, op, out, device, timed)
+    report["curve"] = _curve(cfg, op, out, device, timed, calibration, peak_flops)
     write_json(out / "microbench.json", report)
     with open(out / "timings.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["op", "impl", "mode", "rep", "ms", "device", "threads", "problem"])
@@ -654,10 +716,13 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     return report
 
 
-def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) -> dict[str, Any]:
+def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], calibration: dict[str, Any],
+           peak_flops: float | None) -> dict[str, Any]:
     """The timed paths over every curve axis of the op (shape.curve; its extra_curves), forward and, with
     bench.curve_backward, forward + backward; each size parity-checked before it is timed: curve.csv + plots,
-    and each path's crossover with the reference per axis and mode.
+    and each path's crossover with the reference per axis and mode. Each size's timing rotates over the point's
+    number of input sets, and after it the timed-result check and the impossible-time floor apply (a size that
+    fails them keeps no time: valid False, the reason).
 
     The check is the forward output's against the float64 oracle (_check_at); it gates both modes. The
     gradients of the same function are checked by the parity stage on the point's cases, not per size."""
@@ -675,27 +740,41 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) 
             for x in sorted(axis.sizes(cfg)):
                 case = axis.case(cfg, x)
                 costs = op.costs(case, cfg)
-                inputs = op.make_inputs(case, _dtype(cfg), device)
+                sets = rooms.input_sets(op, case, _dtype(cfg), device, bench.input_sets)
                 with torch.no_grad():
-                    checks = _check_at(op, cfg, case, inputs, timed)
-                    grad_out = (upstream_gradient(case, op.reference.fn(inputs, cfg)["out"])
-                                if curves.FORWARD_BACKWARD in modes else None)
+                    checks = _check_at(op, cfg, case, rooms.fresh(sets[0][1], device), timed)
+                    grad_outs = ([upstream_gradient(c, op.reference.fn(s, cfg)["out"]) for c, s in sets]
+                                 if curves.FORWARD_BACKWARD in modes else [])
                 for name in timed:
                     impl = paths[name]
                     labels = dict(op=op.name, impl=name, kind=impl.kind, x_name=axis.x_name, x_value=x,
                                   bytes=costs.bytes, minimal_bytes=costs.bytes, device=device, revision=revision)
+                    mine = [rooms.fresh(s, device) for _, s in sets]  # this path's own buffers
+                    dos = [g.clone() for g in grad_outs]
                     for mode in modes:
                         if mode == curves.FORWARD_BACKWARD and impl.backward == NO_BACKWARD:
                             continue  # a forward-only path has no forward + backward to time
                         if mode == curves.FORWARD:
-                            call, flops = (lambda impl=impl: impl.fn(inputs, cfg)), costs.flops
+                            calls, flops = [lambda s=s: impl.fn(s, cfg) for s in mine], costs.flops
                         else:
-                            call, flops = _forward_backward(impl, inputs, grad_out, cfg), costs.train_flops
-                        with torch.set_grad_enabled(mode != curves.FORWARD):
-                            rows.append(curves.measure_row(call, device=device, settings=settings,
-                                                           check=checks[name],
-                                                           labels=dict(labels, mode=mode, flops=flops)))
-                del inputs, grad_out
+                            calls = [_forward_backward(impl, s, g, cfg) for s, g in zip(mine, dos)]
+                            flops = costs.train_flops
+                        with torch.set_grad_enabled(mode != curves.FORWARD), rooms.StateGuard() as guard:
+                            row = curves.measure_row(rooms.rotating(calls), device=device, settings=settings,
+                                                     check=checks[name], labels=dict(labels, mode=mode, flops=flops))
+                        if row["valid"] and name != REFERENCE:  # what was timed was this function, possibly
+                            refused = (
+                                (f"changed torch's state while timed ({'; '.join(guard.changed)})"
+                                 if guard.changed else None)
+                                or _timed_result_check(op, cfg, case, impl, mine[0],
+                                                       grad_out=None if mode == curves.FORWARD else dos[0])
+                                or impossible(row["median"], flops, calibration, peak_flops,
+                                              bench.impossible_below, mode))
+                            if refused:
+                                row.update(median=math.nan, p20=math.nan, p80=math.nan, valid=False, reason=refused)
+                        rows.append(row)
+                    del mine, dos
+                del sets, grad_outs
     frame = curves.frame(rows)
     frame.to_csv(out / "curve.csv", index=False)
     plots.time_vs_size(frame, out / "time_vs_size.png")
@@ -713,7 +792,8 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) 
 
 
 CURVE_CHECK = ("each size: every timed path's forward output against the float64 oracle under the point's "
-               "contract; a size that fails is timed in no mode (gradients: the parity stage's cases)")
+               "contract before timing (a size that fails is timed in no mode); after timing, per mode, the timed-result "
+               "check and the impossible-time floor (a size that fails them keeps no time)")
 
 
 def _check_at(op: OpDef, cfg: LabConfig, case: Case, inputs: Tensors, names: list[str]) -> dict[str, str]:

@@ -1,0 +1,178 @@
+"""Every path in its own room (lab/rooms.py): a path's writes reach no other path, its timing rotates over distinct
+inputs, what it does to torch's state is named and put back, and a stored backward loses its speed.
+
+The order test writes paths as users have (unsloth's RMSNorm backward writes its result into the incoming
+gradient), runs them in every order and asserts the honest path's verdict never depends on it.
+"""
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import parity_report
+
+from posttrainllm.lab import rooms, stages
+from posttrainllm.lab.configure import load
+from posttrainllm.opdefs import Impl, get_op
+
+RMSNORM = ["op=rmsnorm", "device=cpu", "parity.seeds=[0]", "run.log_mlflow=false"]
+SETTINGS = dict(warmup=1, reps=8, min_time_s=0.0, max_reps=8)
+
+HONEST = '''
+import torch
+
+def rmsnorm(x, weight, eps):
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+'''
+
+# the backward writes into the upstream gradient it is handed (unsloth's RMSNorm, Liger's with in_place=True)
+GRAD_INPLACE = '''
+import torch
+
+class _Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            y = (x_.float() * torch.rsqrt(x_.float().pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype) * w_
+            dx, dw = torch.autograd.grad(y, (x_, w_), dy)
+        dy.copy_(dx)  # the result goes into the incoming gradient's buffer
+        return dy, dw, None
+
+def rmsnorm(x, weight, eps):
+    return _Norm.apply(x, weight, eps)
+'''
+
+# writes into its input x on the forward (Liger's RoPE on one-token cases)
+INPUT_INPLACE = '''
+import torch
+
+def rmsnorm(x, weight, eps):
+    y = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    x.mul_(3.0)
+    return y
+'''
+
+
+def _spec(tmp_path: Path, name: str, source: str) -> str:
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    return f"{name}={path}:rmsnorm"
+
+
+@pytest.fixture(scope="module")
+def specs(tmp_path_factory):
+    where = tmp_path_factory.mktemp("paths")
+    return {"honest": _spec(where, "honest", HONEST), "gradinplace": _spec(where, "gradinplace", GRAD_INPLACE),
+            "inputinplace": _spec(where, "inputinplace", INPUT_INPLACE)}
+
+
+def test_verdicts_do_not_depend_on_the_order_of_the_paths(specs, tmp_path):
+    verdicts = {}
+    for i, order in enumerate(itertools.permutations(specs)):
+        listed = ",".join(json.dumps(specs[name]) for name in order)
+        report = parity_report(load([*RMSNORM, f"op.user_impls=[{listed}]"]), tmp_path / str(i))
+        verdicts[order] = {name: (p["verdict"], tuple(p["failed_cases"][:1])) for name, p in report["paths"].items()}
+    first = next(iter(verdicts.values()))
+    assert all(v == first for v in verdicts.values()), verdicts
+    assert first["honest"][0] == "pass" and first["torch"][0] == "pass"
+    assert first["gradinplace"][0] == "fail" and "changed upstream gradient dO" in first["gradinplace"][1][0]
+    assert first["inputinplace"][0] == "fail" and "changed input x" in first["inputinplace"][1][0]
+
+
+def _spy(seen: list[int]) -> Impl:
+    """A path that records which buffers it was called on and computes the reference math."""
+    reference = get_op("rmsnorm").reference
+
+    def fn(x, cfg):
+        seen.append(x["x"].data_ptr())
+        return reference.fn(x, cfg)
+
+    return Impl("spy", "peer", fn)
+
+
+def test_timed_repetitions_rotate_over_distinct_input_sets():
+    cfg = load(RMSNORM)
+    op = get_op("rmsnorm")
+    case = next(c for c in op.cases(cfg) if c.main)
+    sets = rooms.input_sets(op, case, torch.float32, "cpu", 4)
+    assert len({s["x"].data_ptr() for _, s in sets}) == 4
+    assert not any(torch.equal(sets[0][1]["x"], s["x"]) for _, s in sets[1:])  # distinct values too
+    seen: list[int] = []
+    with torch.no_grad():
+        upstream = [stages.upstream_gradient(c, op.reference.fn(s, cfg)["out"]) for c, s in sets]
+    mine = [rooms.fresh(s, "cpu") for _, s in sets]
+    stages._time_path(_spy(seen), cfg, mine, upstream, "cpu", SETTINGS)
+    assert len(set(seen)) == 4  # forward and forward + backward each saw every set
+    assert not set(seen) & {s["x"].data_ptr() for _, s in sets}  # the path's own copies, not the shared values
+
+
+def test_a_path_that_changes_torch_state_while_timed_is_named_and_the_state_put_back():
+    cfg = load(RMSNORM)
+    op = get_op("rmsnorm")
+    case = next(c for c in op.cases(cfg) if c.main)
+    sets = [s for _, s in rooms.input_sets(op, case, torch.float32, "cpu", 4)]
+    threads = torch.get_num_threads()
+
+    def greedy(x, cfg):
+        torch.set_num_threads(threads + 1)
+        torch.autograd.set_detect_anomaly(True)
+        return op.reference.fn(x, cfg)
+
+    *_, state = stages._time_path(Impl("greedy", "peer", greedy, backward="none"), cfg, sets, [], "cpu", SETTINGS)
+    assert state and f"threads {threads} -> {threads + 1}" in state and "anomaly_detection False -> True" in state
+    assert torch.get_num_threads() == threads and not torch.is_anomaly_enabled()
+    *_, clean = stages._time_path(Impl("plain", "peer", op.reference.fn, backward="none"), cfg, sets, [], "cpu",
+                                  SETTINGS)
+    assert clean is None
+
+
+def test_a_memoized_backward_loses_its_forward_backward_speed():
+    """An honest forward with a backward that returns the gradients it computed first, keyed on the shape."""
+    cfg = load(RMSNORM)
+    op = get_op("rmsnorm")
+    case = next(c for c in op.cases(cfg) if c.main)
+    stored = {}
+
+    class Memo(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight):
+            ctx.save_for_backward(x, weight)
+            return op.reference.fn({"x": x, "weight": weight}, cfg)["out"]
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, weight = ctx.saved_tensors
+            key = (tuple(x.shape), tuple(dy.shape))
+            if key not in stored:
+                with torch.enable_grad():
+                    leaves = [t.detach().requires_grad_() for t in (x, weight)]
+                    out = op.reference.fn({"x": leaves[0], "weight": leaves[1]}, cfg)["out"]
+                    stored[key] = torch.autograd.grad(out, leaves, dy)
+            return stored[key]
+
+    memo = Impl("memo", "peer", lambda x, cfg: {"out": Memo.apply(x["x"], x["weight"])})
+    inputs = op.make_inputs(case, torch.float32, "cpu")
+    with torch.no_grad():
+        upstream = stages.upstream_gradient(case, op.reference.fn(inputs, cfg)["out"])
+    assert stages._timed_result_check(op, cfg, case, memo, inputs) is None  # its forward is honest
+    reason = stages._timed_result_check(op, cfg, case, memo, inputs, grad_out=upstream)
+    assert reason.startswith("timed result check failed on new values in the same buffers (forward + backward)")
+    honest = Impl("plain", "peer", op.reference.fn)
+    assert stages._timed_result_check(op, cfg, case, honest, inputs, grad_out=upstream) is None
+
+
+def test_too_few_input_sets_is_refused_naming_the_floor():
+    from posttrainllm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"bench.input_sets=2: must be >= 4"):
+        load([*RMSNORM, "bench.input_sets=2"])
