@@ -234,6 +234,8 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 entry["error"] = (str(exc) if isinstance(exc, DidNotRun) else
                                   f"{type(exc).__name__}: {exc}".splitlines()[0])
             entry["launched"] = dict(sorted(launched.items()))  # Triton launches by kernel name, all cases
+            if impl.evidence is not None:  # what the path recorded of its calls (compiled: dynamo's graphs)
+                entry["evidence"] = impl.evidence()
             report["paths"][impl.name] = entry
     torch.save(outputs, out / "kernel.pt")
     write_json(out / "kernel.json", report)
@@ -568,7 +570,11 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                 report["paths"][name] = {"valid": False, "reason": INTERPRETER_NOT_SPEED}
                 continue
             with torch.no_grad():
-                first_call_ms = _first_call_ms(lambda impl=impl: impl.fn(inputs, cfg), device)
+                try:  # a compiled peer that would run eagerly at this shape raises (opdefs/peers.py NotCompiled)
+                    first_call_ms = _first_call_ms(lambda impl=impl: impl.fn(inputs, cfg), device)
+                except Exception as exc:
+                    report["paths"][name] = {"valid": False, "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+                    continue
                 forward = measure(lambda impl=impl: impl.fn(inputs, cfg), device=device, **settings)
                 memory = peak_bytes(lambda impl=impl: impl.fn(inputs, cfg), device, warmup=0)
             train = (None if impl.backward == NO_BACKWARD else
@@ -610,6 +616,9 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
         report["describe"] = op.describe(case, inputs, cfg)
     report["curve"] = _curve(cfg, op, out, device, timed)
+    for name, impl in op.paths(cfg).items():  # after every timed call and curve size (compiled: per signature)
+        if impl.evidence is not None and name in report["paths"]:
+            report["paths"][name]["evidence"] = impl.evidence()
     write_json(out / "microbench.json", report)
     with open(out / "timings.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["op", "impl", "mode", "rep", "ms", "device", "threads", "problem"])

@@ -347,10 +347,9 @@ def _flex(x: Tensors, cfg: LabConfig) -> Tensors:
     modification a user writes instead of a kernel. GQA through enable_gqa. The mask is built per (S, device)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    from posttrainllm.opdefs.peers import compiled_call, input_signature, signature_label
+
     q, k, v = x["q"], x["k"], x["v"]
-    key = ("fn", tuple(q.shape), tuple(k.shape), q.dtype, q.device.type, q.requires_grad)
-    if key not in _FLEX:  # one compiled function per input signature, as the compiled peer (opdefs/peers.py)
-        _FLEX[key] = torch.compile(flex_attention, dynamic=False)
     mask = None
     if cfg.op.causal:
         mask_key = ("mask", q.shape[2], str(q.device))
@@ -358,7 +357,9 @@ def _flex(x: Tensors, cfg: LabConfig) -> Tensors:
             _FLEX[mask_key] = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B=None, H=None,
                                            Q_LEN=q.shape[2], KV_LEN=k.shape[2], device=str(q.device))
         mask = _FLEX[mask_key]
-    return {"out": _FLEX[key](q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])}
+    # a fresh compiled copy per input signature, as the compiled peer (opdefs/peers.py): compiled code or it raises
+    return {"out": compiled_call(("flex", input_signature(x), cfg.op.causal), flex_attention, signature_label(x),
+                                 q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])}
 
 
 FLEX_BACKEND = "torch.nn.attention.flex_attention.flex_attention (torch.compile, causal block mask)"
@@ -367,12 +368,13 @@ FLEX_CPU_NO_BACKWARD = "FlexAttention does not support backward on CPU (torch 2.
 
 def _flex_peer(cfg: LabConfig) -> Impl:
     """Forward-only on the CPU, where PyTorch refuses its backward: recorded per point, not a failure."""
-    from posttrainllm.opdefs.peers import first_call_geometry
+    from posttrainllm.opdefs.peers import EVIDENCE_NOTE, evidence, first_call_geometry
 
     cpu = _point_device(cfg) != "cuda"
     backend = FLEX_BACKEND + (f"; {FLEX_CPU_NO_BACKWARD}" if cpu else "")
     return Impl("flex", "peer", _flex, train=False, backward="none" if cpu else "own", backend=backend,
-                geometry=first_call_geometry(_flex, _make_inputs, FLEX_BACKEND))
+                geometry=first_call_geometry(_flex, _make_inputs, FLEX_BACKEND),
+                evidence=lambda: {"note": EVIDENCE_NOTE, "signatures": evidence(("flex",))})
 
 
 # --- a user path: its natural signature ---------------------------------------------------

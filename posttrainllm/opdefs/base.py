@@ -76,6 +76,9 @@ class Impl:
     backward: str = OWN_BACKWARD
     kernels: dict[str, tuple[str, ...]] = field(default_factory=dict)
     user: dict[str, Any] | None = None  # a user path's identity (opdefs/user.py): spec, file, sha256, distribution
+    # what the path records of its own calls, for the stages to keep (the compiled peer: dynamo's graphs and
+    # recompiles per input signature, opdefs/peers.py); None: nothing
+    evidence: Callable[[], dict[str, Any]] | None = None
 
     @property
     def checks_gradients(self) -> bool:
