@@ -31,7 +31,7 @@ from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
-from posttrainllm.opdefs import NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, get_op
+from posttrainllm.opdefs import NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op
 from posttrainllm.track.provenance import git_revision
 
 INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
@@ -162,10 +162,12 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
     op = get_op(cfg.op.name)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     check_memory(cfg, device)
+    point_cfg = cfg
     with_gradients = op.paths(cfg)[REFERENCE].backward != NO_BACKWARD
     records = []
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for case in op.cases(cfg):
+            cfg = case_config(case, point_cfg)  # the case's own op options (Case.options), if any
             inputs = op.make_inputs(case, _dtype(cfg), device)
             inputs64 = cast_floats(inputs, torch.float64)
             with torch.no_grad():
@@ -225,7 +227,8 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 impl = dataclasses.replace(impl, backward=backward)
                 results = []
                 for record in ref["records"]:
-                    got, violations = _run_case(impl, record, cfg, device, launched)
+                    got, violations = _run_case(impl, record, case_config(Case(**record["case"]), cfg), device,
+                                                launched)
                     results.append(got)
                     entry["violations"] += [f"{record['case']['name']}: {v}" for v in violations]
                 outputs[impl.name] = results

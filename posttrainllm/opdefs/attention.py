@@ -21,14 +21,14 @@ the flash forward writes it in the same launch, and no other path computes it.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
-from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.opdefs.base import (REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn,
+                                      softmax_scale)
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
@@ -39,7 +39,7 @@ ADVERSARIAL = ("large_logits", "growing_logits", "near_one_hot")
 
 
 def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
-    return {"out": reference.attention(x["q"], x["k"], x["v"], causal=cfg.op.causal)}
+    return {"out": reference.attention(x["q"], x["k"], x["v"], causal=cfg.op.causal, sm_scale=cfg.op.sm_scale)}
 
 
 def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -49,10 +49,11 @@ def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
     q, k, v = x["q"], x["k"], x["v"]
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
     if n_kv_heads != n_heads and q.dtype in (torch.float16, torch.bfloat16):
-        return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal, enable_gqa=True)}
+        return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal, scale=cfg.op.sm_scale,
+                                                      enable_gqa=True)}
     if n_kv_heads != n_heads:
         k, v = reference.repeat_kv(k, n_heads), reference.repeat_kv(v, n_heads)  # (B, H, S, D)
-    return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal)}
+    return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal, scale=cfg.op.sm_scale)}
 
 
 # --- SDPA pinned to one backend: a peer per backend the point's device has -----------------
@@ -73,7 +74,7 @@ def _pinned_sdpa(name: str):
         if gqa and name not in _NATIVE_GQA:
             k, v = reference.repeat_kv(k, q.shape[1]), reference.repeat_kv(v, q.shape[1])  # (B, H, S, D)
         with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name])):  # only this backend: no silent fallback
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal,
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal, scale=cfg.op.sm_scale,
                                                  enable_gqa=gqa and name in _NATIVE_GQA)
         return {"out": out}
 
@@ -174,7 +175,8 @@ def _triton_args(cfg: LabConfig) -> dict[str, Any]:
 def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
     from posttrainllm.ops.attention import flash_attention_with_lse
 
-    out, lse = flash_attention_with_lse(x["q"], x["k"], x["v"], causal=cfg.op.causal, **_triton_args(cfg),
+    out, lse = flash_attention_with_lse(x["q"], x["k"], x["v"], causal=cfg.op.causal, sm_scale=cfg.op.sm_scale,
+                                        **_triton_args(cfg),
                                         input_precision=cfg.precision.dot_precision, autotune=_autotune(cfg))
     return {"out": out, "lse": lse}
 
@@ -223,15 +225,19 @@ IMPLS = {
 
 
 def _oracle_extra(x: Tensors, cfg: LabConfig) -> Tensors:
-    return {"lse": reference.attention_logsumexp(x["q"], x["k"], causal=cfg.op.causal)}
+    return {"lse": reference.attention_logsumexp(x["q"], x["k"], causal=cfg.op.causal, sm_scale=cfg.op.sm_scale)}
 
 
 # --- cases and inputs -------------------------------------------------------------------
 
 
+SCALE_CASE_FACTOR = 2.5  # the sm_scale case: this times the point's softmax scale (a path that ignores it fails)
+
+
 def _cases(cfg: LabConfig) -> list[Case]:
-    """The point's shape and edge lengths (off every tile, S=1: the causal boundary) per seed, then
-    adversarial inputs at the point's shape on the first seed."""
+    """The point's shape and edge lengths (off every tile, S=1: the causal boundary) per seed, then on the first
+    seed: adversarial inputs at the point's shape, one edge length at another softmax scale (a path that ignores
+    sm_scale fails), and the shape bench-train trains at (causal: the model's mask), unless a case has it already."""
     shape, arch = cfg.shape, cfg.architecture
     heads = dict(batch=shape.batch, heads=arch.n_heads, kv_heads=arch.n_kv_heads, head_dim=arch.head_dim)
     out = []
@@ -242,7 +248,22 @@ def _cases(cfg: LabConfig) -> list[Case]:
     seed = cfg.parity.seeds[0]
     out += [Case(f"S{shape.seq_len}-{kind}", seed, {**heads, "seq_len": shape.seq_len}, False, kind)
             for kind in ADVERSARIAL]
-    return out
+    s = min([s for s in shape.edge_seq_lens if s > 1] or [shape.seq_len])  # S=1: softmax 1 whatever the scale
+    scale = round(SCALE_CASE_FACTOR * softmax_scale(cfg, arch.head_dim), 6)
+    out.append(Case(f"S{s}-sm_scale{scale:g}", seed, {**heads, "batch": 1, "seq_len": s}, False,
+                    options={"sm_scale": scale}))
+    return out + train_case(cfg, out, heads, ("seq_len",), seed, {} if cfg.op.causal else {"causal": True})
+
+
+def train_case(cfg: LabConfig, cases: list[Case], heads: dict[str, int], length_dims: tuple[str, ...], seed: int,
+               options: dict[str, Any]) -> list[Case]:
+    """The problem bench-train trains the path at (train.batch_size sequences of train.seq_len, the architecture's
+    heads; `options`: the model's, e.g. its causal mask), as a parity case unless one of `cases` is it already."""
+    train = cfg.train
+    dims = {**heads, "batch": train.batch_size, **{d: train.seq_len for d in length_dims}}
+    if any(c.dims == dims and c.options == options and c.inputs == "normal" for c in cases):
+        return []
+    return [Case(f"S{train.seq_len}-B{train.batch_size}-train", seed, dims, False, options=options)]
 
 
 def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
@@ -359,7 +380,8 @@ def _flex(x: Tensors, cfg: LabConfig) -> Tensors:
         mask = _FLEX[mask_key]
     # a fresh compiled copy per input signature, as the compiled peer (opdefs/peers.py): compiled code or it raises
     return {"out": compiled_call(("flex", input_signature(x), cfg.op.causal), flex_attention, signature_label(x),
-                                 q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])}
+                                 q, k, v, block_mask=mask, scale=cfg.op.sm_scale,
+                                 enable_gqa=k.shape[1] != q.shape[1])}
 
 
 FLEX_BACKEND = "torch.nn.attention.flex_attention.flex_attention (torch.compile, causal block mask)"
@@ -414,7 +436,7 @@ def {name}(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, s
 def _adapt(fn: Any) -> Any:
     def path(x: Tensors, cfg: LabConfig) -> Tensors:
         q = x["q"]
-        got = fn(q, x["k"], x["v"], causal=cfg.op.causal, sm_scale=1.0 / math.sqrt(q.shape[-1]))
+        got = fn(q, x["k"], x["v"], causal=cfg.op.causal, sm_scale=softmax_scale(cfg, q.shape[-1]))
         if isinstance(got, (tuple, list)) and len(got) == 2:
             return {"out": got[0], "lse": got[1]}
         return {"out": got}
