@@ -37,7 +37,7 @@ from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
 INPUT_KINDS = ("ignored_chunk", "large_logits")
-SMOOTHING_CASE = 0.1  # the label-smoothing case's ε where the point has none
+SMOOTHING_CASE = 0.1  # the label-smoothing case's ε (0.2 where the point has 0.1)
 MODEL_VOCAB = 256  # bench-train's model: the byte vocabulary
 LARGE_LOGIT_STD = 3e4  # large_logits: logits ~N(0, 3e4²), up to ~1.5e5: exp overflows fp32 past ~88
 TORCH_FUSED = getattr(F, "linear_cross_entropy", None)
@@ -129,9 +129,9 @@ def _cases(cfg: LabConfig) -> list[Case]:
     # another label smoothing than the point's, with ignored rows, at the first small edge: a path that ignores
     # op.label_smoothing (or ignore_index under it) fails
     n, c, v = next(((n, c, v) for n, c, v in shape.ce_edge if n > 1), main)
-    smoothing = SMOOTHING_CASE if op.label_smoothing == 0.0 else 0.0
+    smoothing = SMOOTHING_CASE if op.label_smoothing != SMOOTHING_CASE else 2 * SMOOTHING_CASE
     if n > 1:
-        out.append(Case(f"N{n}-C{c}-V{v}-label_smoothing{smoothing:g}", seed,
+        out.append(Case(f"N{n}-C{c}-V{v}-smoothed", seed,
                         _dims(n, c, v, ignore_index=op.ignore_index, ignored_rows=1), False, "ignored_chunk",
                         options={"label_smoothing": smoothing}))
     # the model's lm_head and loss in bench-train: train.batch_size x train.seq_len tokens, d_model, the byte vocabulary
