@@ -91,6 +91,10 @@ class OpConfig:
     peers: list[str] = field(default_factory=list)
     # Kernels from outside, `[name=]file.py:attr`, `[name=]module:attr` or `[name=]entry:<name>` (opdefs/user.py)
     user_impls: list[str] = field(default_factory=list)
+    # --- op=attention, attention_noncausal, decode_attention ---
+    # the softmax scale every path gets (a user path's sm_scale); null: 1/sqrt(head_dim). Parity also checks a case
+    # at another scale (opdefs/attention.py), so a path that ignores it fails
+    sm_scale: float | None = None
     # --- op=rmsnorm ---
     # RMSNorm's epsilon, inside the root: x / sqrt(mean(x²) + eps); bench-train's model takes it as its norm_eps
     eps: float = 1e-5
@@ -104,6 +108,8 @@ class OpConfig:
         valid = group_options("op")
         require(self.name in valid, f"op.name={self.name!r}: valid choices are {', '.join(valid)}")
         require(self.eps > 0, f"op.eps={self.eps}: must be > 0 (it keeps an all-zero row finite)")
+        require(self.sm_scale is None or self.sm_scale > 0, f"op.sm_scale={self.sm_scale}: must be > 0, or null "
+                "(1/sqrt(head_dim))")
         require(0.0 <= self.label_smoothing <= 1.0, f"op.label_smoothing={self.label_smoothing}: must be in [0, 1]")
         require(self.chunk_size >= 1, f"op.chunk_size={self.chunk_size}: must be >= 1")
         require(_power_of_two(self.block_v) and 16 <= self.block_v <= 65536,

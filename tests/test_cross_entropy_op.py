@@ -26,7 +26,9 @@ from posttrainllm.opdefs import cross_entropy, get_op
 # ignored chunk, logits of ~1e5
 QUICK = ["op=cross_entropy", "device=cpu", "parity.seeds=[0]", "shape.ce_tokens=32", "shape.ce_d_model=32",
          "shape.ce_vocab=1000", "shape.ce_edge=[]", "op.block_v=512"]
-CASES = ["N32-V1000-seed0", "N32-V1000-ignored_chunk", "N32-V1000-large_logits"]
+CASES = ["N32-V1000-seed0", "N32-V1000-ignored_chunk", "N32-V1000-large_logits",
+         "N32-C32-V1000-smoothed",  # another label smoothing than the point's, with ignored rows
+         "N256-C128-V256-train"]  # bench-train's lm_head and loss: train.batch_size x train.seq_len tokens
 
 PLANTED = {
     # the words: each chunk's loss divided by the chunk's size, not the batch's count of non-ignored tokens
@@ -159,7 +161,8 @@ def test_costs_curves_and_config_rules():
     few = next(c for c in op.cases(load([*QUICK, "shape.ce_tokens=8"])) if c.inputs == "ignored_chunk")
     targets = op.make_inputs(few, torch.float32, "cpu")["targets"]
     assert (targets[:-1] == -100).all() and targets[-1] != -100
-    assert [c.inputs for c in op.cases(load([*QUICK, "shape.ce_tokens=1"]))] == ["normal", "large_logits"]
+    assert [c.inputs for c in op.cases(load([*QUICK, "shape.ce_tokens=1"]))] == ["normal", "large_logits",
+                                                                                  "normal"]  # + bench-train's shape
     for override, message in [("op.label_smoothing=1.5", "op.label_smoothing=1.5: must be in [0, 1]"),
                               ("op.chunk_size=0", "op.chunk_size=0: must be >= 1"),
                               ("op.block_v=100", "op.block_v=100: must be a power of two"),

@@ -32,7 +32,7 @@ from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
-from posttrainllm.opdefs import NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, get_op
+from posttrainllm.opdefs import NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op
 from posttrainllm.track.provenance import git_revision
 
 INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
@@ -168,10 +168,12 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
     op = get_op(cfg.op.name)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     check_memory(cfg, device)
+    point_cfg = cfg
     with_gradients = op.paths(cfg)[REFERENCE].backward != NO_BACKWARD
     records = []
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for case in op.cases(cfg):
+            cfg = case_config(case, point_cfg)  # the case's own op options (Case.options), if any
             inputs = op.make_inputs(case, _dtype(cfg), device)
             inputs64 = cast_floats(inputs, torch.float64)
             with torch.no_grad():
@@ -251,7 +253,8 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 impl = dataclasses.replace(impl, backward=backward)
                 results = []
                 for record in ref["records"]:
-                    got, violations = _run_case(impl, record, cfg, device, launched)
+                    got, violations = _run_case(impl, record, case_config(Case(**record["case"]), cfg), device,
+                                                launched)
                     results.append(got)
                     entry["violations"] += [f"{record['case']['name']}: {v}" for v in violations]
                 outputs[impl.name] = results
@@ -260,6 +263,8 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 entry["error"] = (str(exc) if isinstance(exc, DidNotRun) else
                                   f"{type(exc).__name__}: {exc}".splitlines()[0])
             entry["launched"] = dict(sorted(launched.items()))  # Triton launches by kernel name, all cases
+            if impl.evidence is not None:  # what the path recorded of its calls (compiled: dynamo's graphs)
+                entry["evidence"] = impl.evidence()
             report["paths"][impl.name] = entry
     torch.save(outputs, out / "kernel.pt")
     write_json(out / "kernel.json", report)
@@ -653,7 +658,11 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                 continue
             mine = [rooms.fresh(x, device) for _, x in sets]  # this path's own buffers of every input set
             dos = [g.clone() for g in grad_outs]
-            forward, train, memory, first_call_ms, state = _time_path(impl, cfg, mine, dos, device, settings)
+            try:  # a compiled peer that would run eagerly at this shape raises (opdefs/peers.py NotCompiled)
+                forward, train, memory, first_call_ms, state = _time_path(impl, cfg, mine, dos, device, settings)
+            except Exception as exc:
+                report["paths"][name] = {"valid": False, "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+                continue
             refused = None if name == REFERENCE else (
                 state
                 or _timed_result_check(op, cfg, case, impl, mine[0])
@@ -696,6 +705,9 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
         report["describe"] = op.describe(case, inputs, cfg)
     report["curve"] = _curve(cfg, op, out, device, timed, calibration, peak_flops)
+    for name, impl in op.paths(cfg).items():  # after every timed call and curve size (compiled: per signature)
+        if impl.evidence is not None and name in report["paths"]:
+            report["paths"][name]["evidence"] = impl.evidence()
     write_json(out / "microbench.json", report)
     with open(out / "timings.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["op", "impl", "mode", "rep", "ms", "device", "threads", "problem"])

@@ -276,11 +276,18 @@ def op_params(stage: str, config: dict[str, Any]) -> list[str]:
     """The config keys the op's own code reads in `stage` beyond the stage's STAGE_PARAMS.
 
     op=moe probes whether its grouped_mm path runs (which paths the point has: every stage that lists
-    them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (opdefs/moe.py).
+    them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (opdefs/moe.py). The ops in
+    TRAIN_CASE_OPS have a parity case at bench-train's shape: the stages that list the cases read train's.
     """
     if config["op"]["name"] == "moe" and stage in ("kernel", "parity", "bench_train"):
         return ["config.shape.moe_d_model", "config.shape.moe_ffn"]
+    if config["op"]["name"] in TRAIN_CASE_OPS and stage in ("reference", "microbench"):  # their cases (op.cases)
+        return ["config.train.batch_size", "config.train.seq_len"]
     return []
+
+
+# The ops with a parity case at bench-train's shape (train.batch_size x train.seq_len; opdefs/<op>.py `_cases`)
+TRAIN_CASE_OPS = ("attention", "decode_attention", "cross_entropy")  # attention_noncausal is op.name attention
 
 
 def stage_deps(stage: str, point: dict[str, Any]) -> dict[str, list[str]]:

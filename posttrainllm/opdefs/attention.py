@@ -21,14 +21,14 @@ the flash forward writes it in the same launch, and no other path computes it.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
-from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.opdefs.base import (REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn,
+                                      softmax_scale)
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
@@ -39,7 +39,7 @@ ADVERSARIAL = ("large_logits", "growing_logits", "near_one_hot")
 
 
 def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
-    return {"out": reference.attention(x["q"], x["k"], x["v"], causal=cfg.op.causal)}
+    return {"out": reference.attention(x["q"], x["k"], x["v"], causal=cfg.op.causal, sm_scale=cfg.op.sm_scale)}
 
 
 def _reference_from_lse(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -55,10 +55,11 @@ def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
     q, k, v = x["q"], x["k"], x["v"]
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
     if n_kv_heads != n_heads and q.dtype in (torch.float16, torch.bfloat16):
-        return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal, enable_gqa=True)}
+        return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal, scale=cfg.op.sm_scale,
+                                                      enable_gqa=True)}
     if n_kv_heads != n_heads:
         k, v = reference.repeat_kv(k, n_heads), reference.repeat_kv(v, n_heads)  # (B, H, S, D)
-    return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal)}
+    return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal, scale=cfg.op.sm_scale)}
 
 
 # --- SDPA pinned to one backend: a peer per backend the point's device has -----------------
@@ -79,7 +80,7 @@ def _pinned_sdpa(name: str):
         if gqa and name not in _NATIVE_GQA:
             k, v = reference.repeat_kv(k, q.shape[1]), reference.repeat_kv(v, q.shape[1])  # (B, H, S, D)
         with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name])):  # only this backend: no silent fallback
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal,
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal, scale=cfg.op.sm_scale,
                                                  enable_gqa=gqa and name in _NATIVE_GQA)
         return {"out": out}
 
@@ -180,7 +181,8 @@ def _triton_args(cfg: LabConfig) -> dict[str, Any]:
 def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
     from posttrainllm.ops.attention import flash_attention_with_lse
 
-    out, lse = flash_attention_with_lse(x["q"], x["k"], x["v"], causal=cfg.op.causal, **_triton_args(cfg),
+    out, lse = flash_attention_with_lse(x["q"], x["k"], x["v"], causal=cfg.op.causal, sm_scale=cfg.op.sm_scale,
+                                        **_triton_args(cfg),
                                         input_precision=cfg.precision.dot_precision, autotune=_autotune(cfg))
     return {"out": out, "lse": lse}
 
@@ -229,15 +231,19 @@ IMPLS = {
 
 
 def _oracle_extra(x: Tensors, cfg: LabConfig) -> Tensors:
-    return {"lse": reference.attention_logsumexp(x["q"], x["k"], causal=cfg.op.causal)}
+    return {"lse": reference.attention_logsumexp(x["q"], x["k"], causal=cfg.op.causal, sm_scale=cfg.op.sm_scale)}
 
 
 # --- cases and inputs -------------------------------------------------------------------
 
 
+SCALE_CASE_FACTOR = 2.5  # the sm_scale case: this times the point's softmax scale (a path that ignores it fails)
+
+
 def _cases(cfg: LabConfig) -> list[Case]:
-    """The point's shape and edge lengths (off every tile, S=1: the causal boundary) per seed, then
-    adversarial inputs at the point's shape on the first seed."""
+    """The point's shape and edge lengths (off every tile, S=1: the causal boundary) per seed, then on the first
+    seed: adversarial inputs at the point's shape, one edge length at another softmax scale (a path that ignores
+    sm_scale fails), and the shape bench-train trains at (causal: the model's mask), unless a case has it already."""
     shape, arch = cfg.shape, cfg.architecture
     heads = dict(batch=shape.batch, heads=arch.n_heads, kv_heads=arch.n_kv_heads, head_dim=arch.head_dim)
     out = []
@@ -248,7 +254,22 @@ def _cases(cfg: LabConfig) -> list[Case]:
     seed = cfg.parity.seeds[0]
     out += [Case(f"S{shape.seq_len}-{kind}", seed, {**heads, "seq_len": shape.seq_len}, False, kind)
             for kind in ADVERSARIAL]
-    return out
+    s = min([s for s in shape.edge_seq_lens if s > 1] or [shape.seq_len])  # S=1: softmax 1 whatever the scale
+    scale = round(SCALE_CASE_FACTOR * softmax_scale(cfg, arch.head_dim), 6)
+    out.append(Case(f"S{s}-sm_scale{scale:g}", seed, {**heads, "batch": 1, "seq_len": s}, False,
+                    options={"sm_scale": scale}))
+    return out + train_case(cfg, out, heads, ("seq_len",), seed, {} if cfg.op.causal else {"causal": True})
+
+
+def train_case(cfg: LabConfig, cases: list[Case], heads: dict[str, int], length_dims: tuple[str, ...], seed: int,
+               options: dict[str, Any]) -> list[Case]:
+    """The problem bench-train trains the path at (train.batch_size sequences of train.seq_len, the architecture's
+    heads; `options`: the model's, e.g. its causal mask), as a parity case unless one of `cases` is it already."""
+    train = cfg.train
+    dims = {**heads, "batch": train.batch_size, **{d: train.seq_len for d in length_dims}}
+    if any(c.dims == dims and c.options == options and c.inputs == "normal" for c in cases):
+        return []
+    return [Case(f"S{train.seq_len}-B{train.batch_size}-train", seed, dims, False, options=options)]
 
 
 def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
@@ -353,10 +374,9 @@ def _flex(x: Tensors, cfg: LabConfig) -> Tensors:
     modification a user writes instead of a kernel. GQA through enable_gqa. The mask is built per (S, device)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    from posttrainllm.opdefs.peers import compiled_call, input_signature, signature_label
+
     q, k, v = x["q"], x["k"], x["v"]
-    key = ("fn", tuple(q.shape), tuple(k.shape), q.dtype, q.device.type, q.requires_grad)
-    if key not in _FLEX:  # one compiled function per input signature, as the compiled peer (opdefs/peers.py)
-        _FLEX[key] = torch.compile(flex_attention, dynamic=False)
     mask = None
     if cfg.op.causal:
         mask_key = ("mask", q.shape[2], str(q.device))
@@ -364,7 +384,10 @@ def _flex(x: Tensors, cfg: LabConfig) -> Tensors:
             _FLEX[mask_key] = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B=None, H=None,
                                            Q_LEN=q.shape[2], KV_LEN=k.shape[2], device=str(q.device))
         mask = _FLEX[mask_key]
-    return {"out": _FLEX[key](q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])}
+    # a fresh compiled copy per input signature, as the compiled peer (opdefs/peers.py): compiled code or it raises
+    return {"out": compiled_call(("flex", input_signature(x), cfg.op.causal), flex_attention, signature_label(x),
+                                 q, k, v, block_mask=mask, scale=cfg.op.sm_scale,
+                                 enable_gqa=k.shape[1] != q.shape[1])}
 
 
 FLEX_BACKEND = "torch.nn.attention.flex_attention.flex_attention (torch.compile, causal block mask)"
@@ -373,12 +396,13 @@ FLEX_CPU_NO_BACKWARD = "FlexAttention does not support backward on CPU (torch 2.
 
 def _flex_peer(cfg: LabConfig) -> Impl:
     """Forward-only on the CPU, where PyTorch refuses its backward: recorded per point, not a failure."""
-    from posttrainllm.opdefs.peers import first_call_geometry
+    from posttrainllm.opdefs.peers import EVIDENCE_NOTE, evidence, first_call_geometry
 
     cpu = _point_device(cfg) != "cuda"
     backend = FLEX_BACKEND + (f"; {FLEX_CPU_NO_BACKWARD}" if cpu else "")
     return Impl("flex", "peer", _flex, train=False, backward="none" if cpu else "own", backend=backend,
-                geometry=first_call_geometry(_flex, _make_inputs, FLEX_BACKEND))
+                geometry=first_call_geometry(_flex, _make_inputs, FLEX_BACKEND),
+                evidence=lambda: {"note": EVIDENCE_NOTE, "signatures": evidence(("flex",))})
 
 
 # --- a user path: its natural signature ---------------------------------------------------
@@ -418,7 +442,7 @@ def {name}(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, s
 def _adapt(fn: Any) -> Any:
     def path(x: Tensors, cfg: LabConfig) -> Tensors:
         q = x["q"]
-        got = fn(q, x["k"], x["v"], causal=cfg.op.causal, sm_scale=1.0 / math.sqrt(q.shape[-1]))
+        got = fn(q, x["k"], x["v"], causal=cfg.op.causal, sm_scale=softmax_scale(cfg, q.shape[-1]))
         if isinstance(got, (tuple, list)) and len(got) == 2:
             return {"out": got[0], "lse": got[1]}
         return {"out": got}

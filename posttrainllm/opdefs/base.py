@@ -20,6 +20,8 @@ microbench, curves, bench-train, receipt and report never test an op's name.
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -45,6 +47,36 @@ class Case:
     # op's make_inputs then quantizes the operands once (every path sees the same), and the same case with ''
     # gives the unquantized inputs the quantization's own error is measured against (lab/stages.py)
     quantize: str = ""
+    # The op options this case runs under instead of the point's (cfg.op fields: attention's sm_scale and causal,
+    # cross-entropy's label_smoothing), so that a path which ignores one fails parity; {}: the point's own
+    # (case_config). The main case and the curve's have none: what is timed is the point's configuration.
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+_CASE_CONFIGS: dict[tuple, tuple[LabConfig, LabConfig]] = {}
+
+
+def case_config(case: Case, cfg: LabConfig) -> LabConfig:
+    """The config a case's calls get: the point's, with the case's options (Case.options) over cfg.op.
+
+    Copies, not dataclasses.replace: a stage recording its config reads (track/stamp.py) sees only the op's
+    fields read, as for the point's own config. One copy per (config, options), so a compiled path sees one."""
+    if not case.options:
+        return cfg
+    key = (id(cfg), tuple(sorted(case.options.items())))
+    if key not in _CASE_CONFIGS or _CASE_CONFIGS[key][0] is not cfg:
+        op = copy.copy(cfg.op)
+        for name, value in case.options.items():
+            setattr(op, name, value)
+        made = copy.copy(cfg)
+        made.op = op
+        _CASE_CONFIGS[key] = (cfg, made)
+    return _CASE_CONFIGS[key][1]
+
+
+def softmax_scale(cfg: LabConfig, head_dim: int) -> float:
+    """The attention ops' softmax scale: op.sm_scale, or 1/sqrt(head_dim) where it is null."""
+    return cfg.op.sm_scale if cfg.op.sm_scale is not None else 1.0 / math.sqrt(head_dim)
 
 
 @dataclass(frozen=True)
@@ -76,6 +108,9 @@ class Impl:
     backward: str = OWN_BACKWARD
     kernels: dict[str, tuple[str, ...]] = field(default_factory=dict)
     user: dict[str, Any] | None = None  # a user path's identity (opdefs/user.py): spec, file, sha256, distribution
+    # what the path records of its own calls, for the stages to keep (the compiled peer: dynamo's graphs and
+    # recompiles per input signature, opdefs/peers.py); None: nothing
+    evidence: Callable[[], dict[str, Any]] | None = None
 
     @property
     def checks_gradients(self) -> bool:

@@ -37,6 +37,8 @@ from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
 INPUT_KINDS = ("ignored_chunk", "large_logits")
+SMOOTHING_CASE = 0.1  # the label-smoothing case's ε (0.2 where the point has 0.1)
+MODEL_VOCAB = 256  # bench-train's model: the byte vocabulary
 LARGE_LOGIT_STD = 3e4  # large_logits: logits ~N(0, 3e4²), up to ~1.5e5: exp overflows fp32 past ~88
 TORCH_FUSED = getattr(F, "linear_cross_entropy", None)
 TORCH_OPTIONS = getattr(torch.nn, "LinearCrossEntropyOptions", None)
@@ -124,6 +126,18 @@ def _cases(cfg: LabConfig) -> list[Case]:
                         _dims(*main, ignore_index=op.ignore_index, ignored_rows=min(op.chunk_size, main[0] - 1)),
                         False, "ignored_chunk"))
     out.append(Case(f"N{main[0]}-V{main[2]}-large_logits", seed, _dims(*main), False, "large_logits"))
+    # another label smoothing than the point's, with ignored rows, at the first small edge: a path that ignores
+    # op.label_smoothing (or ignore_index under it) fails
+    n, c, v = next(((n, c, v) for n, c, v in shape.ce_edge if n > 1), main)
+    smoothing = SMOOTHING_CASE if op.label_smoothing != SMOOTHING_CASE else 2 * SMOOTHING_CASE
+    if n > 1:
+        out.append(Case(f"N{n}-C{c}-V{v}-smoothed", seed,
+                        _dims(n, c, v, ignore_index=op.ignore_index, ignored_rows=1), False, "ignored_chunk",
+                        options={"label_smoothing": smoothing}))
+    # the model's lm_head and loss in bench-train: train.batch_size x train.seq_len tokens, d_model, the byte vocabulary
+    train = _dims(cfg.train.batch_size * cfg.train.seq_len, cfg.architecture.d_model, MODEL_VOCAB)
+    if not any(case.dims == train and case.inputs == "normal" and not case.options for case in out):
+        out.append(Case(f"N{train['tokens']}-C{train['d_model']}-V{MODEL_VOCAB}-train", seed, train, False))
     return out
 
 
@@ -224,7 +238,8 @@ def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
 
 def _model_problem(cfg: LabConfig) -> str:
     arch, train = cfg.architecture, cfg.train
-    return f"N={train.batch_size * train.seq_len} C={arch.d_model} V=256 (the byte vocabulary's lm_head and loss)"
+    return (f"N={train.batch_size * train.seq_len} C={arch.d_model} V={MODEL_VOCAB} (the byte vocabulary's lm_head "
+            "and loss)")
 
 
 def _check_config(cfg: LabConfig) -> None:

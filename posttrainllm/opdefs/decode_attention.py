@@ -23,14 +23,15 @@ bandwidth (the roofline), over the context length Sk (`shape.curve` as Sk, Sq = 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize
-from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.opdefs.base import (REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn,
+                                      softmax_scale)
+from posttrainllm.opdefs.attention import SCALE_CASE_FACTOR, train_case
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
@@ -38,7 +39,7 @@ from posttrainllm.ops import reference
 
 
 def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
-    return {"out": reference.chunk_attention(x["q"], x["k"], x["v"])}
+    return {"out": reference.chunk_attention(x["q"], x["k"], x["v"], sm_scale=cfg.op.sm_scale)}
 
 
 def _reference_from_lse(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -53,6 +54,7 @@ def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
     q_len, kv_len = q.shape[2], k.shape[2]
     mask = None if q_len == 1 else ~reference.chunk_causal_mask(q_len, kv_len, q.device)  # (Sq, Sk), True = attend
     options: dict[str, Any] = {"is_causal": True} if q_len == kv_len else {"attn_mask": mask}
+    options["scale"] = cfg.op.sm_scale
     if k.shape[1] != q.shape[1] and q.dtype in (torch.float16, torch.bfloat16):
         return {"out": F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)}
     if k.shape[1] != q.shape[1]:
@@ -63,7 +65,7 @@ def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
 def _triton_options(cfg: LabConfig) -> dict[str, Any]:
     t, w = cfg.tile, cfg.workgroup
     return dict(block_q=t.block_q, block_kv=t.block_kv, num_warps=w.num_warps, num_stages=w.num_stages,
-                input_precision=cfg.precision.dot_precision)
+                input_precision=cfg.precision.dot_precision, sm_scale=cfg.op.sm_scale)
 
 
 def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -77,6 +79,7 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 
     d, options = case.dims, _triton_options(cfg)
     options.pop("input_precision")
+    options.pop("sm_scale")
     return {**decode_attention_launch(d["batch"], d["heads"], d["kv_heads"], d["q_len"], d["kv_len"], d["head_dim"],
                                       **options),
             "backward": "posttrainllm.ops.reference.chunk_attention (recomputed; decoding never trains)"}
@@ -97,17 +100,19 @@ IMPLS = {
 
 
 def _case(name: str, seed: int, cfg: LabConfig, q_len: int, kv_len: int, *, kv_heads: int | None = None,
-          main: bool = False, inputs: str = "normal") -> Case:
+          main: bool = False, inputs: str = "normal", options: dict[str, Any] | None = None) -> Case:
     arch = cfg.architecture
     dims = dict(batch=cfg.shape.batch, heads=arch.n_heads, kv_heads=kv_heads or arch.n_kv_heads,
                 head_dim=arch.head_dim, q_len=q_len, kv_len=kv_len)
-    return Case(name, seed, dims, main, inputs)
+    return Case(name, seed, dims, main, inputs, options=options or {})
 
 
 def _cases(cfg: LabConfig) -> list[Case]:
     """The main decode step (Sq = 1 against decode_kv_len keys), then every Sq <= Sk pair of the shape's
     decode lengths per seed; on the first seed, the other KV-head layouts (MHA, GQA with 2 query heads per
-    KV head, MQA) the architecture is not, and large logits (scores with std ~10)."""
+    KV head, MQA) the architecture is not, large logits (scores with std ~10), the smallest chunk at another
+    softmax scale (a path that ignores sm_scale fails), and bench-train's full sequence (Sq = Sk = train.seq_len,
+    train.batch_size) unless a case has it already."""
     shape, arch = cfg.shape, cfg.architecture
     out = []
     for seed in cfg.parity.seeds:
@@ -119,7 +124,12 @@ def _cases(cfg: LabConfig) -> list[Case]:
     for kv_heads in sorted({arch.n_heads, arch.n_heads // 2 if arch.n_heads % 2 == 0 else 1, 1} - {arch.n_kv_heads}):
         out.append(_case(f"Sq{sq}-Sk{sk}-Hkv{kv_heads}", seed, cfg, sq, sk, kv_heads=kv_heads))
     out.append(_case(f"Sq{sq}-Sk{sk}-large_logits", seed, cfg, sq, sk, inputs="large_logits"))
-    return out
+    sk = min([s for s in shape.decode_kv_lens if s > 1] or [shape.decode_kv_len])  # one key: softmax 1, any scale
+    sq = min([s for s in shape.decode_q_lens if 1 < s <= sk] or [1])  # more than one query: the mask too
+    scale = round(SCALE_CASE_FACTOR * softmax_scale(cfg, arch.head_dim), 6)
+    out.append(_case(f"Sq{sq}-Sk{sk}-sm_scale{scale:g}", seed, cfg, sq, sk, options={"sm_scale": scale}))
+    heads = {k: v for k, v in out[0].dims.items() if k not in ("batch", "q_len", "kv_len")}
+    return out + train_case(cfg, out, heads, ("q_len", "kv_len"), seed, {})
 
 
 def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
@@ -228,7 +238,7 @@ def {name}(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float
 def _adapt(fn: Any) -> Any:
     def path(x: Tensors, cfg: LabConfig) -> Tensors:
         q = x["q"]
-        return {"out": fn(q, x["k"], x["v"], sm_scale=1.0 / math.sqrt(q.shape[-1]))}
+        return {"out": fn(q, x["k"], x["v"], sm_scale=softmax_scale(cfg, q.shape[-1]))}
 
     path.__name__ = getattr(fn, "__name__", "user")
     return path
