@@ -19,7 +19,7 @@ import torch
 
 from posttrainllm.lab import stages
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import REFERENCE, get_op
+from posttrainllm.opdefs import REFERENCE, Case, case_config, get_op
 
 # op, its small-shape overrides (the ops' own test sizes), the precisions it is judged in
 OPS = {
@@ -47,7 +47,8 @@ def _library_verdicts(op_name: str, precision: str, tmp: Path) -> dict[str, dict
             continue
         outputs, broken = [], []
         for record in records:
-            got, violations = stages._run_case(impl, record, cfg, "cpu", Counter())
+            got, violations = stages._run_case(impl, record, case_config(Case(**record["case"]), cfg), "cpu",
+                                               Counter())
             outputs.append(got)
             broken += violations
         result = stages._check_path(op, impl, cfg, records, outputs)
@@ -68,12 +69,14 @@ def test_pytorch_own_functions_pass_every_contract(op_name, precision, tmp_path)
 def test_a_planted_bug_in_a_peer_still_fails(tmp_path, monkeypatch):
     """The test above can fail: SDPA with its scale off by one part in 10^4 misses decode attention's fp32
     contract."""
+    from posttrainllm.opdefs import decode_attention
+
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def off(q, k, v, *args, scale=None, **kwargs):
         return sdpa(q, k, v, *args, scale=(scale or q.shape[-1] ** -0.5) * (1 + 1e-4), **kwargs)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", off)
+    monkeypatch.setattr(decode_attention, "_SDPA", off)  # the function the peer bound at start
     verdicts = _library_verdicts("decode_attention", "fp32", tmp_path)
     assert verdicts["sdpa"]["verdict"] == "fail", verdicts
 

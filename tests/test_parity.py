@@ -38,7 +38,8 @@ def _flash_impl(module) -> Impl:
     """The Triton path running a (mutant) copy of posttrainllm/ops/attention.py, forward and backward."""
     def fn(x, cfg):
         out, lse = module.flash_attention_with_lse(x["q"], x["k"], x["v"], causal=cfg.op.causal,
-                                                   block_q=cfg.tile.block_q, block_kv=cfg.tile.block_kv)
+                                                   sm_scale=cfg.op.sm_scale, block_q=cfg.tile.block_q,
+                                                   block_kv=cfg.tile.block_kv)
         return {"out": out, "lse": lse}
     return dataclasses.replace(attention.IMPLS["triton"], fn=fn)
 

@@ -77,3 +77,20 @@ def test_refuses_non_positive_inputs():
         roofline(1.0, 1.0, 0.0, **PEAKS)
     with pytest.raises(ValueError, match="nbytes"):
         roofline(1.0, 0, 1.0, **PEAKS)
+
+
+def test_a_fraction_above_one_is_named_never_a_result():
+    # above the FLOP peak: the calibration or the timing is wrong
+    fast = roofline(2e9, 1e6, 1e-2, peak_flops=1e11, peak_bytes_per_s=1e10, cache_bytes=2**25)
+    assert fast["fraction_of_attainable"] == pytest.approx(2.0)
+    assert "2.00x the calibrated FLOP peak" in fast["above_roof"]
+    # above the copy roof with a working set larger than the cache: the byte model or the calibration is wrong
+    streaming = roofline(1e6, 1e9, 0.05, peak_flops=1e11, peak_bytes_per_s=1e10, cache_bytes=2**25)
+    assert "2.00x the DRAM copy roof" in streaming["above_roof"] and not streaming["cache_resident"]
+    # the same rate on a working set that fits the cache: no DRAM roof, a result
+    cached = roofline(1e6, 1e6, 5e-5, peak_flops=1e11, peak_bytes_per_s=1e10, cache_bytes=2**25)
+    assert cached["cache_resident"] and cached["above_roof"] is None and cached["fraction_of_attainable"] < 1
+    unknown = roofline(1e6, 1e6, 5e-5, peak_flops=1e11, peak_bytes_per_s=1e10)  # cache unknown: the copy roof
+    assert "last-level cache unknown" in unknown["above_roof"]
+    honest = roofline(2e9, 1e6, 4e-2, peak_flops=1e11, peak_bytes_per_s=1e10, cache_bytes=2**25)
+    assert honest["above_roof"] is None

@@ -176,3 +176,17 @@ def test_too_few_input_sets_is_refused_naming_the_floor():
 
     with pytest.raises(ConfigError, match=r"bench.input_sets=2: must be >= 4"):
         load([*RMSNORM, "bench.input_sets=2"])
+
+
+def test_a_replaced_torch_function_changes_no_peer_and_is_named(tmp_path, monkeypatch):
+    """A module that replaces SDPA at import (SageAttention's README recommends it): the peer keeps its own."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: 2 * sdpa(q, k, v, **kw))
+    cfg = load(["op=decode_attention", "device=cpu", "parity.seeds=[0]", "tile=b16", "shape.decode_q_lens=[1]",
+                "shape.decode_kv_lens=[17]", "shape.decode_kv_len=32"])
+    report = parity_report(cfg, tmp_path)
+    assert report["paths"]["sdpa"]["verdict"] == "pass", report["paths"]["sdpa"]["failed_cases"][:2]
+    kernel = json.loads((tmp_path / "kernel.json").read_text())
+    assert kernel["library_replaced"]["functions"] == ["torch.nn.functional.scaled_dot_product_attention"]

@@ -32,7 +32,8 @@ from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
-from posttrainllm.opdefs import NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op
+from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
+                                 replaced_library)
 from posttrainllm.track.provenance import git_revision
 
 INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
@@ -266,9 +267,16 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
             if impl.evidence is not None:  # what the path recorded of its calls (compiled: dynamo's graphs)
                 entry["evidence"] = impl.evidence()
             report["paths"][impl.name] = entry
+    replaced = replaced_library()
+    if replaced:  # the peers call what was bound when the lab started (opdefs/base.py LIBRARY), not these
+        report["library_replaced"] = {"functions": replaced, "note": LIBRARY_REPLACED_NOTE}
     torch.save(outputs, out / "kernel.pt")
     write_json(out / "kernel.json", report)
     return report
+
+
+LIBRARY_REPLACED_NOTE = ("code in this process replaced these torch functions after the lab started; the peers and "
+                         "the reference call the functions bound at start, so their names in this receipt hold")
 
 
 def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str,
@@ -647,6 +655,9 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     report["impossible_rule"] = IMPOSSIBLE_RULE.format(fraction=bench.impossible_below)
     report["rotation_rule"] = rooms.ROTATION_RULE.format(n=len(sets))
     report["state_rule"] = STATE_RULE
+    report["above_roof_rule"] = roofline.ABOVE_ROOF_RULE
+    cache_bytes = devices.last_level_cache_bytes(device)
+    report["last_level_cache_bytes"] = cache_bytes
     rows, timings = [], {}
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for name, impl in parity_paths(op, cfg, out).items():
@@ -682,12 +693,21 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                 "gflops_per_s": costs.flops / seconds / 1e9, "gbytes_per_s": costs.bytes / seconds / 1e9,
                 "memory": memory,
                 "roofline": roofline.roofline(costs.flops, costs.bytes, seconds, peak_flops=peak_flops,
-                                              peak_bytes_per_s=peak_bandwidth) if peak_flops else None,
+                                              peak_bytes_per_s=peak_bandwidth,
+                                              cache_bytes=cache_bytes) if peak_flops else None,
                 "backward": impl.backward,
                 "forward_backward": (
                     {"valid": False, "reason": backward_note(impl)} if train is None else
                     {**train.summary(), "gflops_per_s": costs.train_flops / (train.median_ms / 1e3) / 1e9}),
             }
+            above = (report["paths"][name]["roofline"] or {}).get("above_roof")
+            if above and name != REFERENCE:  # a fraction above 1 is not a result (roofline.ABOVE_ROOF_RULE)
+                report["paths"][name] = {"valid": False, "reason": f"above the roofline: {above}: no speed",
+                                         "first_call_ms": first_call_ms}
+                del timings[name]
+                continue
+            if above:  # the baseline stays timed (speedups are ratios to it); the figure is named, not a result
+                report.setdefault("notes", []).append(f"the reference is above the roofline: {above}")
             for mode, timing in (("forward", forward), ("forward_backward", train)):
                 rows += [{"impl": name, "mode": mode, "rep": i, "ms": ms}
                          for i, ms in enumerate(timing.samples_ms if timing else [])]

@@ -56,6 +56,25 @@ def prepare(name: str, threads: int = 0) -> str:
     return device
 
 
+def last_level_cache_bytes(device: str) -> int | None:
+    """The device's last-level cache: a GPU's L2, a CPU's largest cache level (Linux sysfs, cpu0); None if unknown."""
+    import torch
+
+    if device == "cuda":
+        return getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", None) or None
+    from pathlib import Path
+
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (entry / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text))
+    return max(sizes) if sizes else None
+
+
 def triton_interpreted() -> bool:
     try:
         import triton

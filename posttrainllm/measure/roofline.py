@@ -16,6 +16,12 @@ Classification (the rule, in order):
 
 `flops` and `bytes` come from costs.py (bytes = the minimal traffic), and the peaks from
 calibrate.py (measured) or calibrate.published_peaks (datasheet): the caller says which.
+
+A working set that fits the last-level cache (`cache_bytes`) is not bound by the DRAM copy roof: its
+attainable rate is the FLOP peak alone, and the result says so. A fraction above 1 cannot be a result:
+above the FLOP peak, the calibration or the timing is wrong; above the copy roof with a working set larger
+than the cache, the byte model or the calibration is. `above_roof` names which (ABOVE_ROOF_RULE), and the
+microbench gives such a path no speed.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ OVERHEAD_DOMINATES_BELOW = 2.0
 LOW_FRACTION = 0.05
 
 COMPUTE, MEMORY, OVERHEAD = "compute-bound", "memory-bound", "overhead-bound"
+ABOVE_ROOF_RULE = ("achieved above attainable is not a result: above the calibrated FLOP peak, the calibration or "
+                   "the timing is wrong; above the DRAM copy roof with a working set larger than the last-level "
+                   "cache, the byte model or the calibration is (a cache-resident working set has the FLOP peak "
+                   "alone as its roof)")
 RULE = (f"overhead-bound if seconds < {OVERHEAD_DOMINATES_BELOW:g} x overhead_s or achieved/attainable < "
         f"{LOW_FRACTION:g}; else compute-bound if flops/bytes >= peak_flops/peak_bytes_per_s; else memory-bound")
 
@@ -49,8 +59,9 @@ def _seconds(value: float) -> str:
 
 
 def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, peak_bytes_per_s: float,
-             overhead_s: float = DEFAULT_OVERHEAD_S) -> dict[str, Any]:
-    """One measured call against the roofline; every rate in base units (FLOP/s, B/s)."""
+             overhead_s: float = DEFAULT_OVERHEAD_S, cache_bytes: int | None = None) -> dict[str, Any]:
+    """One measured call against the roofline; every rate in base units (FLOP/s, B/s). cache_bytes: the
+    device's last-level cache (None: unknown, the copy roof always applies)."""
     for name, value in (("flops", flops), ("nbytes", nbytes), ("seconds", seconds), ("peak_flops", peak_flops),
                         ("peak_bytes_per_s", peak_bytes_per_s)):
         if not value > 0:
@@ -59,10 +70,20 @@ def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, 
         raise ValueError(f"roofline: overhead_s={overhead_s} must be >= 0")
     intensity = flops / nbytes  # FLOP/B
     ridge = peak_flops / peak_bytes_per_s  # FLOP/B
-    memory_roof = peak_bytes_per_s * intensity  # FLOP/s
+    resident = cache_bytes is not None and nbytes <= cache_bytes  # the DRAM roof does not bind a cached set
+    memory_roof = float("inf") if resident else peak_bytes_per_s * intensity  # FLOP/s
     attainable = min(peak_flops, memory_roof)  # FLOP/s
     achieved = flops / seconds  # FLOP/s
     fraction = achieved / attainable
+    above = None
+    if achieved > peak_flops:
+        above = (f"achieved {_si(achieved, 'FLOP/s')} is {achieved / peak_flops:.2f}x the calibrated FLOP peak "
+                 f"{_si(peak_flops, 'FLOP/s')}: the calibration or the timing is wrong")
+    elif fraction > 1:
+        above = (f"achieved {_si(nbytes / seconds, 'B/s')} is {fraction:.2f}x the DRAM copy roof "
+                 f"{_si(peak_bytes_per_s, 'B/s')} with a working set of {_si(nbytes, 'B')}"
+                 + (f" over the {_si(cache_bytes, 'B')} last-level cache" if cache_bytes else
+                    " (last-level cache unknown)") + ": the byte model or the calibration is wrong")
     roof = COMPUTE if intensity >= ridge else MEMORY
     side = (f"I={intensity:.3g} FLOP/B {'>=' if roof == COMPUTE else '<'} ridge {ridge:.3g} FLOP/B")
     rate = f"achieved {_si(achieved, 'FLOP/s')} = {fraction:.1%} of attainable {_si(attainable, 'FLOP/s')}"
@@ -77,9 +98,13 @@ def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, 
     else:
         classification = roof
         why = f"{side}; {rate}"
+    if resident:
+        why += f"; working set {_si(nbytes, 'B')} fits the {_si(cache_bytes, 'B')} last-level cache: no DRAM roof"
     return {
         "classification": classification,
         "why": why,
+        "above_roof": above,  # None, or why this fraction above 1 cannot be a result (ABOVE_ROOF_RULE)
+        "cache_resident": resident,
         "roof": roof,  # which roof applies by intensity alone, whatever the classification
         "intensity_flops_per_byte": intensity,
         "ridge_flops_per_byte": ridge,

@@ -27,10 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
-from posttrainllm.opdefs.base import (REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn,
+from posttrainllm.opdefs.base import (LIBRARY, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn,
                                       softmax_scale)
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
+
+_SDPA = LIBRARY["torch.nn.functional.scaled_dot_product_attention"]  # bound at start (base.LIBRARY)
 
 ADVERSARIAL = ("large_logits", "growing_logits", "near_one_hot")
 
@@ -55,11 +57,11 @@ def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
     q, k, v = x["q"], x["k"], x["v"]
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
     if n_kv_heads != n_heads and q.dtype in (torch.float16, torch.bfloat16):
-        return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal, scale=cfg.op.sm_scale,
+        return {"out": _SDPA(q, k, v, is_causal=cfg.op.causal, scale=cfg.op.sm_scale,
                                                       enable_gqa=True)}
     if n_kv_heads != n_heads:
         k, v = reference.repeat_kv(k, n_heads), reference.repeat_kv(v, n_heads)  # (B, H, S, D)
-    return {"out": F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal, scale=cfg.op.sm_scale)}
+    return {"out": _SDPA(q, k, v, is_causal=cfg.op.causal, scale=cfg.op.sm_scale)}
 
 
 # --- SDPA pinned to one backend: a peer per backend the point's device has -----------------
@@ -80,7 +82,7 @@ def _pinned_sdpa(name: str):
         if gqa and name not in _NATIVE_GQA:
             k, v = reference.repeat_kv(k, q.shape[1]), reference.repeat_kv(v, q.shape[1])  # (B, H, S, D)
         with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name])):  # only this backend: no silent fallback
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=cfg.op.causal, scale=cfg.op.sm_scale,
+            out = _SDPA(q, k, v, is_causal=cfg.op.causal, scale=cfg.op.sm_scale,
                                                  enable_gqa=gqa and name in _NATIVE_GQA)
         return {"out": out}
 

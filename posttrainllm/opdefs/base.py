@@ -31,6 +31,27 @@ from posttrainllm.config import ConfigError, LabConfig
 
 Tensors = dict[str, torch.Tensor]
 REFERENCE = "reference"
+
+# PyTorch's functions the built-in peers call, bound when the lab starts: code that replaces torch's attribute later
+# (SageAttention's README does so for SDPA at import) changes no peer, and `replaced_library` names what it replaced
+LIBRARY: dict[str, Callable[..., Any]] = {
+    "torch.nn.functional.scaled_dot_product_attention": torch.nn.functional.scaled_dot_product_attention,
+    "torch.nn.functional.rms_norm": torch.nn.functional.rms_norm,
+    "torch.matmul": torch.matmul,
+}
+
+
+def replaced_library() -> list[str]:
+    """The LIBRARY functions whose torch attribute is now another object than the one the peers call."""
+    replaced = []
+    for dotted, bound in LIBRARY.items():
+        owner, _, attr = dotted.rpartition(".")
+        module = torch
+        for part in owner.split(".")[1:]:
+            module = getattr(module, part)
+        if getattr(module, attr, None) is not bound:
+            replaced.append(dotted)
+    return replaced
 OWN_BACKWARD, NO_BACKWARD = "own", "none"  # Impl.backward: its own, none (forward-only), or another path's name
 
 

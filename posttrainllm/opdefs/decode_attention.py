@@ -29,11 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize
-from posttrainllm.opdefs.base import (REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn,
+from posttrainllm.opdefs.base import (LIBRARY, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn,
                                       softmax_scale)
 from posttrainllm.opdefs.attention import SCALE_CASE_FACTOR, train_case
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
+
+_SDPA = LIBRARY["torch.nn.functional.scaled_dot_product_attention"]  # bound at start (base.LIBRARY)
 
 # --- the paths -------------------------------------------------------------------------
 
@@ -56,10 +58,10 @@ def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
     options: dict[str, Any] = {"is_causal": True} if q_len == kv_len else {"attn_mask": mask}
     options["scale"] = cfg.op.sm_scale
     if k.shape[1] != q.shape[1] and q.dtype in (torch.float16, torch.bfloat16):
-        return {"out": F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)}
+        return {"out": _SDPA(q, k, v, enable_gqa=True, **options)}
     if k.shape[1] != q.shape[1]:
         k, v = reference.repeat_kv(k, q.shape[1]), reference.repeat_kv(v, q.shape[1])  # (B, H, Sk, D)
-    return {"out": F.scaled_dot_product_attention(q, k, v, **options)}
+    return {"out": _SDPA(q, k, v, **options)}
 
 
 def _triton_options(cfg: LabConfig) -> dict[str, Any]:

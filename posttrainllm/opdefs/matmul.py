@@ -26,10 +26,12 @@ from typing import Any
 import torch
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
-from posttrainllm.opdefs.base import (NO_BACKWARD, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
+from posttrainllm.opdefs.base import (LIBRARY, NO_BACKWARD, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
                                       check_fp8_config, seeded_randn)
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
+
+_MATMUL = LIBRARY["torch.matmul"]  # bound at start (base.LIBRARY)
 
 
 def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -39,7 +41,7 @@ def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
 
 
 def _torch(x: Tensors, cfg: LabConfig) -> Tensors:
-    return {"out": torch.matmul(x["a"], x["b"])}
+    return {"out": _MATMUL(x["a"], x["b"])}
 
 
 def _autotune(cfg: LabConfig) -> str | None:
