@@ -5,8 +5,9 @@
 TARGET is a point's folder, its receipt.json, a folder of point folders (a sweep's runs/, a
 gpu-check OUTDIR), or an MLflow run id (a point's run, or a sweep's run: its points), whose
 artifacts are downloaded to a temporary folder first. In a folder, receipts are found as import
-finds them (track/receipt.py `receipt_files`: a point is a folder with receipt.json at its top;
-its stamps/receipt.json is a stamp); a draft-heads receipt among them is named and left out.
+finds them (track/receipt.py `is_receipt`, `receipt_files`: a point is a folder with a receipt at its
+top, told by its schema; a stamp or an inputs file named receipt.json is not one); a draft-heads
+receipt among them is named and left out.
 Nothing is measured: no kernel is launched and no timing loop runs; the plots are drawn again
 from curve.csv and the microbench's roofline into DIR (default runs/replay/<point>/), and the
 point's own folder is only read.
@@ -65,8 +66,11 @@ class Stored:
 
 
 def _read(path: Path, source: str) -> Stored:
-    from posttrainllm.track.receipt import check
+    from posttrainllm.track.receipt import check, is_receipt
 
+    if path.name == "receipt.json" and not is_receipt(path):
+        raise ReplayError(f"{path}: not a receipt (a file the pipeline writes for itself: a stage's stamp or "
+                          "inputs file)")
     receipt, why = check(path)
     if why is not None:
         raise ReplayError(f"{path}: {why}")
