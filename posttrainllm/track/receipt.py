@@ -61,8 +61,8 @@ def _parity_summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
             "lse_contract": report.get("lse_contract"), "first_failure": report.get("first_failure"),
             "inputs": report.get("inputs"), "quantization": report.get("quantization"),
             "rule": report["rule"], "notes": report["notes"], "backward_rule": report.get("backward_rule"),
-            "paths": {name: {k: p.get(k) for k in ("verdict", "failed_cases", "worst", "emulation", "backward",
-                                                   "gradients")}
+            "paths": {name: {k: p.get(k) for k in ("verdict", "failed_cases", "violations", "worst", "emulation",
+                                                   "backward", "gradients")}
                       for name, p in report["paths"].items()}}
 
 

@@ -289,6 +289,26 @@ def _output_problems(where: str, output: str, entry: dict[str, Any], contract: d
     return problems
 
 
+def _failed_cases_problems(name: str, path: dict[str, Any], cases: list[dict[str, Any]]) -> list[str]:
+    """The receipt's failed_cases of a path against what parity.json's cases give again.
+
+    failed_cases is the path's violations (a guard or an output check: a write into an input, a wrong dtype,
+    a raise; lab/stages.py run_parity), then one line per failing case and output, "<case>/<output>: <reason>",
+    in the cases' order. Those lines are recomputed; the violations are what the guards saw, not a figure to
+    recompute: they only have to be listed first (the path's own "violations" where the receipt stores them,
+    else whatever precedes the recomputed lines), and they make the verdict a fail (checked by the caller).
+    """
+    derived = [f"{c['case']}/{c['output']}: {c.get('reason', '')}" for c in cases if c["verdict"] != "pass"]
+    stored = list(path["failed_cases"])
+    violations = path.get("violations")
+    if violations is None:  # a receipt from before violations were stored apart
+        violations = stored[:max(len(stored) - len(derived), 0)]
+    if stored == [*violations, *derived]:
+        return []
+    return [f"parity {name}: {len(derived)} failing cases in parity.json (and {len(violations)} guard "
+            f"violation(s)), but the receipt lists {len(stored)} failed cases that are not those"]
+
+
 def verify_parity(receipt: dict[str, Any], folder: Path) -> list[str]:
     parity = receipt.get("parity")
     if not parity:
@@ -313,10 +333,7 @@ def verify_parity(receipt: dict[str, Any], folder: Path) -> list[str]:
             for case in cases:
                 problems += _output_problems(f"parity {name} {case['case']}", case["output"], case,
                                              contract(case["output"]) if case["case"] != "*" else parity["contract"])
-            failing = [c for c in cases if c["verdict"] != "pass"]
-            if len(failing) != len(failed_cases):
-                problems.append(f"parity {name}: {len(failing)} failing cases in parity.json, "
-                                f"{len(failed_cases)} listed in the receipt")
+            problems += _failed_cases_problems(name, path, cases)
         ok = not failed_cases and all(w.get("verdict") == "pass" for w in path["worst"].values())
         verdicts[name] = "pass" if ok else "fail"
         if path["verdict"] != verdicts[name]:
