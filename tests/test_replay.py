@@ -242,3 +242,17 @@ def test_guard_and_dtype_violations_add_up_and_a_cut_one_does_not(tmp_path, cali
         assert cli.main(["replay", str(tampered), "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
         assert "parity wrong_dtype: " in err and "do not add up (tampered or truncated?)" in err, err
+
+
+def test_the_noise_band_follows_from_the_baseline_step_times():
+    from posttrainllm.model.amdahl import noise_band
+
+    steps, repeat = [9.0, 10.0, 10.0, 11.0, 11.0], [9.0, 10.5, 10.5, 10.5, 10.5]
+    receipt = {"config": {"precision": {"contract": {"train_loss_drift": 1e-4}}},
+               "bench_train": {"baseline": "reference", "config": {"warmup_steps": 1},
+                               "impls": {"reference": {"losses": [3.0, 2.5], "step_ms": steps}},
+                               "drift": {}, "drift_verdict": {}, "noise": noise_band(steps, repeat, 1)}}
+    assert receipt["bench_train"]["noise"]["band"] == pytest.approx(1.1) and replay.verify_train(receipt) == []
+    receipt["bench_train"]["noise"]["band"] = 1.0  # narrower than the baseline measured itself
+    assert replay.verify_train(receipt) == ["bench_train: noise band 1.0 stored, the baseline's step times give "
+                                            f"{noise_band(steps, repeat, 1)['band']!r}"]

@@ -185,6 +185,8 @@ def metrics(receipt: dict[str, Any]) -> dict[str, float]:
                 flat[f"train.{name}.measured_speedup"] = check["measured_speedup"]
         if train.get("amdahl"):
             flat[f"train.{train['amdahl']['op']}_fraction"] = train["amdahl"]["fraction"]
+        if (train.get("noise") or {}).get("band") is not None:
+            flat["train.noise_band"] = train["noise"]["band"]
     return flat
 
 

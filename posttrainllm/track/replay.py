@@ -361,6 +361,15 @@ def verify_train(receipt: dict[str, Any]) -> list[str]:
         if (train.get("drift_verdict") or {}).get(name) != verdict:
             problems.append(f"bench_train {name}: drift verdict {(train.get('drift_verdict') or {}).get(name)!r} "
                             f"stored, drift {drift!r} against train_loss_drift {limit} says {verdict!r}")
+    noise = train.get("noise")
+    if noise and noise.get("band") is not None:  # the run-to-run band, from the baseline's stored step times
+        from posttrainllm.model.amdahl import noise_band
+
+        again = noise_band(train["impls"][train["baseline"]]["step_ms"], noise.get("repeat_step_ms"),
+                           train["config"]["warmup_steps"])["band"]
+        if not _close(noise["band"], again):
+            problems.append(f"bench_train: noise band {noise['band']!r} stored, the baseline's step times give "
+                            f"{again!r}")
     return problems
 
 
