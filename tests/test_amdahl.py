@@ -58,3 +58,51 @@ def test_invalid_timings_get_no_prediction():
     assert amdahl.check(_train(10.0, 5.0), micro, profiled_range="attention", model_problem="x")["variants"]["sdpa"]["valid"] is False
     assert amdahl.check(_train(10.0, 5.0, valid=False), MICRO, profiled_range="attention",
                         model_problem="x")["variants"]["sdpa"]["valid"] is False
+
+
+def test_the_noise_band_is_the_baseline_against_itself():
+    # warm steps (after 2 warm-up) 10, 10, 11, 11: halves 10 and 11 -> 1.1; repeat's warm median 10.5 / 10.5 -> 1.0
+    band = amdahl.noise_band([50.0, 20.0, 10.0, 10.0, 11.0, 11.0], [40.0, 30.0, 10.5, 10.5, 10.5, 10.5], 2)
+    assert band["halves_ms_per_step"] == [10.0, 11.0] and band["repeat_ms_per_step"] == 10.5
+    assert band["ratios"] == {"halves": pytest.approx(1.1), "repeat": pytest.approx(1.0)}
+    assert band["band"] == pytest.approx(1.1)
+    # a repetition 20 % faster widens it, either way round
+    assert amdahl.noise_band([10.0, 10.0, 10.0, 10.0], [8.0, 8.0, 8.0, 8.0], 0)["band"] == pytest.approx(1.25)
+    assert amdahl.noise_band([10.0], None, 0)["band"] is None  # nothing to measure it from
+
+
+def test_a_measured_speedup_inside_the_band_is_no_measurable_change():
+    train = {**_train(10.0, 9.5), "noise": {"band": 1.08}}  # measured 1.053x, inside +-8 %
+    entry = amdahl.check(train, MICRO, profiled_range="attention", model_problem=MICRO["problem"])["variants"]["sdpa"]
+    assert entry["measured_change"] == "no measurable change"
+    assert amdahl.measured_text(entry["measured_speedup"], 1.08) == "no measurable change (band +-8.0%)"
+    # the reading (predicted 1.33x) names no measured number inside the band
+    assert entry["reading"].startswith("measured: no measurable change (inside the baseline's +-8.0% run-to-run "
+                                       "band), below the predicted 1.33x")
+    assert "1.05x" not in entry["reading"]
+    outside = amdahl.check({**_train(10.0, 7.5), "noise": {"band": 1.08}}, MICRO, profiled_range="attention",
+                           model_problem=MICRO["problem"])["variants"]["sdpa"]
+    assert outside["measured_change"] == "faster" and amdahl.measured_text(outside["measured_speedup"], 1.08) == "1.33x"
+    slower = amdahl.check({**_train(10.0, 12.0), "noise": {"band": 1.08}}, MICRO, profiled_range="attention",
+                          model_problem=MICRO["problem"])["variants"]["sdpa"]
+    assert slower["measured_change"] == "slower"
+    # no band recorded (an older receipt): the number, as before
+    assert amdahl.measured_text(1.053, None) == "1.05x"
+
+
+def test_the_report_prints_no_speedup_inside_the_band():
+    from posttrainllm.track import report
+
+    train = {**_train(10.0, 9.5), "noise": {"band": 1.08}, "drift": {"sdpa": 1e-6}, "drift_verdict": {"sdpa": "pass"},
+             "precision": "fp32", "device": "cpu", "tokens_per_step": 256, "drift_limit": 1e-3}
+    for entry in train["impls"].values():
+        entry.update(losses=[3.0, 2.0], tokens_per_s=1.0, peak_mem_bytes=None)
+    train["amdahl"] = amdahl.check(train, MICRO, profiled_range="attention", model_problem=MICRO["problem"])
+    receipt = {"point": "p", "config": {"architecture": {"name": "gqa"}}, "bench_train": train}
+    table = report.train_table(receipt)
+    assert "no measurable change (band +-8.0%)" in table and "1.05" not in table
+    assert "run-to-run band +-8.0%" in table
+    # the summary's e2e_meas and the wide table's amdahl_meas read the same: "n.c.", no number
+    assert report._measured(train, train["amdahl"]["variants"]["sdpa"]) == "n.c."
+    assert report._measured({**train, "noise": {"band": 1.01}}, train["amdahl"]["variants"]["sdpa"]) == \
+        pytest.approx(10.0 / 9.5)

@@ -26,6 +26,8 @@ QUICK = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "bench.re
          "bench.min_time_s=0", "shape.curve=[64,128]", "run.log_mlflow=false"]
 PLANTED = 10.0  # sdpa's samples x10 in the slow copy (the sleep planted here before made it ~10x)
 DRIFT = 1.03  # every path's samples x1.03: a drift within the default 5 % threshold
+MACHINE = 1.8  # every path's samples x1.8: a machine uniformly slower in one run
+DOUBLED = 2.0  # sdpa's samples x2, the reference's not: a path that really doubled its time
 
 
 def edited_copy(point, folder, edit):
@@ -96,6 +98,14 @@ def points(tmp_path_factory, calibration):
     edited_copy(base, bench / "rerun", lambda impl, mode, ms: random.Random(f"{impl}/{mode}").sample(ms, len(ms)))
     edited_copy(base, bench / "slow", lambda impl, mode, ms: [x * PLANTED for x in ms] if impl == "sdpa" else ms)
     edited_copy(base, bench / "drift", lambda impl, mode, ms: [x * DRIFT for x in ms])
+    # synthetic samples, so no verdict below rests on how noisy this machine was when `base` was timed: each
+    # path's own median, spread +-2 % (deterministic), then scaled
+    quiet = edited_copy(base, bench / "quiet", lambda impl, mode, ms: [
+        sorted(ms)[len(ms) // 2] * (1 + 0.02 * ((7 * i) % 10 - 4.5) / 4.5) for i in range(len(ms))])
+    edited_copy(quiet, bench / "machine", lambda impl, mode, ms: [x * MACHINE for x in ms])
+    edited_copy(quiet, bench / "doubled", lambda impl, mode, ms: [x * DOUBLED for x in ms] if impl == "sdpa" else ms)
+    edited_copy(quiet, bench / "machine_doubled",
+                lambda impl, mode, ms: [x * MACHINE * (DOUBLED if impl == "sdpa" else 1) for x in ms])
     return bench
 
 
@@ -216,3 +226,62 @@ def test_compare_refuses_bad_input(points, tmp_path, capsys):
     assert cli.main(["compare", str(points / "base"), str(tampered)]) == 2
     err = capsys.readouterr().err
     assert "microbench sdpa/forward: median_ms=" in err and "not compared" in err
+
+
+def _row(rows, path, mode):
+    [line] = [line for line in rows if line.split()[1] == path and line.split()[3] == mode]
+    return line
+
+
+def test_a_uniformly_slower_machine_is_no_verdict(points, tmp_path, capsys):
+    out = str(tmp_path / "compare.md")
+    assert cli.main(["compare", str(points / "quiet"), str(points / "machine"), "--out", out]) == 0
+    printed = capsys.readouterr().out
+    rows = timing_rows(printed)
+    assert len(rows) >= 4, printed
+    for mode in ("forward", "forward_backward"):
+        reference = _row(rows, "reference", mode)
+        assert f"machine speed changed by x{MACHINE:.2f} (the reference: not judged)" in reference
+        assert "REGRESSION" not in reference and " 1.800 " in reference
+    paths = [line for line in rows if line.split()[1] != "reference"]
+    assert paths and all(" 1.800 " in line and " 1.000 " in line and "no measurable difference" in line
+                          for line in paths), printed
+    assert "judged relative to the reference timed in the same run" in printed and "0 regression(s)" in printed
+    # the absolute rule this replaces would have called all of them slower: the samples do differ
+    [base], _ = replay.load(str(points / "quiet"))
+    [machine], _ = replay.load(str(points / "machine"))
+    sdpa = compare.compare_samples(replay.raw_samples(base.folder)["sdpa", "forward"],
+                                   replay.raw_samples(machine.folder)["sdpa", "forward"], CompareConfig())
+    assert sdpa["verdict"] == "slower"
+
+
+@pytest.mark.parametrize("new", ["doubled", "machine_doubled"])
+def test_a_path_that_doubled_against_its_reference_is_found(points, tmp_path, capsys, new):
+    out = tmp_path / "compare.md"
+    assert cli.main(["compare", str(points / "quiet"), str(points / new), "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    rows = timing_rows(printed)
+    for mode in ("forward", "forward_backward"):
+        sdpa = _row(rows, "sdpa", mode)
+        assert " 2.000 " in sdpa and "slower REGRESSION" in sdpa, printed
+        assert "REGRESSION" not in _row(rows, "reference", mode)
+    assert "regression(s): base/sdpa time forward, base/sdpa time forward_backward" in printed  # copies of `base`
+    others = [line for line in rows if line.split()[1] not in ("sdpa", "reference")]
+    assert others and all("no measurable difference" in line for line in others), printed
+
+
+def test_the_relative_interval_and_test(points):
+    """compare_relative on made-up samples: a uniform factor cancels, a path's own change does not."""
+    rng = random.Random(0)
+    base = [1.0 + rng.random() / 10 for _ in range(20)]
+    ref = [2.0 + rng.random() / 10 for _ in range(20)]
+    cfg = CompareConfig()
+    same = compare.compare_relative(base, ref, [x * 3 for x in base], [x * 3 for x in ref], cfg)
+    assert same["relative"] == pytest.approx(1.0) and same["ratio"] == pytest.approx(3.0)
+    assert same["p"] > 0.5 and same["verdict"] == "no measurable difference"  # equal up to rounding in log
+    assert same["ci_low"] < 1.0 < same["ci_high"]
+    slower = compare.compare_relative(base, ref, [x * 2 for x in base], ref, cfg)
+    assert slower["relative"] == pytest.approx(2.0) and slower["verdict"] == "slower" and slower["ci_low"] > 1.05
+    # the reference alone got faster in the new run: the path, unchanged in ms, is slower relative to it
+    relative = compare.compare_relative(base, ref, base, [x / 2 for x in ref], cfg)
+    assert relative["relative"] == pytest.approx(2.0) and relative["verdict"] == "slower"

@@ -174,3 +174,39 @@ def test_the_quality_gates_greedy_check_catches_a_scale_bug_on_the_trained_base(
         "scale twice": fp8(lambda a, a_s, b, b_s: reference.fp8_matmul(a, a_s * a_s, b, b_s))}, F.linear)["variants"]
     assert found["fp8"]["agreement"] >= gate.min_greedy_agreement  # measured 0.80 (tensorwise)
     assert found["scale twice"]["agreement"] < gate.min_greedy_agreement  # measured 0.28
+
+
+POINTS = ("baseline", "precision-fp16")
+
+
+def test_compare_reads_the_sweep_folder_dvc_left(project, tmp_path):
+    """runs/ as `dvc repro` leaves it (runs/inputs/<point>/receipt.json, stamps/ included) against itself."""
+    root, env, _ = project
+    assert (root / "runs" / "inputs" / "baseline" / "receipt.json").exists()  # the file that once looked like a point
+    done = run_command([sys.executable, "-m", "posttrainllm", "compare", "runs", "runs", "--out",
+                        str(tmp_path / "compare.md")], root, env, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for point in POINTS:
+        rows = [line for line in done.stdout.splitlines() if line.strip().startswith(point + " ")]
+        assert any(" time forward " in r for r in rows) and any(" parity out " in r for r in rows), done.stdout
+    assert "0 regression(s)" in done.stdout and "inputs" not in done.stdout + done.stderr
+
+
+def test_import_logs_every_point_of_the_sweep_folder(project):
+    root, env, _ = project
+    done = run_command([sys.executable, "-m", "posttrainllm", "receipt", "import", "runs"], root, env, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    logged = [line.split(": mlflow run ")[0] for line in done.stdout.splitlines() if ": mlflow run " in line]
+    assert {f"runs/{point}/receipt.json" for point in POINTS} <= set(logged), done.stdout
+    assert not any("/inputs/" in path or "/stamps/" in path for path in logged)
+    assert "bad receipt" not in done.stderr
+
+
+def test_replay_says_each_point_adds_up(project, tmp_path):
+    root, env, _ = project
+    for point in POINTS:
+        done = run_command([sys.executable, "-m", "posttrainllm", "replay", f"runs/{point}/receipt.json", "--out",
+                            str(tmp_path / point)], root, env, check=False)
+        assert done.returncode == 0 and "verified: ok" in done.stdout, done.stdout + done.stderr
+        assert "does not add up" not in done.stderr
+        assert json.loads((root / "runs" / point / "receipt.json").read_text())["bench_train"]["noise"]["band"] >= 1

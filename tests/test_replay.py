@@ -189,3 +189,70 @@ def test_truncated_receipt_and_bad_targets_get_one_line(point, tmp_path, capsys)
     assert "not a point folder, a receipt.json, a folder of points, or an MLflow run id" in capsys.readouterr().err
     assert cli.main(["replay"]) == 2
     assert "usage: posttrainllm replay TARGET" in capsys.readouterr().err
+
+
+BAD_PATHS = '''
+import torch
+
+
+def writes_input(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    with torch.no_grad():
+        x.data.mul_(2.0)  # writes into its input: a guard violation
+    return y.to(x.dtype)
+
+
+def wrong_dtype(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * weight.float()  # fp32 out
+'''
+
+
+def test_guard_and_dtype_violations_add_up_and_a_cut_one_does_not(tmp_path, calibration, capsys):
+    """Paths that break a guard (a write into an input) or an output check (the wrong dtype) fail parity with
+    those violations in their failed cases; the untouched receipt adds up, one with a violation or a failing
+    case taken out does not."""
+    (tmp_path / "runs" / "bench").mkdir(parents=True)
+    shutil.copy(calibration, tmp_path / "runs" / "bench" / "calibration.json")
+    (tmp_path / "bad_paths.py").write_text(BAD_PATHS)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert cli.main(["bench", "op=rmsnorm", "precision=bf16", "device=cpu", "parity.seeds=[0]", "bench.reps=3",
+                         "bench.min_time_s=0", "shape.seq_len=64", "shape.curve=[32,64]", "run.log_mlflow=false",
+                         "run.name=bad", "op.user_impls=[bad_paths.py:writes_input,bad_paths.py:wrong_dtype]"]) == 1
+    finally:
+        os.chdir(cwd)
+    folder = tmp_path / "runs" / "bench" / "bad"
+    paths = json.loads((folder / "receipt.json").read_text())["parity"]["paths"]
+    assert any("changed input x" in v for v in paths["writes_input"]["violations"]), paths["writes_input"]
+    assert any("dtype torch.float32, expected torch.bfloat16" in v for v in paths["wrong_dtype"]["violations"])
+    capsys.readouterr()
+    assert cli.main(["replay", str(folder), "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert "verified: ok" in out and "does not add up" not in err, err
+
+    def cut_violation(receipt):
+        receipt["parity"]["paths"]["wrong_dtype"]["failed_cases"].pop(0)
+
+    def cut_case(receipt):
+        receipt["parity"]["paths"]["wrong_dtype"]["failed_cases"].pop()
+
+    for i, cut in enumerate((cut_violation, cut_case)):
+        tampered = _tampered(folder, tmp_path / str(i), cut)
+        assert cli.main(["replay", str(tampered), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert "parity wrong_dtype: " in err and "do not add up (tampered or truncated?)" in err, err
+
+
+def test_the_noise_band_follows_from_the_baseline_step_times():
+    from posttrainllm.model.amdahl import noise_band
+
+    steps, repeat = [9.0, 10.0, 10.0, 11.0, 11.0], [9.0, 10.5, 10.5, 10.5, 10.5]
+    receipt = {"config": {"precision": {"contract": {"train_loss_drift": 1e-4}}},
+               "bench_train": {"baseline": "reference", "config": {"warmup_steps": 1},
+                               "impls": {"reference": {"losses": [3.0, 2.5], "step_ms": steps}},
+                               "drift": {}, "drift_verdict": {}, "noise": noise_band(steps, repeat, 1)}}
+    assert receipt["bench_train"]["noise"]["band"] == pytest.approx(1.1) and replay.verify_train(receipt) == []
+    receipt["bench_train"]["noise"]["band"] = 1.0  # narrower than the baseline measured itself
+    assert replay.verify_train(receipt) == ["bench_train: noise band 1.0 stored, the baseline's step times give "
+                                            f"{noise_band(steps, repeat, 1)['band']!r}"]

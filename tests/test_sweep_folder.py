@@ -3,7 +3,8 @@
 The folder is made by the real stage code: `posttrainllm sweep sweep=smoke` (shrunk), then every stage of
 every point through pipelines' `run_stage`, as `dvc repro` runs `python pipelines/<stage>.py POINT`, with
 MLflow absent (a GPU node: receipts as JSON only). Each point leaves `stamps/<stage>.json`, among them
-`stamps/receipt.json`, the receipt stage's stamp, which is not a receipt. Beside the points, a draft-heads
+`stamps/receipt.json`, the receipt stage's stamp, which is not a receipt; the `inputs` stage leaves
+`runs/inputs/<point>/<stage>.json`, `receipt.json` among them, which is not one either. Beside the points, a draft-heads
 receipt (`runs/heads/k1/`, receipt.build_heads from small reports: the heads stages train a model) with its
 stamps, as the heads stages leave it.
 """
@@ -12,9 +13,13 @@ import json
 import shutil
 import uuid
 
+from pathlib import Path
+
 import pytest
 
+import posttrainllm
 from posttrainllm import cli
+from posttrainllm.lab.sweep import write_inputs
 from posttrainllm.track import receipt as receipts
 
 POINTS = ("baseline", "precision-fp16")
@@ -55,9 +60,12 @@ def runs(tmp_path_factory, calibration):
             for stage in STAGES:
                 assert run_stage(stage, [point]) == 0, f"{stage}@{point}"
         _heads_receipt(root / "runs")
+        # the inputs stage's files, as dvc.yaml's `inputs` stage writes them (the sources hashed in this checkout)
+        assert write_inputs(Path("params.yaml"), root / "runs" / "inputs", Path(posttrainllm.__file__).parents[1]) == 0
     runs = root / "runs"
     for point in POINTS:  # the shape `dvc repro` leaves
         assert (runs / point / "stamps" / "receipt.json").exists() and (runs / point / "receipt.json").exists()
+        assert (runs / "inputs" / point / "receipt.json").exists()
     return runs
 
 
@@ -73,6 +81,28 @@ def test_receipt_files_are_the_points_not_their_stamps(runs, tmp_path):
     shutil.copytree(runs / "baseline", tmp_path / "nested" / "outer")
     shutil.copytree(runs / "precision-fp16", tmp_path / "nested" / "outer" / "inner")
     assert receipts.receipt_files(tmp_path / "nested") == [tmp_path / "nested" / "outer" / "receipt.json"]
+
+
+def test_a_receipt_is_told_by_its_content_not_its_name(runs, tmp_path):
+    # the inputs stage's receipt.json (what DVC reruns the receipt stage on) names its stage, no receipt schema
+    assert receipts.receipt_files(runs / "inputs") == []
+    assert not receipts.is_receipt(runs / "inputs" / "baseline" / "receipt.json")
+    assert not receipts.is_receipt(runs / "baseline" / "stamps" / "receipt.json")
+    assert receipts.is_receipt(runs / "baseline" / "receipt.json")
+    assert receipts.is_receipt(runs / "heads" / "k1" / "receipt.json")
+    # a stamp copied out of its stamps/ folder is still a stamp
+    shutil.copy(runs / "baseline" / "stamps" / "receipt.json", tmp_path / "receipt.json")
+    assert receipts.receipt_files(tmp_path) == []
+    # damaged receipts stay receipts, so their readers name what is wrong
+    for name, text in (("truncated", '{"schema": "posttrainllm.track.rec'), ("cut", '{"point": "baseline"}'),
+                       ("list", "[1, 2]")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "receipt.json").write_text(text)
+        assert receipts.is_receipt(tmp_path / name / "receipt.json"), name
+    # another tool's receipt.json, with a schema of its own, is not ours
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "receipt.json").write_text('{"schema": "shop.receipt/2", "total": 3}')
+    assert not receipts.is_receipt(tmp_path / "other" / "receipt.json")
 
 
 def test_replay_reads_a_sweep_folder(runs, tmp_path, capsys):
@@ -159,3 +189,8 @@ def test_a_bad_heads_receipt_is_named_and_stops_the_import(runs, tmp_path, mlflo
     err = capsys.readouterr().err
     assert f"bad receipt {folder / 'heads' / 'k1' / 'receipt.json'}: missing base" in err
     assert "1 of 3 receipts bad; nothing logged" in err
+
+
+def test_the_inputs_stage_receipt_file_named_directly_is_not_a_receipt(runs, capsys):
+    assert cli.main(["replay", str(runs / "inputs" / "baseline" / "receipt.json")]) == 2
+    assert "not a receipt (a file the pipeline writes for itself" in capsys.readouterr().err

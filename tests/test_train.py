@@ -151,3 +151,20 @@ def test_profiled_step_splits_time_between_attention_and_matmul(fp32_result):
         for op in ("attention", "matmul"):
             assert prof[op]["forward_us"] > 0 and prof[op]["backward_us"] > 0, (name, op)
         assert 0 < prof["attention"]["fraction"] + prof["matmul"]["fraction"] < 1
+
+
+def test_the_baseline_is_repeated_for_its_run_to_run_band(fp32_result):
+    """The band comes from the baseline's own step times (its warm halves, a second repetition after every other
+    variant), recorded with them: what it is made of is checked here, never how wide it came out."""
+    from posttrainllm.model import amdahl
+
+    noise = fp32_result["noise"]
+    assert len(noise["repeat_step_ms"]) == RUN["steps"] and all(ms > 0 for ms in noise["repeat_step_ms"])
+    again = amdahl.noise_band(fp32_result["impls"]["reference"]["step_ms"], noise["repeat_step_ms"],
+                              RUN["warmup_steps"])
+    assert again["band"] == noise["band"] >= 1.0 and set(noise["ratios"]) == {"halves", "repeat"}
+    check = amdahl.check(fp32_result, {"problem": "x", "paths": {"reference": {"valid": True}, "sdpa": {
+        "valid": True, "forward_backward": {"speedup_vs_reference": 1.0}}}}, profiled_range="attention",
+        model_problem="x")
+    assert check["band"] == noise["band"] and check["variants"]["sdpa"]["measured_change"] in (
+        "no measurable change", "faster", "slower")

@@ -357,9 +357,10 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
                       "cases": []}
         else:
             result = _check_path(op, impl, cfg, records, outputs)
-        if entry.get("violations"):
+        result["violations"] = entry.get("violations") or []  # the guards' and output checks', per case
+        if result["violations"]:
             result["verdict"] = "fail"
-            result["failed_cases"] = entry["violations"] + result["failed_cases"]
+            result["failed_cases"] = result["violations"] + result["failed_cases"]
         result["emulation"] = entry.get("emulation")
         result["backward"] = impl.backward
         result["launched"] = entry.get("launched", {})

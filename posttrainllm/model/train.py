@@ -14,6 +14,9 @@ Units and formulas
                       (batches are built and moved to the device before timing;
                       on CUDA the clock stops after torch.cuda.synchronize())
     warm_ms_per_step  median of step_ms[warmup_steps:]
+    noise.band        the baseline's warm ms/step against itself (halves of its warm steps; a second
+                      repetition of it after every other variant): a measured speedup inside
+                      [1/band, band] is no measurable change (model/amdahl.py noise_band)
     tokens_per_s      batch_size * seq_len / (warm_ms_per_step / 1000)
     drift[name]       |loss_name[n-1] - loss_baseline[n-1]|, the loss gap at the variant's last step n
                       (n = steps, or the variant's own `steps`: fewer for Triton through its interpreter)
@@ -32,6 +35,7 @@ from typing import Any, Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from posttrainllm.model import amdahl
 from posttrainllm.model.corpus import Corpus, batch_at, load_corpus
 from posttrainllm.measure.device import fp32_matmuls
 from posttrainllm.measure.memory import peak_bytes
@@ -119,6 +123,13 @@ def bench_train(
                                                          warmup_steps, held, score_after)
 
     baseline = variants[0].name
+    repeat = None
+    if not variants[0].interpreted and len(variants) > 1:  # the baseline again, after every other variant: its band
+        with _precision_mode(precision, dev):
+            repeat = _train_one(model_cfg, variants[0], batches, lr, seed, precision, dev, warmup_steps,
+                                timing_only=True)[0]["step_ms"]
+    noise = (amdahl.noise_band(results[baseline]["step_ms"], repeat, warmup_steps)
+             if results[baseline]["timing_valid"] else None)
     baseline_losses = results[baseline]["losses"]
     drift = {name: abs(r["losses"][-1] - baseline_losses[len(r["losses"]) - 1]) for name, r in results.items()
              if name != baseline}
@@ -136,6 +147,7 @@ def bench_train(
         "drift_step": drift_step,  # the step each drift is read at: the variant's last
         "max_step_drift": max_step_drift,  # largest |loss gap| at any step, not only the last
         "baseline": baseline,
+        "noise": noise,  # the baseline's run-to-run band (model/amdahl.py noise_band); None when not speed
         "tokens_per_step": batch_size * seq_len,
         "n_params": n_params,
         "corpus": {"source": corpus.source, "sha256": corpus.sha256, "n_bytes": corpus.n_bytes},
@@ -168,7 +180,9 @@ def _train_one(
     warmup_steps: int,
     heldout: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     score_after: set[int] = frozenset(),
+    timing_only: bool = False,
 ) -> tuple[dict, int]:
+    """Train one variant; timing_only: only its losses and step times (no peak memory, no profiled step)."""
     # Built on CPU then moved, so the initial weights are identical on every device.
     model = Transformer(model_cfg, seed=seed, attention=variant.attention, linear=variant.linear).to(dev)
     if variant.moe is not None:
@@ -222,7 +236,7 @@ def _train_one(
         if n in score_after and heldout:  # outside the step's clock
             heldout_loss[str(n)] = score()
 
-    interpreted = variant.interpreted
+    interpreted = variant.interpreted or timing_only
     if dev.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(dev)
     else:  # one extra step, its allocations replayed (memory.py); the interpreter allocates outside torch
@@ -244,7 +258,7 @@ def _train_one(
         "peak_mem_bytes": peak_mem,
         "final_loss_finite": math.isfinite(losses[-1]),
         # Triton through its interpreter: the losses are real, the step times are not speed
-        "timing_valid": not interpreted,
+        "timing_valid": not variant.interpreted,
         "profile": profiled,
         **({"moe_routing": _routing_summary(routing_steps)} if routing_steps else {}),
         **({"heldout_loss": heldout_loss} if heldout_loss else {}),

@@ -7,13 +7,21 @@ runs/, MLflow run ids; replay.load). Points are paired by name (two single point
 whatever their names); a draft-heads receipt in a sweep's folder is named and left out. For every path both timed, in both modes (forward, forward + backward), from the raw
 samples of timings.csv:
 
-* ratio = median(new) / median(base), with a percentile bootstrap interval (both sides
+* judged relative to the reference timed in the same run: rel = (median(path) / median(reference)
+  in NEW) / (the same in BASE), so a machine that is uniformly slower in one run gives no verdict
+  while a path whose own time changed against its run's reference is still found; new/base, the
+  absolute ratio of medians, is shown beside it;
+* a percentile bootstrap interval of rel (the path's and the reference's samples of both runs
   resampled, `compare.bootstrap` times, seeded: the same receipts give the same interval);
-* a two-sided Mann-Whitney U test on the log-times (normal approximation with the tie and
-  continuity corrections, written out in `mann_whitney`: scipy is not a dependency);
+* a two-sided Mann-Whitney U test on the path's log-times less the log of its run's reference
+  median (normal approximation with the tie and continuity corrections, written out in
+  `mann_whitney`: scipy is not a dependency);
 * slower when the interval lies above 1 + threshold and p < alpha; faster when it lies below
   1 / (1 + threshold) (the same distance in log-ratio) and p < alpha; else no measurable
-  difference (thresholds: conf/config.yaml `compare:`; default 5 % and p < 0.01).
+  difference (thresholds: conf/config.yaml `compare:`; default 5 % and p < 0.01);
+* the reference's own rows say how the machine's speed changed (its absolute new/base, with the
+  same interval and test), and are never a regression; a path with no reference timed in both
+  runs is not judged.
 
 Beside them: each path's parity verdict in both, its worst error ratio new / base, and the loss
 drift of each trained variant. Timings are compared only between receipts of the same device
@@ -72,6 +80,23 @@ def bootstrap_ratio(base: list[float], new: list[float], *, resamples: int, conf
     return float(lo), float(hi)
 
 
+def _medians(rng: np.random.Generator, samples: list[float], resamples: int) -> np.ndarray:
+    x = np.asarray(samples, dtype=float)
+    return np.median(x[rng.integers(0, len(x), (resamples, len(x)))], axis=1)
+
+
+def bootstrap_relative(base: list[float], base_ref: list[float], new: list[float], new_ref: list[float], *,
+                       resamples: int, confidence: float, seed: int) -> tuple[float, float]:
+    """Percentile interval of (median(new) / median(new_ref)) / (median(base) / median(base_ref)): each of the four
+    sample sets resampled with replacement, on its own."""
+    rng = np.random.default_rng(seed)
+    ratios = ((_medians(rng, new, resamples) / _medians(rng, new_ref, resamples))
+              / (_medians(rng, base, resamples) / _medians(rng, base_ref, resamples)))
+    tail = (1 - confidence) / 2
+    lo, hi = np.quantile(ratios, [tail, 1 - tail])
+    return float(lo), float(hi)
+
+
 def timing_verdict(lo: float, hi: float, p: float, cfg: CompareConfig) -> str:
     if p < cfg.alpha and lo > 1 + cfg.threshold:
         return "slower"
@@ -85,6 +110,18 @@ def compare_samples(base: list[float], new: list[float], cfg: CompareConfig) -> 
     _, p = mann_whitney(np.log(base), np.log(new))
     return {"ratio": float(np.median(new) / np.median(base)), "ci_low": lo, "ci_high": hi, "p": p,
             "n_base": len(base), "n_new": len(new), "verdict": timing_verdict(lo, hi, p, cfg)}
+
+
+def compare_relative(base: list[float], base_ref: list[float], new: list[float], new_ref: list[float],
+                     cfg: CompareConfig) -> dict[str, Any]:
+    """A path's time relative to the reference timed in the same run, NEW against BASE (module docstring)."""
+    scale_base, scale_new = float(np.median(base_ref)), float(np.median(new_ref))
+    lo, hi = bootstrap_relative(base, base_ref, new, new_ref, resamples=cfg.bootstrap, confidence=cfg.confidence,
+                                seed=cfg.seed)
+    _, p = mann_whitney(np.log(base) - math.log(scale_base), np.log(new) - math.log(scale_new))
+    relative = float((np.median(new) / scale_new) / (np.median(base) / scale_base))
+    return {"ratio": float(np.median(new) / np.median(base)), "relative": relative, "ci_low": lo, "ci_high": hi,
+            "p": p, "n_base": len(base), "n_new": len(new), "verdict": timing_verdict(lo, hi, p, cfg)}
 
 
 def fingerprint_difference(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -121,7 +158,7 @@ def _parity_rows(point: str, base: dict[str, Any], new: dict[str, Any]) -> list[
         a, b = _worst_error(bp[name]), _worst_error(np_[name])
         ratio = b[1] / a[1] if a and b and a[0] == b[0] and a[1] > 0 else None
         rows.append({"point": point, "path": name, "what": f"parity {a[0] if a else ''}".strip(),
-                     "base": was, "new": now, "ratio": ratio, "interval": None, "p": None,
+                     "base": was, "new": now, "ratio": ratio, "relative": None, "interval": None, "p": None,
                      "verdict": f"{was} -> {now}" if was != now else was,
                      "regression": was == "pass" and now != "pass"})
     bt, nt = base.get("bench_train") or {}, new.get("bench_train") or {}
@@ -129,25 +166,44 @@ def _parity_rows(point: str, base: dict[str, Any], new: dict[str, Any]) -> list[
         was, now = bt["drift_verdict"][name], nt["drift_verdict"][name]
         a, b = bt["drift"][name], nt["drift"][name]
         rows.append({"point": point, "path": name, "what": "loss drift", "base": f"{a:.2e}", "new": f"{b:.2e}",
-                     "ratio": b / a if a > 0 else None, "interval": None, "p": None,
+                     "ratio": b / a if a > 0 else None, "relative": None, "interval": None, "p": None,
                      "verdict": f"{was} -> {now}" if was != now else was,
                      "regression": was == "pass" and now != "pass"})
     return rows
+
+
+REFERENCE = "reference"  # the path every other is judged against, timed in the same run
 
 
 def _timing_rows(point: str, base: Stored, new: Stored, cfg: CompareConfig) -> list[dict[str, Any]]:
     rows = []
     eb, en = timed_entries(base.receipt), timed_entries(new.receipt)
     sb, sn = raw_samples(base.folder) or {}, raw_samples(new.folder) or {}
-    for impl, mode in sorted(set(eb) & set(en), key=lambda k: (k[0], MODES.index(k[1]))):
+    for impl, mode in sorted(set(eb) & set(en), key=lambda k: (k[0] != REFERENCE, k[0], MODES.index(k[1]))):
         if (impl, mode) not in sb or (impl, mode) not in sn:
             continue
-        result = compare_samples(sb[impl, mode], sn[impl, mode], cfg)
-        rows.append({"point": point, "path": impl, "what": f"time {mode}",
-                     "base": f"{eb[impl, mode]['median_ms']:.4g} ms", "new": f"{en[impl, mode]['median_ms']:.4g} ms",
-                     "ratio": result["ratio"], "interval": (result["ci_low"], result["ci_high"]), "p": result["p"],
-                     "verdict": result["verdict"], "regression": result["verdict"] == "slower",
-                     "samples": f"{result['n_base']}/{result['n_new']}"})
+        row = {"point": point, "path": impl, "what": f"time {mode}",
+               "base": f"{eb[impl, mode]['median_ms']:.4g} ms", "new": f"{en[impl, mode]['median_ms']:.4g} ms",
+               "samples": f"{len(sb[impl, mode])}/{len(sn[impl, mode])}", "regression": False}
+        if impl == REFERENCE:  # the machine's speed: shown, never judged
+            result = compare_samples(sb[impl, mode], sn[impl, mode], cfg)
+            change = result["verdict"]
+            said = (f"machine speed changed by x{result['ratio']:.2f}" if change != "no measurable difference"
+                    else "no measurable difference in machine speed")
+            rows.append({**row, "ratio": result["ratio"], "relative": None,
+                         "interval": (result["ci_low"], result["ci_high"]), "p": result["p"],
+                         "verdict": f"{said} (the reference: not judged)"})
+            continue
+        ref = (REFERENCE, mode)
+        if ref not in sb or ref not in sn or min(*sb[ref], *sn[ref], *sb[impl, mode], *sn[impl, mode]) <= 0:
+            ratio = float(np.median(sn[impl, mode]) / np.median(sb[impl, mode]))
+            rows.append({**row, "ratio": ratio, "relative": None, "interval": None, "p": None,
+                         "verdict": "not judged: no reference timed in both runs to scale it by (or a time <= 0)"})
+            continue
+        result = compare_relative(sb[impl, mode], sb[ref], sn[impl, mode], sn[ref], cfg)
+        rows.append({**row, "ratio": result["ratio"], "relative": result["relative"],
+                     "interval": (result["ci_low"], result["ci_high"]), "p": result["p"],
+                     "verdict": result["verdict"], "regression": result["verdict"] == "slower"})
     return rows
 
 
@@ -182,11 +238,12 @@ def _frame(result: Comparison) -> Any:
     return pd.DataFrame([{
         "point": r["point"], "path": r["path"], "what": r["what"], "base": r["base"], "new": r["new"],
         "new/base": "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
+        "vs reference": "-" if r.get("relative") is None else f"{r['relative']:.3f}",
         "interval": "-" if r["interval"] is None else f"{r['interval'][0]:.3f}-{r['interval'][1]:.3f}",
         "p": "-" if r["p"] is None else f"{r['p']:.2g}",
         "verdict": r["verdict"] + (" REGRESSION" if r["regression"] else ""),
-    } for r in result.rows], columns=["point", "path", "what", "base", "new", "new/base", "interval", "p",
-                                      "verdict"])
+    } for r in result.rows], columns=["point", "path", "what", "base", "new", "new/base", "vs reference", "interval",
+                                      "p", "verdict"])
 
 
 def _tail(result: Comparison, cfg: CompareConfig) -> list[str]:
@@ -195,9 +252,14 @@ def _tail(result: Comparison, cfg: CompareConfig) -> list[str]:
         lines.append(f"only in base: {', '.join(result.only_base)}")
     if result.only_new:
         lines.append(f"only in new: {', '.join(result.only_new)}")
-    lines.append(f"rule: slower when the {cfg.confidence:.0%} bootstrap interval of the median ratio lies above "
-                 f"{1 + cfg.threshold:.3g} and the Mann-Whitney p (log-times) < {cfg.alpha}; faster when it lies "
-                 f"below {1 / (1 + cfg.threshold):.3g} with the same p; parity and drift: pass -> fail regresses")
+    lines.append("timings are judged relative to the reference timed in the same run: vs reference = "
+                 "(path median / reference median in new) / (the same in base), so a machine uniformly slower in "
+                 "one run gives no verdict; new/base is the absolute ratio; the reference's own rows show the "
+                 "machine's speed, not judged")
+    lines.append(f"rule: slower when the {cfg.confidence:.0%} bootstrap interval of 'vs reference' lies above "
+                 f"{1 + cfg.threshold:.3g} and the Mann-Whitney p (log-times over the run's reference median) < "
+                 f"{cfg.alpha}; faster when it lies below {1 / (1 + cfg.threshold):.3g} with the same p; parity and "
+                 "drift: pass -> fail regresses")
     regressed = result.regressions
     lines.append(f"{len(regressed)} regression(s)" + (": " + ", ".join(f"{r['point']}/{r['path']} {r['what']}"
                                                                        for r in regressed) if regressed else ""))

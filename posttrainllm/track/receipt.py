@@ -61,8 +61,8 @@ def _parity_summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
             "lse_contract": report.get("lse_contract"), "first_failure": report.get("first_failure"),
             "inputs": report.get("inputs"), "quantization": report.get("quantization"),
             "rule": report["rule"], "notes": report["notes"], "backward_rule": report.get("backward_rule"),
-            "paths": {name: {k: p.get(k) for k in ("verdict", "failed_cases", "worst", "emulation", "backward",
-                                                   "gradients")}
+            "paths": {name: {k: p.get(k) for k in ("verdict", "failed_cases", "violations", "worst", "emulation",
+                                                   "backward", "gradients")}
                       for name, p in report["paths"].items()}}
 
 
@@ -185,6 +185,8 @@ def metrics(receipt: dict[str, Any]) -> dict[str, float]:
                 flat[f"train.{name}.measured_speedup"] = check["measured_speedup"]
         if train.get("amdahl"):
             flat[f"train.{train['amdahl']['op']}_fraction"] = train["amdahl"]["fraction"]
+        if (train.get("noise") or {}).get("band") is not None:
+            flat["train.noise_band"] = train["noise"]["band"]
     return flat
 
 
@@ -391,20 +393,52 @@ class InvalidReceipts(ValueError):
         super().__init__("; ".join(f"{path}: {why}" for path, why in problems))
 
 
-def receipt_files(folder: Path) -> list[Path]:
-    """The receipts in `folder`, sorted: the one rule that import, replay and compare find receipts by.
+RECEIPT_NAME = "receipt.json"
+RECEIPT_FAMILY = "posttrainllm.track.receipt"  # every receipt's schema starts so (SCHEMA, HEADS_SCHEMA, later ones)
 
-    A point is a folder with receipt.json at its top level: `folder` itself, or any folder below it
+
+def is_receipt(path: Path) -> bool:
+    """Whether `path` is a receipt, by what it is: the one rule import, replay and compare find receipts by.
+
+    Only a file named receipt.json is looked at (what a point's receipt stage writes), and its content
+    decides: a receipt names its schema (RECEIPT_FAMILY). A file the pipeline writes for itself under that
+    name, a stage's stamp (runs/<point>/stamps/receipt.json) or a stage's inputs file
+    (runs/inputs/<point>/receipt.json), is a JSON object that names its stage and no receipt schema: not a
+    receipt. One that cannot be read as a JSON object, or that names no schema and no stage (a receipt whose
+    schema was cut), stays a receipt, so the reader names what is wrong with it instead of skipping it.
+    """
+    if path.name != RECEIPT_NAME or not path.is_file():
+        return False
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return True  # damaged or truncated: named as a bad receipt by `check`
+    if not isinstance(content, dict):
+        return True
+    schema = content.get("schema")
+    if schema is not None:
+        return isinstance(schema, str) and schema.startswith(RECEIPT_FAMILY)
+    return "stage" not in content
+
+
+def receipt_files(folder: Path) -> list[Path]:
+    """The receipts in `folder`, sorted (`is_receipt` tells a receipt from the pipeline's own files).
+
+    A point is a folder with a receipt at its top level: `folder` itself, or any folder below it
     (a sweep's runs/<point>/, runs/bench/<name>/, runs/heads/<K name>/, a gpu-check OUTDIR/<point>/).
-    Nothing inside a point is searched: its stamps/receipt.json is the receipt stage's stamp
-    (track/stamp.py), not a receipt. No stamps/ folder is, so a point whose receipt.json is gone
-    does not offer its stamp instead.
+    Nothing inside a point is searched, and no stamps/ folder is: a point whose receipt.json is gone
+    does not offer its receipt stage's stamp instead. runs/inputs/<point>/receipt.json (what DVC reruns
+    the receipt stage on) is not a receipt either, by its content.
     """
     found = []
     for where, subfolders, files in os.walk(folder):
-        if Path(where).name != STAMPS and "receipt.json" in files:
-            found.append(Path(where) / "receipt.json")
-        if Path(where).name == STAMPS or "receipt.json" in files:
+        here = Path(where)
+        if here.name == STAMPS:
+            subfolders.clear()
+            continue
+        subfolders.sort()
+        if RECEIPT_NAME in files and is_receipt(here / RECEIPT_NAME):
+            found.append(here / RECEIPT_NAME)
             subfolders.clear()
     return sorted(found)
 

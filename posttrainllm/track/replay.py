@@ -5,8 +5,9 @@
 TARGET is a point's folder, its receipt.json, a folder of point folders (a sweep's runs/, a
 gpu-check OUTDIR), or an MLflow run id (a point's run, or a sweep's run: its points), whose
 artifacts are downloaded to a temporary folder first. In a folder, receipts are found as import
-finds them (track/receipt.py `receipt_files`: a point is a folder with receipt.json at its top;
-its stamps/receipt.json is a stamp); a draft-heads receipt among them is named and left out.
+finds them (track/receipt.py `is_receipt`, `receipt_files`: a point is a folder with a receipt at its
+top, told by its schema; a stamp or an inputs file named receipt.json is not one); a draft-heads
+receipt among them is named and left out.
 Nothing is measured: no kernel is launched and no timing loop runs; the plots are drawn again
 from curve.csv and the microbench's roofline into DIR (default runs/replay/<point>/), and the
 point's own folder is only read.
@@ -65,8 +66,11 @@ class Stored:
 
 
 def _read(path: Path, source: str) -> Stored:
-    from posttrainllm.track.receipt import check
+    from posttrainllm.track.receipt import check, is_receipt
 
+    if path.name == "receipt.json" and not is_receipt(path):
+        raise ReplayError(f"{path}: not a receipt (a file the pipeline writes for itself: a stage's stamp or "
+                          "inputs file)")
     receipt, why = check(path)
     if why is not None:
         raise ReplayError(f"{path}: {why}")
@@ -285,6 +289,26 @@ def _output_problems(where: str, output: str, entry: dict[str, Any], contract: d
     return problems
 
 
+def _failed_cases_problems(name: str, path: dict[str, Any], cases: list[dict[str, Any]]) -> list[str]:
+    """The receipt's failed_cases of a path against what parity.json's cases give again.
+
+    failed_cases is the path's violations (a guard or an output check: a write into an input, a wrong dtype,
+    a raise; lab/stages.py run_parity), then one line per failing case and output, "<case>/<output>: <reason>",
+    in the cases' order. Those lines are recomputed; the violations are what the guards saw, not a figure to
+    recompute: they only have to be listed first (the path's own "violations" where the receipt stores them,
+    else whatever precedes the recomputed lines), and they make the verdict a fail (checked by the caller).
+    """
+    derived = [f"{c['case']}/{c['output']}: {c.get('reason', '')}" for c in cases if c["verdict"] != "pass"]
+    stored = list(path["failed_cases"])
+    violations = path.get("violations")
+    if violations is None:  # a receipt from before violations were stored apart
+        violations = stored[:max(len(stored) - len(derived), 0)]
+    if stored == [*violations, *derived]:
+        return []
+    return [f"parity {name}: {len(derived)} failing cases in parity.json (and {len(violations)} guard "
+            f"violation(s)), but the receipt lists {len(stored)} failed cases that are not those"]
+
+
 def verify_parity(receipt: dict[str, Any], folder: Path) -> list[str]:
     parity = receipt.get("parity")
     if not parity:
@@ -309,10 +333,7 @@ def verify_parity(receipt: dict[str, Any], folder: Path) -> list[str]:
             for case in cases:
                 problems += _output_problems(f"parity {name} {case['case']}", case["output"], case,
                                              contract(case["output"]) if case["case"] != "*" else parity["contract"])
-            failing = [c for c in cases if c["verdict"] != "pass"]
-            if len(failing) != len(failed_cases):
-                problems.append(f"parity {name}: {len(failing)} failing cases in parity.json, "
-                                f"{len(failed_cases)} listed in the receipt")
+            problems += _failed_cases_problems(name, path, cases)
         ok = not failed_cases and all(w.get("verdict") == "pass" for w in path["worst"].values())
         verdicts[name] = "pass" if ok else "fail"
         if path["verdict"] != verdicts[name]:
@@ -340,6 +361,15 @@ def verify_train(receipt: dict[str, Any]) -> list[str]:
         if (train.get("drift_verdict") or {}).get(name) != verdict:
             problems.append(f"bench_train {name}: drift verdict {(train.get('drift_verdict') or {}).get(name)!r} "
                             f"stored, drift {drift!r} against train_loss_drift {limit} says {verdict!r}")
+    noise = train.get("noise")
+    if noise and noise.get("band") is not None:  # the run-to-run band, from the baseline's stored step times
+        from posttrainllm.model.amdahl import noise_band
+
+        again = noise_band(train["impls"][train["baseline"]]["step_ms"], noise.get("repeat_step_ms"),
+                           train["config"]["warmup_steps"])["band"]
+        if not _close(noise["band"], again):
+            problems.append(f"bench_train: noise band {noise['band']!r} stored, the baseline's step times give "
+                            f"{again!r}")
     return problems
 
 

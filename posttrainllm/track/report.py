@@ -6,9 +6,19 @@ from typing import Any
 
 import pandas as pd
 
+from posttrainllm.model import amdahl as band_rule
+
 
 def _fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    return "-" if value is None else value if isinstance(value, str) else format(value, spec)
+
+
+def _measured(train: dict[str, Any], check: dict[str, Any]) -> float | str | None:
+    """A measured end-to-end speedup as printed: the number, or "n.c." inside the baseline's own run-to-run band
+    (bench_train.json noise.band): no speedup is ever printed inside it."""
+    measured = check.get("measured_speedup") if check.get("valid") else None
+    band = (train.get("noise") or {}).get("band")
+    return "n.c." if measured is not None and band_rule.within_band(measured, band) else measured
 
 
 def point_table(receipt: dict[str, Any]) -> str:
@@ -85,15 +95,20 @@ def train_table(receipt: dict[str, Any]) -> str:
                 "greedy_agree": _fmt(((quality.get(name) or {}).get("greedy") or {}).get("agreement"), ".3f")}
                if quality else {}),
             "predicted": _fmt(check.get("predicted_speedup"), ".2f"),
-            "measured": _fmt(check.get("measured_speedup") if valid else None, ".2f"),
+            "measured": (band_rule.measured_text(check.get("measured_speedup"),
+                                              (train.get("noise") or {}).get("band"))
+                         if valid and check.get("valid") else "-"),
             "note": check.get("reading") or ("" if valid else "failed the quality gate: no speed"
                                              if entry.get("timing_valid", True) else "interpreted: not speed"),
         })
     fraction = train.get("amdahl", {}).get("fraction")
+    band = (train.get("noise") or {}).get("band")
     head = (f"point {receipt['point']}: bench-train {receipt['config']['architecture']['name']} "
             f"{train['precision']} on {train['device']}, {train['tokens_per_step']} tokens/step, "
             f"drift limit {train['drift_limit']:g}"
-            + (f", {train['amdahl']['op']} is {fraction:.0%} of the baseline step" if fraction is not None else ""))
+            + (f", {train['amdahl']['op']} is {fraction:.0%} of the baseline step" if fraction is not None else "")
+            + (f", run-to-run band +-{(band - 1) * 100:.1f}% (the baseline against itself: a measured speedup "
+               "inside it is no measurable change)" if band is not None else ""))
     return head + "\n" + pd.DataFrame(rows).to_string(index=False)
 
 
@@ -182,7 +197,7 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "train_ms": train["impls"].get(train.get("baseline"), {}).get("warm_ms_per_step"),
             "max_drift": max(train["drift"].values()) if train["drift"] else None,
             "amdahl_pred": amdahl.get("predicted_speedup"),
-            "amdahl_meas": amdahl.get("measured_speedup"),
+            "amdahl_meas": _measured(train, amdahl),
         })
     frame = _failures_first(pd.DataFrame(rows))
     baseline = frame[frame["point"] == "baseline"]
@@ -221,7 +236,8 @@ SUMMARY_LEGEND = (
     "that peer's time / our Triton kernel's,",
     "  >= 1 when ours is as fast ('-' where Triton is interpreted: never speed). e2e_pred, e2e_meas: the training "
     "step's speedup with e2e_path,",
-    "  predicted by Amdahl from the microbench and measured. Speedups are ratios of medians.",
+    "  predicted by Amdahl from the microbench and measured ('n.c.': inside the baseline's own run-to-run band, no",
+    "  measurable change). Speedups are ratios of medians.",
 )
 
 
@@ -243,7 +259,7 @@ def _e2e(receipt: dict[str, Any]) -> tuple[str | None, float | None, float | Non
     for name in ("triton", _peer(receipt)):
         check = variants.get(name) or {}
         if check.get("valid"):
-            return name, check.get("predicted_speedup"), check.get("measured_speedup")
+            return name, check.get("predicted_speedup"), _measured(receipt["bench_train"], check)
     return None, None, None
 
 
