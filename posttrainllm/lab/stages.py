@@ -26,7 +26,7 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
-from posttrainllm.lab import guards, parity
+from posttrainllm.lab import guards, outside, parity
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
@@ -234,6 +234,8 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 entry["error"] = (str(exc) if isinstance(exc, DidNotRun) else
                                   f"{type(exc).__name__}: {exc}".splitlines()[0])
             entry["launched"] = dict(sorted(launched.items()))  # Triton launches by kernel name, all cases
+            if impl.user is not None:  # its worker process's start (spawn, import torch, its module), never timed
+                entry["worker_start_s"] = outside.worker_start_s(impl)
             report["paths"][impl.name] = entry
     torch.save(outputs, out / "kernel.pt")
     write_json(out / "kernel.json", report)
@@ -567,17 +569,22 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
             if _interpreted(impl):
                 report["paths"][name] = {"valid": False, "reason": INTERPRETER_NOT_SPEED}
                 continue
+            user = (None if impl.user is None else  # timed from outside its worker process (lab/outside.py)
+                    outside.microbench_times(op, cfg, case, impl, device, settings, impl.backward != NO_BACKWARD))
             with torch.no_grad():
                 first_call_ms = _first_call_ms(lambda impl=impl: impl.fn(inputs, cfg), device)
-                forward = measure(lambda impl=impl: impl.fn(inputs, cfg), device=device, **settings)
+                forward = user.forward if user else measure(lambda impl=impl: impl.fn(inputs, cfg), device=device,
+                                                            **settings)
                 memory = peak_bytes(lambda impl=impl: impl.fn(inputs, cfg), device, warmup=0)
-            train = (None if impl.backward == NO_BACKWARD else
-                     measure(_forward_backward(impl, inputs, grad_out, cfg), device=device, **settings))
+            train = user.train if user else (None if impl.backward == NO_BACKWARD else
+                                             measure(_forward_backward(impl, inputs, grad_out, cfg), device=device,
+                                                     **settings))
             refused = None if name == REFERENCE else (
-                _timed_result_check(op, cfg, case, impl, inputs)
+                (user and user.refused) or _timed_result_check(op, cfg, case, impl, inputs)
                 or _impossible(forward, floor_s, bench.impossible_below, costs))
             if refused:  # the path's numbers were right in parity, but what was timed was not that function
-                report["paths"][name] = {"valid": False, "reason": refused, "first_call_ms": first_call_ms}
+                report["paths"][name] = {"valid": False, "reason": refused, "first_call_ms": first_call_ms,
+                                         **(user.entry if user else {})}
                 continue
             timings[name] = (forward, train)
             seconds = forward.median_ms / 1e3
@@ -588,7 +595,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                 "memory": memory,
                 "roofline": roofline.roofline(costs.flops, costs.bytes, seconds, peak_flops=peak_flops,
                                               peak_bytes_per_s=peak_bandwidth) if peak_flops else None,
-                "backward": impl.backward,
+                "backward": impl.backward, **(user.entry if user else {}),
                 "forward_backward": (
                     {"valid": False, "reason": backward_note(impl)} if train is None else
                     {**train.summary(), "gflops_per_s": costs.train_flops / (train.median_ms / 1e3) / 1e9}),
@@ -667,6 +674,10 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str]) 
                             call, flops = (lambda impl=impl: impl.fn(inputs, cfg)), costs.flops
                         else:
                             call, flops = _forward_backward(impl, inputs, grad_out, cfg), costs.train_flops
+                        if impl.user is not None:  # timed from outside its worker process (lab/outside.py)
+                            rows.append(outside.curve_row(op, cfg, case, impl, mode, device, settings, checks[name],
+                                                          dict(labels, mode=mode, flops=flops)))
+                            continue
                         with torch.set_grad_enabled(mode != curves.FORWARD):
                             rows.append(curves.measure_row(call, device=device, settings=settings,
                                                            check=checks[name],
@@ -782,12 +793,16 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
         variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, moe=hooks.moe, norm=hooks.norm,
                                 rope=hooks.rope, swiglu=hooks.swiglu, loss=hooks.loss, interpreted=interpreted,
                                 steps=min(train.interpreted_steps, train.steps) if interpreted else None))
+    users = {v.name: paths[v.name] for v in variants if v.name in paths and paths[v.name].user is not None}
+    calls = outside.start_workers(users)  # user paths: started before any clock, their calls counted (TRAIN_NOTE)
     common = dict(variants=variants, steps=train.steps, warmup_steps=train.warmup_steps, batch_size=train.batch_size,
                   seq_len=train.seq_len, lr=train.lr, seed=train.seed, device=device, skipped=skipped)
     if quantized is None:
         result = bench_train(model_cfg, precision=cfg.precision.name, **common)
     else:
         result = _train_quantized(cfg, model_cfg, common, device, quality_base or quality_base_dir(cfg))
+    if calls:
+        result["user_paths"] = outside.train_note(users, calls, train.steps, device)
     limit = cfg.precision.contract.train_loss_drift
     result["drift_limit"] = limit
     result["drift_verdict"] = {name: "pass" if drift <= limit else "fail" for name, drift in result["drift"].items()}
