@@ -27,7 +27,7 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
-from posttrainllm.lab import guards, parity, rooms
+from posttrainllm.lab import guards, outside, parity, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
@@ -266,6 +266,8 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
             entry["launched"] = dict(sorted(launched.items()))  # Triton launches by kernel name, all cases
             if impl.evidence is not None:  # what the path recorded of its calls (compiled: dynamo's graphs)
                 entry["evidence"] = impl.evidence()
+            if impl.user is not None:  # its worker process's start (spawn, import torch, its module), never timed
+                entry["worker_start_s"] = outside.worker_start_s(impl)
             report["paths"][impl.name] = entry
     replaced = replaced_library()
     if replaced:  # the peers call what was bound when the lab started (opdefs/base.py LIBRARY), not these
@@ -670,8 +672,18 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                 continue
             mine = [rooms.fresh(x, device) for _, x in sets]  # this path's own buffers of every input set
             dos = [g.clone() for g in grad_outs]
+            user = None
             try:  # a compiled peer that would run eagerly at this shape raises (opdefs/peers.py NotCompiled)
-                forward, train, memory, first_call_ms, state = _time_path(impl, cfg, mine, dos, device, settings)
+                if impl.user is not None:  # timed from outside its worker process (lab/outside.py)
+                    user = outside.microbench_times(op, cfg, case, impl, device, settings,
+                                                    impl.backward != NO_BACKWARD)
+                    with torch.no_grad():
+                        first_call_ms = _first_call_ms(lambda: impl.fn(mine[0], cfg), device)
+                        memory = peak_bytes(lambda: impl.fn(mine[0], cfg), device, warmup=0)
+                    forward, train, state = user.forward, user.train, user.refused
+                else:
+                    forward, train, memory, first_call_ms, state = _time_path(impl, cfg, mine, dos, device,
+                                                                              settings)
             except Exception as exc:
                 report["paths"][name] = {"valid": False, "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
                 continue
@@ -684,7 +696,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                     or impossible(train.median_ms, costs.train_flops, calibration, peak_flops,
                                   bench.impossible_below, "forward + backward"))) or None)
             if refused:  # the path's numbers were right in parity, but what was timed was not that function
-                report["paths"][name] = {"valid": False, "reason": refused, "first_call_ms": first_call_ms}
+                report["paths"][name] = {"valid": False, "reason": refused, "first_call_ms": first_call_ms,
+                                         **(user.entry if user else {})}
                 continue
             timings[name] = (forward, train)
             seconds = forward.median_ms / 1e3
@@ -696,7 +709,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                 "roofline": roofline.roofline(costs.flops, costs.bytes, seconds, peak_flops=peak_flops,
                                               peak_bytes_per_s=peak_bandwidth,
                                               cache_bytes=cache_bytes) if peak_flops else None,
-                "backward": impl.backward,
+                "backward": impl.backward, **(user.entry if user else {}),
                 "forward_backward": (
                     {"valid": False, "reason": backward_note(impl)} if train is None else
                     {**train.summary(), "gflops_per_s": costs.train_flops / (train.median_ms / 1e3) / 1e9}),
@@ -792,6 +805,10 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                         else:
                             calls = [_forward_backward(impl, s, g, cfg) for s, g in zip(mine, dos)]
                             flops = costs.train_flops
+                        if impl.user is not None:  # timed from outside its worker process (lab/outside.py)
+                            rows.append(outside.curve_row(op, cfg, case, impl, mode, device, settings, checks[name],
+                                                          dict(labels, mode=mode, flops=flops)))
+                            continue
                         with torch.set_grad_enabled(mode != curves.FORWARD), rooms.StateGuard() as guard:
                             row = curves.measure_row(rooms.rotating(calls), device=device, settings=settings,
                                                      check=checks[name], labels=dict(labels, mode=mode, flops=flops))
@@ -919,12 +936,16 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
         variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, moe=hooks.moe, norm=hooks.norm,
                                 rope=hooks.rope, swiglu=hooks.swiglu, loss=hooks.loss, interpreted=interpreted,
                                 steps=min(train.interpreted_steps, train.steps) if interpreted else None))
+    users = {v.name: paths[v.name] for v in variants if v.name in paths and paths[v.name].user is not None}
+    calls = outside.start_workers(users)  # user paths: started before any clock, their calls counted (TRAIN_NOTE)
     common = dict(variants=variants, steps=train.steps, warmup_steps=train.warmup_steps, batch_size=train.batch_size,
                   seq_len=train.seq_len, lr=train.lr, seed=train.seed, device=device, skipped=skipped)
     if quantized is None:
         result = bench_train(model_cfg, precision=cfg.precision.name, **common)
     else:
         result = _train_quantized(cfg, model_cfg, common, device, quality_base or quality_base_dir(cfg))
+    if calls:
+        result["user_paths"] = outside.train_note(users, calls, train.steps, device)
     limit = cfg.precision.contract.train_loss_drift
     result["drift_limit"] = limit
     result["drift_verdict"] = {name: "pass" if drift <= limit else "fail" for name, drift in result["drift"].items()}

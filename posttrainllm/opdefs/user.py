@@ -18,8 +18,15 @@ and an import that fails is that path's failure, recorded, not the point's.
 Its identity (spec, file, sha256, distribution and version) goes into kernel.json, the receipt and the
 stage stamps (the file is registered in files.USER_SOURCES, which track/stamp.py hashes beside the package).
 
-Trust: this is not a sandbox. A user path runs in the stage's own process, like every path; the guards and
-checks it meets are the ones every path meets (lab/guards.py, the timed-result and roofline checks).
+A user path runs in a worker process of its own (opdefs/worker.py): its module is imported and called only
+there, one worker per path per stage process; the registry's function (`_lazy`) is the op's adapter around the
+worker's proxy, differentiable through it. It meets the guards every path meets (lab/guards.py: the worker
+reports writes into what it was handed, views of inputs and Triton launches, which the lab's guards then see and
+name), the timed-result and roofline checks, and is timed from outside its worker (lab/outside.py: batches of
+distinct input sets, the lab's clock, every output checked against the float64 oracle).
+Trust: this is not a sandbox. What the path does to torch, its flags, threads, Tensor methods or `time` stays in
+its worker; but the worker is the same user, can read any file it finds (the oracle's answers are never in a file
+it is told of), and a deliberate forger in it could tamper with the worker's own reports.
 """
 
 from __future__ import annotations
@@ -239,18 +246,15 @@ def resolve(spec: str, op: OpDef) -> UserPath:
 
 
 def _lazy(user: UserPath, op: OpDef) -> Callable[[Tensors, LabConfig], Tensors]:
-    """The registry's function of a user path: imports it at its first call, then the op's adapter around it."""
-    adapted: list[Callable[[Tensors, LabConfig], Tensors]] = []
+    """The registry's function of a user path: the op's adapter around the path's worker (opdefs/worker.py), which
+    imports the user's module at the first call, in its own process."""
+    from posttrainllm.opdefs.worker import remote
 
-    def fn(x: Tensors, cfg: LabConfig) -> Tensors:
-        if not adapted:
-            target = user.load()
-            if not callable(target):
-                raise TypeError(f"{user.attr} in {user.identity['file']} is a {type(target).__name__}, not a callable")
-            adapted.append(op.adapt(target))
-        return adapted[0](x, cfg)
-
+    natural = remote(user)
+    fn = op.adapt(natural)
     fn.__name__ = user.name
+    fn.user_path = user  # the lab's timing from outside (lab/outside.py) reaches the worker through it
+    fn.natural = natural
     return fn
 
 

@@ -1,0 +1,307 @@
+"""Speed taken from outside: a user path is timed by the lab's clock over a batch its worker computes.
+
+A user path runs in a worker process of its own (opdefs/worker.py); the microbench (stages.run_microbench) and
+the curve (stages._curve) never call `measure()` on it. Instead, per batch:
+
+1. the lab draws N >= 4 distinct input sets (values drawn as the point's inputs are, each from a seed of its
+   own, distinct buffers; forward + backward: each with its upstream gradient) and places them in the worker
+   before any clock starts;
+2. its own clock (time.perf_counter; on CUDA after a device-wide synchronize) spans one request: "compute
+   them all", answered with the worker's per-call times and a checksum of every output, read before the answer;
+3. it subtracts the span of the same request calling nothing (the worker's loop and checksums over the last
+   results: median of NULLS), so what is left is the path's compute;
+4. after the clock, it fetches every output (and gradient), requires each to match its checksum (a result still
+   being written after the answer does not), and checks each against the float64 oracle of its set
+   (parity.check_output with the reference math on those inputs; forward + backward: the gradients too).
+
+Fresh sets each batch: a result stored from an earlier call, keyed on anything but the values, is wrong
+here. N grows until a batch computes for ~BATCH_ROUND_TRIPS empty round trips (at most BATCH_MAX); at least
+BATCHES_MIN batches. The worker's per-call times are the Timing's samples (its distribution); in the batch the
+lab saw least time in, they must sum to AGREEMENT x the lab's compute span (AGREEMENT_RULE). A path that skips
+work, detects the timing loop, patches a timer, returns a lazy or thread-computed result or a cached one then
+loses its speed: a wrong output, a changed checksum, or clocks that disagree.
+Not covered: no L2 flush between the calls of a batch (distinct sets are what keeps the cache honest), and
+the worker's memory is not measured (a user path's `memory` is the lab's side of one call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from posttrainllm.lab import parity
+from posttrainllm.measure.timing import Timing, summarize
+from posttrainllm.opdefs import Case, Impl, OpDef
+from posttrainllm.opdefs import worker as workers
+
+BATCH_MIN, BATCH_MAX = 4, 64
+BATCH_ROUND_TRIPS = 20  # a batch computes for at least this many empty round trips, when N <= BATCH_MAX allows
+NULLS, PINGS = 5, 9  # repetitions of the null batch and of the empty call (their median is taken)
+BATCHES_MIN = 3  # timed batches at least: the agreement rule reads the least disturbed one
+AGREEMENT = 0.5  # the worker's per-call times must sum to at least this fraction of the lab's compute span
+SET_SEED = 7_919  # set k of a point's timing draws its inputs from case.seed + SET_SEED * (k + 1) + SEED_OFFSET
+SEED_OFFSET = 2 * 104_729  # away from the parity cases' seeds and the timed-result check's (stages.FRESH_SEED)
+FORWARD, FORWARD_BACKWARD = "forward", "forward_backward"
+AGREEMENT_RULE = (f"in the timed batch the lab's clock saw least time in, the worker's per-call times (its own clock) "
+                  f"must sum to at least {AGREEMENT:g} x the lab's span (time.perf_counter, after a device "
+                  f"synchronize) less the median span of the same loop calling nothing ({NULLS} runs); else the "
+                  "clocks disagree and the path gets no speed")
+RULE = ("a user path is timed from outside its worker: batches of N >= 4 distinct input sets (fresh each batch) "
+        "placed in the worker before the clock, computed in one request the lab's clock spans, every output "
+        "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set; " + AGREEMENT_RULE)
+
+
+@dataclass
+class UserTiming:
+    """One mode of a user path, timed from outside: its Timing (None when refused), why not, and the figures."""
+
+    timing: Timing | None
+    refused: str | None
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Set:
+    inputs: dict[str, torch.Tensor]
+    args: list[Any]
+    kwargs: dict[str, Any]
+    tensors: list[torch.Tensor]
+    names: list[str | None]  # the input each natural tensor argument is (None: none of them)
+    grad_out: torch.Tensor | None
+    case: Case
+
+
+def _draw(op: OpDef, cfg: Any, case: Case, seed: int, backward: bool, device: str) -> _Set:
+    """One input set as the point's are drawn, and the natural call the path's adapter makes of it."""
+    from posttrainllm.lab import stages
+
+    drawn = dataclasses.replace(case, seed=seed)
+    inputs = op.make_inputs(drawn, stages._dtype(cfg), device)
+    seen: list[tuple[tuple, dict]] = []
+
+    def record(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append((args, kwargs))
+        return torch.empty(0)
+
+    op.adapt(record)(inputs, cfg)
+    args, kwargs, tensors = workers._split(*seen[0])
+    names = [next((n for n, x in inputs.items() if x is t), None) for t in tensors]
+    grad_out = None
+    if backward:
+        with torch.no_grad():
+            grad_out = stages.upstream_gradient(drawn, op.reference.fn(inputs, cfg)["out"])
+    return _Set(inputs, args, kwargs, tensors, names, grad_out, drawn)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _round_trip_s(request: Callable[[], Any], device: str, times: int) -> float:
+    spans = []
+    for _ in range(times):
+        _sync(device)
+        start = time.perf_counter()
+        request()
+        spans.append(time.perf_counter() - start)
+    return statistics.median(spans)
+
+
+def _check(op: OpDef, cfg: Any, impl: Impl, s: _Set, got: dict[str, Any], backward: bool) -> str | None:
+    """Every output the set returned against the float64 oracle of that set: None, or the first failure."""
+    from posttrainllm.lab import stages
+
+    oracle = stages.reference_outputs(op, cfg, stages.cast_floats(s.inputs, torch.float64), s.case,
+                                      s.grad_out.double() if backward else None)
+    baseline = stages.reference_outputs(op, cfg, s.inputs, s.case, s.grad_out if backward else None)
+    contract = stages.contract_for(cfg)
+    wanted = ["out", *(op.gradient_names() if backward else [])]
+    wanted += [name for name in got if name not in wanted and name in oracle]  # returned extras (a logsumexp)
+    for name in wanted:
+        value = got.get(name)
+        if not isinstance(value, torch.Tensor):
+            return f"{name}: missing" if value is None else f"{name}: a {type(value).__name__}, not a tensor"
+        check = parity.check_output(value.detach().cpu(), oracle[name].detach().cpu(), baseline[name].detach().cpu(),
+                                    contract(name))
+        if check["verdict"] != "pass":
+            return f"{name}: {check['reason']}"
+    return None
+
+
+def _same_checksums(got: list[float | None], sent: list[float | None]) -> bool:
+    same = lambda a, b: a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))  # noqa: E731
+    return len(got) == len(sent) and all(same(a, b) for a, b in zip(got, sent))
+
+
+def _outputs(op: OpDef, cfg: Any, s: _Set, answer: dict[str, Any]) -> dict[str, Any]:
+    """A set's answer in the registry's dict form: the adapter on the natural result, plus grad_<input>."""
+    result = workers._rebuild(answer["result"], answer["outputs"])
+    got = dict(op.adapt(lambda *a, **k: result)(s.inputs, cfg))
+    for name, grad in zip(s.names, answer.get("grads") or []):
+        if name is not None and grad is not None:
+            got[f"grad_{name}"] = grad
+    return got
+
+
+def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, device: str,
+                   settings: dict[str, Any]) -> UserTiming:
+    """A user path at `case` in `mode` (forward, forward_backward), timed from outside its worker (module doc)."""
+    backward = mode == FORWARD_BACKWARD
+    user = impl.fn.user_path
+    report: dict[str, Any] = {"mode": mode, "rule": RULE}
+    try:
+        worker = workers.worker_for(user)
+    except Exception as exc:
+        return UserTiming(None, f"its worker did not start: {type(exc).__name__}: {exc}", report)
+    report["worker_start_s"] = worker.start_s
+    report["worker_pid"] = worker.pid
+    counter = iter(range(1_000_000))
+
+    def draw(n: int) -> list[_Set]:
+        return [_draw(op, cfg, case, case.seed + SET_SEED * (next(counter) + 1) + SEED_OFFSET, backward, device)
+                for _ in range(n)]
+
+    def put(sets: list[_Set], key: str) -> None:
+        flags = [[bool(backward and t.is_floating_point() and name not in op.nondiff_inputs)
+                  for t, name in zip(s.tensors, s.names)] for s in sets]
+        worker.request({"op": "put", "key": key,
+                        "sets": [{"args": s.args, "kwargs": s.kwargs, "tensors": [t.detach() for t in s.tensors],
+                                  "flags": f} for s, f in zip(sets, flags)],
+                        "grad_outs": [s.grad_out for s in sets] if backward else None})
+
+    try:
+        round_trip = _round_trip_s(lambda: worker.request({"op": "ping"}), device, PINGS)
+        warm = draw(BATCH_MIN)
+        put(warm, "warmup")
+        per_call = max(statistics.median(worker.request({"op": "run", "key": "warmup"})["samples_s"]), 1e-9)
+        n = min(BATCH_MAX, max(BATCH_MIN, math.ceil(BATCH_ROUND_TRIPS * round_trip / per_call)))
+        samples: list[float] = []
+        batches: list[tuple[float, float]] = []  # per batch: (the lab's compute span, the worker's sum)
+        null = None
+        threads = None
+        while len(batches) < BATCHES_MIN or (len(samples) < settings["max_reps"] and (
+                len(samples) < settings["reps"] or sum(b[0] for b in batches) < settings["min_time_s"])):
+            sets = draw(n)
+            put(sets, "timed")
+            _sync(device)
+            start = time.perf_counter()
+            done = worker.request({"op": "run", "key": "timed"})
+            span = time.perf_counter() - start
+            if null is None:  # the same loop and checksums calling nothing: what is not the path's compute
+                null = _round_trip_s(lambda: worker.request({"op": "run", "null": True}), device, NULLS)
+            answer = worker.request({"op": "fetch"})  # every output, after the clock
+            threads = answer["threads"]
+            batches.append((span - null, sum(done["samples_s"])))
+            samples += done["samples_s"]
+            for k, (s, got) in enumerate(zip(sets, answer["results"])):
+                if not _same_checksums(workers.checksums(got), done["checksums"][k]):
+                    failed = "its outputs changed after the batch was answered (a result computed later?)"
+                else:
+                    failed = _check(op, cfg, impl, s, _outputs(op, cfg, s, got), backward)
+                if failed:
+                    report.update(batch_size=n, batches=len(batches))
+                    return UserTiming(None, f"timed batch {len(batches)}, set {k + 1} of {n}: {failed} (an output "
+                                      "not computed from its inputs: a stored or skipped result?): no speed", report)
+    except Exception as exc:
+        text = str(exc).strip()
+        return UserTiming(None, f"timed batch raised {type(exc).__name__}"
+                                + (f": {text.splitlines()[0]}" if text else ""), report)
+    lab_s, worker_s = min(batches)  # the batch the lab saw least time in: the one least disturbed
+    report.update(batch_size=n, batches=len(batches), round_trip_ms=round_trip * 1e3, null_batch_ms=null * 1e3,
+                  worker_total_ms=sum(w for _, w in batches) * 1e3, lab_total_ms=sum(b for b, _ in batches) * 1e3,
+                  cleanest_batch={"lab_ms": lab_s * 1e3, "worker_ms": worker_s * 1e3,
+                                  "worker_over_lab": worker_s / lab_s if lab_s > 0 else None})
+    if worker_s < AGREEMENT * lab_s:
+        return UserTiming(None, f"clocks disagree: in the batch the lab saw least time in, the worker's per-call "
+                                f"times sum to {worker_s * 1e3:.4g} ms and the lab's clock saw {lab_s * 1e3:.4g} ms "
+                                f"of compute ({n} calls; {null * 1e3:.3g} ms of the same loop calling nothing "
+                                f"subtracted), under {AGREEMENT:g} x: no speed", report)
+    timing = summarize([s * 1e3 for s in samples], threads=threads, flushed=False)
+    return UserTiming(timing, None, report)
+
+
+@dataclass
+class UserTimes:
+    """Both modes of a user path at the point's case, for run_microbench."""
+
+    forward: Timing | None
+    train: Timing | None
+    refused: str | None
+    entry: dict[str, Any]
+
+
+def microbench_times(op: OpDef, cfg: Any, case: Case, impl: Impl, device: str, settings: dict[str, Any],
+                     with_backward: bool) -> UserTimes:
+    """The microbench's forward and (with_backward) forward + backward times of a user path, from outside."""
+    forward = time_user_path(op, cfg, case, impl, FORWARD, device, settings)
+    train = (time_user_path(op, cfg, case, impl, FORWARD_BACKWARD, device, settings)
+             if with_backward and forward.refused is None else None)
+    refused = forward.refused or (train.refused if train else None)
+    if refused and train is not None and train.refused:
+        refused = f"forward + backward: {refused}"
+    entry = {"worker_start_s": forward.report.get("worker_start_s"),
+             "outside": {FORWARD: forward.report, **({FORWARD_BACKWARD: train.report} if train else {})}}
+    return UserTimes(forward.timing, train.timing if train else None, refused, entry)
+
+
+def curve_row(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, device: str, settings: dict[str, Any],
+              check: str, labels: dict[str, Any]) -> dict[str, Any]:
+    """One curve row of a user path (curves.measure_row's columns), timed from outside its worker."""
+    from posttrainllm.measure.curves import UNIT
+
+    row: dict[str, Any] = dict(labels, unit=UNIT, check=check, threads=torch.get_num_threads())
+    blank = dict(median=math.nan, p20=math.nan, p80=math.nan, noisy=True, reps=0, valid=False, peak_bytes=None)
+    if check != "pass":
+        return {**row, **blank, "reason": f"not timed: {check}"}
+    timed = time_user_path(op, cfg, case, impl, mode, device, settings)
+    if timed.timing is None:
+        return {**row, **blank, "reason": timed.refused}
+    t = timed.timing
+    return {**row, "median": t.median_ms, "p20": t.p20_ms, "p80": t.p80_ms, "noisy": t.noisy,
+            "reps": len(t.samples_ms), "threads": t.threads, "valid": True, "peak_bytes": None, "reason": ""}
+
+
+def worker_start_s(impl: Impl) -> float | None:
+    """Seconds its worker took to start in this process (spawn + import torch + the user's module), if started."""
+    worker = workers.started(impl.fn.user_path)
+    return worker.start_s if worker is not None else None
+
+
+TRAIN_NOTE = ("a user path's step time includes its round trips to its worker process: every forward call sends its "
+              "inputs and returns its outputs through pipes, every backward its gradients; not subtracted (a call "
+              "carries activations, so its round trip is longer than the empty one measured here); "
+              "calls_per_step x round_trip_ms is a lower bound of that share of the step")
+
+
+def start_workers(paths: dict[str, Impl]) -> dict[str, dict[str, int]]:
+    """Start the user paths' workers before any training clock (a start is never in a step) and say how many calls
+    each has made so far; the paths whose worker could not start are left to fail in training."""
+    calls = {}
+    for name, impl in paths.items():
+        if impl.user is None:
+            continue
+        try:
+            calls[name] = dict(workers.worker_for(impl.fn.user_path).calls)
+        except Exception:
+            continue
+    return calls
+
+
+def train_note(paths: dict[str, Impl], before: dict[str, dict[str, int]], steps: int,
+               device: str) -> dict[str, Any]:
+    """bench_train.json's `user_paths`: per user path its worker's start, calls per step and empty round trip."""
+    notes: dict[str, Any] = {"note": TRAIN_NOTE}
+    for name, calls in before.items():
+        worker = workers.worker_for(paths[name].fn.user_path)
+        made = {kind: (worker.calls[kind] - calls[kind]) / steps for kind in calls}
+        round_trip = _round_trip_s(lambda: worker.request({"op": "ping"}), device, PINGS)
+        notes[name] = {"worker_start_s": worker.start_s, "calls_per_step": made, "round_trip_ms": round_trip * 1e3,
+                       "round_trips_ms_per_step_at_least": sum(made.values()) * round_trip * 1e3}
+    return notes

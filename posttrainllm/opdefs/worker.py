@@ -1,0 +1,596 @@
+"""A user path's own process: its code is imported and called there, never in the lab's.
+
+The lab holds the judge (the float64 oracle, the contract, the calibration, the timing statistics, the
+receipt); the worker holds the user's module and nothing of those. One worker per user path per process of
+the lab (one per DVC stage, one per `posttrainllm bench` point), started at the path's first call by
+`python -m posttrainllm.opdefs.worker` with the lab's environment (TRITON_INTERPRET), its thread count
+(torch.get_num_threads(), which the stage set from bench.threads), its working directory and sys.path.
+Whatever the user's code does to torch's functions, flags, thread count, Tensor methods, `time` or the GIL
+stays in that process: the next path has a worker of its own and the lab has its own interpreter.
+
+The protocol: framed messages over two pipes: plain data (dicts, lists, strings, numbers) pickled and read back
+by an unpickler that refuses every class, then each tensor's storage as raw bytes with its dtype, size, stride
+and offset; no object the worker chose is ever built in the lab (an output that is no tensor comes back as its
+type's name only).
+
+    load      import the user's module (an error there is the path's failure, "<Type>: <message>")
+    call      one call in the natural signature: the tensors, which of them require grad, the other
+              arguments; the worker keeps the autograd graph under a call id when an output has history
+    backward  the output gradients of a kept call -> the input gradients (None where unused)
+    drop      forget kept graphs the lab no longer holds
+    put/run   the timing protocol (lab/outside.py): a batch of input sets placed before the clock, then
+              computed in one request, answered with the per-call times on the worker's clock and a checksum
+              of every output; a "null" run repeats the loop and checksums calling nothing (what the lab
+              subtracts); `fetch` then hands over every output, after the lab's clock has stopped
+    ping      nothing: the round trip of an empty call
+
+The guards see what the worker's copies saw: after each call the worker compares every tensor it was handed
+(inputs; in backward, the output gradients) bitwise with its value before the call and sends back the ones
+that changed, which the lab writes into its own buffers, so the lab's guard (lab/guards.py run_guarded)
+finds and names the change; an output that shares storage with an input comes back as that very view of
+the lab's buffer, so the aliasing guard names it; the worker counts Triton launches per call with
+ops/launches.py and the lab adds them to its open counters (`record_launches`). These reports are the
+worker's code, running beside the user's: a deliberate forger in the same process could lie in them
+(not a sandbox: the worker is the same user, and can read any file it finds; the oracle's answers are
+never in a file the worker is told of).
+
+On the lab's side a user path is `remote(user)`: a function of the natural signature that sends its
+arguments to the worker and, when the worker kept a graph, returns outputs attached to the lab's autograd
+graph through `_Attach` (a torch.autograd.Function whose backward sends the output gradients). An exception
+in the worker is raised in the lab as an exception of the same type name and message (`UserCodeError`
+subclasses); a worker that died is `WorkerDied`, naming its exit code or signal.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from posttrainllm.files import USER_SOURCES
+
+_clock = time.perf_counter  # bound before any user code runs in a worker: a patched time.perf_counter is not ours
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder holding posttrainllm/
+
+
+class UserCodeError(RuntimeError):
+    """An exception the user's code raised in its worker; each is re-raised as a subclass named as its type."""
+
+
+class WorkerDied(RuntimeError):
+    """The worker process ended without answering (a segfault, os._exit, a kill)."""
+
+
+_ERROR_TYPES: dict[str, type] = {}
+
+
+def _user_error(type_name: str, message: str) -> UserCodeError:
+    cls = _ERROR_TYPES.get(type_name)
+    if cls is None:
+        cls = _ERROR_TYPES[type_name] = type(type_name, (UserCodeError,), {})
+    return cls(message)
+
+
+class _Foreign:
+    """An output that is no tensor, as the lab sees it: an instance of a class named as the worker's type."""
+
+
+_FOREIGN_TYPES: dict[str, type] = {}
+
+
+def _foreign(type_name: str) -> Any:
+    cls = _FOREIGN_TYPES.get(type_name)
+    if cls is None:
+        cls = _FOREIGN_TYPES[type_name] = type(type_name, (_Foreign,), {})
+    return cls()
+
+
+# --- the wire: plain data pickled without any class, tensors as raw storage bytes -----------------------------
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Reads dicts, lists, tuples, strings, bytes, numbers, booleans and None: never a class or a function."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refused {module}.{name}: a message holds plain data and tensors only")
+
+
+def _send(conn: Connection, message: Any) -> None:
+    """One message: its plain structure (tensors replaced by {"__tensor__": i, ...}), then each tensor's storage."""
+    storages: list[torch.Tensor] = []
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            storage = value.untyped_storage()
+            raw = torch.empty(0, dtype=torch.uint8, device=value.device).set_(storage).cpu()
+            storages.append(raw)
+            return {"__tensor__": len(storages) - 1, "dtype": str(value.dtype).removeprefix("torch."),
+                    "size": list(value.shape), "stride": list(value.stride()), "offset": value.storage_offset(),
+                    "device": str(value.device)}
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(plain(v) for v in value)
+        return value
+
+    header = pickle.dumps(plain(message), protocol=5)
+    conn.send_bytes(len(storages).to_bytes(4, "little") + header)
+    for raw in storages:
+        conn.send_bytes(memoryview(raw.numpy()) if raw.numel() else b"")
+
+
+def _recv(conn: Connection) -> Any:
+    data = conn.recv_bytes()
+    count = int.from_bytes(data[:4], "little")
+    header = _PlainUnpickler(io.BytesIO(data[4:])).load()
+    storages = [conn.recv_bytes() for _ in range(count)]
+
+    def tensors(value: Any) -> Any:
+        if isinstance(value, dict):
+            if "__tensor__" in value:
+                raw = storages[value["__tensor__"]]
+                flat = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else
+                        torch.empty(0, dtype=torch.uint8))
+                storage = flat.untyped_storage()
+                if value["device"] != "cpu":
+                    storage = flat.to(value["device"]).untyped_storage()
+                return torch.empty(0, dtype=getattr(torch, value["dtype"]), device=value["device"]).set_(
+                    storage, value["offset"], value["size"], value["stride"])
+            return {k: tensors(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(tensors(v) for v in value)
+        return value
+
+    return tensors(header)
+
+
+def _split(args: tuple, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any], list[torch.Tensor]]:
+    """The arguments with each top-level tensor replaced by {"tensor": i}, and the tensors in that order."""
+    tensors: list[torch.Tensor] = []
+
+    def slot(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+            return {"tensor": len(tensors) - 1}
+        return {"value": value}
+
+    return [slot(a) for a in args], {k: slot(v) for k, v in kwargs.items()}, tensors
+
+
+def _join(args: list[Any], kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[list[Any], dict[str, Any]]:
+    fill = lambda s: tensors[s["tensor"]] if "tensor" in s else s["value"]  # noqa: E731
+    return [fill(a) for a in args], {k: fill(v) for k, v in kwargs.items()}
+
+
+def _same_bits(before: torch.Tensor, after: torch.Tensor) -> bool:
+    if before.shape != after.shape or before.dtype != after.dtype:
+        return False
+    if before.numel() == 0:
+        return True
+    as_bytes = lambda x: x.detach().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return torch.equal(as_bytes(before), as_bytes(after))
+
+
+# --- the lab's side ------------------------------------------------------------------------------------------
+
+
+class Worker:
+    """One user path's worker process, as the lab holds it."""
+
+    def __init__(self, user: Any, threads: int) -> None:
+        self.name = user.name
+        self.died: str | None = None
+        self._lock = threading.RLock()
+        self._dropped: list[int] = []
+        started = time.perf_counter()
+        lab_in, child_out = os.pipe()
+        child_in, lab_out = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT), *filter(None, [env.get("PYTHONPATH")])])
+        self.process = subprocess.Popen([sys.executable, "-m", "posttrainllm.opdefs.worker", str(child_in),
+                                         str(child_out)], pass_fds=(child_in, child_out), env=env,
+                                        stdin=subprocess.DEVNULL, cwd=os.getcwd())
+        os.close(child_in)
+        os.close(child_out)
+        self._in = Connection(lab_in, writable=False)
+        self._out = Connection(lab_out, readable=False)
+        self.calls = {"call": 0, "backward": 0}
+        try:
+            reply = self.request({"op": "load", "threads": threads, "sys_path": list(sys.path),
+                                  "user": {"name": user.name, "module": user.module, "attr": user.attr,
+                                           "file": str(user.file) if user.file else None,
+                                           "identity": {k: v for k, v in user.identity.items()
+                                                        if isinstance(v, (str, type(None)))}}})
+        except UserCodeError:
+            self.close()
+            raise
+        finally:
+            self.start_s = time.perf_counter() - started  # spawn + import torch + the user's module
+        self.pid = reply["pid"]
+        self.threads = reply["threads"]
+        USER_SOURCES[user.identity["file"]] = user.identity["sha256"]  # the stage stamps hash what ran
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Send one message and wait for its answer; an error in the user's code raises its UserCodeError."""
+        with self._lock:
+            if self.died is not None:
+                raise WorkerDied(self.died)
+            if self._dropped and message["op"] != "load":
+                message = {**message, "drop": self._dropped}
+                self._dropped = []
+            try:
+                _send(self._out, message)
+                reply = _recv(self._in)
+            except (EOFError, OSError, BrokenPipeError):
+                self.died = self._death(message["op"])
+                raise WorkerDied(self.died) from None
+        if "error" in reply:
+            raise _user_error(reply["error"]["type"], reply["error"]["message"])
+        return reply
+
+    def _death(self, op: str) -> str:
+        try:
+            code = self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        how = (f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
+        return f"the worker process of user path {self.name!r} died during its {op} ({how})"
+
+    def forget(self, call_id: int) -> None:
+        """A kept graph the lab no longer holds: dropped with the next message (never from a finalizer's I/O)."""
+        self._dropped.append(call_id)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                with self._lock:
+                    _send(self._out, {"op": "exit"})
+                self.process.wait(timeout=5)
+            except Exception:
+                self.process.kill()
+                self.process.wait()
+        for conn in (self._in, self._out):
+            conn.close()
+
+
+_WORKERS: dict[tuple, Worker] = {}
+_FAILED: dict[tuple, Exception] = {}  # user paths whose worker could not load them, and why
+
+
+def _key(user: Any) -> tuple:
+    return user.module, user.attr, user.identity.get("file"), user.identity.get("sha256")
+
+
+def worker_for(user: Any) -> Worker:
+    """The user path's worker in this process, started at its first use with the lab's thread count."""
+    key = _key(user)
+    if key in _FAILED:
+        raise _FAILED[key]
+    worker = _WORKERS.get(key)
+    if worker is None:
+        try:
+            worker = Worker(user, torch.get_num_threads())
+        except (UserCodeError, WorkerDied) as exc:  # its import failed: so does every later call, without a restart
+            _FAILED[key] = exc
+            raise
+        _WORKERS[key] = worker
+    return worker
+
+
+def started(user: Any) -> Worker | None:
+    """The worker of `user` if this process has started one."""
+    return _WORKERS.get(_key(user))
+
+
+def close_all() -> None:
+    """End every worker this process started (at exit, and where a test wants a fresh one)."""
+    _FAILED.clear()
+    while _WORKERS:
+        _, worker = _WORKERS.popitem()
+        worker.close()
+
+
+atexit.register(close_all)
+
+
+class _Link:
+    """One kept call: the worker, the call id, and which outputs have autograd history there."""
+
+    def __init__(self, worker: Worker, call_id: int, differentiable: list[bool]) -> None:
+        self.worker, self.call_id, self.differentiable = worker, call_id, differentiable
+        weakref.finalize(self, worker.forget, call_id)
+
+
+class _Attach(torch.autograd.Function):
+    """The worker's outputs as outputs of the lab's inputs; backward asks the worker for the input gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, link: _Link, n_inputs: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.link, ctx.n_inputs = link, n_inputs
+        ctx.set_materialize_grads(False)
+        outputs = tensors[n_inputs:]
+        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, link.differentiable) if not d])
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        link = ctx.link
+        sent = [g.detach() if g is not None else None for g in grads]
+        reply = link.worker.request({"op": "backward", "id": link.call_id, "grads": sent})
+        link.worker.calls["backward"] += 1
+        _apply_changes(reply, list(grads))
+        return (None, None, *reply["grads"], *[None] * len(grads))
+
+
+def _apply_changes(reply: dict[str, Any], tensors: list[Any]) -> None:
+    """What the worker saw: its Triton launches into the lab's open counters; its writes into the lab's buffers."""
+    if reply.get("launched"):
+        from posttrainllm.ops.launches import record_launches
+
+        record_launches(reply["launched"])
+    with torch.no_grad():
+        for index, value in (reply.get("changed") or {}).items():
+            target = tensors[int(index)]
+            if target is not None:
+                target.copy_(value.to(target.device))
+
+
+def _rebuild(skeleton: Any, outputs: list[Any]) -> Any:
+    kind = skeleton["kind"]
+    if kind == "tensor":
+        return outputs[skeleton["index"]]
+    if kind == "seq":
+        items = [_rebuild(s, outputs) for s in skeleton["items"]]
+        return tuple(items) if skeleton["tuple"] else items
+    if kind == "value":
+        return skeleton["value"]
+    return _foreign(skeleton["type"])
+
+
+def _output_tensor(spec: dict[str, Any], inputs: list[torch.Tensor]) -> torch.Tensor:
+    """A returned tensor; one sharing an input's storage in the worker is the same view of the lab's input."""
+    if "view_of" not in spec:
+        return spec["data"]
+    source = inputs[spec["view_of"]]
+    dtype = getattr(torch, spec["dtype"])
+    return torch.empty(0, dtype=dtype, device=source.device).set_(
+        source.untyped_storage(), spec["offset"], spec["size"], spec["stride"])
+
+
+def remote(user: Any) -> Callable[..., Any]:
+    """The lab's function for a user path, in the op's natural signature: each call runs in the path's worker."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        worker = worker_for(user)
+        skeleton, kw, tensors = _split(args, kwargs)
+        grad = torch.is_grad_enabled()
+        flags = [bool(grad and t.requires_grad) for t in tensors]
+        reply = worker.request({"op": "call", "args": skeleton, "kwargs": kw, "grad": grad, "flags": flags,
+                                "tensors": [t.detach() for t in tensors]})
+        worker.calls["call"] += 1
+        _apply_changes(reply, tensors)
+        outputs = [_output_tensor(spec, tensors) for spec in reply["outputs"]]
+        if reply.get("id") is not None:
+            differentiable = [bool(spec.get("grad")) for spec in reply["outputs"]]
+            attached = _Attach.apply(_Link(worker, reply["id"], differentiable), len(tensors), *tensors, *outputs)
+            outputs = list(attached) if isinstance(attached, tuple) else [attached]
+        return _rebuild(reply["result"], outputs)
+
+    call.__name__ = user.name
+    call.user_path = user  # the lab's timing (lab/outside.py) reaches the worker through it
+    return call
+
+
+# --- the worker's side ---------------------------------------------------------------------------------------
+
+
+def _encode(obj: Any, outputs: list[torch.Tensor]) -> dict[str, Any]:
+    if isinstance(obj, torch.Tensor):
+        outputs.append(obj)
+        return {"kind": "tensor", "index": len(outputs) - 1}
+    if isinstance(obj, (tuple, list)):
+        return {"kind": "seq", "tuple": isinstance(obj, tuple), "items": [_encode(o, outputs) for o in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"kind": "value", "value": obj}
+    return {"kind": "foreign", "type": type(obj).__name__}
+
+
+def _out_spec(out: torch.Tensor, inputs: list[torch.Tensor]) -> dict[str, Any]:
+    if out.device.type != "meta" and out.untyped_storage().nbytes():
+        pointer = out.untyped_storage().data_ptr()
+        for i, x in enumerate(inputs):
+            if x.untyped_storage().nbytes() and x.untyped_storage().data_ptr() == pointer:
+                return {"view_of": i, "offset": out.storage_offset(), "size": list(out.shape),
+                        "stride": list(out.stride()), "dtype": str(out.dtype).removeprefix("torch.")}
+    return {"data": out.detach(), "grad": bool(out.requires_grad)}
+
+
+def _changed(before: list[torch.Tensor | None], after: list[Any]) -> dict[int, torch.Tensor]:
+    return {i: a.detach().clone() for i, (b, a) in enumerate(zip(before, after))
+            if b is not None and isinstance(a, torch.Tensor) and not _same_bits(b, a)}
+
+
+def _counting() -> Any:
+    """Triton launches of a call, counted when the user's code has Triton loaded (else there are none)."""
+    import contextlib
+
+    if "triton" not in sys.modules:
+        return contextlib.nullcontext(None)
+    from posttrainllm.ops.launches import count_triton_launches
+
+    return count_triton_launches()
+
+
+def _sync(tensors: list[torch.Tensor]) -> None:
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+
+
+def checksums(answer: dict[str, Any]) -> list[float | None]:
+    """Per output and gradient of one answer: the float64 sum of its values (None for no tensor)."""
+    return [float(t.detach().to(torch.float64).sum()) if isinstance(t, torch.Tensor) else None
+            for t in [*answer["outputs"], *answer["grads"]]]
+
+
+def _first(result: Any) -> torch.Tensor:
+    """The output a forward + backward call backpropagates: the result, or its first item (the adapters' "out")."""
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+class _Server:
+    def __init__(self) -> None:
+        self.fn: Callable[..., Any] | None = None
+        self.kept: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.batches: dict[str, dict[str, Any]] = {}
+        self.last: dict[str, Any] | None = None
+        self.last_results: list[Any] = []
+        self.last_tensors: list[list[torch.Tensor]] = []
+        self.last_backward = False
+        self.next_id = 0
+
+    def load(self, m: dict[str, Any]) -> dict[str, Any]:
+        if m["threads"]:
+            torch.set_num_threads(m["threads"])
+        sys.path[:] = m["sys_path"]
+        from posttrainllm.opdefs.user import UserPath
+
+        u = m["user"]
+        user = UserPath(u["name"], u["module"], Path(u["file"]) if u["file"] else None, u["attr"], u["identity"])
+        target = user.load()
+        if not callable(target):
+            raise TypeError(f"{user.attr} in {user.identity['file']} is a {type(target).__name__}, not a callable")
+        self.fn = target
+        return {"pid": os.getpid(), "threads": torch.get_num_threads()}
+
+    def call(self, m: dict[str, Any]) -> dict[str, Any]:
+        tensors = [t.requires_grad_() if f and t.is_floating_point() else t for t, f in zip(m["tensors"], m["flags"])]
+        args, kwargs = _join(m["args"], m["kwargs"], tensors)
+        before = [t.detach().clone() for t in tensors]
+        with _counting() as launches, torch.set_grad_enabled(m["grad"]):
+            result = self.fn(*args, **kwargs)
+        outputs: list[torch.Tensor] = []
+        skeleton = _encode(result, outputs)
+        specs = [_out_spec(o, tensors) for o in outputs]
+        reply = {"result": skeleton, "outputs": specs, "changed": _changed(before, tensors),
+                 "launched": dict(launches.by_kernel) if launches else {}, "id": None}
+        if m["grad"] and any(s.get("grad") for s in specs):
+            self.next_id += 1
+            self.kept[self.next_id] = (tensors, outputs)
+            reply["id"] = self.next_id
+        return reply
+
+    def backward(self, m: dict[str, Any]) -> dict[str, Any]:
+        tensors, outputs = self.kept.pop(m["id"])
+        grads = m["grads"]
+        before = [g.detach().clone() if g is not None else None for g in grads]
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        wrt = [i for i, t in enumerate(tensors) if t.requires_grad]
+        found: list[torch.Tensor | None] = [None] * len(tensors)
+        with _counting() as launches:
+            if pairs and wrt:
+                got = torch.autograd.grad([o for o, _ in pairs], [tensors[i] for i in wrt], [g for _, g in pairs],
+                                          allow_unused=True)
+                for i, g in zip(wrt, got):
+                    found[i] = g.detach() if g is not None else None
+        return {"grads": found, "changed": _changed(before, grads),
+                "launched": dict(launches.by_kernel) if launches else {}}
+
+    def put(self, m: dict[str, Any]) -> dict[str, Any]:
+        sets = []
+        for s in m["sets"]:
+            tensors = [t.requires_grad_() if f and t.is_floating_point() else t for t, f in zip(s["tensors"],
+                                                                                           s["flags"])]
+            sets.append((tensors, *_join(s["args"], s["kwargs"], tensors)))
+        self.batches[m["key"]] = {"sets": sets, "grad_outs": m.get("grad_outs")}
+        return {}
+
+    def run(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Compute every set of a batch, each call on the worker's clock; answer with the times and a checksum of
+        every output (read before answering: a result still being written after it differs when fetched).
+        With "null": the same loop and checksums over the last batch's results, calling nothing: the overhead
+        the lab subtracts from its span."""
+        null = m.get("null", False)
+        batch = None if null else self.batches.pop(m["key"])
+        backward = (batch["grad_outs"] is not None) if batch else self.last_backward
+        sets = batch["sets"] if batch else [(t, (), {}) for t in self.last_tensors]
+        samples, results = [], []
+        for i, (tensors, args, kwargs) in enumerate(sets):
+            for t in tensors if not null else ():
+                t.grad = None
+            with torch.set_grad_enabled(backward and not null):
+                _sync(tensors)
+                start = _clock()
+                if null:
+                    result = self.last_results[i]
+                else:
+                    result = self.fn(*args, **kwargs)
+                    if backward:
+                        _first(result).backward(batch["grad_outs"][i])
+                _sync(tensors)
+                samples.append(_clock() - start)
+            results.append(result)
+        if not null:
+            self.last_results, self.last_backward = results, backward
+            self.last_tensors = [tensors for tensors, _, _ in sets]
+        answers = [self._answer(r, t, backward) for r, t in zip(results, self.last_tensors)]
+        self.last = {"results": answers, "threads": torch.get_num_threads()}
+        return {"samples_s": samples, "checksums": [checksums(a) for a in answers]}
+
+    def _answer(self, result: Any, tensors: list[torch.Tensor], backward: bool) -> dict[str, Any]:
+        outputs: list[torch.Tensor] = []
+        skeleton = _encode(result, outputs)
+        return {"result": skeleton, "outputs": [o.detach() for o in outputs],
+                "grads": [t.grad for t in tensors] if backward else []}
+
+    def fetch(self, m: dict[str, Any]) -> dict[str, Any]:
+        """The last batch's answers, after the lab's clock has stopped."""
+        return self.last or {}
+
+    def ping(self, m: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+
+def serve(read_fd: int, write_fd: int) -> None:
+    """The worker's loop: one answer per message until "exit" or the lab's end of the pipe closes."""
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    server = _Server()
+    while True:
+        try:
+            message = _recv(inbox)
+        except EOFError:
+            return
+        if message["op"] == "exit":
+            return
+        for call_id in message.get("drop", ()):
+            server.kept.pop(call_id, None)
+        try:
+            reply = getattr(server, message["op"])(message)
+        except (Exception, SystemExit) as exc:  # the user's error is the path's, reported, never the worker's end
+            reply = _error_reply(exc)
+        try:
+            _send(outbox, reply)
+        except Exception as exc:  # an output torch cannot hand over as plain bytes (a sparse tensor, a subclass)
+            _send(outbox, _error_reply(exc, "its result could not be sent: "))
+
+
+def _error_reply(exc: BaseException, prefix: str = "") -> dict[str, Any]:
+    text = str(exc).strip()
+    return {"error": {"type": type(exc).__name__, "message": prefix + (text.splitlines()[0] if text else "")}}
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,237 @@
+"""A user path runs in a worker process of its own (opdefs/worker.py) and is timed from outside it (lab/outside.py).
+
+Each user file here is written as a user would write it, honest or not; the stages run on tiny problems on the CPU.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import parity_report
+
+from posttrainllm.lab import stages
+from posttrainllm.lab.configure import load
+from posttrainllm.opdefs import worker as workers
+
+MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]", "shape.m=64", "shape.n=64",
+          "shape.k=64", "shape.curve=[16,32]", "shape.matmul_curve=[16,32]", "bench.reps=3", "bench.min_time_s=0",
+          "bench.warmup=1", "run.log_mlflow=false"]
+ATTENTION = ["device=cpu", "parity.seeds=[0]", "architecture=gqa", "tile=b16", "shape.seq_len=32",
+             "shape.edge_seq_lens=[]", "shape.curve=[16,32]", "bench.reps=3", "bench.min_time_s=0", "bench.warmup=1",
+             "run.log_mlflow=false"]
+CALIBRATION = {"peaks": {"gemm_flops_per_s": {"float32": 1e11}, "copy_bytes_per_s": 1e10}}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_workers():
+    """Each test starts its user paths' workers afresh (a stage process would)."""
+    workers.close_all()
+    yield
+    workers.close_all()
+
+
+def _point(tmp_path: Path, name: str, source: str, attr: str, base: list[str]):
+    path = tmp_path / name
+    path.write_text(source)
+    cfg = load([*base, f"op.user_impls=[{path}:{attr}]", f"run.out_dir={tmp_path}", "run.name=p"])
+    return cfg, tmp_path / "p"
+
+
+HONEST = '''
+import os
+from pathlib import Path
+
+Path(__file__).with_suffix(".pid").write_text(str(os.getpid()))  # where it was imported
+
+
+def matmul(a, b):
+    return (a.float() @ b.float()).to(a.dtype)
+'''
+
+
+def test_an_honest_path_runs_in_another_process_passes_and_gets_a_speed_from_outside(tmp_path):
+    cfg, out = _point(tmp_path, "honest.py", HONEST, "matmul", [*MATMUL, "train.steps=2", "train.warmup_steps=1"])
+    report = parity_report(cfg, out)
+    path = report["paths"]["matmul"]
+    assert path["verdict"] == "pass" and path["backward"] == "own"
+    assert {"out", "grad_a", "grad_b"} <= set(path["worst"])  # its own gradients, through the worker's graph
+    pid = int((tmp_path / "honest.pid").read_text())
+    assert pid != os.getpid()
+    assert not [m for m in __import__("sys").modules if m.startswith("posttrainllm_user_")]  # never imported here
+    kernel = json.loads((out / "kernel.json").read_text())["paths"]["matmul"]
+    assert kernel["worker_start_s"] > 0
+
+    micro = stages.run_microbench(cfg, out, CALIBRATION)
+    entry = micro["paths"]["matmul"]
+    assert entry["valid"], entry.get("reason")
+    assert entry["worker_start_s"] > 0 and entry["outside"]["forward"]["worker_pid"] == pid
+    forward = entry["outside"]["forward"]
+    assert forward["batch_size"] >= 4 and forward["batches"] >= 3
+    assert entry["reps"] == forward["batch_size"] * forward["batches"]  # every call of every batch is a sample
+    assert entry["forward_backward"]["median_ms"] > 0
+    assert entry["outside"]["forward_backward"]["cleanest_batch"]["worker_over_lab"] >= 0.5
+    curve = (out / "curve.csv").read_text()
+    assert any(line.startswith("matmul,matmul,user,") and ",True," in line for line in curve.splitlines())
+
+    train = stages.run_bench_train(cfg, out)
+    assert train["drift_verdict"]["matmul"] == "pass"
+    note = train["user_paths"]
+    assert "includes its round trips" in note["note"]
+    assert note["matmul"]["calls_per_step"]["call"] > 0 and note["matmul"]["calls_per_step"]["backward"] > 0
+    assert note["matmul"]["round_trip_ms"] > 0
+
+
+MEDDLER = '''
+import time
+
+import torch
+import torch.nn.functional as F
+
+_sdpa = F.scaled_dot_product_attention
+
+
+def _slow_sdpa(*args, **kwargs):  # every other path that uses SDPA would look 50 ms slower
+    time.sleep(0.05)
+    return _sdpa(*args, **kwargs)
+
+
+_copy = torch.Tensor.copy_
+
+
+def _slow_copy(self, *args, **kwargs):
+    time.sleep(0.05)
+    return _copy(self, *args, **kwargs)
+
+
+F.scaled_dot_product_attention = _slow_sdpa
+torch.Tensor.copy_ = _slow_copy
+time.perf_counter = lambda: 0.0  # a clock that says every call took no time
+torch.set_num_threads(2)
+torch.autograd.set_detect_anomaly(True)
+
+
+def attention(q, k, v, *, causal, sm_scale):  # in float64: its verdict does not hang on its 2 threads' sums
+    out = _sdpa(q.double(), k.double(), v.double(), is_causal=causal, scale=sm_scale, enable_gqa=True)
+    return out.to(q.dtype)
+'''
+
+
+def test_what_a_path_does_to_torch_and_time_at_import_stays_in_its_worker(tmp_path):
+    cfg, out = _point(tmp_path, "meddler.py", MEDDLER, "attention", ATTENTION)
+    torch.set_num_threads(cfg.bench.threads)  # what every stage sets (measure/device.py prepare)
+    before = (F.scaled_dot_product_attention, torch.Tensor.copy_, time.perf_counter, torch.get_num_threads(),
+              torch.is_anomaly_enabled())
+    report = parity_report(cfg, out)
+    assert report["paths"]["attention"]["verdict"] == "pass"
+    micro = stages.run_microbench(cfg, out, CALIBRATION)
+    after = (F.scaled_dot_product_attention, torch.Tensor.copy_, time.perf_counter, torch.get_num_threads(),
+             torch.is_anomaly_enabled())
+    assert after == before
+    peers = {name: e["median_ms"] for name, e in micro["paths"].items() if name.startswith("sdpa") and e["valid"]}
+    assert peers and all(ms < 50 for ms in peers.values()), peers  # SDPA in the lab was never the slowed one
+    mine = micro["paths"]["attention"]
+    # timed on the worker's own clock (bound before the user's import), not the patched one: a real, nonzero time
+    assert mine["valid"], mine.get("reason")
+    assert mine["min_ms"] > 0 and mine["threads"] == 2  # the threads it ran with, recorded (its own setting)
+    assert mine["outside"]["forward"]["cleanest_batch"]["worker_over_lab"] >= 0.5
+
+
+def test_an_exception_and_a_crash_in_user_code_are_that_paths_failures(tmp_path):
+    cfg, out = _point(tmp_path, "bad.py", "def matmul(a, b):\n    raise ValueError('no kernel for this shape')\n",
+                      "matmul", MATMUL)
+    report = parity_report(cfg, out)
+    assert report["paths"]["matmul"]["failed_cases"] == ["did not run: ValueError: no kernel for this shape"]
+    assert report["paths"]["triton"]["verdict"] == "pass"
+
+    workers.close_all()
+    cfg, out = _point(tmp_path, "crash.py", "import os\n\ndef matmul(a, b):\n    os._exit(3)\n", "matmul", MATMUL)
+    report = parity_report(cfg, out)
+    failed = report["paths"]["matmul"]["failed_cases"]
+    assert len(failed) == 1 and failed[0].startswith("did not run: WorkerDied: the worker process of user path "
+                                                     "'matmul' died during its call (exit code 3)"), failed
+    assert report["paths"]["triton"]["verdict"] == "pass" and report["paths"]["torch"]["verdict"] == "pass"
+
+
+MEMO = '''
+_stored = {}
+
+
+def matmul(a, b):
+    """Right the first time it sees a shape (without autograd); then that answer for any inputs of the shape."""
+    if a.requires_grad or b.requires_grad:
+        return a @ b
+    key = (tuple(a.shape), tuple(b.shape))
+    if key not in _stored:
+        _stored[key] = a @ b
+    return _stored[key]
+'''
+
+
+def test_a_memoizing_path_passes_parity_and_gets_no_speed(tmp_path):
+    cfg, out = _point(tmp_path, "memo.py", MEMO, "matmul", MATMUL)
+    assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"  # one call per shape there
+    entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
+    assert not entry["valid"]
+    assert entry["reason"].startswith("timed batch 1, set 1 of ") and "a stored or skipped result?" in entry["reason"]
+    assert "median_ms" not in entry
+
+
+SLOW_CLOCK = '''
+import sys
+
+_worker = sys.modules["__main__"]  # the worker's own module: a path that goes looking for its clock
+_real = _worker._clock
+_worker._clock = lambda: _real() / 10  # its per-call times read 10x faster than they are
+
+
+def matmul(a, b):
+    return a @ b
+'''
+
+
+def test_a_worker_clock_that_disagrees_with_the_labs_gets_no_speed(tmp_path):
+    cfg, out = _point(tmp_path, "clock.py", SLOW_CLOCK, "matmul", MATMUL)
+    assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"
+    entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
+    assert not entry["valid"] and entry["reason"].startswith("clocks disagree: "), entry
+    assert entry["outside"]["forward"]["cleanest_batch"]["worker_over_lab"] < 0.5
+
+
+@pytest.mark.parametrize("body, violation", [
+    ("out = a @ b\n    a.add_(1.0)\n    return out", "changed input a"),
+    ("return a", "output out shares storage with input a"),
+])
+def test_writes_into_an_input_and_returning_an_input_are_caught_and_named(tmp_path, body, violation):
+    cfg, out = _point(tmp_path, "guarded.py", f"def matmul(a, b):\n    {body}\n", "matmul", MATMUL)
+    report = parity_report(cfg, out)
+    path = report["paths"]["matmul"]
+    assert path["verdict"] == "fail"
+    assert any(f.endswith(f": {violation}") for f in path["failed_cases"]), path["failed_cases"]
+
+
+def test_a_write_into_the_upstream_gradient_reaches_the_labs_buffer():
+    from posttrainllm.opdefs import get_op
+    from posttrainllm.opdefs.user import resolve
+
+    source = Path(__file__).parent / "_grad_writer.py"
+    source.write_text("import torch\n\n\nclass _F(torch.autograd.Function):\n    @staticmethod\n"
+                      "    def forward(ctx, a, b):\n        ctx.save_for_backward(a, b)\n        return a @ b\n\n"
+                      "    @staticmethod\n    def backward(ctx, g):\n        a, b = ctx.saved_tensors\n"
+                      "        ga, gb = g @ b.t(), a.t() @ g\n        g.zero_()\n        return ga, gb\n\n\n"
+                      "def matmul(a, b):\n    return _F.apply(a, b)\n")
+    try:
+        natural = workers.remote(resolve(f"{source}:matmul", get_op("matmul")))
+        a, b = torch.randn(4, 3, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+        grad = torch.randn(4, 5)
+        kept = grad.clone()
+        out = natural(a, b)
+        assert out.requires_grad
+        out.backward(grad)
+        torch.testing.assert_close(a.grad, kept @ b.detach().t())  # the gradients are right ...
+        assert torch.equal(grad, torch.zeros(4, 5))  # ... and the write into dO is in the lab's own buffer
+    finally:
+        source.unlink()
