@@ -207,3 +207,13 @@ def test_real_cuda_calibration_is_well_formed():
     assert all(v > 0 for v in flops.values()) and result["peaks"]["copy_bytes_per_s"] > 0
     if result["published"] is not None:
         assert "not measured" in result["published"]["source"]
+
+
+def test_the_floor_peak_is_the_fastest_format_at_least_as_precise_as_the_points():
+    cpu = {"peaks": {"gemm_flops_per_s": {"float32": 50e9, "bfloat16": 240e9, "float16": 2e9},
+                     "copy_bytes_per_s": 8e9}}
+    assert cal.floor_peak(cpu, "float32", False) == 50e9  # not bf16's 240: bf16 math fails an fp32 contract
+    assert cal.floor_peak(cpu, "float16", False) == 50e9  # SDPA computes fp16 in fp32 on a CPU: fp32's peak binds
+    assert cal.floor_peak(cpu, "bfloat16", False) == 240e9
+    assert cal.floor_peak(CALIBRATION, "bfloat16", False, "float8_e4m3fn") == 900e9
+    assert cal.floor_peak({"peaks": {"gemm_flops_per_s": {}, "copy_bytes_per_s": 1.0}}, "float32", False) is None

@@ -66,7 +66,8 @@ def edited_copy(point, folder, edit):
         if entry.get("roofline"):
             entry["roofline"] = roofline.roofline(bench["flops"], bench["bytes"], seconds,
                                                   peak_flops=bench["peaks"]["gemm_flops_per_s"],
-                                                  peak_bytes_per_s=bench["peaks"]["copy_bytes_per_s"])
+                                                  peak_bytes_per_s=bench["peaks"]["copy_bytes_per_s"],
+                                                  cache_bytes=bench.get("last_level_cache_bytes"))
     reference = valid["reference"]
     for name, entry in valid.items():
         if name == "reference":

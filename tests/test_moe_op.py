@@ -212,7 +212,8 @@ def test_the_expert_curve_holds_active_parameters_and_checks_each_size_before_ti
         return {"out": out + 1.0 if x["w_gate"].shape[0] == 8 else out}
 
     monkeypatch.setitem(moe.IMPLS, "sparse", dataclasses.replace(sparse, fn=wrong_with_eight_experts))
-    report = stages._curve(cfg, op, tmp_path, "cpu", ["reference", "sparse"])
+    report = stages._curve(cfg, op, tmp_path, "cpu", ["reference", "sparse"],
+                           {"peaks": {"gemm_flops_per_s": {}, "copy_bytes_per_s": 1e10}}, None)
     rows = pd.read_csv(tmp_path / "curve.csv").set_index(["impl", "x_name", "x_value"])
     assert rows.loc[("sparse", "experts", 8), "check"].startswith("failed parity")
     assert not rows.loc[("sparse", "experts", 8), "valid"] and pd.isna(rows.loc[("sparse", "experts", 8), "median"])

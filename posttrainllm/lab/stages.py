@@ -496,8 +496,9 @@ TIMED_RESULT_RULE = ("after timing, each timed path is called on one of its time
                      "and gets no speed. Forward: the output; forward + backward: every output and gradient, "
                      "under the parity stage's rules")
 IMPOSSIBLE_RULE = ("a median under {fraction:g} x the roofline's minimum time (the FLOPs of what was timed, forward "
-                   "or forward + backward, at the calibrated GEMM peak of the point's own precision; where that is "
-                   "not calibrated here, the best of any dtype) is refused as impossible; the bytes roof is not "
+                   "or forward + backward, at the fastest calibrated GEMM peak among the formats at least as precise "
+                   "as the point's: a path may compute wider, never narrower; where none is calibrated here, the "
+                   "best of any dtype) is refused as impossible; the bytes roof is not "
                    "used: a working set that fits the caches moves faster than the calibrated DRAM copy bandwidth "
                    "(torch's rms_norm measured at 1.5x it on a 132 KB point)")
 FRESH_SEED = 104_729  # added to a case's seed for the refreshed inputs of the timed-result check
@@ -529,9 +530,9 @@ def _first_call_ms(call: Callable[[], Any], device: str) -> float:
 
 
 def roofline_floor_s(flops: float, calibration: dict[str, Any], peak_flops: float | None = None) -> float:
-    """The least time the calibrated device allows a call: its FLOPs at `peak_flops`, the GEMM peak of the point's
-    own precision (calibrate.peak_for); where that is not calibrated (None), the best GEMM peak of any dtype
-    (IMPOSSIBLE_RULE: why not the bytes at the copy bandwidth)."""
+    """The least time the calibrated device allows a call: its FLOPs at `peak_flops`, the fastest GEMM peak among the
+    formats at least as precise as the point's (calibrate.floor_peak); where none is calibrated (None), the best GEMM
+    peak of any dtype (IMPOSSIBLE_RULE: why not the bytes at the copy bandwidth)."""
     best = peak_flops or max([v for v in (calibration["peaks"].get("gemm_flops_per_s") or {}).values() if v] or [0.0])
     return flops / best if best else 0.0
 
@@ -643,9 +644,10 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
         grad_outs = [upstream_gradient(c, op.reference.fn(x, cfg)["out"]) for c, x in sets]
     inputs = sets[0][1]
     quantize = cfg.precision.quantize
-    peak_flops, peak_bandwidth = calibrate.peak_for(calibration, cfg.precision.dtype,
-                                                    cfg.precision.allow_tf32 and device == "cuda",
-                                                    quantize.format if quantize is not None else None)
+    precision = (cfg.precision.dtype, cfg.precision.allow_tf32 and device == "cuda",
+                 quantize.format if quantize is not None else None)
+    peak_flops, peak_bandwidth = calibrate.peak_for(calibration, *precision)
+    floor_flops = calibrate.floor_peak(calibration, *precision)  # IMPOSSIBLE_RULE's peak
     report: dict[str, Any] = {"device": device, "threads": torch.get_num_threads(), "case": case.name,
                               "problem": op.problem(case), "flops": costs.flops, "bytes": costs.bytes,
                               "train_flops": costs.train_flops, "flops_formula": costs.flops_formula,
@@ -690,10 +692,10 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
             refused = None if name == REFERENCE else (
                 state
                 or _timed_result_check(op, cfg, case, impl, mine[0])
-                or impossible(forward.median_ms, costs.flops, calibration, peak_flops, bench.impossible_below)
+                or impossible(forward.median_ms, costs.flops, calibration, floor_flops, bench.impossible_below)
                 or (train is not None and (
                     _timed_result_check(op, cfg, case, impl, mine[0], grad_out=dos[0])
-                    or impossible(train.median_ms, costs.train_flops, calibration, peak_flops,
+                    or impossible(train.median_ms, costs.train_flops, calibration, floor_flops,
                                   bench.impossible_below, "forward + backward"))) or None)
             if refused:  # the path's numbers were right in parity, but what was timed was not that function
                 report["paths"][name] = {"valid": False, "reason": refused, "first_call_ms": first_call_ms,
@@ -708,7 +710,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                 "memory": memory,
                 "roofline": roofline.roofline(costs.flops, costs.bytes, seconds, peak_flops=peak_flops,
                                               peak_bytes_per_s=peak_bandwidth,
-                                              cache_bytes=cache_bytes) if peak_flops else None,
+                                              cache_bytes=cache_bytes, widest_flops=floor_flops)
+                if peak_flops else None,
                 "backward": impl.backward, **(user.entry if user else {}),
                 "forward_backward": (
                     {"valid": False, "reason": backward_note(impl)} if train is None else
@@ -738,7 +741,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     timed = list(timings)
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
         report["describe"] = op.describe(case, inputs, cfg)
-    report["curve"] = _curve(cfg, op, out, device, timed, calibration, peak_flops)
+    report["curve"] = _curve(cfg, op, out, device, timed, calibration, floor_flops)
     for name, impl in op.paths(cfg).items():  # after every timed call and curve size (compiled: per signature)
         if impl.evidence is not None and name in report["paths"]:
             report["paths"][name]["evidence"] = impl.evidence()
@@ -763,7 +766,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
 
 
 def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], calibration: dict[str, Any],
-           peak_flops: float | None) -> dict[str, Any]:
+           floor_flops: float | None) -> dict[str, Any]:
     """The timed paths over every curve axis of the op (shape.curve; its extra_curves), forward and, with
     bench.curve_backward, forward + backward; each size parity-checked before it is timed: curve.csv + plots,
     and each path's crossover with the reference per axis and mode. Each size's timing rotates over the point's
@@ -818,7 +821,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                                  if guard.changed else None)
                                 or _timed_result_check(op, cfg, case, impl, mine[0],
                                                        grad_out=None if mode == curves.FORWARD else dos[0])
-                                or impossible(row["median"], flops, calibration, peak_flops,
+                                or impossible(row["median"], flops, calibration, floor_flops,
                                               bench.impossible_below, mode))
                             if refused:
                                 row.update(median=math.nan, p20=math.nan, p80=math.nan, valid=False, reason=refused)

@@ -190,6 +190,8 @@ CORE_SOURCES = (
     "posttrainllm/lab/stages.py",
     "posttrainllm/lab/guards.py",
     "posttrainllm/lab/parity.py",
+    "posttrainllm/lab/outside.py",  # user paths timed from outside their worker (opdefs/worker.py)
+    "posttrainllm/lab/rooms.py",
     "posttrainllm/measure/__init__.py",
     "posttrainllm/measure/device.py",
     "posttrainllm/measure/calibrate.py",
@@ -198,6 +200,7 @@ CORE_SOURCES = (
     "posttrainllm/measure/timing.py",
     "posttrainllm/opdefs",  # every op's definition: validating a config applies the ops' rules
     "posttrainllm/ops/__init__.py",
+    "posttrainllm/ops/launches.py",
     "posttrainllm/ops/reference.py",
     "posttrainllm/track/__init__.py",
     "posttrainllm/track/provenance.py",

@@ -259,6 +259,27 @@ def load_or_measure(path: Path, device: str, *, budget_s: float = DEFAULT_BUDGET
     return measured
 
 
+# Formats at least as precise as each (a mantissa and a range no smaller): a path may compute a point in any of
+# them and still meet its contract (SDPA on a CPU computes fp16 in fp32, faster than the CPU's fp16 GEMM), never
+# in a narrower one (that fails the contract), so the impossible-time floor is the fastest of these peaks
+AT_LEAST_AS_PRECISE = {
+    "float32": ("float32",),
+    "tf32": ("tf32", "float32"),
+    "float16": ("float16", "tf32", "float32"),
+    "bfloat16": ("bfloat16", "float16", "tf32", "float32"),
+    "float8_e4m3fn": ("float8_e4m3fn", "bfloat16", "float16", "tf32", "float32"),
+    "float8_e5m2": ("float8_e5m2", "float8_e4m3fn", "bfloat16", "float16", "tf32", "float32"),
+}
+
+
+def floor_peak(calibration: dict[str, Any], dtype: str, allow_tf32: bool, quantize: str | None = None) -> float | None:
+    """The GEMM peak an impossible-time floor uses: the fastest calibrated peak among the formats at least as precise
+    as the point's (AT_LEAST_AS_PRECISE); None where none of them was calibrated."""
+    flops = calibration["peaks"]["gemm_flops_per_s"]
+    key = quantize or ("tf32" if allow_tf32 and "tf32" in flops else dtype)
+    return max([flops[k] for k in AT_LEAST_AS_PRECISE.get(key, (key,)) if flops.get(k)] or [0.0]) or None
+
+
 def peak_for(calibration: dict[str, Any], dtype: str, allow_tf32: bool,
              quantize: str | None = None) -> tuple[float | None, float]:
     """(peak GEMM FLOP/s for this precision or None if not measured, copy bandwidth B/s).

@@ -59,9 +59,12 @@ def _seconds(value: float) -> str:
 
 
 def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, peak_bytes_per_s: float,
-             overhead_s: float = DEFAULT_OVERHEAD_S, cache_bytes: int | None = None) -> dict[str, Any]:
+             overhead_s: float = DEFAULT_OVERHEAD_S, cache_bytes: int | None = None,
+             widest_flops: float | None = None) -> dict[str, Any]:
     """One measured call against the roofline; every rate in base units (FLOP/s, B/s). cache_bytes: the
-    device's last-level cache (None: unknown, the copy roof always applies)."""
+    device's last-level cache (None: unknown, the copy roof always applies). widest_flops: the fastest peak among
+    formats at least as precise as the point's (calibrate.floor_peak): a call that computed wider may reach it, so
+    only a rate above it too is above the FLOP roof."""
     for name, value in (("flops", flops), ("nbytes", nbytes), ("seconds", seconds), ("peak_flops", peak_flops),
                         ("peak_bytes_per_s", peak_bytes_per_s)):
         if not value > 0:
@@ -76,10 +79,11 @@ def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, 
     achieved = flops / seconds  # FLOP/s
     fraction = achieved / attainable
     above = None
-    if achieved > peak_flops:
-        above = (f"achieved {_si(achieved, 'FLOP/s')} is {achieved / peak_flops:.2f}x the calibrated FLOP peak "
-                 f"{_si(peak_flops, 'FLOP/s')}: the calibration or the timing is wrong")
-    elif fraction > 1:
+    ceiling = max(peak_flops, widest_flops or 0.0)
+    if achieved > ceiling:
+        above = (f"achieved {_si(achieved, 'FLOP/s')} is {achieved / ceiling:.2f}x the calibrated FLOP peak "
+                 f"{_si(ceiling, 'FLOP/s')}: the calibration or the timing is wrong")
+    elif achieved > memory_roof:
         above = (f"achieved {_si(nbytes / seconds, 'B/s')} is {fraction:.2f}x the DRAM copy roof "
                  f"{_si(peak_bytes_per_s, 'B/s')} with a working set of {_si(nbytes, 'B')}"
                  + (f" over the {_si(cache_bytes, 'B')} last-level cache" if cache_bytes else
