@@ -162,6 +162,8 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
         return UserTiming(None, f"its worker did not start: {type(exc).__name__}: {exc}", report)
     report["worker_start_s"] = worker.start_s
     report["worker_pid"] = worker.pid
+    if worker.tampered:  # no kernel needs to: a timer, the lab's functions or torch's switches replaced at import
+        return UserTiming(None, f"its import changed its worker ({'; '.join(worker.tampered)}): no speed", report)
     counter = iter(range(1_000_000))
 
     def draw(n: int) -> list[_Set]:
@@ -194,6 +196,10 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
             start = time.perf_counter()
             done = worker.request({"op": "run", "key": "timed"})
             span = time.perf_counter() - start
+            if done.get("tampered"):  # its calls changed the worker's torch switches, clocks or the lab's code
+                report.update(batch_size=n, batches=len(batches) + 1)
+                return UserTiming(None, f"timed batch {len(batches) + 1}: its calls changed its worker "
+                                        f"({'; '.join(done['tampered'])}): no speed", report)
             if null is None:  # the same loop and checksums calling nothing: what is not the path's compute
                 null = _round_trip_s(lambda: worker.request({"op": "run", "null": True}), device, NULLS)
             answer = worker.request({"op": "fetch"})  # every output, after the clock

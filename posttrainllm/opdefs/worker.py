@@ -62,6 +62,8 @@ import torch
 from posttrainllm.files import USER_SOURCES
 
 _clock = time.perf_counter  # bound before any user code runs in a worker: a patched time.perf_counter is not ours
+_TIMERS = {name: getattr(time, name) for name in ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
+                                                  "time", "time_ns", "process_time", "process_time_ns")}
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder holding posttrainllm/
 
 
@@ -221,6 +223,7 @@ class Worker:
             self.start_s = time.perf_counter() - started  # spawn + import torch + the user's module
         self.pid = reply["pid"]
         self.threads = reply["threads"]
+        self.tampered: list[str] = reply.get("tampered") or []  # what its import changed (outside.py: no speed)
         USER_SOURCES[user.identity["file"]] = user.identity["sha256"]  # the stage stamps hash what ran
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -451,6 +454,58 @@ def _first(result: Any) -> torch.Tensor:
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
+def _process_state() -> dict[str, Any]:
+    """The torch switches a path could flip to change its own speed or, in a shared process, another path's."""
+    b = torch.backends
+    return {"threads": torch.get_num_threads(), "anomaly_detection": torch.is_anomaly_enabled(),
+            "default_dtype": str(torch.get_default_dtype()),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(), "mkldnn.enabled": b.mkldnn.enabled,
+            "cudnn.enabled": b.cudnn.enabled, "cudnn.benchmark": b.cudnn.benchmark}
+
+
+def _ours() -> dict[tuple[str, str], Any]:
+    """Every callable of the lab's modules loaded here (this worker's own among them) and of its _Server."""
+    found: dict[tuple[str, str], Any] = {}
+    here = sys.modules[__name__]
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "posttrainllm" or name.startswith("posttrainllm.") or module is here):
+            for attr, value in list(vars(module).items()):
+                if callable(value) and not attr.startswith("__"):
+                    found[(name, attr)] = value
+    found.update({("_Server", attr): v for attr, v in vars(_Server).items() if callable(v)})
+    return found
+
+
+def _tampered(state: dict[str, Any], ours: dict[tuple[str, str], Any], user_file: str | None) -> list[str]:
+    """What the user's code changed of this process that no kernel needs to: torch's switches, `time`'s clocks,
+    the lab's own functions (those loaded before it ran, or any of the lab's modules bound to its code)."""
+    now = _process_state()
+    changed = [f"{key} {state[key]} -> {now[key]}" for key in state if now[key] != state[key]]
+    changed += [f"replaced time.{name}" for name, fn in _TIMERS.items() if getattr(time, name) is not fn]
+    current = _ours()
+    changed += [f"replaced {m}.{a}" for (m, a), v in ours.items() if current.get((m, a)) is not v]
+    if user_file:
+        changed += [f"replaced {m}.{a}" for (m, a), v in current.items() if (m, a) not in ours and
+                    getattr(getattr(v, "__code__", None), "co_filename", None) == user_file]
+        changed += [f"a thread running its code ({name})" for name in _threads_in(user_file)]
+    return changed
+
+
+def _threads_in(user_file: str) -> list[str]:
+    """The threads other than this one whose stack is in the user's file (computing a result late, holding the GIL)."""
+    frames = sys._current_frames()
+    found = []
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident) if thread is not threading.current_thread() else None
+        while frame is not None:
+            if frame.f_code.co_filename == user_file:
+                found.append(thread.name)
+                break
+            frame = frame.f_back
+    return found
+
+
 class _Server:
     def __init__(self) -> None:
         self.fn: Callable[..., Any] | None = None
@@ -461,6 +516,9 @@ class _Server:
         self.last_tensors: list[list[torch.Tensor]] = []
         self.last_backward = False
         self.next_id = 0
+        self.state: dict[str, Any] = {}
+        self.ours: dict[tuple[str, str], Any] = {}
+        self.user_file: str | None = None
 
     def load(self, m: dict[str, Any]) -> dict[str, Any]:
         if m["threads"]:
@@ -470,11 +528,15 @@ class _Server:
 
         u = m["user"]
         user = UserPath(u["name"], u["module"], Path(u["file"]) if u["file"] else None, u["attr"], u["identity"])
+        self.state, self.ours = _process_state(), _ours()  # as the lab set them, before any of the user's code
         target = user.load()
         if not callable(target):
             raise TypeError(f"{user.attr} in {user.identity['file']} is a {type(target).__name__}, not a callable")
         self.fn = target
-        return {"pid": os.getpid(), "threads": torch.get_num_threads()}
+        code = getattr(target, "__code__", None)
+        self.user_file = str(u["file"]) if u["file"] else (code.co_filename if code else None)
+        return {"pid": os.getpid(), "threads": torch.get_num_threads(),
+                "tampered": _tampered(self.state, self.ours, self.user_file)}
 
     def call(self, m: dict[str, Any]) -> dict[str, Any]:
         tensors = [t.requires_grad_() if f and t.is_floating_point() else t for t, f in zip(m["tensors"], m["flags"])]
@@ -528,6 +590,7 @@ class _Server:
         backward = (batch["grad_outs"] is not None) if batch else self.last_backward
         sets = batch["sets"] if batch else [(t, (), {}) for t in self.last_tensors]
         samples, results = [], []
+        tampered: set[str] = set()
         for i, (tensors, args, kwargs) in enumerate(sets):
             for t in tensors if not null else ():
                 t.grad = None
@@ -542,13 +605,17 @@ class _Server:
                         _first(result).backward(batch["grad_outs"][i])
                 _sync(tensors)
                 samples.append(_clock() - start)
+            if not null and torch.get_num_threads() != self.state.get("threads", torch.get_num_threads()):
+                tampered.add(f"threads {self.state['threads']} -> {torch.get_num_threads()} in a call")
             results.append(result)
         if not null:
             self.last_results, self.last_backward = results, backward
             self.last_tensors = [tensors for tensors, _, _ in sets]
         answers = [self._answer(r, t, backward) for r, t in zip(results, self.last_tensors)]
         self.last = {"results": answers, "threads": torch.get_num_threads()}
-        return {"samples_s": samples, "checksums": [checksums(a) for a in answers]}
+        if not null:  # after the clock: what its calls changed of this process (outside.py: no speed)
+            tampered.update(_tampered(self.state, self.ours, self.user_file))
+        return {"samples_s": samples, "checksums": [checksums(a) for a in answers], "tampered": sorted(tampered)}
 
     def _answer(self, result: Any, tensors: list[torch.Tensor], backward: bool) -> dict[str, Any]:
         outputs: list[torch.Tensor] = []
