@@ -131,13 +131,12 @@ def test_what_a_path_does_to_torch_and_time_at_import_stays_in_its_worker(tmp_pa
     after = (F.scaled_dot_product_attention, torch.Tensor.copy_, time.perf_counter, torch.get_num_threads(),
              torch.is_anomaly_enabled())
     assert after == before
-    peers = {name: e["median_ms"] for name, e in micro["paths"].items() if name.startswith("sdpa") and e["valid"]}
-    assert peers and all(ms < 50 for ms in peers.values()), peers  # SDPA in the lab was never the slowed one
+    assert all(micro["paths"][name]["valid"] for name in micro["paths"] if name.startswith("sdpa"))
+    assert "library_replaced" not in json.loads((out / "kernel.json").read_text())  # the lab's SDPA is its own
     mine = micro["paths"]["attention"]
-    # timed on the worker's own clock (bound before the user's import), not the patched one: a real, nonzero time
-    assert mine["valid"], mine.get("reason")
-    assert mine["min_ms"] > 0 and mine["threads"] == 2  # the threads it ran with, recorded (its own setting)
-    assert mine["outside"]["forward"]["cleanest_batch"]["worker_over_lab"] >= 0.5
+    # what its import changed of its own process is named, and a path that needs to do so gets no speed
+    assert not mine["valid"] and mine["reason"].startswith("its import changed its worker (")
+    assert "threads 1 -> 2" in mine["reason"] and "replaced time.perf_counter" in mine["reason"]
 
 
 def test_an_exception_and_a_crash_in_user_code_are_that_paths_failures(tmp_path):
@@ -197,8 +196,7 @@ def test_a_worker_clock_that_disagrees_with_the_labs_gets_no_speed(tmp_path):
     cfg, out = _point(tmp_path, "clock.py", SLOW_CLOCK, "matmul", MATMUL)
     assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"
     entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
-    assert not entry["valid"] and entry["reason"].startswith("clocks disagree: "), entry
-    assert entry["outside"]["forward"]["cleanest_batch"]["worker_over_lab"] < 0.5
+    assert not entry["valid"] and "replaced __main__._clock" in entry["reason"], entry
 
 
 @pytest.mark.parametrize("body, violation", [

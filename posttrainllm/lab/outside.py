@@ -44,11 +44,16 @@ BATCH_MIN, BATCH_MAX = 4, 64
 BATCH_ROUND_TRIPS = 20  # a batch computes for at least this many empty round trips, when N <= BATCH_MAX allows
 NULLS, PINGS = 5, 9  # repetitions of the null batch and of the empty call (their median is taken)
 BATCHES_MIN = 3  # timed batches at least: the agreement rule reads the least disturbed one
-AGREEMENT = 0.5  # the worker's per-call times must sum to at least this fraction of the lab's compute span
+# the worker's per-call times must sum to at least this fraction of the lab's compute span: the samples are scaled
+# up to the lab's span anyway, so this only names a gross disagreement (a trick); an honest 16x128 rmsnorm (~0.1 ms
+# a call) measured 0.4-0.65 on two loaded cores, which the former 0.5 refused
+AGREEMENT = 0.25
 SET_SEED = 7_919  # set k of a point's timing draws its inputs from case.seed + SET_SEED * (k + 1) + SEED_OFFSET
 SEED_OFFSET = 2 * 104_729  # away from the parity cases' seeds and the timed-result check's (stages.FRESH_SEED)
 FORWARD, FORWARD_BACKWARD = "forward", "forward_backward"
-AGREEMENT_RULE = (f"in the timed batch the lab's clock saw least time in, the worker's per-call times (its own clock) "
+AGREEMENT_RULE = ("the samples are the worker's per-call times, scaled up per batch to the lab's span less the "
+                  "empty loop's where they sum to less (the lab's clock bounds the total); "
+                  f"in the timed batch the lab's clock saw least time in, the worker's per-call times (its own clock) "
                   f"must sum to at least {AGREEMENT:g} x the lab's span (time.perf_counter, after a device "
                   f"synchronize) less the median span of the same loop calling nothing ({NULLS} runs); else the "
                   "clocks disagree and the path gets no speed")
@@ -205,7 +210,10 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
             answer = worker.request({"op": "fetch"})  # every output, after the clock
             threads = answer["threads"]
             batches.append((span - null, sum(done["samples_s"])))
-            samples += done["samples_s"]
+            # the lab's clock bounds the batch: where the worker's calls sum to less than the lab saw, they are scaled
+            # up to it (work hidden outside the worker's per-call clock is still counted); its clock gives the shape
+            scale = max(1.0, batches[-1][0] / batches[-1][1]) if batches[-1][1] > 0 else 1.0
+            samples += [x * scale for x in done["samples_s"]]
             for k, (s, got) in enumerate(zip(sets, answer["results"])):
                 if not _same_checksums(workers.checksums(got), done["checksums"][k]):
                     failed = "its outputs changed after the batch was answered (a result computed later?)"

@@ -401,6 +401,13 @@ def remote(user: Any) -> Callable[..., Any]:
 # --- the worker's side ---------------------------------------------------------------------------------------
 
 
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a call's result (a tensor, or tuples and lists of them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    return [t for o in obj for t in _tensors_in(o)] if isinstance(obj, (tuple, list)) else []
+
+
 def _encode(obj: Any, outputs: list[torch.Tensor]) -> dict[str, Any]:
     if isinstance(obj, torch.Tensor):
         outputs.append(obj)
@@ -607,6 +614,10 @@ class _Server:
                 samples.append(_clock() - start)
             if not null and torch.get_num_threads() != self.state.get("threads", torch.get_num_threads()):
                 tampered.add(f"threads {self.state['threads']} -> {torch.get_num_threads()} in a call")
+            if not null:  # a tensor subclass can compute when read, after the per-call clock: not a timed result
+                tampered.update(f"returned a {type(t).__name__} (a torch.Tensor subclass: it can compute when read, "
+                                "after the clock)" for t in _tensors_in(result) if type(t) is not torch.Tensor
+                                and not isinstance(t, torch.nn.Parameter))
             results.append(result)
         if not null:
             self.last_results, self.last_backward = results, backward
