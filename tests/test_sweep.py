@@ -144,7 +144,7 @@ def _kernels(stage: str, op: str, tile: str = "b32", workgroup: str = "w4s2") ->
 
 
 def test_a_point_stage_depends_on_its_ops_kernel_only_where_it_runs_it():
-    common = ["posttrainllm/ops/__init__.py", "posttrainllm/ops/reference.py"]
+    common = ["posttrainllm/ops/__init__.py", "posttrainllm/ops/launches.py", "posttrainllm/ops/reference.py"]
     attention, matmul = "posttrainllm/ops/attention.py", "posttrainllm/ops/matmul.py"
     for stage in ("reference", "parity", "receipt"):
         assert _kernels(stage, "attention") == common and _kernels(stage, "moe") == common

@@ -73,7 +73,6 @@ def test_an_honest_path_runs_in_another_process_passes_and_gets_a_speed_from_out
     assert forward["batch_size"] >= 4 and forward["batches"] >= 3
     assert entry["reps"] == forward["batch_size"] * forward["batches"]  # every call of every batch is a sample
     assert entry["forward_backward"]["median_ms"] > 0
-    assert entry["outside"]["forward_backward"]["cleanest_batch"]["worker_over_lab"] >= 0.5
     curve = (out / "curve.csv").read_text()
     assert any(line.startswith("matmul,matmul,user,") and ",True," in line for line in curve.splitlines())
 

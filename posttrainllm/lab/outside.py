@@ -16,10 +16,11 @@ the curve (stages._curve) never call `measure()` on it. Instead, per batch:
 
 Fresh sets each batch: a result stored from an earlier call, keyed on anything but the values, is wrong
 here. N grows until a batch computes for ~BATCH_ROUND_TRIPS empty round trips (at most BATCH_MAX); at least
-BATCHES_MIN batches. The worker's per-call times are the Timing's samples (its distribution); in the batch the
-lab saw least time in, they must sum to AGREEMENT x the lab's compute span (AGREEMENT_RULE). A path that skips
-work, detects the timing loop, patches a timer, returns a lazy or thread-computed result or a cached one then
-loses its speed: a wrong output, a changed checksum, or clocks that disagree.
+BATCHES_MIN batches. The worker's per-call times are the Timing's samples (its distribution), each batch's scaled
+up to the lab's compute span where they sum to less (AGREEMENT_RULE). A path that skips work, detects the timing
+loop, returns a stored result or one finished later loses its speed (a wrong output, a changed checksum); work
+hidden outside the worker's per-call clock is counted by the lab's; a patched clock is named by the worker
+(opdefs/worker.py `_tampered`).
 Not covered: no L2 flush between the calls of a batch (distinct sets are what keeps the cache honest), and
 the worker's memory is not measured (a user path's `memory` is the lab's side of one call).
 """
@@ -44,19 +45,14 @@ BATCH_MIN, BATCH_MAX = 4, 64
 BATCH_ROUND_TRIPS = 20  # a batch computes for at least this many empty round trips, when N <= BATCH_MAX allows
 NULLS, PINGS = 5, 9  # repetitions of the null batch and of the empty call (their median is taken)
 BATCHES_MIN = 3  # timed batches at least: the agreement rule reads the least disturbed one
-# the worker's per-call times must sum to at least this fraction of the lab's compute span: the samples are scaled
-# up to the lab's span anyway, so this only names a gross disagreement (a trick); an honest 16x128 rmsnorm (~0.1 ms
-# a call) measured 0.4-0.65 on two loaded cores, which the former 0.5 refused
-AGREEMENT = 0.25
 SET_SEED = 7_919  # set k of a point's timing draws its inputs from case.seed + SET_SEED * (k + 1) + SEED_OFFSET
 SEED_OFFSET = 2 * 104_729  # away from the parity cases' seeds and the timed-result check's (stages.FRESH_SEED)
 FORWARD, FORWARD_BACKWARD = "forward", "forward_backward"
-AGREEMENT_RULE = ("the samples are the worker's per-call times, scaled up per batch to the lab's span less the "
-                  "empty loop's where they sum to less (the lab's clock bounds the total); "
-                  f"in the timed batch the lab's clock saw least time in, the worker's per-call times (its own clock) "
-                  f"must sum to at least {AGREEMENT:g} x the lab's span (time.perf_counter, after a device "
-                  f"synchronize) less the median span of the same loop calling nothing ({NULLS} runs); else the "
-                  "clocks disagree and the path gets no speed")
+AGREEMENT_RULE = ("the samples are the worker's per-call times (its own clock, bound before the user's module is "
+                  "imported), each batch's scaled up to the lab's span (time.perf_counter, after a device synchronize) "
+                  f"less the median span of the same loop calling nothing ({NULLS} runs) where they sum to less: the "
+                  "lab's clock bounds the total, so work hidden outside the worker's per-call clock (a thread, a "
+                  "result finished later) is counted; `cleanest_batch.worker_over_lab` records how far they agreed")
 RULE = ("a user path is timed from outside its worker: batches of N >= 4 distinct input sets (fresh each batch) "
         "placed in the worker before the clock, computed in one request the lab's clock spans, every output "
         "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set; " + AGREEMENT_RULE)
@@ -232,11 +228,6 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
                   worker_total_ms=sum(w for _, w in batches) * 1e3, lab_total_ms=sum(b for b, _ in batches) * 1e3,
                   cleanest_batch={"lab_ms": lab_s * 1e3, "worker_ms": worker_s * 1e3,
                                   "worker_over_lab": worker_s / lab_s if lab_s > 0 else None})
-    if worker_s < AGREEMENT * lab_s:
-        return UserTiming(None, f"clocks disagree: in the batch the lab saw least time in, the worker's per-call "
-                                f"times sum to {worker_s * 1e3:.4g} ms and the lab's clock saw {lab_s * 1e3:.4g} ms "
-                                f"of compute ({n} calls; {null * 1e3:.3g} ms of the same loop calling nothing "
-                                f"subtracted), under {AGREEMENT:g} x: no speed", report)
     timing = summarize([s * 1e3 for s in samples], threads=threads, flushed=False)
     return UserTiming(timing, None, report)
 
