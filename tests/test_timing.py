@@ -117,3 +117,14 @@ def test_cuda_default_flushes_l2_and_uses_events():
     measure(lambda: a @ a, device="cuda", warmup=0, reps=3, min_time_s=0.0, max_reps=3,
             flush=lambda: calls.append("flush"))
     assert calls == ["flush"] * 3
+
+
+def test_work_on_another_stream_is_named_from_the_synchronised_wall_clock():
+    from posttrainllm.measure.timing import other_streams
+
+    events = [1.0, 1.1, 0.9, 1.0, 1.05]
+    assert other_streams(events, [1.08, 1.15, 1.0, 1.1, 1.12]) is None  # the synchronisation's own cost
+    side = other_streams(events, [3.0, 3.1, 2.9, 3.0, 3.2])  # the call's real work ran on a side stream
+    assert side.startswith("work outside the timed stream") and "3 ms" in side
+    assert other_streams([0.004] * 5, [0.03] * 5) is None  # a tiny kernel: under the absolute slack
+    assert other_streams(events, []) is None  # no wall clock (the CPU)

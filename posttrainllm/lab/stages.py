@@ -690,7 +690,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                 report["paths"][name] = {"valid": False, "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
                 continue
             refused = None if name == REFERENCE else (
-                state
+                state or forward.other_streams or (train is not None and train.other_streams) or None
                 or _timed_result_check(op, cfg, case, impl, mine[0])
                 or impossible(forward.median_ms, costs.flops, calibration, floor_flops, bench.impossible_below)
                 or (train is not None and (

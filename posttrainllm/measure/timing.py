@@ -1,7 +1,9 @@
 """Warmed timing with repetitions.
 
 CUDA: CUDA events around each call, with the L2 cache flushed before it (a write
-over a buffer larger than L2), so a small problem does not time a warm cache.
+over a buffer larger than L2), so a small problem does not time a warm cache; the
+events sit inside a device-wide synchronisation, whose wall time cross-checks them
+(STREAM_RULE: work a call launches on another stream is named, never missed).
 CPU: `time.perf_counter` around each call, at a fixed thread count (recorded).
 Both: `warmup` untimed calls, then at least `reps` timed calls and more until
 `min_time_s` has been spent (at most `max_reps`).
@@ -54,6 +56,7 @@ class Timing:
     noisy: bool = False  # see NOISY_RULE
     threads: int | None = None  # torch.get_num_threads() while measuring (CPU intra-op threads)
     flushed: bool = False  # a cache flush ran before every timed call
+    other_streams: str | None = None  # CUDA: why the events missed work on another stream (STREAM_RULE), or None
 
     def summary(self) -> dict[str, float | int | bool | None]:
         out = asdict(self)
@@ -95,13 +98,39 @@ def l2_flush(device: str) -> Callable[[], None] | None:
     return buffer.zero_
 
 
-def _cuda_event_ms(fn: Callable[[], object]) -> float:
+def _cuda_event_ms(fn: Callable[[], object], walls: list[float] | None = None) -> float:
+    """CUDA events on the current stream around one call, inside a device-wide synchronisation whose wall time
+    goes to `walls`: work the call launched on another stream is outside the events but inside the wall time."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
     start.record()
     fn()
     end.record()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()  # every stream of the device, not only the events'
+    if walls is not None:
+        walls.append((time.perf_counter() - t0) * 1e3)
     return start.elapsed_time(end)
+
+
+# The events time the current stream; the synchronised wall clock times every stream (plus a synchronisation's
+# cost, some microseconds). A wall median beyond the events' by more than both slacks is work on another stream.
+STREAM_SLACK = 0.5  # fraction of the events' median
+STREAM_SLACK_MS = 0.05  # and the synchronisation's own cost
+STREAM_RULE = (f"CUDA: each repetition's events (current stream) sit inside a device-wide synchronisation whose wall "
+               f"time counts every stream; a wall median over (1 + {STREAM_SLACK:g}) x the events' median + "
+               f"{STREAM_SLACK_MS:g} ms is work outside the timed stream: no speed")
+
+
+def other_streams(event_ms: list[float], wall_ms: list[float]) -> str | None:
+    """STREAM_RULE on one measurement's samples: None, or the reason it timed less than the device did."""
+    if not event_ms or not wall_ms:
+        return None
+    events, wall = statistics.median(event_ms), statistics.median(wall_ms)
+    if wall > (1 + STREAM_SLACK) * events + STREAM_SLACK_MS:
+        return (f"work outside the timed stream: the device-wide wall clock's median {wall:.4g} ms is over "
+                f"(1 + {STREAM_SLACK:g}) x the events' {events:.4g} ms + {STREAM_SLACK_MS:g} ms: no speed")
+    return None
 
 
 def _clock_ms(clock: Callable[[], float], sync: Callable[[], None]) -> Callable[[Callable[[], object]], float]:
@@ -135,8 +164,9 @@ def measure(fn: Callable[[], object], *, device: str, warmup: int, reps: int, mi
     flush_fn = l2_flush(device) if isinstance(flush, _Auto) else flush
     if sync is None:
         sync = torch.cuda.synchronize if device == "cuda" else _no_sync
+    walls: list[float] = []
     if clock is None and device == "cuda":
-        time_one = _cuda_event_ms
+        time_one = lambda fn: _cuda_event_ms(fn, walls)  # noqa: E731
     else:
         time_one = _clock_ms(clock or time.perf_counter, sync)
     for _ in range(warmup):
@@ -149,4 +179,6 @@ def measure(fn: Callable[[], object], *, device: str, warmup: int, reps: int, mi
             flush_fn()
         samples.append(time_one(fn))
         spent += samples[-1] / 1e3
-    return summarize(samples, threads=torch.get_num_threads(), flushed=flush_fn is not None)
+    timing = summarize(samples, threads=torch.get_num_threads(), flushed=flush_fn is not None)
+    timing.other_streams = other_streams(samples, walls)
+    return timing
