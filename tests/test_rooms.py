@@ -190,3 +190,13 @@ def test_a_replaced_torch_function_changes_no_peer_and_is_named(tmp_path, monkey
     assert report["paths"]["sdpa"]["verdict"] == "pass", report["paths"]["sdpa"]["failed_cases"][:2]
     kernel = json.loads((tmp_path / "kernel.json").read_text())
     assert kernel["library_replaced"]["functions"] == ["torch.nn.functional.scaled_dot_product_attention"]
+
+
+def test_the_state_guard_reads_torch_under_the_tf32_switch_the_stages_set():
+    """The legacy float32-matmul-precision getter raises once the new API has set a backend's precision
+    (measure/device.py fp32_matmuls does, for every stage): the guard must read what it can."""
+    from posttrainllm.measure import device as devices
+
+    with devices.fp32_matmuls(tf32=True), rooms.StateGuard() as guard:
+        pass
+    assert guard.changed == []

@@ -48,9 +48,9 @@ def _backend_flags() -> dict[str, Any]:
     backends = torch.backends
     flags = {"cudnn.enabled": backends.cudnn.enabled, "cudnn.benchmark": backends.cudnn.benchmark,
              "cudnn.deterministic": backends.cudnn.deterministic, "mkldnn.enabled": backends.mkldnn.enabled,
-             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-             "float32_matmul_precision": torch.get_float32_matmul_precision()}
-    matmul = backends.cuda.matmul
+             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+    matmul = backends.cuda.matmul  # its fp32_precision, not torch.get_float32_matmul_precision(): that legacy getter
+    # raises once the new API has set a backend's precision (measure/device.py fp32_matmuls does)
     for name in ("fp32_precision", "allow_fp16_reduced_precision_reduction",
                  "allow_bf16_reduced_precision_reduction"):
         if hasattr(matmul, name):
@@ -79,7 +79,6 @@ def restore(state: dict[str, Any]) -> None:
     backends.cudnn.enabled, backends.cudnn.benchmark = state["cudnn.enabled"], state["cudnn.benchmark"]
     backends.cudnn.deterministic, backends.mkldnn.enabled = state["cudnn.deterministic"], state["mkldnn.enabled"]
     torch.use_deterministic_algorithms(state["deterministic_algorithms"])
-    torch.set_float32_matmul_precision(state["float32_matmul_precision"])
     for key, value in state.items():
         if key.startswith("cuda.matmul."):
             setattr(backends.cuda.matmul, key.removeprefix("cuda.matmul."), value)

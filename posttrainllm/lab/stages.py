@@ -728,6 +728,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
             for mode, timing in (("forward", forward), ("forward_backward", train)):
                 rows += [{"impl": name, "mode": mode, "rep": i, "ms": ms}
                          for i, ms in enumerate(timing.samples_ms if timing else [])]
+    if REFERENCE not in timings:  # every speedup is a ratio to it: without it the stage has no result to give
+        raise RuntimeError(f"the reference could not be timed: {report['paths'][REFERENCE].get('reason')}")
     ref_forward, ref_train = timings[REFERENCE]
     for name, (forward, train) in timings.items():
         if name == REFERENCE:
