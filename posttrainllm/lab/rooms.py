@@ -103,3 +103,9 @@ class StateGuard:
         self.changed = state_changes(self.before, torch_state())
         if self.changed:
             restore(self.before)
+
+    @property
+    def reason(self) -> str | None:
+        """Why the guarded region gets no speed (what it changed, put back), or None."""
+        return (f"changed torch's state while timed ({'; '.join(self.changed)}): put back, no speed"
+                if self.changed else None)

@@ -614,8 +614,7 @@ def _time_path(impl: Impl, cfg: LabConfig, sets: list[Tensors], grad_outs: list[
         train = None if impl.backward == NO_BACKWARD else measure(
             rooms.rotating([_forward_backward(impl, x, g, cfg) for x, g in zip(sets, grad_outs)]), device=device,
             **settings)
-    state = (f"changed torch's state while timed ({'; '.join(guard.changed)}): put back, no speed"
-             if guard.changed else None)
+    state = guard.reason
     return forward, train, memory, first_call_ms, state
 
 
@@ -819,8 +818,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                                                      check=checks[name], labels=dict(labels, mode=mode, flops=flops))
                         if row["valid"] and name != REFERENCE:  # what was timed was this function, possibly
                             refused = (
-                                (f"changed torch's state while timed ({'; '.join(guard.changed)})"
-                                 if guard.changed else None)
+                                guard.reason
                                 or _timed_result_check(op, cfg, case, impl, mine[0],
                                                        grad_out=None if mode == curves.FORWARD else dos[0])
                                 or impossible(row["median"], flops, calibration, floor_flops,
