@@ -15,7 +15,8 @@ the curve (stages._curve) never call `measure()` on it. Instead, per batch:
    (parity.check_output with the reference math on those inputs; forward + backward: the gradients too).
 
 Fresh sets each batch: a result stored from an earlier call, keyed on anything but the values, is wrong
-here. N grows until a batch computes for ~BATCH_ROUND_TRIPS empty round trips (at most BATCH_MAX); at least
+here where the allocator hands the set new addresses; where it hands back an earlier set's, the refill after the
+last batch (REFILL_RULE: new values in the same buffers) makes such a result wrong whatever the allocator does. N grows until a batch computes for ~BATCH_ROUND_TRIPS empty round trips (at most BATCH_MAX); at least
 BATCHES_MIN batches. The worker's per-call times are the Timing's samples (its distribution), each batch's scaled
 up to the lab's compute span where they sum to less (AGREEMENT_RULE). A path that skips work, detects the timing
 loop, returns a stored result or one finished later loses its speed (a wrong output, a changed checksum); work
@@ -53,9 +54,13 @@ AGREEMENT_RULE = ("the samples are the worker's per-call times (its own clock, b
                   f"less the median span of the same loop calling nothing ({NULLS} runs) where they sum to less: the "
                   "lab's clock bounds the total, so work hidden outside the worker's per-call clock (a thread, a "
                   "result finished later) is counted; `cleanest_batch.worker_over_lab` records how far they agreed")
+REFILL_RULE = ("after the last batch, new values (another seed) are copied in place into its first set's buffers "
+               "in the worker and that set computed again: a result stored by the buffers' address or identity "
+               "fails the oracle check there and the path gets no speed")
 RULE = ("a user path is timed from outside its worker: batches of N >= 4 distinct input sets (fresh each batch) "
         "placed in the worker before the clock, computed in one request the lab's clock spans, every output "
-        "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set; " + AGREEMENT_RULE)
+        "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set; "
+        + REFILL_RULE + "; " + AGREEMENT_RULE)
 
 
 @dataclass
@@ -151,6 +156,19 @@ def _outputs(op: OpDef, cfg: Any, s: _Set, answer: dict[str, Any]) -> dict[str, 
     return got
 
 
+def _refill_check(op: OpDef, cfg: Any, impl: Impl, worker: Any, new: _Set, backward: bool) -> str | None:
+    """REFILL_RULE: the last batch's first set refilled in place with `new`'s values and computed again in the
+    worker; None if its outputs are `new`'s, else why no speed."""
+    done = worker.request({"op": "refill", "tensors": [t.detach() for t in new.tensors],
+                           "grad_out": new.grad_out if backward else None})
+    if done.get("tampered"):
+        return f"new values in its timed buffers: its call changed its worker ({'; '.join(done['tampered'])}): no speed"
+    got = worker.request({"op": "fetch"})["results"][0]
+    failed = _check(op, cfg, impl, new, _outputs(op, cfg, new, got), backward)
+    return (f"new values in its timed buffers (refilled in place after the last batch): {failed} (a result stored "
+            "by the buffers' address or identity?): no speed") if failed else None
+
+
 def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, device: str,
                    settings: dict[str, Any]) -> UserTiming:
     """A user path at `case` in `mode` (forward, forward_backward), timed from outside its worker (module doc)."""
@@ -219,6 +237,10 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
                     report.update(batch_size=n, batches=len(batches))
                     return UserTiming(None, f"timed batch {len(batches)}, set {k + 1} of {n}: {failed} (an output "
                                       "not computed from its inputs: a stored or skipped result?): no speed", report)
+        refused = _refill_check(op, cfg, impl, worker, draw(1)[0], backward)
+        if refused:
+            report.update(batch_size=n, batches=len(batches))
+            return UserTiming(None, refused, report)
     except Exception as exc:
         text = str(exc).strip()
         return UserTiming(None, f"timed batch raised {type(exc).__name__}"
