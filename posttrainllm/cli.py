@@ -3,6 +3,9 @@
     posttrainllm bench [--grid] [-m] [overrides...]   one point (or a Hydra multirun), printed as a table
     posttrainllm bench-train [overrides...]           the end-to-end training step of one point
     posttrainllm sweep [sweep=NAME] [overrides...]    plan a sweep into params.yaml for `dvc repro`
+    posttrainllm compile [overrides...]               every Triton kernel of the point compiled for compile.targets
+                                                      (sm90 by default; no GPU needed): registers, spills, shared
+                                                      memory, occupancy, tensor cores; exit 1 if one would not launch
     posttrainllm report [--wide]                      the receipts of params.yaml's points, one row each (--wide: every
                                                       column); writes runs/report.md and runs/report.html (plots)
     posttrainllm progress                             where `dvc repro` of the planned sweep stands: each point's
@@ -48,6 +51,7 @@ STAGE_FILES = ("reference.pt", "kernel.pt", "kernel.json", "parity.json", "micro
                "curve.csv", "time_vs_size.png", "memory_vs_size.png", "roofline.png", "bench_train.json",
                "receipt.json", "metrics.json", "config.yaml")
 _broken: list[str] = []  # points whose contract broke in this invocation (a multirun keeps going)
+_unfit: list[str] = []  # points with a kernel that would not launch on a compile target (or no compile report)
 _untracked: list[str] = []  # points whose receipt could not be logged to MLflow (JSON kept)
 
 
@@ -170,6 +174,22 @@ def plan_sweep(cfg: DictConfig) -> None:
     print("run them with: dvc repro")
 
 
+def compile_point(cfg: DictConfig) -> None:
+    """Every Triton kernel the point's paths launch, compiled for compile.targets: compile.json and a table."""
+    from posttrainllm.files import point_dir, write_json
+    from posttrainllm.lab import compile as compiling
+
+    lab = _point(cfg, "compile")
+    out = point_dir(lab)
+    out.mkdir(parents=True, exist_ok=True)
+    report = compiling.compile_point(lab)
+    write_json(out / "compile.json", report)
+    print(compiling.table(report))
+    print(f"compile: {out / 'compile.json'} ({report.get('seconds', 0):.0f} s)")
+    if compiling.not_fitting(report) or report.get("error"):
+        _unfit.append(lab.run.name)
+
+
 # commands that run timing loops: approval on a GPU (lab/approval.py)
 TIMED = ("bench", "bench-train", "experimental train-heads")
 def train_heads_point(cfg: DictConfig) -> None:
@@ -199,6 +219,7 @@ COMMANDS: dict[str, Callable[[DictConfig], None]] = {
     "bench": bench_point,
     "bench-train": bench_train_point,
     "sweep": plan_sweep,
+    "compile": compile_point,
     "experimental train-heads": train_heads_point,
 }
 
@@ -687,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     _broken.clear()
     _untracked.clear()
+    _unfit.clear()
     if command == "sweep" and {"-m", "--multirun"} & set(rest):  # one plan per params.yaml: a multirun keeps the last
         print("posttrainllm: config error: posttrainllm sweep -m: a sweep plans one params.yaml: give one sweep=NAME, "
               "and the options to try under vary: in conf/sweep/<name>.yaml", file=sys.stderr)
@@ -705,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         _collect_launched(labs, started)
     for line in _broken:
         print(f"posttrainllm: contract broken: {line}", file=sys.stderr)
-    if _broken:
+    if _broken or _unfit:
         return EXIT_CONTRACT
     return EXIT_UNTRACKED if _untracked else 0
 

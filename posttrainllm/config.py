@@ -583,6 +583,22 @@ class HeadsConfig:
                      f"{self.base.max_seq_len}")
 
 
+COMPILE_TARGETS = ("sm80", "sm90", "sm100")  # measure/sass.py TARGETS
+
+
+@dataclass
+class CompileConfig:
+    # GPU architectures every Triton kernel of a point is compiled for (lab/compile.py); the first is the one the
+    # kernel stage, the sweep planner and the report read
+    targets: list[str] = field(default_factory=lambda: ["sm90"])
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.targets if t not in COMPILE_TARGETS]
+        require(bool(self.targets) and not unknown, f"compile.targets={list(self.targets)}: "
+                f"{'unknown ' + ', '.join(map(str, unknown)) if unknown else 'empty'}; choose from "
+                f"{', '.join(COMPILE_TARGETS)}")
+
+
 @dataclass
 class SweepConfig:
     name: str = "default"
@@ -613,6 +629,7 @@ class LabConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     sweep: SweepConfig | None = None
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
+from posttrainllm.lab import compile as compile_lab
 from posttrainllm.lab import guards, outside, parity, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
@@ -237,6 +239,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     main_case = Case(**ref["records"][0]["case"])
     outputs: dict[str, list[Tensors] | None] = {}
     report: dict[str, Any] = {"device": device, "triton_interpreted": devices.triton_interpreted(), "paths": {}}
+    compiling = _start_compile(op, cfg, out)  # in a child process, beside this stage's own work
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for impl in op.optimized(cfg):
             try:  # tile=auto runs the autotuner here: a failure is this path's, recorded, not the point's
@@ -269,12 +272,25 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
             if impl.user is not None:  # its worker process's start (spawn, import torch, its module), never timed
                 entry["worker_start_s"] = outside.worker_start_s(impl)
             report["paths"][impl.name] = entry
+    if compiling is not None:  # every Triton kernel of the paths compiled for compile.targets (lab/compile.py)
+        report["compile"] = compile_lab.finish(*compiling)
     replaced = replaced_library()
     if replaced:  # the peers call what was bound when the lab started (opdefs/base.py LIBRARY), not these
         report["library_replaced"] = {"functions": replaced, "note": LIBRARY_REPLACED_NOTE}
     torch.save(outputs, out / "kernel.pt")
     write_json(out / "kernel.json", report)
     return report
+
+
+def _start_compile(op: OpDef, cfg: LabConfig, out: Path) -> tuple[Any, Path, list[str], float] | None:
+    """The compile child (lab/compile.py) when a path may launch Triton kernels (ours, a user's), else None."""
+    if not any(impl.kind == "triton" or impl.user is not None for impl in op.optimized(cfg)):
+        return None
+    result = out / "compile.json"
+    result.unlink(missing_ok=True)
+    targets = list(cfg.compile.targets)
+    started = time.perf_counter()
+    return compile_lab.start(cfg, targets, result), result, targets, started
 
 
 LIBRARY_REPLACED_NOTE = ("code in this process replaced these torch functions after the lab started; the peers and "

@@ -209,6 +209,7 @@ CORE_SOURCES = (
     "posttrainllm/track/stamp.py",
 )
 STAGE_SOURCES = {
+    "kernel": ("posttrainllm/lab/compile.py", "posttrainllm/measure/sass.py"),  # its `compile` section
     "microbench": ("posttrainllm/lab/approval.py",  # a GPU times only with approval (POSTTRAINLLM_APPROVE=1)
                    "posttrainllm/measure", "posttrainllm/track/plots.py"),
     "bench_train": ("posttrainllm/lab/approval.py", "posttrainllm/model"),
@@ -225,7 +226,8 @@ STAGE_PARAMS = {
                   "config.bench.threads"),
     "kernel": ("config.op", "config.precision.dtype", "config.precision.allow_tf32", "config.precision.dot_precision",
                "config.precision.quantize",  # fp8: the quantized paths, the interpreter's emulation note
-               "config.tile", "config.workgroup", "config.architecture", "config.device.name", "config.bench.threads"),
+               "config.tile", "config.workgroup", "config.architecture", "config.device.name", "config.bench.threads",
+               "config.compile", "config.shape"),  # the compile section: its targets, the main case's shape
     "parity": ("config.op",  # op.max_error_only too: outputs without the elementwise count
                "config.precision", "config.architecture", "config.device.name", "config.bench.threads"),
     "microbench": ("config.op", "config.precision", "config.tile", "config.workgroup", "config.shape",

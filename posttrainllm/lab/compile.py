@@ -1,0 +1,340 @@
+"""The counter, not the story: every Triton kernel a point's paths launch, compiled for a GPU here, without one.
+
+For each path that launches Triton kernels (ours, and user paths), a child process (Triton in its compiler mode,
+not the interpreter) calls the path at the point's main case, forward then backward, with Triton's launch
+replaced by a recorder: each launch's arguments reach Triton's own binder (`create_function_from_signature`, the
+function `JITFunction.run` builds), which gives the specialization a GPU launch of those arguments gets: the
+signature (i32 or i64 by value, pointers by dtype), the constexprs, the unit strides made constants and the
+pointers and integers found divisible by 16. The kernel body never runs (no GPU, and no interpreter at a GPU
+shape); an autotuned kernel records one launch per configuration of its space. Each launch is compiled with
+`triton.compile` for every target in `compile.targets` (ptxas and cuobjdump from Triton's wheel; sm100 with its
+ptxas-blackwell) and its cubin read (measure/sass.py). Compiles are cached by Triton's cache, keyed by the kernel's
+source, its specialization, the options and the target.
+
+What a launch on CPU tensors cannot tell: the tile an autotuner would pick on the GPU (each is compiled), and a
+launcher that takes another branch on a CUDA tensor (ours only autotune there). Launchers run with Triton's
+interpreter mode off, so the bf16 emulation the interpreter needs (ops/__init__.py) is off, as on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from posttrainllm.measure import sass
+
+RULE = ("each Triton launch of the point's main case (forward, then backward) captured where Triton binds it and "
+        "specialized by Triton's own binder as a GPU launch of the same arguments is (unit strides constant, "
+        "16-divisible pointers and integers marked), never run; compiled with triton.compile for each target; "
+        + sass.RULE)
+NOT_TRITON = "launches no Triton kernel here"
+INDUCTOR = "a torch.compile peer: its Triton kernels are Inductor's, generated on the device at run time"
+TIMEOUT_S = 900
+
+
+@dataclasses.dataclass
+class Launch:
+    """One recorded launch: the kernel (a JITFunction), its arguments and grid, and which pass made it."""
+
+    kernel: Any
+    args: tuple
+    kwargs: dict[str, Any]
+    grid: Any
+    direction: str
+
+
+_recording: list[Launch] = []
+_direction = ["forward"]
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """Triton launches recorded instead of run: JITFunction.run (the launch) and Autotuner.run (one launch per
+    configuration of its space, as its benchmark would make them)."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    launches: list[Launch] = []
+    jit_run, tune_run = JITFunction.run, Autotuner.run
+
+    def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launches.append(Launch(self, args, kwargs, grid, _direction[0]))
+
+    def each_config(self: Any, *args: Any, **kwargs: Any) -> None:
+        for config in self.configs:
+            self.fn.run(*args, **{**kwargs, **config.all_kwargs()})
+
+    JITFunction.run, Autotuner.run = record, each_config
+    try:
+        yield launches
+    finally:
+        JITFunction.run, Autotuner.run = jit_run, tune_run
+
+
+def specialize(launch: Launch, capability: int) -> tuple[Any, dict, dict, dict, Any, Any]:
+    """(GPUTarget, signature, constexprs, attrs, options, grid) of a launch, by Triton's binder for `capability`."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    jit, kwargs = launch.kernel, dict(launch.kwargs)
+    kwargs["debug"] = kwargs.get("debug", jit.debug) or knobs.runtime.debug  # as JITFunction.run sets them
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, options)
+    grid = launch.grid(bound) if callable(launch.grid) else launch.grid
+    return target, signature, constexprs, attrs, options, tuple(grid)
+
+
+def unspecialized(jit: Any, signature: dict, constexprs: dict, attrs: dict) -> tuple[dict, dict, dict]:
+    """The same launch as a plain `i32`/pointer call: the strides a launch found equal to 1 back to `i32` and no
+    divisibility marks. What a compile that ignores the launch gets (scalar loads, spills); kept to test that
+    ours does not."""
+    declared = {p.num for p in jit.params if p.is_constexpr}
+    signature = {name: ("i32" if kind == "constexpr" and i not in declared else kind)
+                 for i, (name, kind) in enumerate(signature.items())}
+    constexprs = {path: value for path, value in constexprs.items() if len(path) != 1 or path[0] in declared}
+    return signature, constexprs, {path: [] for path in attrs}
+
+
+def _programs(grid: tuple) -> int:
+    total = 1
+    for g in grid:
+        total *= int(g)
+    return total
+
+
+def _kernel_identity(jit: Any) -> dict[str, Any]:
+    fn = jit.fn
+    try:
+        file = inspect.getsourcefile(fn)
+    except TypeError:
+        file = None
+    return {"kernel": fn.__name__, "file": _shown(file),
+            "source_sha256": hashlib.sha256(jit.src.encode()).hexdigest() if getattr(jit, "src", None) else None}
+
+
+def _shown(file: str | None) -> str | None:
+    if file is None:
+        return None
+    path = Path(file).resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip() and line.strip() != "^"]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+
+
+def compile_launches(path: str, launches: list[Launch], targets: list[str],
+                     specialized: bool = True) -> list[dict[str, Any]]:
+    """One row per (distinct specialization, target): the kernel, how many launches share it, its counters.
+    specialized=False compiles each launch `unspecialized` (tests: the guard against regressing to it)."""
+    from triton.compiler import ASTSource, compile
+
+    rows: dict[tuple, dict[str, Any]] = {}
+    for target_name in targets:
+        target = sass.TARGETS[target_name]
+        for launch in launches:
+            base = {"path": path, **_kernel_identity(launch.kernel), "direction": launch.direction,
+                    "target": target_name}
+            try:
+                gpu, signature, constexprs, attrs, options, grid = specialize(launch, target.capability)
+                if not specialized:
+                    signature, constexprs, attrs = unspecialized(launch.kernel, signature, constexprs, attrs)
+            except Exception as exc:
+                key = (target_name, base["kernel"], launch.direction, "bind", _one_line(exc))
+                rows.setdefault(key, {**base, "launches": 0, "fits": False,
+                                      "reason": f"could not be bound: {_one_line(exc)}"})["launches"] += 1
+                continue
+            key = (target_name, base["kernel"], base["file"], launch.direction, repr(signature),
+                   repr(sorted(constexprs.items())), repr(sorted(attrs.items())), options.num_warps,
+                   options.num_stages)
+            if key in rows:
+                rows[key]["launches"] += 1
+                continue
+            names = list(signature)
+            row = {**base, "launches": 1, "programs": _programs(grid), "num_warps": options.num_warps,
+                   "num_stages": options.num_stages,
+                   "constexprs": {names[p[0]]: _plain(v) for p, v in constexprs.items() if len(p) == 1},
+                   "specialization": {names[p[0]]: "16-divisible" for p, a in attrs.items() if len(p) == 1 and a}}
+            started = time.perf_counter()
+            try:
+                kernel = compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=gpu,
+                                 options=options.__dict__)
+                row.update(sass.counters(kernel.asm["cubin"], kernel.metadata.shared, options.num_warps, target))
+            except Exception as exc:  # fp8 where the target has no fp8 dot, a construct ptxas refuses, ...
+                row.update(fits=False, reason=f"does not compile for {target_name}: {_one_line(exc)}")
+            row["compile_s"] = round(time.perf_counter() - started, 3)
+            rows[key] = row
+    return list(rows.values())
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
+
+
+def _capture(op: Any, cfg: Any, impl: Any, fn: Any) -> tuple[list[Launch], str | None]:
+    """The launches of one path's forward and (when it has one) backward at the point's main case."""
+    import torch
+
+    from posttrainllm.lab import stages
+    from posttrainllm.opdefs import NO_BACKWARD, case_config
+
+    case = next(c for c in op.cases(cfg) if c.main)
+    call_cfg = case_config(case, cfg)
+    inputs = op.make_inputs(case, stages._dtype(cfg), "cpu")
+    leaves = stages.leaves_of(inputs)
+    note = None
+    with recording() as launches:
+        _direction[0] = "forward"
+        with torch.enable_grad():
+            out = fn(leaves, call_cfg)["out"]
+        wrt = [x for x in leaves.values() if x.requires_grad]
+        if impl.backward != NO_BACKWARD and out.requires_grad and wrt:
+            _direction[0] = "backward"
+            try:
+                torch.autograd.grad(out, wrt, stages.upstream_gradient(case, out), allow_unused=True)
+            except Exception as exc:
+                note = f"backward not captured: {_one_line(exc)}"
+        _direction[0] = "forward"
+    return launches, note
+
+
+def compile_in_process(config: dict[str, Any], targets: list[str], specialized: bool = True) -> dict[str, Any]:
+    """The child's work (Triton in compiler mode): every path's launches, compiled for `targets`."""
+    from posttrainllm.config import validate_schema
+    from posttrainllm.opdefs import get_op
+
+    cfg = validate_schema(config)
+    op = get_op(cfg.op.name)
+    report: dict[str, Any] = {"op": op.name, "targets": targets, "rule": RULE, "paths": {}, "rows": []}
+    for impl in op.optimized(cfg):
+        if impl.user is None and impl.kind != "triton":
+            report["paths"][impl.name] = {"note": INDUCTOR if impl.kind == "compiled" else NOT_TRITON}
+            continue
+        started = time.perf_counter()
+        try:
+            fn = op.adapt(impl.fn.user_path.load()) if impl.user is not None else impl.fn
+            launches, note = _capture(op, cfg, impl, fn)
+        except Exception as exc:
+            report["paths"][impl.name] = {"error": f"its call failed while launches were recorded: {_one_line(exc)}"}
+            continue
+        rows = compile_launches(impl.name, launches, targets, specialized)
+        entry: dict[str, Any] = {"launches": len(launches), "kernels": len({(r["kernel"], r.get("file"))
+                                                                          for r in rows}),
+                                 "seconds": round(time.perf_counter() - started, 2)}
+        if not launches:
+            entry["note"] = NOT_TRITON
+        if note:
+            entry["backward_note"] = note
+        report["paths"][impl.name] = entry
+        report["rows"] += rows
+    return report
+
+
+def compile_point(cfg: Any, targets: list[str] | None = None, *, specialized: bool = True) -> dict[str, Any]:
+    """compile.json's content for a point: the child process's report (module doc), or the reason it has none."""
+    targets = list(targets if targets is not None else cfg.compile.targets)
+    unknown = [t for t in targets if t not in sass.TARGETS]
+    if unknown:
+        raise ValueError(f"compile.targets: {unknown} unknown; choose from {sorted(sass.TARGETS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "compile.json"
+        started = time.perf_counter()
+        child = start(cfg, targets, result, specialized=specialized)
+        return finish(child, result, targets, started)
+
+
+def start(cfg: Any, targets: list[str], result: Path, *, specialized: bool = True) -> subprocess.Popen:
+    """The compile child, started (it runs beside the caller: the kernel stage collects it at its end)."""
+    from posttrainllm.config import to_plain
+
+    fd, name = tempfile.mkstemp(suffix=".json", prefix="compile-request-")
+    os.close(fd)
+    payload = Path(name)
+    payload.write_text(json.dumps({"config": to_plain(cfg), "targets": targets, "result": str(result),
+                                   "specialized": specialized}))
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the compiler mode: JITFunctions, whose launch we record
+    child = subprocess.Popen([sys.executable, "-m", "posttrainllm.lab.compile", str(payload)],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
+    child.request = payload  # removed by `finish`
+    return child
+
+
+def finish(child: subprocess.Popen, result: Path, targets: list[str], started: float) -> dict[str, Any]:
+    """The child's report once it has ended, or why there is none (its last line of output)."""
+    try:
+        out, err = child.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+        err = f"it ran past {TIMEOUT_S} s and was stopped"
+    finally:
+        child.request.unlink(missing_ok=True)
+    if not result.exists():
+        tail = (err or out or "").strip().splitlines()[-1:] or [f"exit {child.returncode}"]
+        return {"targets": targets, "rule": RULE, "error": f"the compile process failed: {tail[0]}",
+                "paths": {}, "rows": []}
+    report = json.loads(result.read_text())
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    return report
+
+
+def not_fitting(report: dict[str, Any], target: str | None = None) -> list[str]:
+    """One line per kernel that would not launch on `target` (default: every target): kernel, bytes, limit."""
+    return [f"{row['path']}: {row['kernel']} ({row['direction']}, {row['target']}): {row['reason']}"
+            for row in report.get("rows", []) if not row.get("fits", True) and target in (None, row["target"])]
+
+
+COLUMNS = ("path", "kernel", "direction", "target", "launches", "num_warps", "num_stages", "registers",
+           "spill_bytes", "shared_bytes", "ctas_per_sm", "tensor_cores", "async_copy", "fits")
+
+
+def table(report: dict[str, Any]) -> str:
+    """compile.json as a console table: one row per kernel and target, then each path's note and each reason."""
+    import pandas as pd
+
+    lines = []
+    if report.get("error"):
+        lines.append(report["error"])
+    rows = report.get("rows", [])
+    if rows:
+        frame = pd.DataFrame([{c: row.get(c, "") for c in COLUMNS} for row in rows])
+        frame["shared_bytes"] = frame["shared_bytes"].map(lambda b: f"{b / 1024:.0f} KB" if b != "" else "")
+        lines.append(frame.to_string(index=False))
+    for name, entry in report.get("paths", {}).items():
+        for key in ("note", "error", "backward_note"):
+            if entry.get(key):
+                lines.append(f"{name}: {entry[key]}")
+    lines += not_fitting(report)
+    return "\n".join(lines)
+
+
+def _main() -> None:
+    payload = json.loads(Path(sys.argv[1]).read_text())
+    report = compile_in_process(payload["config"], payload["targets"], payload.get("specialized", True))
+    Path(payload["result"]).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    _main()

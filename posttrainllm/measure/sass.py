@@ -1,0 +1,148 @@
+"""What a compiled kernel's machine code says, read from its cubin with the tools Triton's wheel carries.
+
+`cuobjdump -res-usage` gives the registers per thread, the stack frame (where ptxas spills) and the local and
+static shared memory; `cuobjdump -sass` gives the instructions, from which we read whether the kernel uses tensor
+cores (Hopper's warpgroup MMA: HGMMA/QGMMA/..., Ampere-style warp MMA: HMMA/IMMA/QMMA, Blackwell's tcgen05: UTC*MMA),
+how it copies global memory into shared memory (TMA: UTMALDG/UBLKCP, cp.async: LDGSTS), the widths of its plain
+global loads (a kernel compiled without the launch's alignment reads 16-bit scalars: LDG.E.U16) and its spill
+traffic (STL/LDL). No driver or GPU is involved: these are the counters Nsight Compute shows as "launch
+statistics", static, before the kernel ever runs.
+
+Occupancy follows the CUDA occupancy calculator: registers are allocated per warp in units of 256, shared memory
+per block plus 1 KB the runtime reserves, against each target's per-SM limits (`TARGETS`, from the CUDA C++
+Programming Guide's table of technical specifications per compute capability).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Target:
+    """One GPU architecture a kernel is compiled for, with the per-SM limits that decide occupancy and fit."""
+
+    name: str
+    capability: int  # Triton's GPUTarget("cuda", capability, 32)
+    shared_per_sm: int  # bytes
+    shared_per_block: int  # bytes a block may opt in to (the launch fails above it)
+    registers_per_sm: int = 65_536
+    max_warps_per_sm: int = 64
+    max_ctas_per_sm: int = 32
+    reserved_shared_per_cta: int = 1_024  # the runtime's own share of each block's shared memory (cc >= 8.0)
+
+
+TARGETS = {
+    "sm80": Target("sm80", 80, shared_per_sm=167_936, shared_per_block=166_912),  # A100: 164 KB / 163 KB
+    "sm90": Target("sm90", 90, shared_per_sm=233_472, shared_per_block=232_448),  # H100/H200: 228 KB / 227 KB
+    "sm100": Target("sm100", 100, shared_per_sm=233_472, shared_per_block=232_448),  # B200: 228 KB / 227 KB
+}
+REGISTER_UNIT = 256  # registers are allocated per warp in units of this many
+MAX_REGISTERS = 255  # per thread; ptxas spills past it
+
+WGMMA = ("HGMMA", "QGMMA", "IGMMA", "BGMMA")  # sm90 warpgroup MMA (fp16/bf16/tf32, fp8, int8, binary)
+TCGEN05 = ("UTCHMMA", "UTCQMMA", "UTCIMMA", "UTCOMMA", "UTCMMA")  # sm100 tensor-memory MMA
+MMA = ("HMMA", "IMMA", "QMMA", "DMMA", "BMMA")  # warp-level mma.sync (sm80 and later)
+TMA = ("UTMALDG", "UBLKCP", "UTMAPF")
+CP_ASYNC = ("LDGSTS",)
+RULE = ("counters read from the cubin (cuobjdump -res-usage and -sass of Triton's wheel): registers per thread, the "
+        "stack frame ptxas spills to, STL/LDL spill instructions, shared memory (the launch's dynamic plus the "
+        "cubin's static), tensor cores from the MMA instructions, async copies from TMA/LDGSTS; occupancy by the "
+        "CUDA occupancy calculator's rules against the target's per-SM limits; fits: shared memory within the "
+        "target's per-block limit and one block's registers within an SM's")
+
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+_RESOURCES = re.compile(r"(REG|STACK|SHARED|LOCAL):(\d+)")
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def disassemble(cubin: bytes) -> tuple[dict[str, int], Counter]:
+    """(resource usage: REG, STACK, SHARED, LOCAL; instruction histogram by opcode with its modifiers)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True)
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True)
+    function = next((line for line in usage.stdout.splitlines() if "REG:" in line), "")
+    resources = {key: int(value) for key, value in _RESOURCES.findall(function)}
+    return resources, Counter(_INSTRUCTION.findall(sass.stdout))
+
+
+def _any(ops: Counter, names: tuple[str, ...]) -> int:
+    return sum(count for op, count in ops.items() if op.split(".")[0] in names)
+
+
+def tensor_cores(ops: Counter) -> str:
+    """Which tensor-core instructions the kernel issues: tcgen05, wgmma, mma or none."""
+    if _any(ops, TCGEN05):
+        return "tcgen05"
+    if _any(ops, WGMMA):
+        return "wgmma"
+    return "mma" if _any(ops, MMA) else "none"
+
+
+def async_copy(ops: Counter) -> str:
+    """How the kernel moves global memory into shared memory asynchronously: tma, cp.async or none."""
+    if _any(ops, TMA):
+        return "tma"
+    return "cp.async" if _any(ops, CP_ASYNC) else "none"
+
+
+def global_loads(ops: Counter) -> dict[str, int]:
+    """Plain global loads (LDG) by width in bits: a coalesced, aligned tile load is 128; 16 means scalar halves."""
+    widths: Counter = Counter()
+    for op, count in ops.items():
+        parts = op.split(".")
+        if parts[0] != "LDG":
+            continue
+        bits = next((p for p in parts[1:] if p in ("128", "64", "U8", "S8", "U16", "S16")), "32")
+        widths[{"U8": "8", "S8": "8", "U16": "16", "S16": "16"}.get(bits, bits)] += count
+    return dict(sorted(widths.items(), key=lambda kv: -int(kv[0])))
+
+
+def occupancy(registers: int, shared_bytes: int, num_warps: int, target: Target) -> int:
+    """Blocks resident per SM that registers, shared memory and warps allow (0: one block does not fit)."""
+    per_warp = -(-max(registers, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    by_registers = (target.registers_per_sm // per_warp) // num_warps
+    by_shared = (target.shared_per_sm // (shared_bytes + target.reserved_shared_per_cta)
+                 if shared_bytes else target.max_ctas_per_sm)
+    by_warps = target.max_warps_per_sm // num_warps
+    return max(0, min(by_registers, by_shared, by_warps, target.max_ctas_per_sm))
+
+
+def fit(registers: int, shared_bytes: int, num_warps: int, target: Target) -> str | None:
+    """None if one block launches on `target`, else why not (the bytes or registers and the limit)."""
+    if shared_bytes > target.shared_per_block:
+        return (f"needs {shared_bytes} B of shared memory per block; {target.name} allows {target.shared_per_block} "
+                f"B ({target.shared_per_block // 1024} KB)")
+    per_warp = -(-max(registers, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    if per_warp * num_warps > target.registers_per_sm:
+        return (f"{num_warps} warps x {registers} registers need {per_warp * num_warps} registers; an SM of "
+                f"{target.name} has {target.registers_per_sm}")
+    return None
+
+
+def counters(cubin: bytes, dynamic_shared: int, num_warps: int, target: Target) -> dict[str, Any]:
+    """Every counter of one compiled kernel on `target` (module doc), with `fits` and its reason."""
+    resources, ops = disassemble(cubin)
+    registers = resources.get("REG", 0)
+    shared = dynamic_shared + resources.get("SHARED", 0)
+    why = fit(registers, shared, num_warps, target)
+    ctas = occupancy(registers, shared, num_warps, target)
+    return {"registers": registers, "spill_bytes": resources.get("STACK", 0) + resources.get("LOCAL", 0),
+            "spill_stores": _any(ops, ("STL",)), "spill_loads": _any(ops, ("LDL",)),
+            "shared_bytes": shared, "ctas_per_sm": ctas if why is None else 0,
+            "warps_per_sm": (ctas * num_warps) if why is None else 0,
+            "tensor_cores": tensor_cores(ops), "async_copy": async_copy(ops), "global_loads": global_loads(ops),
+            "instructions": sum(ops.values()), "fits": why is None, "reason": why or ""}
