@@ -166,8 +166,13 @@ def plan_sweep(cfg: DictConfig) -> None:
         params = sweep.plan(lab.sweep)
     except ConfigError as exc:
         _fail_config(exc)
+    if lab.sweep.check_fit:  # before any GPU time: a kernel that would not launch leaves its point out
+        print(f"sweep {lab.sweep.name!r}: compiling each point's Triton kernels (sweep.check_fit)")
+        sweep.refuse_unfit(params)
     sweep.write_params(params, PARAMS)
     print(f"{PARAMS}: sweep {params['sweep']['name']!r}, {len(params['points'])} points")
+    for name, refused in params.get("refused", {}).items():
+        print(f"  refused {name}: {'; '.join(refused['reasons'])}", file=sys.stderr)
     for name, point in params["points"].items():
         changes = ", ".join(f"{k}={v}" for k, v in point["changes"].items()) or "(baseline)"
         print(f"  {name:<24} {changes}")

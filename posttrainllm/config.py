@@ -610,6 +610,9 @@ class SweepConfig:
     # Key overrides of the baseline point alone (the default sweep: the peers users reach for, op.peers): the
     # points that change a dimension start from the baseline's group choices, not from these
     baseline_overrides: list[str] = field(default_factory=list)
+    # Compile every point's Triton kernels for its first compile target when planning, and refuse (leave out of
+    # the plan, with the kernel, the bytes and the limit) a point with a kernel that would not launch there
+    check_fit: bool = False
 
 
 @dataclass

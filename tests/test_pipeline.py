@@ -47,6 +47,18 @@ def test_every_stage_of_every_point_ran(project):
         assert (root / "runs" / point / "stamps" / "receipt.json").exists()
 
 
+def test_the_kernel_stage_compiled_the_triton_kernels_for_sm90(project):
+    """What dvc repro left: each point's receipt holds its Triton kernels compiled for the first compile target."""
+    root, _, _ = project
+    for point in ("baseline", "precision-fp16"):
+        receipt = json.loads((root / "runs" / point / "receipt.json").read_text())
+        section = receipt["kernel"]["compile"]
+        assert section["targets"] == ["sm90"] and not section.get("error"), section.get("error")
+        rows = [r for r in section["rows"] if r["path"] == "triton"]
+        assert {r["kernel"] for r in rows} >= {"_attn_fwd_kernel", "_attn_bwd_dkdv", "_attn_bwd_dq"}
+        assert all(r["fits"] and r["registers"] > 0 for r in rows), rows
+
+
 def test_the_sweep_says_where_it_stands_and_the_progress_command_agrees(project):
     root, env, repro = project
     started = [line for line in repro.stderr.splitlines() if line.startswith("posttrainllm: ") and "... [sweep: " in line]

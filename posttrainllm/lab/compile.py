@@ -39,6 +39,8 @@ RULE = ("each Triton launch of the point's main case (forward, then backward) ca
         + sass.RULE)
 NOT_TRITON = "launches no Triton kernel here"
 INDUCTOR = "a torch.compile peer: its Triton kernels are Inductor's, generated on the device at run time"
+AUTOTUNE_NOTE = ("tile/workgroup=auto: our launchers autotune on CUDA tensors only, so what is compiled here is the "
+                 "launcher's fixed configuration, not the space the autotuner would choose from on the GPU")
 TIMEOUT_S = 900
 
 
@@ -227,6 +229,8 @@ def compile_in_process(config: dict[str, Any], targets: list[str], specialized: 
     cfg = validate_schema(config)
     op = get_op(cfg.op.name)
     report: dict[str, Any] = {"op": op.name, "targets": targets, "rule": RULE, "paths": {}, "rows": []}
+    if "auto" in (cfg.tile.name, cfg.workgroup.name):
+        report["note"] = AUTOTUNE_NOTE
     for impl in op.optimized(cfg):
         if impl.user is None and impl.kind != "triton":
             report["paths"][impl.name] = {"note": INDUCTOR if impl.kind == "compiled" else NOT_TRITON}
@@ -314,9 +318,7 @@ def table(report: dict[str, Any]) -> str:
     """compile.json as a console table: one row per kernel and target, then each path's note and each reason."""
     import pandas as pd
 
-    lines = []
-    if report.get("error"):
-        lines.append(report["error"])
+    lines = [report[key] for key in ("error", "note") if report.get(key)]
     rows = report.get("rows", [])
     if rows:
         frame = pd.DataFrame([{c: row.get(c, "") for c in COLUMNS} for row in rows])

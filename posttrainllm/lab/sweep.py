@@ -100,6 +100,27 @@ def plan_point(sweep: SweepConfig, name: str, changes: dict[str, str]) -> dict[s
     return {"changes": changes, "overrides": overrides, "config": point_config(cfg)}
 
 
+def refuse_unfit(params: dict[str, Any], say: Any = print) -> dict[str, Any]:
+    """sweep.check_fit: each point's Triton kernels compiled for its first compile target (lab/compile.py); a point
+    with a kernel that would not launch there moves from `points` to `refused`, with why, before any GPU time."""
+    from posttrainllm.config import validate_schema
+    from posttrainllm.lab import compile as compiling
+
+    refused = params.setdefault("refused", {})
+    for name, point in list(params["points"].items()):
+        cfg = validate_schema(point["config"])
+        target = cfg.compile.targets[0]
+        report = compiling.compile_point(cfg, [target])
+        lines = compiling.not_fitting(report, target) + ([report["error"]] if report.get("error") else [])
+        say(f"  {name:<24} {target}: " + ("; ".join(lines) if lines else f"{len(report['rows'])} kernels fit"))
+        if lines:
+            refused[name] = {"changes": point["changes"], "target": target, "reasons": lines}
+            del params["points"][name]
+    if not refused:
+        del params["refused"]
+    return params
+
+
 def render(params: dict[str, Any]) -> str:
     return HEADER.format(name=params["sweep"]["name"]) + yaml.safe_dump(params, sort_keys=False)
 

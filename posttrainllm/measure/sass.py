@@ -4,7 +4,7 @@
 static shared memory; `cuobjdump -sass` gives the instructions, from which we read whether the kernel uses tensor
 cores (Hopper's warpgroup MMA: HGMMA/QGMMA/..., Ampere-style warp MMA: HMMA/IMMA/QMMA, Blackwell's tcgen05: UTC*MMA),
 how it copies global memory into shared memory (TMA: UTMALDG/UBLKCP, cp.async: LDGSTS), the widths of its plain
-global loads (a kernel compiled without the launch's alignment reads 16-bit scalars: LDG.E.U16) and its spill
+global reads (a kernel compiled without the launch's alignment reads 16-bit scalars: LDG.E.U16) and its spill
 traffic (STL/LDL). No driver or GPU is involved: these are the counters Nsight Compute shows as "launch
 statistics", static, before the kernel ever runs.
 
@@ -100,11 +100,12 @@ def async_copy(ops: Counter) -> str:
 
 
 def global_loads(ops: Counter) -> dict[str, int]:
-    """Plain global loads (LDG) by width in bits: a coalesced, aligned tile load is 128; 16 means scalar halves."""
+    """Global-memory reads (LDG, and LDGSTS: cp.async into shared memory) by width in bits: an aligned, vectorized
+    tile load is 128; 32 or 16 are scalars (a launch compiled without its alignment)."""
     widths: Counter = Counter()
     for op, count in ops.items():
         parts = op.split(".")
-        if parts[0] != "LDG":
+        if parts[0] not in ("LDG", "LDGSTS"):
             continue
         bits = next((p for p in parts[1:] if p in ("128", "64", "U8", "S8", "U16", "S16")), "32")
         widths[{"U8": "8", "S8": "8", "U16": "16", "S16": "16"}.get(bits, bits)] += count

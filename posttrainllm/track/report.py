@@ -147,6 +147,23 @@ def _crossover(curve: dict[str, Any], mode: str, peer: str | None) -> Any:
     return found[0]["vs_reference"].get(peer) if found else None
 
 
+def compiled(receipt: dict[str, Any], path: str = "triton") -> dict[str, Any]:
+    """`path`'s kernels on the first compile target (kernel.json's `compile`, lab/compile.py): the most registers,
+    the spill bytes, the most shared memory, the tensor-core instructions and whether every kernel launches."""
+    section = (receipt.get("kernel") or {}).get("compile") or {}
+    target = (section.get("targets") or [None])[0]
+    rows = [r for r in section.get("rows", []) if r.get("path") == path and r.get("target") == target]
+    counted = [r for r in rows if "registers" in r]
+    if not rows:
+        return {}
+    return {"target": target, "kernels": len(rows),
+            "max_regs": max((r["registers"] for r in counted), default=None),
+            "spill_B": sum(r["spill_bytes"] for r in counted) if counted else None,
+            "smem_KB": max((r["shared_bytes"] for r in counted), default=0) / 1024 if counted else None,
+            "tensor_cores": ",".join(sorted({r["tensor_cores"] for r in counted})) or "-",
+            "fits": all(r.get("fits") for r in rows)}
+
+
 def point_failed(receipt: dict[str, Any]) -> bool:
     """A point failed when a path broke its numerical contract, its loss drift limit or its quality gate."""
     from posttrainllm.track.receipt import verdict
@@ -198,6 +215,7 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "max_drift": max(train["drift"].values()) if train["drift"] else None,
             "amdahl_pred": amdahl.get("predicted_speedup"),
             "amdahl_meas": _measured(train, amdahl),
+            **{f"triton_{key}": value for key, value in compiled(receipt).items()},
         })
     frame = _failures_first(pd.DataFrame(rows))
     baseline = frame[frame["point"] == "baseline"]
@@ -211,6 +229,7 @@ SUMMARY_NUMBERS = ("peer_x", "peer_fb_x", "ours_x", "ours_fb_x", "e2e_pred", "e2
 FORMATS = {"triton_err/allowed": ".3f", "ref_ms": ".3f", "peer_ms": ".3f", "peer_speedup": ".2f", "peer_fb_speedup": ".2f",
            "peer_vs_baseline": ".2f", "train_ms": ".1f", "max_drift": ".1e", "amdahl_pred": ".2f",
            "amdahl_meas": ".2f", "triton_vs_best": ".2f", "triton_fb_vs_best": ".2f", "triton_of_peak": ".2f",
+           "triton_smem_KB": ".0f",
            **dict.fromkeys(SUMMARY_NUMBERS, ".2f")}
 
 

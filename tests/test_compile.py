@@ -1,0 +1,140 @@
+"""The counter, not the story: kernels compiled for a GPU here, their counters read from the cubin (lab/compile.py).
+
+Each compile runs in a child process (Triton in its compiler mode); compiles are cached by Triton, so the fixtures
+below share them across tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrainllm.config import ConfigError, SweepConfig, compose
+from posttrainllm.lab import compile as compiling
+from posttrainllm.lab import sweep
+from posttrainllm.lab.configure import validate
+from posttrainllm.measure import sass
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPLOITS = ROOT / "tests" / "exploits"
+
+
+def _lab(*overrides: str):
+    return validate(compose(list(overrides)))
+
+
+def _rows(report, path="triton", target="sm90"):
+    return [r for r in report["rows"] if r["path"] == path and r["target"] == target]
+
+
+@pytest.fixture(scope="module")
+def fp32_matmul():
+    """matmul at fp32 (an `ieee` dot), compiled as launched and without the launch's specialization."""
+    lab = _lab("op=matmul", "precision=fp32")
+    return compiling.compile_point(lab, ["sm90"]), compiling.compile_point(lab, ["sm90"], specialized=False)
+
+
+def test_an_ieee_fp32_dot_uses_no_tensor_cores_and_the_launch_is_specialized(fp32_matmul):
+    report, _ = fp32_matmul
+    rows = _rows(report)
+    assert {r["direction"] for r in rows} == {"forward", "backward"} and len(rows) == 3  # C, then dA and dB
+    assert all(r["tensor_cores"] == "none" and r["fits"] for r in rows), rows
+    # the unit strides are constants and the pointers 16-divisible, as a GPU launch of these tensors gets them
+    forward = next(r for r in rows if r["direction"] == "forward")
+    assert forward["constexprs"]["stride_ak"] == 1 and forward["specialization"]["a_ptr"] == "16-divisible"
+    assert all(set(r["global_loads"]) == {"128"} and r["async_copy"] == "cp.async" for r in rows), rows
+    assert report["paths"]["torch"]["note"] == compiling.NOT_TRITON
+
+
+def test_without_the_launch_specialization_the_same_kernel_loads_scalars(fp32_matmul):
+    """The guard: what a compile that ignores the launch gets (strides as i32, no divisibility): 32-bit scalar
+    reads. Ours must not regress to it (the test above: 128-bit reads only)."""
+    _, plain = fp32_matmul
+    forward = next(r for r in _rows(plain) if r["direction"] == "forward")
+    assert forward["global_loads"].get("32", 0) > 0 and "128" not in forward["global_loads"], forward
+
+
+def test_bf16_compiles_to_warpgroup_mma_with_cp_async_and_128_bit_loads():
+    report = compiling.compile_point(_lab("op=attention", "precision=bf16"), ["sm90"])
+    rows = _rows(report)
+    kernels = {r["kernel"]: r for r in rows}
+    assert set(kernels) == {"_attn_fwd_kernel", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"}
+    assert kernels["_attn_fwd_kernel"]["direction"] == "forward" and kernels["_attn_bwd_dq"]["direction"] == "backward"
+    for name in ("_attn_fwd_kernel", "_attn_bwd_dkdv", "_attn_bwd_dq"):
+        assert kernels[name]["tensor_cores"] == "wgmma" and kernels[name]["async_copy"] == "cp.async", kernels[name]
+    assert all(r["registers"] > 0 and r["ctas_per_sm"] >= 1 and r["source_sha256"] for r in rows)
+    assert kernels["_attn_fwd_kernel"]["file"] == "posttrainllm/ops/attention.py"
+
+
+def test_fp8_on_sm80_is_refused_in_one_line():
+    report = compiling.compile_point(_lab("op=matmul", "precision=fp8"), ["sm90", "sm80"])
+    (hopper,) = _rows(report, target="sm90")
+    (ampere,) = _rows(report, target="sm80")
+    assert hopper["tensor_cores"] == "wgmma" and hopper["fits"]
+    assert not ampere["fits"] and "\n" not in ampere["reason"] and "fp8e4nv" in ampere["reason"], ampere
+    assert ampere["reason"].startswith("does not compile for sm80")
+    assert any("_fp8_matmul_kernel (forward, sm80)" in line for line in compiling.not_fitting(report))
+
+
+def test_a_tile_that_overflows_shared_memory_does_not_fit_and_the_planner_refuses_its_point():
+    """At 7 stages and head_dim 64 the forward's own estimate fits (config validation passes: 131 KB), but the
+    backward's dK/dV kernel at 128-wide tiles needs more than sm90's 227 KB per block: only the compile says so."""
+    plan = sweep.plan(SweepConfig(name="fit", baseline={"op": "attention", "precision": "bf16", "tile": "b32",
+                                                        "architecture": "hd64"},
+                                  vary={"tile": ["b128"]}, overrides=["workgroup.num_stages=7"]))
+    said: list[str] = []
+    sweep.refuse_unfit(plan, said.append)
+    assert list(plan["points"]) == ["baseline"], said
+    refused = plan["refused"]["tile-b128"]
+    assert refused["target"] == "sm90" and refused["changes"] == {"tile": "b128"}
+    assert any("_attn_bwd_dkdv (backward, sm90)" in r and "B of shared memory per block; sm90 allows 232448 B" in r
+               for r in refused["reasons"]), refused
+    assert "tile-b128" in sweep.render(plan)
+
+
+def test_a_user_triton_kernel_is_compiled_and_a_user_path_without_one_says_so():
+    lab = _lab("op=rmsnorm", "precision=fp16",
+               f'op.user_impls=["mine={EXPLOITS / "rmsnorm_honest_triton.py"}:rmsnorm",'
+               f'"plain={EXPLOITS / "rmsnorm_honest_plain.py"}:rmsnorm"]')
+    report = compiling.compile_point(lab, ["sm90"])
+    (row,) = _rows(report, path="mine")
+    assert row["kernel"] == "_rmsnorm_row" and row["fits"] and row["file"].endswith("rmsnorm_honest_triton.py")
+    assert report["paths"]["plain"]["note"] == compiling.NOT_TRITON
+
+
+def test_the_cli_writes_compile_json_and_refuses_an_unknown_target(tmp_path):
+    run = [sys.executable, "-m", "posttrainllm", "compile", "op=rope", f"run.out_dir={tmp_path}", "run.name=r"]
+    done = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "r" / "compile.json").read_text())
+    assert report["rows"] and all(r["fits"] for r in report["rows"]) and "registers" in done.stdout
+    bad = subprocess.run([*run, "compile.targets=[sm70]"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "choose from sm80, sm90, sm100" in bad.stderr
+
+
+def test_an_unknown_target_is_a_config_error():
+    with pytest.raises(ConfigError, match="choose from sm80, sm90, sm100"):
+        _lab("compile.targets=[sm75]")
+    with pytest.raises(ConfigError, match="empty"):
+        _lab("compile.targets=[]")
+
+
+@pytest.mark.parametrize("registers, shared, warps, ctas", [
+    (64, 0, 4, 8),  # registers: 64 x 32 = 2048 per warp, 32 warps of 65536: 8 blocks of 4 (warps alone allow 16)
+    (255, 0, 8, 1),  # 255 -> 8192 per warp: 8 warps per SM, one block of 8
+    (96, 100 * 1024, 4, 2),  # shared: 228 KB / (100 KB + 1 KB) = 2
+    (32, 0, 1, 32),  # the per-SM block limit
+])
+def test_occupancy_follows_the_calculator(registers, shared, warps, ctas):
+    assert sass.occupancy(registers, shared, warps, sass.TARGETS["sm90"]) == ctas
+
+
+def test_a_block_over_the_limits_does_not_fit():
+    hopper = sass.TARGETS["sm90"]
+    assert sass.fit(255, 227 * 1024, 8, hopper) is None
+    assert "allows 232448 B" in sass.fit(128, 228 * 1024, 4, hopper)
+    assert "registers" in sass.fit(255, 0, 16, hopper)  # 16 warps x 8192 > 65536
