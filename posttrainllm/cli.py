@@ -628,18 +628,20 @@ def new_impl(args: list[str]) -> int:
     if parsed != [spec] or "=" in target.as_posix():
         return refuse(f"{target}: a path a Hydra override can hold unquoted, please (letters, digits, '_', '-', "
                       "'.', '/')")
+    command = f"posttrainllm bench op={choice} '{override}' 'op.only=[{name}]'"
     docstring = "\n".join([
         f"A kernel of your own for op {op.name}: `{name}`, in the op's natural signature",
         "", textwrap.fill(op.signature, width=100, initial_indent="    ", subsequent_indent="    "), "",
-        "Its receipt (parity against float64 math, the guards, timing, this file's sha256):", "",
-        f"    posttrainllm bench op={choice} '{override}'", "",
+        "Its receipt (parity against float64 math, the guards, timing against the reference, this file's sha256;",
+        "without op.only, beside every built-in path too):", "",
+        f"    {command}", "",
         "The body is the readable math, correct as it is: make it fast, keep it right.",
     ])
     target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("x") as out:  # "x": never over a file that appeared meanwhile
         out.write(f'"""{docstring}\n"""\n{op.template.format(name=name)}')
     print(f"written: {target} ({name}, op {op.name})")
-    print(f"its receipt: posttrainllm bench op={choice} '{override}'")
+    print(f"its receipt: {command}")
     return 0
 
 

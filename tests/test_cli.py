@@ -69,6 +69,24 @@ def test_multirun_over_one_dimension_names_each_point(workdir, capsys):
     assert len(names) == 2 and all("precision=" in n and "parity.seeds=_0_" in n for n in names)
 
 
+def test_op_only_runs_the_named_paths_and_the_reference(workdir, capsys):
+    assert cli.main(["bench", *QUICK, "op.only=[sdpa]", "run.name=only", "run.log_mlflow=false"]) == 0
+    point = workdir / "runs/bench/only"
+    assert set(json.loads((point / "parity.json").read_text())["paths"]) == {"sdpa"}
+    assert set(json.loads((point / "microbench.json").read_text())["paths"]) == {"reference", "sdpa"}
+    receipt = json.loads((point / "receipt.json").read_text())
+    assert set(receipt["kernel"]["paths"]) == {"sdpa"}
+    assert receipt["config"]["op"]["only"] == ["sdpa"] and receipt["microbench"]["paths"]["sdpa"]["valid"]
+
+
+def test_op_only_with_an_unknown_name_names_the_valid_ones(workdir, capsys):
+    assert cli.main(["bench", *QUICK, "op.only=[sdpa,trtion]"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "op.only: 'trtion' is not a path of this attention point" in err
+    assert "valid choices are reference, sdpa" in err and "triton" in err
+    assert [p.name for p in (workdir / "runs/bench").iterdir()] == ["calibration.json"]  # nothing written
+
+
 def test_bench_train_reports_drift_within_contract(workdir, capsys):
     args = ["bench-train", *QUICK, "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false",
             "run.name=train"]
