@@ -30,6 +30,7 @@ without it they print the device time they would take and exit with 2.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
 import shutil
@@ -41,7 +42,7 @@ from typing import Any, Callable
 import hydra
 from omegaconf import DictConfig
 
-from posttrainllm.config import CONF_DIR, ConfigError, LabConfig
+from posttrainllm.config import CONF_DIR, DIMENSIONS, ConfigError, LabConfig
 
 from posttrainllm.lab.configure import check_train_rules, load, validate
 
@@ -60,8 +61,36 @@ def _fail_config(exc: ConfigError) -> None:
     raise SystemExit(EXIT_CONFIG)
 
 
+POINT_NAME_MAX = 63  # characters in a point folder's name made from its overrides, however many there are
+
+
+def _folder_safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=,-]", "_", text)  # what run.name allows
+
+
+def point_name(overrides: list[str], exclude: list[str], default: str) -> str:
+    """A point's folder name from its overrides, those of the `exclude` keys (run.*) left out: all of them, sorted
+    and joined as Hydra's override_dirname, where that fits in POINT_NAME_MAX characters (`precision=bf16,tile=b16`);
+    else the dimensions' choices among them that fit (or `default`), then `-` and 8 hex digits of the sha256 of
+    them all (`op=attention-1f0c9a2e`). The receipt's `overrides` holds them whole."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = [o for o in OverridesParser.create().parse_overrides(overrides) if o.key_or_group not in exclude]
+    lines = sorted(o.input_line for o in parsed)
+    whole = _folder_safe(",".join(lines))
+    if len(whole) <= POINT_NAME_MAX:
+        return whole or default
+    digest = "-" + hashlib.sha256("\n".join(lines).encode()).hexdigest()[:8]
+    kept: list[str] = []
+    for choice in (_folder_safe(o.input_line) for d in DIMENSIONS for o in parsed if o.key_or_group == d):
+        if len(",".join([*kept, choice]) + digest) > POINT_NAME_MAX:
+            break
+        kept.append(choice)
+    return (",".join(kept) or default) + digest
+
+
 def _point(cfg: DictConfig, default_name: str) -> LabConfig:
-    """Validate the composed config; name the point after its overrides unless run.name was set."""
+    """Validate the composed config; name the point after its overrides (point_name) unless run.name was set."""
     from hydra.core.hydra_config import HydraConfig
 
     try:
@@ -69,8 +98,9 @@ def _point(cfg: DictConfig, default_name: str) -> LabConfig:
     except ConfigError as exc:
         _fail_config(exc)
     if lab.run.name == "bench":  # not set: name the point after its overrides (run.* excluded)
-        name = re.sub(r"[^A-Za-z0-9._=,-]", "_", HydraConfig.get().job.override_dirname)
-        lab.run.name = name or default_name
+        hydra = HydraConfig.get()
+        lab.run.name = point_name(list(hydra.overrides.task), list(hydra.job.config.override_dirname.exclude_keys),
+                                  default_name)
     return lab
 
 
@@ -87,11 +117,14 @@ def _fresh_point_dir(lab: LabConfig) -> Path:
 
 
 def _record(lab: LabConfig) -> dict[str, Any]:
-    """The receipt; never raises for MLflow: a failed write prints one line and counts toward exit 3."""
+    """The receipt, with the command line's overrides; never raises for MLflow: a failed write prints one line and
+    counts toward exit 3."""
+    from hydra.core.hydra_config import HydraConfig
+
     from posttrainllm.track import receipt, store
 
     try:
-        done, run_id = receipt.record(lab)
+        done, run_id = receipt.record(lab, overrides=list(HydraConfig.get().overrides.task))
     except store.TrackingFailed as exc:
         print(exc.line(), file=sys.stderr)
         _untracked.append(exc.line())
@@ -654,18 +687,20 @@ def new_impl(args: list[str]) -> int:
     if parsed != [spec] or "=" in target.as_posix():
         return refuse(f"{target}: a path a Hydra override can hold unquoted, please (letters, digits, '_', '-', "
                       "'.', '/')")
+    command = f"posttrainllm bench op={choice} '{override}' 'op.only=[{name}]'"
     docstring = "\n".join([
         f"A kernel of your own for op {op.name}: `{name}`, in the op's natural signature",
         "", textwrap.fill(op.signature, width=100, initial_indent="    ", subsequent_indent="    "), "",
-        "Its receipt (parity against float64 math, the guards, timing, this file's sha256):", "",
-        f"    posttrainllm bench op={choice} '{override}'", "",
+        "Its receipt (parity against float64 math, the guards, timing against the reference, this file's sha256;",
+        "without op.only, beside every built-in path too):", "",
+        f"    {command}", "",
         "The body is the readable math, correct as it is: make it fast, keep it right.",
     ])
     target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("x") as out:  # "x": never over a file that appeared meanwhile
         out.write(f'"""{docstring}\n"""\n{op.template.format(name=name)}')
     print(f"written: {target} ({name}, op {op.name})")
-    print(f"its receipt: posttrainllm bench op={choice} '{override}'")
+    print(f"its receipt: {command}")
     return 0
 
 

@@ -91,6 +91,9 @@ class OpConfig:
     peers: list[str] = field(default_factory=list)
     # Kernels from outside, `[name=]file.py:attr`, `[name=]module:attr` or `[name=]entry:<name>` (opdefs/user.py)
     user_impls: list[str] = field(default_factory=list)
+    # Run only these paths (built-in, peer or user, by name) and the reference, the speed baseline; []: every path
+    # (opdefs/base.py OpDef.paths, the one place paths are listed)
+    only: list[str] = field(default_factory=list)
     # --- op=attention, attention_noncausal, decode_attention ---
     # the softmax scale every path gets (a user path's sm_scale); null: 1/sqrt(head_dim). Parity also checks a case
     # at another scale (opdefs/attention.py), so a path that ignores it fails

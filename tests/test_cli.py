@@ -66,7 +66,57 @@ def test_broken_path_gets_no_speed_and_exit_1(workdir, monkeypatch, capsys):
 def test_multirun_over_one_dimension_names_each_point(workdir, capsys):
     assert cli.main(["bench", "-m", *QUICK, "precision=fp32,fp16", "run.log_mlflow=false"]) == 0
     names = sorted(p.name for p in (workdir / "runs/bench").iterdir() if p.is_dir())
-    assert len(names) == 2 and all("precision=" in n and "parity.seeds=_0_" in n for n in names)
+    # QUICK's overrides are too long for a name: the dimensions' choices, then a hash of them all
+    assert [n.rpartition("-")[0] for n in names] == ["precision=fp16,device=cpu", "precision=fp32,device=cpu"]
+    for name in names:
+        receipt = json.loads((workdir / "runs/bench" / name / "receipt.json").read_text())
+        assert {*QUICK, f"precision={receipt['config']['precision']['name']}"} <= set(receipt["overrides"])
+
+
+def test_op_only_runs_the_named_paths_and_the_reference(workdir, capsys):
+    assert cli.main(["bench", *QUICK, "op.only=[sdpa]", "run.name=only", "run.log_mlflow=false"]) == 0
+    point = workdir / "runs/bench/only"
+    assert set(json.loads((point / "parity.json").read_text())["paths"]) == {"sdpa"}
+    assert set(json.loads((point / "microbench.json").read_text())["paths"]) == {"reference", "sdpa"}
+    receipt = json.loads((point / "receipt.json").read_text())
+    assert set(receipt["kernel"]["paths"]) == {"sdpa"}
+    assert receipt["config"]["op"]["only"] == ["sdpa"] and receipt["microbench"]["paths"]["sdpa"]["valid"]
+
+
+def test_op_only_with_an_unknown_name_names_the_valid_ones(workdir, capsys):
+    assert cli.main(["bench", *QUICK, "op.only=[sdpa,trtion]"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "op.only: 'trtion' is not a path of this attention point" in err
+    assert "valid choices are reference, sdpa" in err and "triton" in err
+    assert [p.name for p in (workdir / "runs/bench").iterdir()] == ["calibration.json"]  # nothing written
+
+
+def test_many_long_overrides_make_a_short_folder_and_the_receipt_holds_them(workdir, capsys):
+    """Five user paths of long specs (the issue: a folder named after every override, over 255 characters)."""
+    from posttrainllm.config import PROJECT_ROOT
+
+    example = PROJECT_ROOT / "examples" / "torch_attention.py"
+    specs = [f"{name}={example}:sdpa_attention" for name in ("base", "memo", "tiled", "split", "fused")]
+    user = "op.user_impls=[" + ",".join(f'"{spec}"' for spec in specs) + "]"  # quoted: Hydra reads `=` in a value so
+    assert cli.main(["bench", *QUICK, "op=attention", user, "op.only=[base]", "run.log_mlflow=false"]) == 0
+    [folder] = [p for p in (workdir / "runs/bench").iterdir() if p.is_dir()]
+    assert len(folder.name) < 64 and folder.name.startswith("op=attention,device=cpu-")
+    receipt = json.loads((folder / "receipt.json").read_text())
+    assert user in receipt["overrides"] and receipt["config"]["op"]["user_impls"] == specs
+    assert receipt["parity"]["paths"]["base"]["verdict"] == "pass" and set(receipt["parity"]["paths"]) == {"base"}
+
+
+def test_a_point_name_is_short_and_differs_with_its_overrides():
+    specs = ",".join(f'"{n}=kernels/attention_{n}_with_a_long_name.py:attention"' for n in ("a", "b", "c", "d", "e"))
+    one = ["op=attention", f"op.user_impls=[{specs}]", "run.name=x"]
+    other = [*one[:2], "op.only=[a]"]
+    exclude = ["run.name"]
+    names = {cli.point_name(one, exclude, "bench"), cli.point_name(other, exclude, "bench"),
+             cli.point_name(one[1:2], exclude, "bench")}
+    assert len(names) == 3 and all(len(n) < 64 for n in names)
+    assert cli.point_name(one[1:2], exclude, "bench").startswith("bench-")  # no dimension chosen: the default
+    assert cli.point_name(["precision=bf16", "run.name=x"], exclude, "bench") == "precision=bf16"  # short: as is
+    assert cli.point_name([], exclude, "train") == "train"
 
 
 def test_bench_train_reports_drift_within_contract(workdir, capsys):

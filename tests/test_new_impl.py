@@ -44,7 +44,7 @@ def test_every_op_has_a_template():
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_the_written_file_passes_parity_with_its_own_gradients(workdir, op, capsys):
     assert cli.main(["new-impl", f"op={op}", "kernels/mine.py"]) == 0
-    command = f"posttrainllm bench op={op} 'op.user_impls=[kernels/mine.py:{op}]'"
+    command = f"posttrainllm bench op={op} 'op.user_impls=[kernels/mine.py:{op}]' 'op.only=[{op}]'"
     assert command in capsys.readouterr().out
     source = (workdir / "kernels" / "mine.py").read_text()
     module = ast.parse(source)
@@ -52,9 +52,10 @@ def test_the_written_file_passes_parity_with_its_own_gradients(workdir, op, caps
     assert command in doc and OPS[op].signature.split(";")[0] in " ".join(doc.split())
     assert [node.name for node in module.body if isinstance(node, ast.FunctionDef)] == [op]
 
-    assert cli.main(["bench", f"op={op}", f"op.user_impls=[kernels/mine.py:{op}]", "run.out_dir=runs",
-                     "run.name=mine", *QUICK, *SMALL[op]]) == 0
+    assert cli.main(["bench", f"op={op}", f"op.user_impls=[kernels/mine.py:{op}]", f"op.only=[{op}]",
+                     "run.out_dir=runs", "run.name=mine", *QUICK, *SMALL[op]]) == 0
     parity = json.loads((workdir / "runs" / "mine" / "parity.json").read_text())
+    assert set(parity["paths"]) == {op}  # op.only: the reference is the baseline, no built-in path ran
     mine = parity["paths"][op]
     assert mine["verdict"] == "pass" and mine["backward"] == "own", mine
     checked = {case["output"] for case in mine["cases"]}
@@ -68,7 +69,7 @@ def test_name_names_the_function_and_the_path(workdir, capsys):
     assert cli.main(["new-impl", "op=attention_noncausal", "flash.py", "--name", "flash"]) == 0
     source = (workdir / "flash.py").read_text()
     assert "def flash(q" in source
-    assert "posttrainllm bench op=attention_noncausal 'op.user_impls=[flash.py:flash]'" in source
+    assert "posttrainllm bench op=attention_noncausal 'op.user_impls=[flash.py:flash]' 'op.only=[flash]'" in source
 
 
 def test_an_existing_file_is_never_overwritten(workdir, capsys):

@@ -125,3 +125,25 @@ def test_a_bad_report_flag_is_one_line_and_exit_2(args, tmp_path, monkeypatch, c
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith("usage: posttrainllm report [--wide]")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_train_table_lists_every_path_and_shows_no_nan():
+    """An interpreted variant trains fewer steps (its losses at its own last step); a forward-only path and one
+    that failed parity are rows with why, not gaps; no NaN anywhere."""
+    entry = {"warm_ms_per_step": 10.0, "tokens_per_s": 100.0, "peak_mem_bytes": None, "timing_valid": True}
+    train = {"impls": {"reference": {**entry, "losses": [5.5, 5.0, 4.5, 4.0, 3.5, 3.0, 2.5, 2.0]},
+                       "triton": {**entry, "losses": [5.5, 5.0, 4.5], "timing_valid": False}},
+             "skipped": {"mine": "forward-only: not trained (no backward to train with)",
+                         "sdpa": "failed parity: no speed number"},
+             "drift": {"triton": 1e-6}, "drift_verdict": {"triton": "pass"}, "amdahl": {"variants": {}},
+             "precision": "fp32", "device": "cpu", "tokens_per_step": 256, "drift_limit": 1e-4}
+    table = report.train_table({"point": "p", "config": {"architecture": {"name": "mha"}}, "bench_train": train})
+    assert "NaN" not in table and "None" not in table, table
+    rows = {line.split()[0]: line for line in table.splitlines()[2:]}
+    assert list(rows) == ["reference", "triton", "mine", "sdpa"]
+    assert table.splitlines()[1].split()[:7] == ["variant", "warm_ms/step", "tokens/s", "peak_MB", "steps", "loss[0]",
+                                                 "loss[last]"]
+    assert rows["reference"].split()[4:6] == ["8", "5.5000"] and "2.0000" in rows["reference"]
+    assert rows["triton"].split()[1:7] == ["-", "-", "-", "3", "5.5000", "4.5000"]
+    assert rows["mine"].rstrip().endswith("forward-only: not trained (no backward to train with)")
+    assert rows["sdpa"].rstrip().endswith("failed parity: no speed number") and "5.5000" not in rows["sdpa"]

@@ -73,10 +73,13 @@ def test_a_pytorch_function_goes_through_every_stage(tmp_path):
 
 
 def test_a_forward_only_result_is_not_an_error(tmp_path):
+    """...and bench-train lists it, not trained, in its table (op.only: it and the reference alone)."""
+    from posttrainllm.track.report import train_table
+
     spec = _write(tmp_path, "nograd.py", "import torch\n\ndef matmul(a, b):\n    with torch.no_grad():\n"
                                          "        return a @ b\n")
-    cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]", f"run.out_dir={tmp_path}", "run.name=p",
-                "bench.reps=3", "bench.min_time_s=0", "train.steps=2", "train.warmup_steps=1"])
+    cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]", "op.only=[matmul]", f"run.out_dir={tmp_path}",
+                "run.name=p", "bench.reps=3", "bench.min_time_s=0", "train.steps=2", "train.warmup_steps=1"])
     out = tmp_path / "p"
     report = parity_report(cfg, out)
     assert report["paths"]["matmul"]["verdict"] == "pass" and report["paths"]["matmul"]["backward"] == "none"
@@ -86,7 +89,10 @@ def test_a_forward_only_result_is_not_an_error(tmp_path):
     assert micro["paths"]["matmul"]["valid"]
     assert micro["paths"]["matmul"]["forward_backward"]["reason"].startswith("none: a forward-only path")
     train = stages.run_bench_train(cfg, out)
-    assert train["skipped"]["matmul"].startswith("none: a forward-only path")
+    assert train["variants"] == ["reference"] and train["skipped"] == {"matmul": stages.FORWARD_ONLY}
+    table = train_table({"point": "p", "config": {"architecture": {"name": "mha"}}, "bench_train": train})
+    row = next(line for line in table.splitlines() if line.lstrip().startswith("matmul"))
+    assert row.rstrip().endswith("forward-only: not trained (no backward to train with)") and "NaN" not in table
 
 
 CACHING = '''

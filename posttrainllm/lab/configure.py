@@ -76,6 +76,6 @@ def check_op_rules(cfg: LabConfig) -> None:
     impls = list(cfg.train.impls)
     for impl in impls:
         require(impl in paths, f"train.impls: unknown {cfg.op.name} implementation {impl!r}: valid choices are "
-                               f"{', '.join(paths)}")
+                               f"{', '.join(paths)}" + (f" (op.only={list(cfg.op.only)})" if cfg.op.only else ""))
     require(not impls or impls[0] == "reference",
             f"train.impls={impls}: the first must be 'reference' (drift is measured against it)")

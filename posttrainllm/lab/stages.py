@@ -40,6 +40,7 @@ from posttrainllm.track.provenance import git_revision
 
 INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
 FAILED_PARITY = "failed parity: no speed number"
+FORWARD_ONLY = "forward-only: not trained (no backward to train with)"  # bench-train's skip of such a path
 # "faster" needs non-overlapping spread bands: p80 of one below p20 of the other
 BAND_RULE = "faster: p80 < other's p20; slower: p20 > other's p80; else no measurable difference"
 
@@ -948,7 +949,7 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
             skipped[name] = impl.train_refusal
             continue
         if impl.backward == NO_BACKWARD and quantized is None:  # a quantized path trains by the recipe's backward
-            skipped[name] = backward_note(impl)
+            skipped[name] = FORWARD_ONLY
             continue
         hooks = op.model_hooks(impl, cfg)
         interpreted = _interpreted(impl)

@@ -255,7 +255,8 @@ class OpDef:
 
     def paths(self, cfg: LabConfig) -> dict[str, Impl]:
         """The registry as it stands for this point: `impls` (or what `point_impls` makes of it), then the optional
-        peers `op.peers` names, then the user paths of `op.user_impls` (opdefs/user.py)."""
+        peers `op.peers` names, then the user paths of `op.user_impls` (opdefs/user.py); with `op.only`, those it
+        names and the reference (the speed baseline)."""
         paths = dict(self.point_impls(cfg) if self.point_impls is not None else self.impls)
         for name in cfg.op.peers:
             if name not in self.optional_peers:
@@ -267,6 +268,12 @@ class OpDef:
 
             taken = set(paths) | set(self.impls) | set(self.optional_peers) | set(self.reserved_names)
             paths.update(user_impls(self, list(cfg.op.user_impls), taken))
+        for name in cfg.op.only:
+            if name not in paths:
+                raise ConfigError(f"op.only: {name!r} is not a path of this {self.name} point: valid choices are "
+                                  f"{', '.join(paths)} (a peer needs op.peers, a kernel of your own op.user_impls)")
+        if cfg.op.only:
+            paths = {name: impl for name, impl in paths.items() if name == REFERENCE or name in cfg.op.only}
         return paths
 
     def optimized(self, cfg: LabConfig) -> list[Impl]:

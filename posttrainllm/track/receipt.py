@@ -66,8 +66,11 @@ def _parity_summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
                       for name, p in report["paths"].items()}}
 
 
-def build(cfg: LabConfig, *, sweep: dict[str, Any] | None = None) -> dict[str, Any]:
+def build(cfg: LabConfig, *, sweep: dict[str, Any] | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """Assemble the receipt of one point from its folder; write receipt.json and metrics.json.
+
+    `overrides`: the command line's (`posttrainllm bench`, whose folder name holds only a hash of long ones); a
+    sweep point's are its params.yaml entry (None here: `sweep.changes` and `config` say what it is).
 
     The stages' stamps (runs/<point>/stamps/, written by the DVC stages) are checked first:
     stages that ran different versions of a source file they shared (this process's modules
@@ -87,6 +90,7 @@ def build(cfg: LabConfig, *, sweep: dict[str, Any] | None = None) -> dict[str, A
         "schema": SCHEMA,
         "point": cfg.run.name,
         "sweep": sweep,
+        "overrides": overrides,
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "provenance": {**git_revision(), "machine": devices.fingerprint(device),
                        "triton_interpreted": devices.triton_interpreted()},
@@ -115,13 +119,14 @@ def mlflow_available() -> bool:
     return True
 
 
-def record(cfg: LabConfig, *, sweep: dict[str, Any] | None = None) -> tuple[dict[str, Any], str | None]:
+def record(cfg: LabConfig, *, sweep: dict[str, Any] | None = None,
+           overrides: list[str] | None = None) -> tuple[dict[str, Any], str | None]:
     """The receipt stage: the JSON receipt always; the MLflow run when asked for and MLflow is installed.
 
     Raises store.TrackingFailed (its `receipt` set) when MLflow could not be written: the JSON
     receipt is on disk by then, and the error's line names the command that logs it later.
     """
-    receipt = build(cfg, sweep=sweep)
+    receipt = build(cfg, sweep=sweep, overrides=overrides)
     if not cfg.run.log_mlflow:
         return receipt, None
     if not mlflow_available():

@@ -71,7 +71,8 @@ def backward_note(backward: str | None) -> str:
 
 
 def train_table(receipt: dict[str, Any]) -> str:
-    """One row per bench-train variant: speed where valid, the loss curve's ends, drift, Amdahl."""
+    """One row per bench-train variant: speed where valid, the loss curve's ends (at its own last step), drift,
+    Amdahl; then a row per path not trained (failed parity, forward-only, ...) with why. "-" where nothing applies."""
     train = receipt.get("bench_train")
     if not train:
         return f"point {receipt['point']}: no bench-train result"
@@ -86,8 +87,9 @@ def train_table(receipt: dict[str, Any]) -> str:
             "warm_ms/step": _fmt(entry["warm_ms_per_step"] if valid else None, ".1f"),
             "tokens/s": _fmt(entry["tokens_per_s"] if valid else None, ".0f"),
             "peak_MB": _fmt(entry["peak_mem_bytes"] / 1e6 if entry.get("peak_mem_bytes") else None, ".1f"),
+            "steps": len(entry["losses"]),  # fewer for Triton through its interpreter (train.interpreted_steps)
             "loss[0]": f"{entry['losses'][0]:.4f}",
-            f"loss[{len(entry['losses']) - 1}]": f"{entry['losses'][-1]:.4f}",
+            "loss[last]": f"{entry['losses'][-1]:.4f}",
             "drift": _fmt(train["drift"].get(name), ".2e"),
             "verdict": train.get("drift_verdict", {}).get(name, "baseline"),
             **({"quality": (quality.get(name) or {}).get("verdict", "baseline"),
@@ -97,10 +99,12 @@ def train_table(receipt: dict[str, Any]) -> str:
             "predicted": _fmt(check.get("predicted_speedup"), ".2f"),
             "measured": (band_rule.measured_text(check.get("measured_speedup"),
                                               (train.get("noise") or {}).get("band"))
-                         if valid and check.get("valid") else "-"),
+                         if valid and check.get("valid") else None) or "-",
             "note": check.get("reading") or ("" if valid else "failed the quality gate: no speed"
                                              if entry.get("timing_valid", True) else "interpreted: not speed"),
         })
+    rows += [{**dict.fromkeys(rows[0], "-"), "variant": name, "note": why}
+             for name, why in (train.get("skipped") or {}).items()]
     fraction = train.get("amdahl", {}).get("fraction")
     band = (train.get("noise") or {}).get("band")
     head = (f"point {receipt['point']}: bench-train {receipt['config']['architecture']['name']} "
