@@ -28,7 +28,6 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
-from posttrainllm.lab import compile as compile_lab
 from posttrainllm.lab import guards, outside, parity, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
@@ -274,6 +273,8 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 entry["worker_start_s"] = outside.worker_start_s(impl)
             report["paths"][impl.name] = entry
     if compiling is not None:  # every Triton kernel of the paths compiled for compile.targets (lab/compile.py)
+        from posttrainllm.lab import compile as compile_lab
+
         report["compile"] = compile_lab.finish(*compiling)
     replaced = replaced_library()
     if replaced:  # the peers call what was bound when the lab started (opdefs/base.py LIBRARY), not these
@@ -284,7 +285,10 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
 
 
 def _start_compile(op: OpDef, cfg: LabConfig, out: Path) -> tuple[Any, Path, list[str], float] | None:
-    """The compile child (lab/compile.py) when a path may launch Triton kernels (ours, a user's), else None."""
+    """The compile child (lab/compile.py) when a path may launch Triton kernels (ours, a user's), else None.
+    Imported here: only the kernel stage depends on it (lab/sweep.py STAGE_SOURCES)."""
+    from posttrainllm.lab import compile as compile_lab
+
     if not any(impl.kind == "triton" or impl.user is not None for impl in op.optimized(cfg)):
         return None
     result = out / "compile.json"
