@@ -13,7 +13,7 @@ by an unpickler that refuses every class, then each tensor's storage as raw byte
 and offset; no object the worker chose is ever built in the lab (an output that is no tensor comes back as its
 type's name only).
 
-    load      import the user's module (an error there is the path's failure, "<Type>: <message>")
+    load      import the user's module (an error there is the path's failure, "<Type>: <message>", located)
     call      one call in the natural signature: the tensors, which of them require grad, the other
               arguments; the worker keeps the autograd graph under a call id when an output has history
     backward  the output gradients of a kept call -> the input gradients (None where unused)
@@ -38,7 +38,9 @@ On the lab's side a user path is `remote(user)`: a function of the natural signa
 arguments to the worker and, when the worker kept a graph, returns outputs attached to the lab's autograd
 graph through `_Attach` (a torch.autograd.Function whose backward sends the output gradients). An exception
 in the worker is raised in the lab as an exception of the same type name and message (`UserCodeError`
-subclasses); a worker that died is `WorkerDied`, naming its exit code or signal.
+subclasses), carrying the worker's traceback and the innermost frame in the user's own files (`remote`: the
+error reply's "traceback" and "where", lab/failures.py); a worker that died is `WorkerDied`, naming its exit code
+or signal.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from typing import Any, Callable
 import torch
 
 from posttrainllm.files import USER_SOURCES
+from posttrainllm.lab.failures import first_line, locate, traceback_text
 
 _clock = time.perf_counter  # bound before any user code runs in a worker: a patched time.perf_counter is not ours
 _TIMERS = {name: getattr(time, name) for name in ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
@@ -68,21 +71,32 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder holding postt
 
 
 class UserCodeError(RuntimeError):
-    """An exception the user's code raised in its worker; each is re-raised as a subclass named as its type."""
+    """An exception the user's code raised in its worker; each is re-raised as a subclass named as its type.
+    `remote`: the worker's traceback text and the frame it located in the user's files (lab/failures.py)."""
+
+    remote: dict[str, Any] | None = None
 
 
 class WorkerDied(RuntimeError):
-    """The worker process ended without answering (a segfault, os._exit, a kill)."""
+    """The worker process ended without answering (a segfault, os._exit, a kill): no traceback, no frame."""
+
+    @property
+    def remote(self) -> dict[str, Any]:
+        return {"traceback": f"WorkerDied: {self}\n(no traceback: the process ended without answering)\n",
+                "where": None}
 
 
 _ERROR_TYPES: dict[str, type] = {}
 
 
-def _user_error(type_name: str, message: str) -> UserCodeError:
+def _user_error(type_name: str, message: str, traceback: str | None = None,
+                where: dict[str, Any] | None = None) -> UserCodeError:
     cls = _ERROR_TYPES.get(type_name)
     if cls is None:
         cls = _ERROR_TYPES[type_name] = type(type_name, (UserCodeError,), {})
-    return cls(message)
+    error = cls(message)
+    error.remote = {"traceback": traceback or "", "where": where}
+    return error
 
 
 class _Foreign:
@@ -241,7 +255,8 @@ class Worker:
                 self.died = self._death(message["op"])
                 raise WorkerDied(self.died) from None
         if "error" in reply:
-            raise _user_error(reply["error"]["type"], reply["error"]["message"])
+            error = reply["error"]
+            raise _user_error(error["type"], error["message"], error.get("traceback"), error.get("where"))
         return reply
 
     def _death(self, op: str) -> str:
@@ -678,8 +693,10 @@ def serve(read_fd: int, write_fd: int) -> None:
 
 
 def _error_reply(exc: BaseException, prefix: str = "") -> dict[str, Any]:
-    text = str(exc).strip()
-    return {"error": {"type": type(exc).__name__, "message": prefix + (text.splitlines()[0] if text else "")}}
+    """The error as the lab raises it: type, first line of the message, the full traceback and the innermost frame
+    in the user's own files (lab/failures.py `locate`; for a Triton kernel under the interpreter, its own line)."""
+    return {"error": {"type": type(exc).__name__, "message": prefix + first_line(exc),
+                      "traceback": traceback_text(exc), "where": locate(exc, user=True)}}
 
 
 if __name__ == "__main__":
