@@ -310,6 +310,48 @@ def test_the_headline_counts_broken_paths_and_those_that_cannot_run_here_apart(t
     assert "; libdev (Triton's interpreter has no libdevice" in apart and apart.count("runs on a GPU") == 2
 
 
+TRITON_MATMUL = """import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mm(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * K + ks[None, :], mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + ks[:, None] * N + rn[None, :], mask=(ks[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc += tl.dot(a, b)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def matmul(a, b):
+    (M, K), N = a.shape, b.shape[1]
+    c = torch.empty(M, N, dtype=a.dtype)
+    with torch.no_grad():
+        _mm[(triton.cdiv(M, 32), triton.cdiv(N, 32))](a.contiguous(), b.contiguous(), c, M, N, K, BM=32, BN=32, BK=32)
+    return c
+"""  # written for the GPU: bf16 operands straight into tl.dot, the fp32 accumulator cast to bf16 on store
+
+
+def test_a_users_bf16_triton_kernel_is_computed_as_ours_under_the_interpreter(tmp_path):
+    """Triton's interpreter computes a bf16 dot on the raw bits (an error of ~1e11 here); the path's worker patches
+    its dot and cast as our kernels emulate them, and the receipt says so."""
+    from posttrainllm.ops import USER_BF16_INTERPRETER_REASON
+
+    spec = _write(tmp_path, "mm.py", TRITON_MATMUL)
+    report = parity_report(load([*MATMUL, "precision=bf16", f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    path = report["paths"]["matmul"]
+    assert path["verdict"] == "pass", path["failed_cases"]
+    assert path["emulation"] == USER_BF16_INTERPRETER_REASON and path["launched"]
+    assert path["backward"] == "none"  # computed without autograd history: forward-only
+
+
 @pytest.mark.parametrize("spec, message", [
     ("examples/nope.py:attention", "no file examples/nope.py"),
     ("examples/torch_attention.py:nope", "no attribute 'nope' in"),

@@ -65,11 +65,15 @@ def _to_cpu(tensors: Tensors) -> Tensors:
     return {k: v.detach().cpu() for k, v in tensors.items()}
 
 
-def _emulation(impl: Impl, cfg: LabConfig) -> str | None:
+def _emulation(impl: Impl, cfg: LabConfig, launched: Counter | None = None) -> str | None:
+    """How the path computes here unlike on the GPU (ops/__init__.py): our Triton kernels' emulation, or, for a
+    user path that launched Triton kernels at a bf16 point, its worker's patched interpreter."""
+    from posttrainllm.ops import USER_BF16_INTERPRETER_REASON, interpreter_emulation
+
+    if impl.user is not None and launched and cfg.precision.quantize is None:
+        return USER_BF16_INTERPRETER_REASON if interpreter_emulation(_dtype(cfg)) else None
     if impl.kind != "triton":
         return None
-    from posttrainllm.ops import interpreter_emulation
-
     return interpreter_emulation(_dtype(cfg), quantized=cfg.precision.quantize is not None)
 
 
@@ -282,6 +286,8 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
             if raised:
                 entry["failure"] = _recorded_failure(raised[0], out, impl.name)
             entry["launched"] = dict(sorted(launched.items()))  # Triton launches by kernel name, all cases
+            if impl.user is not None:  # known once it ran: whether it launched Triton kernels
+                entry["emulation"] = _emulation(impl, cfg, launched)
             if impl.evidence is not None:  # what the path recorded of its calls (compiled: dynamo's graphs)
                 entry["evidence"] = impl.evidence()
             if impl.user is not None:  # its worker process's start (spawn, import torch, its module), never timed

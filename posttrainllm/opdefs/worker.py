@@ -63,6 +63,7 @@ import torch
 
 from posttrainllm.files import USER_SOURCES
 from posttrainllm.lab.failures import first_line, locate, traceback_text
+from posttrainllm.ops import emulate_bf16_in_interpreter
 
 _clock = time.perf_counter  # bound before any user code runs in a worker: a patched time.perf_counter is not ours
 _TIMERS = {name: getattr(time, name) for name in ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
@@ -460,6 +461,13 @@ def _counting() -> Any:
     return count_triton_launches()
 
 
+def _emulate_bf16() -> None:
+    """Once the user's code has Triton loaded: under the interpreter, its bf16 dots and casts computed as the GPU
+    computes them, as the lab's own kernels do there (ops/__init__.py USER_BF16_INTERPRETER_REASON)."""
+    if "triton" in sys.modules:
+        emulate_bf16_in_interpreter()
+
+
 def _sync(tensors: list[torch.Tensor]) -> None:
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()
@@ -556,6 +564,7 @@ class _Server:
         if not callable(target):
             raise TypeError(f"{user.attr} in {user.identity['file']} is a {type(target).__name__}, not a callable")
         self.fn = target
+        _emulate_bf16()
         code = getattr(target, "__code__", None)
         self.user_file = str(u["file"]) if u["file"] else (code.co_filename if code else None)
         return {"pid": os.getpid(), "threads": torch.get_num_threads(),
@@ -565,6 +574,7 @@ class _Server:
         tensors = [t.requires_grad_() if f and t.is_floating_point() else t for t, f in zip(m["tensors"], m["flags"])]
         args, kwargs = _join(m["args"], m["kwargs"], tensors)
         before = [t.detach().clone() for t in tensors]
+        _emulate_bf16()  # a module that imports Triton only when called
         with _counting() as launches, torch.set_grad_enabled(m["grad"]):
             result = self.fn(*args, **kwargs)
         outputs: list[torch.Tensor] = []
@@ -609,6 +619,7 @@ class _Server:
         With "null": the same loop and checksums over the last batch's results, calling nothing: the overhead
         the lab subtracts from its span."""
         null = m.get("null", False)
+        _emulate_bf16()  # before the clock
         batch = None if null else self.batches.pop(m["key"])
         backward = (batch["grad_outs"] is not None) if batch else self.last_backward
         sets = batch["sets"] if batch else [(t, (), {}) for t in self.last_tensors]
