@@ -45,6 +45,7 @@ from omegaconf import DictConfig
 from posttrainllm.config import CONF_DIR, DIMENSIONS, ConfigError, LabConfig
 
 from posttrainllm.lab.configure import check_train_rules, load, validate
+from posttrainllm.lab.failures import TRACEBACKS
 
 EXIT_CONTRACT, EXIT_CONFIG = 1, 2
 EXIT_UNTRACKED = 3  # the receipt JSON was written, MLflow was not (server unreachable, store failed)
@@ -54,6 +55,7 @@ STAGE_FILES = ("reference.pt", "kernel.pt", "kernel.json", "parity.json", "micro
 _broken: list[str] = []  # points whose contract broke in this invocation (a multirun keeps going)
 _unfit: list[str] = []  # points with a kernel that would not launch on a compile target (or no compile report)
 _untracked: list[str] = []  # points whose receipt could not be logged to MLflow (JSON kept)
+_cannot_run: list[str] = []  # points with paths this machine cannot run, none broken (never a broken contract)
 
 
 def _fail_config(exc: ConfigError) -> None:
@@ -112,6 +114,7 @@ def _fresh_point_dir(lab: LabConfig) -> Path:
     for name in STAGE_FILES:
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / "stamps", ignore_errors=True)  # a DVC run's stamps do not describe this run
+    shutil.rmtree(out / TRACEBACKS, ignore_errors=True)  # nor an earlier run's tracebacks
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -155,8 +158,10 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
     stages.run_reference(lab, out)
     stages.run_kernel(lab, out)
     try:
-        stages.run_parity(lab, out)
-    except stages.ContractBroken as exc:
+        parity = stages.run_parity(lab, out)
+        if parity["headline"]:  # nothing broke, yet some path cannot run here: named apart
+            _cannot_run.append(f"{lab.run.name}: {parity['headline']}")
+    except stages.ContractBroken as exc:  # its line counts what broke and, apart, what cannot run here
         _broken.append(f"{lab.run.name}: {exc}")
     calibration = calibrate.load_or_measure(Path(lab.run.out_dir) / "calibration.json", devices.resolve(
         lab.device.name))
@@ -749,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     _broken.clear()
     _untracked.clear()
     _unfit.clear()
+    _cannot_run.clear()
     if command == "sweep" and {"-m", "--multirun"} & set(rest):  # one plan per params.yaml: a multirun keeps the last
         print("posttrainllm: config error: posttrainllm sweep -m: a sweep plans one params.yaml: give one sweep=NAME, "
               "and the options to try under vary: in conf/sweep/<name>.yaml", file=sys.stderr)
@@ -765,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv = saved_argv
     if command in ("bench", "bench-train") and any(a.startswith("hydra/launcher=") for a in rest):
         _collect_launched(labs, started)
+    for line in _cannot_run:
+        print(f"posttrainllm: {line}", file=sys.stderr)
     for line in _broken:
         print(f"posttrainllm: contract broken: {line}", file=sys.stderr)
     if _broken or _unfit:

@@ -163,3 +163,26 @@ def test_receipt_import_logs_json_made_without_mlflow_once(workdir, mlflow_uri, 
 def test_receipt_import_refuses_a_missing_folder(workdir, capsys):
     assert cli.main(["receipt", "import", str(workdir / "nope")]) == 2
     assert "usage: posttrainllm receipt import FOLDER" in capsys.readouterr().err
+
+
+def test_a_path_that_cannot_run_here_is_a_line_apart_and_exit_0(workdir, capsys):
+    """lab/failures.py: an import needing a GPU driver is no broken contract; the console names it apart, located,
+    with the traceback's file beside the receipt."""
+    kernel = workdir / "needs_gpu.py"
+    kernel.write_text("import triton\n\ntriton.runtime.driver.active.get_current_device()\n\n\n"
+                      "def matmul(a, b):\n    return a @ b\n")
+    assert cli.main(["bench", "op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[]", "shape.m=64",
+                     "shape.n=64", "shape.k=64", "shape.matmul_curve=[32,64]", "bench.reps=3", "bench.min_time_s=0",
+                     f"op.user_impls=[{kernel}:matmul]", "run.name=apart", "run.log_mlflow=false"]) == 0
+    captured = capsys.readouterr()
+    assert ("posttrainllm: apart: 1 cannot run here (not a broken contract): matmul (Triton found no GPU driver "
+            "(0 active drivers); runs on a GPU with its driver)") in captured.err
+    assert "contract broken" not in captured.err
+    assert "parity pass (1 cannot run here, apart: matmul)" in captured.out
+    assert f"raised RuntimeError at {kernel}:3" in captured.out
+    receipt = json.loads((workdir / "runs/bench/apart/receipt.json").read_text())
+    mine = receipt["parity"]["paths"]["matmul"]
+    assert mine["verdict"] == "cannot run here" and mine["error"]["where"]["line"] == 3
+    assert (workdir / "runs/bench/apart" / mine["error"]["traceback"]).is_file()
+    assert receipt["kernel"]["paths"]["matmul"]["failure"] == mine["error"]
+    assert receipt["microbench"]["paths"]["matmul"]["reason"].startswith("cannot run here: Triton found no GPU driver")

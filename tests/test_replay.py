@@ -172,6 +172,21 @@ def test_loss_drift_verdicts_follow_from_the_losses():
     assert "drift 1e-05 stored, its losses give" in replay.verify_train(receipt)[0]
 
 
+def test_a_path_that_cannot_run_here_is_its_own_verdict_and_breaks_no_point(tmp_path):
+    """lab/failures.py: no case checked and none failed, with the reason it could not run: "cannot run here"; the
+    point's verdict is its other paths'. Called a pass, or hiding a failed case, it is named."""
+    gap = {"pattern": "triton_no_driver", "reason": "Triton found no GPU driver (0 active drivers)",
+           "runs_on": "a GPU with its driver"}
+    path = {"verdict": "cannot run here", "failed_cases": [], "worst": {}, "cannot_run_here": gap}
+    receipt = {"config": {}, "parity": {"verdict": "pass", "contract": {}, "paths": {"mine": path}}}
+    assert replay.verify_parity(receipt, tmp_path) == []
+    path["verdict"] = "pass"
+    assert replay.verify_parity(receipt, tmp_path) == [
+        "parity mine: verdict 'pass' stored, its failed cases and worst outputs say 'cannot run here'"]
+    path.update(verdict="cannot run here", failed_cases=["did not run: RuntimeError: wrong"])
+    assert "say 'fail'" in replay.verify_parity(receipt, tmp_path)[0]
+
+
 def test_truncated_receipt_and_bad_targets_get_one_line(point, tmp_path, capsys):
     folder = _tampered(point, tmp_path)
     text = (folder / "receipt.json").read_text()

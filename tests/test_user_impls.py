@@ -19,6 +19,7 @@ from posttrainllm.config import PROJECT_ROOT, ConfigError
 from posttrainllm.lab import stages
 from posttrainllm.lab.configure import load
 from posttrainllm.opdefs import get_op
+from posttrainllm.track.report import point_table
 
 EXAMPLES = PROJECT_ROOT / "examples"
 ATTENTION = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "architecture=gqa"]
@@ -158,22 +159,203 @@ def test_an_output_of_the_wrong_form_fails_with_that_reason(body, reason, tmp_pa
     assert any(reason in f for f in failures), failures
 
 
-def test_a_path_that_raises_gets_the_error_in_its_verdict_and_the_point_goes_on(tmp_path):
-    """As Liger-Kernel 0.8.5's RMSNorm does under the interpreter: `.to()` on a scalar the interpreter passes as a
-    Python float."""
+NONE_LT = """import torch
+
+
+def _scale(a):
+    if None < 1:
+        return a
+    return a
+
+
+def matmul(a, b):
+    return _scale(a) @ b
+"""  # raises on line 5, two frames under the call
+
+TRITON_HEAD = """import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+"""
+TRITON_CALL = """
+
+def matmul(a, b):
+    c = a @ b
+    out = torch.empty_like(c)
+    _kernel[(triton.cdiv(c.numel(), 64),)](c, out, c.numel(), 1e-6, BLOCK=64)
+    return out
+"""
+TRITON_BAD_OP = """@triton.jit
+def _kernel(x_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    y = x + tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    tl.store(out_ptr + offs, y, mask=offs < n)
+"""  # a 2-D value stored through 1-D pointers: its line 6 (file line 12) fails under the interpreter and on a GPU
+TRITON_SCALAR_TO = TRITON_BAD_OP.replace("y = x + tl.zeros((BLOCK, BLOCK), dtype=tl.float32)",
+                                         "y = x * eps.to(tl.float32)")  # right on a GPU; the interpreter's gap
+TRITON_LIBDEVICE = TRITON_BAD_OP.replace("y = x + tl.zeros((BLOCK, BLOCK), dtype=tl.float32)",
+                                         "y = x * libdevice.rsqrt(x * x)")  # the interpreter has no libdevice
+
+
+def _triton(tmp_path: Path, name: str, kernel: str) -> str:
+    return _write(tmp_path, name, TRITON_HEAD + kernel + TRITON_CALL)
+
+
+def test_a_path_that_raises_is_located_in_its_own_file_and_the_point_goes_on(tmp_path):
+    """The verdict names the exception, the innermost frame in the user's own file (file:line and that line's text)
+    and the traceback's file beside the receipt; kernel.json and the receipt keep the same."""
+    spec = _write(tmp_path, "raises.py", NONE_LT)
+    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    path = report["paths"]["matmul"]
+    assert path["verdict"] == "fail"
+    assert path["failed_cases"] == [f"did not run: TypeError: '<' not supported between instances of 'NoneType' and "
+                                    f"'int' (at {spec}:5: if None < 1:)"]
+    error = path["error"]
+    assert error["where"] == {"file": spec, "line": 5, "text": "if None < 1:", "function": "_scale"}
+    assert error["type"] == "TypeError" and "cannot_run_here" not in error
+    assert error["traceback"] == "tracebacks/matmul.txt"
+    text = (tmp_path / error["traceback"]).read_text()
+    assert f"located: {spec}:5: if None < 1: (in _scale)" in text
+    assert 'in _scale\n    if None < 1:' in text and "posttrainllm/opdefs/worker.py" in text  # the worker's traceback
+    kernel = json.loads((tmp_path / "kernel.json").read_text())["paths"]["matmul"]
+    assert kernel["failure"] == error and kernel["error"] == path["failed_cases"][0].removeprefix("did not run: ")
+    assert report["paths"]["triton"]["verdict"] == "pass" and "error" not in report["paths"]["triton"]
+    assert report["headline"].startswith("matmul broke the fp32 contract (did not run: TypeError: ")
+
+
+def test_plain_python_calling_to_on_a_float_is_the_paths_own_error(tmp_path):
+    """The message Liger-Kernel 0.8.5's RMSNorm raises under the interpreter, raised by plain Python: no interpreter
+    in its traceback, so not the interpreter's gap but the path's error."""
     spec = _write(tmp_path, "raises.py", "def matmul(a, b):\n    eps = 1e-6\n    return a @ b * eps.to(a.dtype)\n")
     report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    assert report["paths"]["matmul"]["verdict"] == "fail"
     assert report["paths"]["matmul"]["failed_cases"] == [
-        "did not run: AttributeError: 'float' object has no attribute 'to'"]
-    assert report["paths"]["triton"]["verdict"] == "pass"
+        f"did not run: AttributeError: 'float' object has no attribute 'to' (at {spec}:3: "
+        "return a @ b * eps.to(a.dtype))"]
 
 
-def test_an_import_that_fails_is_the_paths_failure(tmp_path):
-    """As FlagGems 5.0.2 does without a device: the import itself raises; recorded on the path at its first call."""
-    spec = _write(tmp_path, "nodevice.py", "raise RuntimeError('No device were detected')\n\ndef matmul(a, b):\n"
-                                           "    return a @ b\n")
+def test_a_triton_kernel_failing_under_the_interpreter_is_located_at_its_own_line(tmp_path):
+    spec = _triton(tmp_path, "bad_op.py", TRITON_BAD_OP)
     report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]"]), tmp_path)
-    assert report["paths"]["matmul"]["failed_cases"] == ["did not run: RuntimeError: No device were detected"]
+    path = report["paths"]["matmul"]
+    assert path["verdict"] == "fail"  # a bad op is the kernel's error on every machine
+    assert path["error"]["type"] == "InterpreterError" and "Expected pointer argument" in path["error"]["message"]
+    assert path["error"]["where"] == {"file": spec, "line": 12, "text": "tl.store(out_ptr + offs, y, mask=offs < n)",
+                                      "function": "_kernel"}
+    assert f"(at {spec}:12: tl.store(out_ptr + offs, y, mask=offs < n))" in path["failed_cases"][0]
+    assert (tmp_path / "tracebacks" / "matmul.txt").is_file()
+
+
+def test_an_import_that_fails_is_the_paths_failure_located_at_its_line(tmp_path):
+    spec = _write(tmp_path, "noimport.py", "import torch\nimport no_such_module_here\n\ndef matmul(a, b):\n"
+                                            "    return a @ b\n")
+    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    path = report["paths"]["matmul"]
+    assert path["verdict"] == "fail"
+    assert path["failed_cases"] == [f"did not run: ModuleNotFoundError: No module named 'no_such_module_here' "
+                                    f"(at {spec}:2: import no_such_module_here)"]
+    assert path["error"]["where"]["function"] == "<module>"
+
+
+@pytest.mark.parametrize("source, pattern", [
+    ("import triton\n\ntriton.runtime.driver.active.get_current_device()\n", "triton_no_driver"),
+    ("raise RuntimeError('No device were detected')\n", "no_device"),  # as FlagGems 5.0.2 does without a device
+    ("import torch\n\nwith torch.cuda.device(0):\n    pass\n", "torch_without_cuda"),
+])
+def test_an_import_that_needs_a_gpu_cannot_run_here_and_breaks_no_contract(source, pattern, tmp_path):
+    spec = _write(tmp_path, "needs_gpu.py", source + "\n\ndef matmul(a, b):\n    return a @ b\n")
+    cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]"])
+    stages.run_reference(cfg, tmp_path)
+    stages.run_kernel(cfg, tmp_path)
+    report = stages.run_parity(cfg, tmp_path)  # no ContractBroken: nothing broke
+    path = report["paths"]["matmul"]
+    assert path["verdict"] == "cannot run here" and path["failed_cases"] == []
+    assert path["cannot_run_here"]["pattern"] == pattern and "GPU" in path["cannot_run_here"]["runs_on"]
+    assert path["error"]["where"]["file"] == spec and (tmp_path / path["error"]["traceback"]).is_file()
+    assert report["verdict"] == "pass" and report["first_failure"] is None
+    assert report["headline"].startswith("1 cannot run here (not a broken contract): matmul (")
+    assert stages.refusals(tmp_path) == {"matmul": f"cannot run here: {path['cannot_run_here']['reason']} (runs on "
+                                                   f"{path['cannot_run_here']['runs_on']}): no speed"}
+    receipt = {"point": "p", "parity": report, "microbench": {"paths": {}}, "config": {"precision": {"name": "fp32"}},
+               "provenance": {"machine": {"device_name": "cpu", "threads": 1}}}
+    table = point_table(receipt)
+    assert "parity pass (1 cannot run here, apart: matmul)" in table
+    assert f"cannot run here: {path['cannot_run_here']['reason']}" in table and f"at {spec}:" in table
+
+
+def test_the_headline_counts_broken_paths_and_those_that_cannot_run_here_apart(tmp_path):
+    """One path computes the wrong product, one raises at a call, two meet gaps of Triton's interpreter: two broke
+    the contract, each with its own first failure; the other two are named apart, with the reason."""
+    wrong = _write(tmp_path, "wrong.py", "def matmul(a, b):\n    return a @ b * 1.01\n")
+    raises = _write(tmp_path, "raises.py", NONE_LT)
+    scalar = _triton(tmp_path, "scalar_to.py", TRITON_SCALAR_TO)
+    libdev = _triton(tmp_path, "libdev.py", TRITON_LIBDEVICE)
+    specs = [f"wrong={wrong}:matmul", f"raises={raises}:matmul", f"scalar={scalar}:matmul", f"libdev={libdev}:matmul"]
+    cfg = load([*MATMUL, "op.user_impls=[" + ",".join(f'"{s}"' for s in specs) + "]"])
+    stages.run_reference(cfg, tmp_path)
+    stages.run_kernel(cfg, tmp_path)
+    with pytest.raises(stages.ContractBroken) as caught:
+        stages.run_parity(cfg, tmp_path)
+    report = json.loads((tmp_path / "parity.json").read_text())
+    verdicts = {name: p["verdict"] for name, p in report["paths"].items()}
+    assert verdicts == {"torch": "pass", "triton": "pass", "wrong": "fail", "raises": "fail",
+                        "scalar": "cannot run here", "libdev": "cannot run here"}
+    assert report["paths"]["scalar"]["cannot_run_here"]["pattern"] == "interpreter_scalar_to"
+    assert report["paths"]["scalar"]["error"]["where"]["text"] == "y = x * eps.to(tl.float32)"
+    assert report["paths"]["libdev"]["cannot_run_here"]["pattern"] == "interpreter_libdevice"
+    assert set(report["cannot_run_here"]) == {"scalar", "libdev"}
+    line = str(caught.value)
+    assert line == report["headline"]
+    broken, apart = line.split("; apart from those, ")
+    assert broken.startswith("2 broke the fp32 contract: wrong (") and "; raises (did not run: TypeError: " in broken
+    assert "/out: max_abs_err" in broken.split("; raises (")[0]  # each with its own first failure
+    assert apart.startswith("2 cannot run here (not a broken contract): scalar (Triton's interpreter passes a scalar")
+    assert "; libdev (Triton's interpreter has no libdevice" in apart and apart.count("runs on a GPU") == 2
+
+
+TRITON_MATMUL = """import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mm(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * K + ks[None, :], mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + ks[:, None] * N + rn[None, :], mask=(ks[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc += tl.dot(a, b)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def matmul(a, b):
+    (M, K), N = a.shape, b.shape[1]
+    c = torch.empty(M, N, dtype=a.dtype)
+    with torch.no_grad():
+        _mm[(triton.cdiv(M, 32), triton.cdiv(N, 32))](a.contiguous(), b.contiguous(), c, M, N, K, BM=32, BN=32, BK=32)
+    return c
+"""  # written for the GPU: bf16 operands straight into tl.dot, the fp32 accumulator cast to bf16 on store
+
+
+def test_a_users_bf16_triton_kernel_is_computed_as_ours_under_the_interpreter(tmp_path):
+    """Triton's interpreter computes a bf16 dot on the raw bits (an error of ~1e11 here); the path's worker patches
+    its dot and cast as our kernels emulate them, and the receipt says so."""
+    from posttrainllm.ops import USER_BF16_INTERPRETER_REASON
+
+    spec = _write(tmp_path, "mm.py", TRITON_MATMUL)
+    report = parity_report(load([*MATMUL, "precision=bf16", f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    path = report["paths"]["matmul"]
+    assert path["verdict"] == "pass", path["failed_cases"]
+    assert path["emulation"] == USER_BF16_INTERPRETER_REASON and path["launched"]
+    assert path["backward"] == "none"  # computed without autograd history: forward-only
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -142,7 +142,10 @@ def test_an_exception_and_a_crash_in_user_code_are_that_paths_failures(tmp_path)
     cfg, out = _point(tmp_path, "bad.py", "def matmul(a, b):\n    raise ValueError('no kernel for this shape')\n",
                       "matmul", MATMUL)
     report = parity_report(cfg, out)
-    assert report["paths"]["matmul"]["failed_cases"] == ["did not run: ValueError: no kernel for this shape"]
+    bad = str(tmp_path / "bad.py")
+    assert report["paths"]["matmul"]["failed_cases"] == [
+        f"did not run: ValueError: no kernel for this shape (at {bad}:2: raise ValueError('no kernel for this shape'))"]
+    assert report["paths"]["matmul"]["error"]["where"]["line"] == 2  # the worker located it in the user's file
     assert report["paths"]["triton"]["verdict"] == "pass"
 
     workers.close_all()
@@ -151,6 +154,7 @@ def test_an_exception_and_a_crash_in_user_code_are_that_paths_failures(tmp_path)
     failed = report["paths"]["matmul"]["failed_cases"]
     assert len(failed) == 1 and failed[0].startswith("did not run: WorkerDied: the worker process of user path "
                                                      "'matmul' died during its call (exit code 3)"), failed
+    assert report["paths"]["matmul"]["error"]["where"] is None  # no traceback: the process ended without answering
     assert report["paths"]["triton"]["verdict"] == "pass" and report["paths"]["torch"]["verdict"] == "pass"
 
 

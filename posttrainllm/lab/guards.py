@@ -70,8 +70,8 @@ def output_violations(outputs: dict[str, Any], expected: dict[str, torch.Tensor]
 
 def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, torch.Tensor], *,
                 expect_triton: bool, kernels: tuple[str, ...] = (),
-                launched: Counter | None = None,
-                unchanged: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
+                launched: Counter | None = None, unchanged: dict[str, torch.Tensor] | None = None,
+                errors: list[BaseException] | None = None) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
     """Call fn() once and return (its outputs, violations).
 
     Violations: "changed input q" (bitwise, NaN-aware, shape and dtype too), "output out shares
@@ -82,7 +82,8 @@ def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, tor
     the inputs are still checked, the launches are not. `launched`, if given, gains the call's
     Triton launches by kernel name. `unchanged`: more tensors the call is handed (the upstream gradient of a
     backward) that it must leave unchanged ("changed <name>"); an output may share their storage (autograd
-    passes a gradient through unchanged where the math is the identity).
+    passes a gradient through unchanged where the math is the identity). `errors`, if given, gains the exception
+    fn raised (the kernel stage locates it: lab/failures.py).
     """
     snapshot = {name: x.detach().clone() for name, x in inputs.items()}
     others = {name: (x, x.detach().clone()) for name, x in (unchanged or {}).items()}
@@ -94,6 +95,8 @@ def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, tor
         except Exception as exc:  # a path that cannot run is reported, not a crash
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             violations.append(f"raised {type(exc).__name__}" + (f": {message}" if message else ""))
+            if errors is not None:
+                errors.append(exc)
     if launched is not None:
         launched.update(launches.by_kernel)
     for name, x in inputs.items():

@@ -66,13 +66,24 @@ def _stage(name: str) -> Callable[[LabConfig, dict[str, Any]], Any]:
     table: dict[str, Callable[[LabConfig, dict[str, Any]], Any]] = {
         "reference": lambda cfg, _: stages.run_reference(cfg, point_dir(cfg)),
         "kernel": lambda cfg, _: stages.run_kernel(cfg, point_dir(cfg)),
-        "parity": lambda cfg, _: stages.run_parity(cfg, point_dir(cfg)),
+        "parity": lambda cfg, _: _parity(cfg),
         "microbench": lambda cfg, _: stages.run_microbench(cfg, point_dir(cfg),
                                                            read_json(CALIBRATION)),
         "bench_train": lambda cfg, _: stages.run_bench_train(cfg, point_dir(cfg), quality_base=HEADS_BASE),
         "receipt": _record,
     }
     return table[name]
+
+
+def _parity(cfg: LabConfig) -> dict[str, Any]:
+    """The parity stage; where nothing broke yet some path cannot run here, its line (a broken contract's line,
+    ContractBroken, names them too)."""
+    from posttrainllm.lab import stages
+
+    report = stages.run_parity(cfg, point_dir(cfg))
+    if report["headline"]:
+        print(f"posttrainllm: parity {cfg.run.name}: {report['headline']}", file=sys.stderr)
+    return report
 
 
 def _approved(stage: str, point: str, cfg: LabConfig) -> bool:

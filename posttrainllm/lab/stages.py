@@ -11,6 +11,11 @@ verdict and the first failing case, and from then on the path gets no speed,
 throughput, roofline, curve or training time anywhere. The stage still writes
 its report and raises `ContractBroken` so an interactive command can exit 1;
 the DVC entry point records it and lets the sweep run on.
+
+A path that raises is located (lab/failures.py: the innermost frame of its own code, its traceback in
+tracebacks/<path>.txt); one whose failure says this machine lacks what it needs (a GPU driver, CUDA, a gap of
+Triton's interpreter) gets the verdict "cannot run here": no speed either, and never a broken contract. The
+parity stage's headline counts the paths that broke the contract and names those apart.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import shutil
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -28,7 +34,7 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
-from posttrainllm.lab import guards, outside, parity, rooms
+from posttrainllm.lab import failures, guards, outside, parity, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
@@ -49,7 +55,8 @@ class ContractBroken(RuntimeError):
 
 
 class DidNotRun(RuntimeError):
-    """A path's forward call raised (its message: "<Type>: <first line>") or returned no dict of tensors."""
+    """A path's forward call raised (its message: "<Type>: <first line>"; the exception is its __cause__), its
+    backward raised what this machine cannot run (lab/failures.py), or its forward returned no dict of tensors."""
 
 
 def _dtype(cfg: LabConfig) -> torch.dtype:
@@ -60,11 +67,15 @@ def _to_cpu(tensors: Tensors) -> Tensors:
     return {k: v.detach().cpu() for k, v in tensors.items()}
 
 
-def _emulation(impl: Impl, cfg: LabConfig) -> str | None:
+def _emulation(impl: Impl, cfg: LabConfig, launched: Counter | None = None) -> str | None:
+    """How the path computes here unlike on the GPU (ops/__init__.py): our Triton kernels' emulation, or, for a
+    user path that launched Triton kernels at a bf16 point, its worker's patched interpreter."""
+    from posttrainllm.ops import USER_BF16_INTERPRETER_REASON, interpreter_emulation
+
+    if impl.user is not None and launched and cfg.precision.quantize is None:
+        return USER_BF16_INTERPRETER_REASON if interpreter_emulation(_dtype(cfg)) else None
     if impl.kind != "triton":
         return None
-    from posttrainllm.ops import interpreter_emulation
-
     return interpreter_emulation(_dtype(cfg), quantized=cfg.precision.quantize is not None)
 
 
@@ -231,10 +242,14 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
 
     Guarded: a path must leave its inputs unchanged, return no storage of theirs, and a
     Triton path must launch a Triton kernel (guards.py); what it broke is recorded and
-    parity fails it. A path that raises is recorded with its error rather than stopping the others.
+    parity fails it. A path that raises is recorded with its error rather than stopping the others:
+    "error" ("<Type>: <message> (at file:line: text)") and "failure" (lab/failures.py: type, message, the
+    innermost frame of its own code, what this machine lacks where that is why, and its traceback's file,
+    tracebacks/<path>.txt).
     """
     op = get_op(cfg.op.name)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
+    shutil.rmtree(out / failures.TRACEBACKS, ignore_errors=True)  # an earlier run's: none of them describe this one
     ref = _load_reference(out)
     main_case = Case(**ref["records"][0]["case"])
     outputs: dict[str, list[Tensors] | None] = {}
@@ -251,6 +266,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
             if impl.user is not None:
                 entry["user"] = impl.user
             launched: Counter = Counter()
+            raised: list[dict[str, Any]] = []  # its located failures (lab/failures.py), the first recorded
             try:
                 backward = result_backward(impl, ref["records"][0], cfg, device)
                 entry["backward"] = backward
@@ -258,15 +274,23 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 results = []
                 for record in ref["records"]:
                     got, violations = _run_case(impl, record, case_config(Case(**record["case"]), cfg), device,
-                                                launched)
+                                                launched, raised)
                     results.append(got)
                     entry["violations"] += [f"{record['case']['name']}: {v}" for v in violations]
                 outputs[impl.name] = results
             except Exception as exc:  # a kernel that cannot run is a failed path, reported, not a crash
                 outputs[impl.name] = None
-                entry["error"] = (str(exc) if isinstance(exc, DidNotRun) else
-                                  f"{type(exc).__name__}: {exc}".splitlines()[0])
+                cause = exc.__cause__ if isinstance(exc, DidNotRun) else exc
+                if cause is None:  # it returned no dict of tensors
+                    entry["error"] = str(exc)
+                else:
+                    raised.insert(0, failures.describe(cause, user=impl.user is not None))
+                    entry["error"] = failures.line(raised[0])
+            if raised:
+                entry["failure"] = _recorded_failure(raised[0], out, impl.name)
             entry["launched"] = dict(sorted(launched.items()))  # Triton launches by kernel name, all cases
+            if impl.user is not None:  # known once it ran: whether it launched Triton kernels
+                entry["emulation"] = _emulation(impl, cfg, launched)
             if impl.evidence is not None:  # what the path recorded of its calls (compiled: dynamo's graphs)
                 entry["evidence"] = impl.evidence()
             if impl.user is not None:  # its worker process's start (spawn, import torch, its module), never timed
@@ -296,24 +320,32 @@ def _start_compile(op: OpDef, cfg: LabConfig, out: Path) -> tuple[Any, Path, lis
     targets = list(cfg.compile.targets)
     started = time.perf_counter()
     return compile_lab.start(cfg, targets, result), result, targets, started
+def _recorded_failure(failure: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
+    """A located failure as kernel.json and the verdict keep it: its traceback's text goes to its own file
+    (tracebacks/<path>.txt, beside the receipt), named in its place."""
+    where = failures.write_traceback(out, name, failure, "raised")
+    return {**{k: v for k, v in failure.items() if k != "traceback"}, "traceback": where}
 
 
 LIBRARY_REPLACED_NOTE = ("code in this process replaced these torch functions after the lab started; the peers and "
                          "the reference call the functions bound at start, so their names in this receipt hold")
 
 
-def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str,
-              launched: Counter) -> tuple[Tensors, list[str]]:
+def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str, launched: Counter,
+              raised: list[dict[str, Any]]) -> tuple[Tensors, list[str]]:
     """One case: the forward call, then (a backward of its own) the gradients' call, each guarded on its own
     (inputs unchanged, no aliasing, the path's kernels of that direction launched); the outputs' form (tensor,
-    shape, dtype, device) against the reference's. Outputs of the wrong form are dropped (parity: missing)."""
+    shape, dtype, device) against the reference's. Outputs of the wrong form are dropped (parity: missing).
+    A forward that raises is DidNotRun, its exception the cause; a backward that raises is a violation, located
+    (its failure joins `raised`), or DidNotRun where this machine cannot run it (lab/failures.py)."""
     inputs = rooms.fresh(record["inputs"], device)  # this path's own copy: its writes reach no other path
     grad_out = record["grad_out"].to(device, copy=True)
     triton = impl.kind == "triton"
+    errors: list[BaseException] = []
     got, violations = guards.run_guarded(lambda: impl.fn(inputs, cfg), inputs, expect_triton=triton,
-                                         kernels=impl.kernels.get("forward", ()), launched=launched)
+                                         kernels=impl.kernels.get("forward", ()), launched=launched, errors=errors)
     if got is None:  # the forward raised or returned no dict: the path did not run (run_kernel records why)
-        raise DidNotRun(violations[0].removeprefix("raised "))
+        raise DidNotRun(violations[0].removeprefix("raised ")) from (errors[0] if errors else None)
     got = dict(got)
     wrong = guards.output_violations(got, {k: v for k, v in record["baseline"].items() if k in got}, device)
     violations += wrong
@@ -324,7 +356,13 @@ def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str,
         grads, broken = guards.run_guarded(
             lambda: gradients(lambda x: impl.fn(x, cfg), inputs, grad_out), inputs,
             expect_triton=triton, kernels=impl.kernels.get("backward", ()), launched=launched,
-            unchanged={UPSTREAM_GRADIENT: grad_out})
+            unchanged={UPSTREAM_GRADIENT: grad_out}, errors=errors)
+        if errors:  # the backward raised: located
+            failure = failures.describe(errors[0], user=impl.user is not None)
+            if failure.get("cannot_run_here"):  # not the path's error: it cannot run here, forward included
+                raise DidNotRun(f"backward raised {failures.line(failure)}") from errors[0]
+            broken = [f"raised {failures.line(failure)}" if v.startswith("raised ") else v for v in broken]
+            raised.append(failure)
         got.update(grads or {})
         violations += [f"backward {v}" for v in broken]
     return _to_cpu(got), violations
@@ -375,15 +413,22 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
         outputs = kernel_outputs.get(impl.name)
         entry = kernel_report["paths"].get(impl.name, {"error": "not run by the kernel stage"})
         impl = dataclasses.replace(impl, backward=entry.get("backward", impl.backward))  # as its result declared
-        if outputs is None:
+        gap = (entry.get("failure") or {}).get("cannot_run_here")
+        if outputs is None and gap:  # not wrong: this machine lacks what it needs (lab/failures.py CANNOT_RUN)
+            result = {"verdict": failures.CANNOT_RUN_HERE, "cannot_run_here": gap, "failed_cases": [], "worst": {},
+                      "cases": []}
+        elif outputs is None:
             result = {"verdict": "fail", "failed_cases": [f"did not run: {entry.get('error')}"], "worst": {},
                       "cases": []}
         else:
             result = _check_path(op, impl, cfg, records, outputs)
+        if entry.get("failure"):  # what it raised, located, and its traceback's file (kernel stage)
+            result["error"] = entry["failure"]
         result["violations"] = entry.get("violations") or []  # the guards' and output checks', per case
         if result["violations"]:
             result["verdict"] = "fail"
             result["failed_cases"] = result["violations"] + result["failed_cases"]
+            result.pop("cannot_run_here", None)  # what it broke before it could not run is its own
         result["emulation"] = entry.get("emulation")
         result["backward"] = impl.backward
         result["launched"] = entry.get("launched", {})
@@ -403,19 +448,51 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
     if checks:  # the inputs themselves (MoE: the routing every path ran on), checked once by the reference stage
         failed = [f"{case}: {c['reason']}" for case, c in checks.items() if c["verdict"] != "pass"]
         report["inputs"] = {"verdict": "fail" if failed else "pass", "failed_cases": failed, "cases": checks}
-    failures = {name: p["failed_cases"] for name, p in report["paths"].items() if p["verdict"] != "pass"}
+    broken = {name: p["failed_cases"] for name, p in report["paths"].items() if p["verdict"] == "fail"}
     if report.get("inputs", {}).get("verdict") == "fail":  # a broken router: every path ran on its routing
-        failures = {"inputs": report["inputs"]["failed_cases"], **failures}
+        broken = {"inputs": report["inputs"]["failed_cases"], **broken}
     if report.get("quantization", {}).get("verdict") == "fail":  # every path ran on the badly quantized inputs
-        failures = {"quantization": report["quantization"]["failed_cases"], **failures}
-    report["verdict"] = "fail" if failures else "pass"
-    broken = list(failures)
-    report["first_failure"] = (f"{broken[0]}: {failures[broken[0]][0]}" if broken else None)
+        broken = {"quantization": report["quantization"]["failed_cases"], **broken}
+    apart = {name: p["cannot_run_here"] for name, p in report["paths"].items()
+             if p["verdict"] == failures.CANNOT_RUN_HERE}
+    if apart:  # never a broken contract: no speed, and named apart
+        report["cannot_run_here"] = apart
+    report["verdict"] = "fail" if broken else "pass"
+    first = next(iter(broken), None)
+    report["first_failure"] = f"{first}: {broken[first][0]}" if first else None
+    report["headline"] = parity_headline(cfg.precision.name, broken, apart)
     write_json(out / "parity.json", report)
     if broken:
-        raise ContractBroken(f"{', '.join(broken)} broke the {cfg.precision.name} contract "
-                             f"({failures[broken[0]][0]})")
+        raise ContractBroken(report["headline"])
     return report
+
+
+def parity_headline(precision: str, broken: dict[str, list[str]], apart: dict[str, dict[str, str]]) -> str:
+    """The point's parity in one console line: how many broke the contract, each with its own first failure, then,
+    apart, how many cannot run here, each with the reason and what would run it ("" when every path passed)."""
+    parts = []
+    if len(broken) == 1:
+        (name, cases), = broken.items()
+        parts.append(f"{name} broke the {precision} contract ({cases[0]})")
+    elif broken:
+        parts.append(f"{len(broken)} broke the {precision} contract: "
+                     + "; ".join(f"{name} ({cases[0]})" for name, cases in broken.items()))
+    if apart:
+        parts.append(f"{len(apart)} cannot run here (not a broken contract): "
+                     + "; ".join(f"{name} ({gap['reason']}; runs on {gap['runs_on']})" for name, gap in apart.items()))
+    return "; apart from those, ".join(parts)
+
+
+def refusals(out: Path) -> dict[str, str]:
+    """Why each path that did not pass parity gets no speed: FAILED_PARITY, or that it cannot run here and why."""
+    found = {}
+    for name, p in read_json(out / "parity.json")["paths"].items():
+        if p["verdict"] == failures.CANNOT_RUN_HERE:
+            gap = p["cannot_run_here"]
+            found[name] = f"{failures.CANNOT_RUN_HERE}: {gap['reason']} (runs on {gap['runs_on']}): no speed"
+        elif p["verdict"] != "pass":
+            found[name] = FAILED_PARITY
+    return found
 
 
 BACKWARD_RULE = ('each path\'s "backward": "own" (its gradients checked as the forward is), another path\'s name '
@@ -656,6 +733,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     op = get_op(cfg.op.name)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     passed = passed_parity(out)
+    refused_by_parity = refusals(out)
     case = next(c for c in op.cases(cfg) if c.main)
     costs = op.costs(case, cfg)
     bench = cfg.bench
@@ -687,7 +765,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for name, impl in parity_paths(op, cfg, out).items():
             if not passed.get(name, False):
-                report["paths"][name] = {"valid": False, "reason": FAILED_PARITY}
+                report["paths"][name] = {"valid": False, "reason": refused_by_parity.get(name, FAILED_PARITY)}
                 continue
             if _interpreted(impl):
                 report["paths"][name] = {"valid": False, "reason": INTERPRETER_NOT_SPEED}
@@ -853,7 +931,8 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
     frame.to_csv(out / "curve.csv", index=False)
     plots.time_vs_size(frame, out / "time_vs_size.png")
     plots.memory_vs_size(frame, out / "memory_vs_size.png")
-    skipped = {name: (INTERPRETER_NOT_SPEED if _interpreted(impl) else FAILED_PARITY)
+    why_not = refusals(out)
+    skipped = {name: (INTERPRETER_NOT_SPEED if _interpreted(impl) else why_not.get(name, FAILED_PARITY))
                for name, impl in paths.items() if name not in timed}
     found = curves.crossovers(frame, [name for name in timed if name != REFERENCE])
     headline = next(c for c in found if c["x_name"] == op.x_name and c["mode"] == curves.FORWARD)
@@ -940,13 +1019,14 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
                         router_aux_coef=arch.router_aux_coef, max_seq_len=train.seq_len)
     model_cfg = ModelConfig(**{**model_fields, **op.model_overrides(cfg)})
     passed = passed_parity(out)
+    refused = refusals(out)
     paths = parity_paths(op, cfg, out)
     variants, skipped = [], {}
     if quantized is not None:  # the baseline: the same model with F.linear in bf16 (what the fp8 recipe is against)
         variants.append(Variant(QUANTIZED_BASELINE))
     for name in op.train_impls(cfg):
         if not passed.get(name, False):
-            skipped[name] = FAILED_PARITY
+            skipped[name] = refused.get(name, FAILED_PARITY)
             continue
         impl = paths[name]
         if impl.train_refusal:

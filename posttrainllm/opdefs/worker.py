@@ -13,7 +13,7 @@ by an unpickler that refuses every class, then each tensor's storage as raw byte
 and offset; no object the worker chose is ever built in the lab (an output that is no tensor comes back as its
 type's name only).
 
-    load      import the user's module (an error there is the path's failure, "<Type>: <message>")
+    load      import the user's module (an error there is the path's failure, "<Type>: <message>", located)
     call      one call in the natural signature: the tensors, which of them require grad, the other
               arguments; the worker keeps the autograd graph under a call id when an output has history
     backward  the output gradients of a kept call -> the input gradients (None where unused)
@@ -38,7 +38,9 @@ On the lab's side a user path is `remote(user)`: a function of the natural signa
 arguments to the worker and, when the worker kept a graph, returns outputs attached to the lab's autograd
 graph through `_Attach` (a torch.autograd.Function whose backward sends the output gradients). An exception
 in the worker is raised in the lab as an exception of the same type name and message (`UserCodeError`
-subclasses); a worker that died is `WorkerDied`, naming its exit code or signal.
+subclasses), carrying the worker's traceback and the innermost frame in the user's own files (`remote`: the
+error reply's "traceback" and "where", lab/failures.py); a worker that died is `WorkerDied`, naming its exit code
+or signal.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ from typing import Any, Callable
 import torch
 
 from posttrainllm.files import USER_SOURCES
+from posttrainllm.lab.failures import first_line, locate, traceback_text
+from posttrainllm.ops import emulate_bf16_in_interpreter
 
 _clock = time.perf_counter  # bound before any user code runs in a worker: a patched time.perf_counter is not ours
 _TIMERS = {name: getattr(time, name) for name in ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
@@ -68,21 +72,32 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder holding postt
 
 
 class UserCodeError(RuntimeError):
-    """An exception the user's code raised in its worker; each is re-raised as a subclass named as its type."""
+    """An exception the user's code raised in its worker; each is re-raised as a subclass named as its type.
+    `remote`: the worker's traceback text and the frame it located in the user's files (lab/failures.py)."""
+
+    remote: dict[str, Any] | None = None
 
 
 class WorkerDied(RuntimeError):
-    """The worker process ended without answering (a segfault, os._exit, a kill)."""
+    """The worker process ended without answering (a segfault, os._exit, a kill): no traceback, no frame."""
+
+    @property
+    def remote(self) -> dict[str, Any]:
+        return {"traceback": f"WorkerDied: {self}\n(no traceback: the process ended without answering)\n",
+                "where": None}
 
 
 _ERROR_TYPES: dict[str, type] = {}
 
 
-def _user_error(type_name: str, message: str) -> UserCodeError:
+def _user_error(type_name: str, message: str, traceback: str | None = None,
+                where: dict[str, Any] | None = None) -> UserCodeError:
     cls = _ERROR_TYPES.get(type_name)
     if cls is None:
         cls = _ERROR_TYPES[type_name] = type(type_name, (UserCodeError,), {})
-    return cls(message)
+    error = cls(message)
+    error.remote = {"traceback": traceback or "", "where": where}
+    return error
 
 
 class _Foreign:
@@ -241,7 +256,8 @@ class Worker:
                 self.died = self._death(message["op"])
                 raise WorkerDied(self.died) from None
         if "error" in reply:
-            raise _user_error(reply["error"]["type"], reply["error"]["message"])
+            error = reply["error"]
+            raise _user_error(error["type"], error["message"], error.get("traceback"), error.get("where"))
         return reply
 
     def _death(self, op: str) -> str:
@@ -445,6 +461,13 @@ def _counting() -> Any:
     return count_triton_launches()
 
 
+def _emulate_bf16() -> None:
+    """Once the user's code has Triton loaded: under the interpreter, its bf16 dots and casts computed as the GPU
+    computes them, as the lab's own kernels do there (ops/__init__.py USER_BF16_INTERPRETER_REASON)."""
+    if "triton" in sys.modules:
+        emulate_bf16_in_interpreter()
+
+
 def _sync(tensors: list[torch.Tensor]) -> None:
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()
@@ -541,6 +564,7 @@ class _Server:
         if not callable(target):
             raise TypeError(f"{user.attr} in {user.identity['file']} is a {type(target).__name__}, not a callable")
         self.fn = target
+        _emulate_bf16()
         code = getattr(target, "__code__", None)
         self.user_file = str(u["file"]) if u["file"] else (code.co_filename if code else None)
         return {"pid": os.getpid(), "threads": torch.get_num_threads(),
@@ -550,6 +574,7 @@ class _Server:
         tensors = [t.requires_grad_() if f and t.is_floating_point() else t for t, f in zip(m["tensors"], m["flags"])]
         args, kwargs = _join(m["args"], m["kwargs"], tensors)
         before = [t.detach().clone() for t in tensors]
+        _emulate_bf16()  # a module that imports Triton only when called
         with _counting() as launches, torch.set_grad_enabled(m["grad"]):
             result = self.fn(*args, **kwargs)
         outputs: list[torch.Tensor] = []
@@ -594,6 +619,7 @@ class _Server:
         With "null": the same loop and checksums over the last batch's results, calling nothing: the overhead
         the lab subtracts from its span."""
         null = m.get("null", False)
+        _emulate_bf16()  # before the clock
         batch = None if null else self.batches.pop(m["key"])
         backward = (batch["grad_outs"] is not None) if batch else self.last_backward
         sets = batch["sets"] if batch else [(t, (), {}) for t in self.last_tensors]
@@ -678,8 +704,10 @@ def serve(read_fd: int, write_fd: int) -> None:
 
 
 def _error_reply(exc: BaseException, prefix: str = "") -> dict[str, Any]:
-    text = str(exc).strip()
-    return {"error": {"type": type(exc).__name__, "message": prefix + (text.splitlines()[0] if text else "")}}
+    """The error as the lab raises it: type, first line of the message, the full traceback and the innermost frame
+    in the user's own files (lab/failures.py `locate`; for a Triton kernel under the interpreter, its own line)."""
+    return {"error": {"type": type(exc).__name__, "message": prefix + first_line(exc),
+                      "traceback": traceback_text(exc), "where": locate(exc, user=True)}}
 
 
 if __name__ == "__main__":

@@ -32,6 +32,15 @@ FP8_INTERPRETER_REASON = (
 )
 
 
+USER_BF16_INTERPRETER_REASON = (
+    "a user path's Triton kernels under the interpreter, computed as ours are there: bf16 tl.dot operands upcast "
+    "to fp32 (exact) and fp32 -> bf16 casts rounded to nearest even, as on the GPU, by the interpreter's dot and "
+    "cast patched in the path's worker (the interpreter computes a bf16 dot on raw bf16 bits, "
+    "triton-lang/triton#11584, and truncates the cast). Other arithmetic on bf16 values is still the "
+    "interpreter's, on raw bits: a kernel that adds or multiplies bf16 values without upcasting them fails here"
+)
+
+
 def is_interpreted() -> bool:
     """True when Triton kernels run through the interpreter instead of a GPU compiler."""
     import triton  # not at module level: TRITON_INTERPRET must be set before triton is first imported
@@ -57,3 +66,48 @@ def use_bf16_emulation(dtype: torch.dtype, emulate_bf16: bool | None) -> bool:
     if emulate_bf16 is None:
         return interpreter_emulation(dtype) is not None
     return emulate_bf16 and dtype == torch.bfloat16
+
+
+_BF16_PATCHED: bool | None = None  # decided once: whether this process's Triton is interpreted, and so patched
+
+
+def emulate_bf16_in_interpreter() -> bool:
+    """Patch Triton's interpreter in this process so that a kernel written for the GPU computes its bf16 dots and
+    casts as the GPU does (USER_BF16_INTERPRETER_REASON): the worker of a user path calls it once Triton is loaded
+    there, since a user's kernel has no emulate_bf16 switch of ours. Idempotent; False where Triton is not
+    interpreted (nothing to patch)."""
+    global _BF16_PATCHED
+    if _BF16_PATCHED is not None:
+        return _BF16_PATCHED
+    if not is_interpreted():
+        _BF16_PATCHED = False
+        return False
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def to_fp32(handle: interpreter.TensorHandle) -> np.ndarray:
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle.data
+        bits = np.ascontiguousarray(handle.data).view(np.int16)  # bf16 is held as its uint16 bits
+        return torch.from_numpy(bits.copy()).view(torch.bfloat16).float().numpy()
+
+    builder = interpreter.InterpreterBuilder
+    dot, cast = builder.create_dot, builder.cast_impl
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar) or d.dtype.scalar == tl.bfloat16:
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.matmul(to_fp32(a), to_fp32(b), dtype=d.data.dtype)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            values = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32).copy())
+            return interpreter.TensorHandle(values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16),
+                                            tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+    _BF16_PATCHED = True
+    return True

@@ -59,10 +59,11 @@ def _parity_summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     return {"verdict": report["verdict"], "precision": report["precision"], "contract": report["contract"],
             "lse_contract": report.get("lse_contract"), "first_failure": report.get("first_failure"),
+            "headline": report.get("headline"), "cannot_run_here": report.get("cannot_run_here"),
             "inputs": report.get("inputs"), "quantization": report.get("quantization"),
             "rule": report["rule"], "notes": report["notes"], "backward_rule": report.get("backward_rule"),
             "paths": {name: {k: p.get(k) for k in ("verdict", "failed_cases", "violations", "worst", "emulation",
-                                                   "backward", "gradients")}
+                                                   "backward", "gradients", "error", "cannot_run_here")}
                       for name, p in report["paths"].items()}}
 
 
@@ -312,6 +313,8 @@ def _write_run(client: Any, experiment_id: str, receipt: dict[str, Any], folder:
     """Create the run and fill it; the completion tag and the terminal status come last."""
     from mlflow.entities import Metric, Param
 
+    from posttrainllm.lab.failures import TRACEBACKS
+
     run_id = client.create_run(experiment_id, run_name=receipt["point"], tags=tags).info.run_id
     params: dict[str, str] = {}
     _flatten("", receipt["config"], params)
@@ -326,6 +329,8 @@ def _write_run(client: Any, experiment_id: str, receipt: dict[str, Any], folder:
     for name in ARTIFACTS:
         if (folder / name).exists():
             client.log_artifact(run_id, str(folder / name))
+    if (folder / TRACEBACKS).is_dir():  # the full tracebacks of the paths that raised (lab/failures.py)
+        client.log_artifacts(run_id, str(folder / TRACEBACKS), TRACEBACKS)
     client.set_tag(run_id, LOGGED_TAG, "true")
     client.set_terminated(run_id, "FINISHED" if tags["verdict"] == "pass" else "FAILED")
     return run_id

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrainllm.files import read_json
+from posttrainllm.lab.failures import CANNOT_RUN_HERE
 from posttrainllm.measure.timing import summarize
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -335,11 +336,13 @@ def verify_parity(receipt: dict[str, Any], folder: Path) -> list[str]:
                                              contract(case["output"]) if case["case"] != "*" else parity["contract"])
             problems += _failed_cases_problems(name, path, cases)
         ok = not failed_cases and all(w.get("verdict") == "pass" for w in path["worst"].values())
-        verdicts[name] = "pass" if ok else "fail"
+        # a path this machine could not run (lab/failures.py) has nothing checked, and nothing failed
+        apart = ok and not path["worst"] and path.get("cannot_run_here")
+        verdicts[name] = CANNOT_RUN_HERE if apart else "pass" if ok else "fail"
         if path["verdict"] != verdicts[name]:
             problems.append(f"parity {name}: verdict {path['verdict']!r} stored, its failed cases and worst "
                             f"outputs say {verdicts[name]!r}")
-    point = "pass" if all(v == "pass" for v in verdicts.values()) else "fail"
+    point = "fail" if "fail" in verdicts.values() else "pass"  # a path that cannot run here breaks no contract
     if parity["verdict"] != point:
         problems.append(f"parity: point verdict {parity['verdict']!r} stored, its paths say {point!r}")
     return problems

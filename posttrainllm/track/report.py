@@ -33,7 +33,9 @@ def point_table(receipt: dict[str, Any]) -> str:
         note = "; ".join(filter(None, [
             "bf16 emulated (see receipt)" if p.get("emulation") else "",
             backward_note(p.get("backward")),
-            "interpreted: not speed" if b.get("reason", "").startswith("Triton ran through") else b.get("reason", ""),
+            raised_note(p),
+            "interpreted: not speed" if b.get("reason", "").startswith("Triton ran through") else
+            "" if p.get("cannot_run_here") else b.get("reason", ""),
         ]))
         rows.append({
             "path": name,
@@ -48,9 +50,11 @@ def point_table(receipt: dict[str, Any]) -> str:
             "note": note,
         })
     machine = receipt["provenance"]["machine"]
+    apart = (receipt.get("parity") or {}).get("cannot_run_here") or {}
     head = (f"point {receipt['point']}: {(receipt.get('microbench') or {}).get('problem', '')} "
             f"{receipt['config']['precision']['name']} on {machine['device_name']} ({machine['threads']} threads), "
-            f"parity {(receipt.get('parity') or {}).get('verdict', 'missing')}")
+            f"parity {(receipt.get('parity') or {}).get('verdict', 'missing')}"
+            + (f" ({len(apart)} cannot run here, apart: {', '.join(apart)})" if apart else ""))
     lines = [head, pd.DataFrame(rows).to_string(index=False)]
     quantization = (receipt.get("parity") or {}).get("quantization")
     if quantization:  # a quantized precision: the quantization's own error, apart from the paths'
@@ -61,6 +65,18 @@ def point_table(receipt: dict[str, Any]) -> str:
     if summary:  # the op's own line about the point (fp8 matmul: the bf16 GEMM beside it)
         lines.append(summary)
     return "\n".join(lines)
+
+
+def raised_note(path: dict[str, Any]) -> str:
+    """A path that raised: where (the innermost frame of its own code) and, if this machine cannot run it, why and
+    what would (lab/failures.py); its traceback's file is in parity.json."""
+    error = path.get("error")
+    if not error:
+        return ""
+    where = error.get("where")
+    raised = f"raised {error['type']}" + (f" at {where['file']}:{where['line']}" if where else "")
+    gap = path.get("cannot_run_here")
+    return f"cannot run here: {gap['reason']}, runs on {gap['runs_on']} ({raised})" if gap else raised
 
 
 def backward_note(backward: str | None) -> str:

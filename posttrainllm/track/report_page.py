@@ -75,7 +75,8 @@ def parity_rows(receipt: dict[str, Any]) -> pd.DataFrame:
             "failed cases": "; ".join(failed[:3]) + (f"; and {len(failed) - 3} more" if len(failed) > 3 else "")
                             or "-",
             "note": "; ".join(filter(None, ["bf16 emulated" if entry.get("emulation") else "",
-                                            report.backward_note(entry.get("backward"))])) or "-",
+                                            report.backward_note(entry.get("backward")),
+                                            report.raised_note(entry)])) or "-",
         })
     return pd.DataFrame(rows, columns=["path", "verdict", "worst err/allowed", "failed cases", "note"])
 
