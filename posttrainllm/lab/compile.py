@@ -270,12 +270,10 @@ def compile_point(cfg: Any, targets: list[str] | None = None, *, specialized: bo
 
 def start(cfg: Any, targets: list[str], result: Path, *, specialized: bool = True) -> subprocess.Popen:
     """The compile child, started (it runs beside the caller: the kernel stage collects it at its end)."""
-    from posttrainllm.config import to_plain
-
     fd, name = tempfile.mkstemp(suffix=".json", prefix="compile-request-")
     os.close(fd)
     payload = Path(name)
-    payload.write_text(json.dumps({"config": to_plain(cfg), "targets": targets, "result": str(result),
+    payload.write_text(json.dumps({"config": _read(cfg), "targets": targets, "result": str(result),
                                    "specialized": specialized}))
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # the compiler mode: JITFunctions, whose launch we record
     child = subprocess.Popen([sys.executable, "-m", "posttrainllm.lab.compile", str(payload)],
@@ -283,6 +281,21 @@ def start(cfg: Any, targets: list[str], result: Path, *, specialized: bool = Tru
                              env=env)
     child.request = payload  # removed by `finish`
     return child
+
+
+def _read(cfg: Any) -> dict[str, Any]:
+    """The parts of the point's config a compile depends on, the kernel stage's params (lab/sweep.py STAGE_PARAMS),
+    read one by one: the stage's stamp records what it read, and DVC reruns it when one of these changes."""
+    from omegaconf import OmegaConf
+
+    plain = lambda node: OmegaConf.to_container(OmegaConf.structured(node), resolve=True)  # noqa: E731
+    precision = cfg.precision
+    return {"op": plain(cfg.op), "tile": plain(cfg.tile), "workgroup": plain(cfg.workgroup),
+            "architecture": plain(cfg.architecture), "shape": plain(cfg.shape), "compile": plain(cfg.compile),
+            "device": {"name": cfg.device.name}, "bench": {"threads": cfg.bench.threads},
+            "precision": {"dtype": precision.dtype, "allow_tf32": precision.allow_tf32,
+                          "dot_precision": precision.dot_precision,
+                          "quantize": plain(precision.quantize) if precision.quantize is not None else None}}
 
 
 def finish(child: subprocess.Popen, result: Path, targets: list[str], started: float) -> dict[str, Any]:
