@@ -21,7 +21,7 @@ Precision: the logits, the loss and the gradients' accumulation are fp32 whateve
 inputs are upcast a chunk at a time, the weight once); the gradients are cast to the inputs' dtypes after
 the upstream scale. The kernel sees only fp32, so the interpreter's bf16 defect does not reach it.
 
-Shapes: h (N, C), weight (V, C), targets (N,) int64 -> a 0-dim fp32 loss.
+Shapes: h (N, C), weight (V, C), targets (N,) int64 (any stride) -> a 0-dim fp32 loss.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _cross_entropy_kernel(
     logits_ptr, stride_row,  # (rows, V) fp32, unit stride along V; overwritten with dloss/dlogits (WRITE_GRAD)
-    targets_ptr, loss_ptr,  # (rows,) int64, (rows,) fp32: each row's loss times scale
+    targets_ptr, stride_target,  # (rows,) int64, any stride (a view such as targets[::2])
+    loss_ptr,  # (rows,) fp32: each row's loss times scale
     V, scale, ignore_index, label_smoothing,
     BLOCK_V: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
@@ -45,7 +46,7 @@ def _cross_entropy_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * stride_row
-    target = tl.load(targets_ptr + row)
+    target = tl.load(targets_ptr + row * stride_target)
     cols = tl.arange(0, BLOCK_V)
 
     # -- an ignored row: no loss, no gradient
@@ -156,7 +157,7 @@ def fused_linear_cross_entropy_forward(
         h_chunk = h[start:end].float()  # (n, C)
         logits = torch.mm(h_chunk, w32.t(), out=logits_buffer[:end - start])  # (n, V) fp32
         _cross_entropy_kernel[(end - start,)](
-            logits, logits.stride(0), targets[start:end], loss_rows[start:end],
+            logits, logits.stride(0), targets[start:end], targets.stride(0), loss_rows[start:end],
             V, scale, ignore_index, label_smoothing,
             BLOCK_V=block_v, WRITE_GRAD=write_grad, HAS_SMOOTHING=label_smoothing > 0.0, num_warps=num_warps,
         )

@@ -52,6 +52,17 @@ def test_matches_the_reference(n, c, v, ignored, smoothing, dtype):
     _check(_problem(n, c, v, ignored=ignored), dtype, label_smoothing=smoothing)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_strided_targets_view_is_read_through_its_stride(dtype):
+    """targets[::2] of an interleaved tensor: each row's own target (ignored ones included), not its neighbour's in
+    memory (read at unit stride, the loss and the gradients are another batch's)."""
+    h, weight, targets = _problem(37, 40, 1000, ignored=(0, 5, 36))
+    others = torch.randint(0, 1000, (37,), generator=torch.Generator().manual_seed(1))
+    view = torch.stack([targets, others], 1).reshape(-1)[::2]
+    assert view.stride() == (2,) and torch.equal(view, targets)
+    _check((h, weight, view), dtype)
+
+
 def test_a_wholly_ignored_chunk_is_finite_and_other_ignore_indices_work():
     loss, (dh, dw) = _check(_problem(40, 16, 300, ignored=range(16, 32)), torch.float32)  # chunk 2 of 3
     assert torch.isfinite(loss) and dh[16:32].abs().max() == 0  # ignored rows: no gradient
