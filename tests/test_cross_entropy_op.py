@@ -172,6 +172,18 @@ def test_costs_curves_and_config_rules():
             load(["op=cross_entropy", override])
 
 
+def test_the_gpu_shape_composes_a_gpu_sized_chunk():
+    """op.chunk_size comes from the shape (shape.ce_chunk_size): tiny's 16 for the parity cases, 512 at gpu and
+    gpu_check (16 chunks of 8192 tokens, not 512, each re-reading the weight); op.chunk_size given still wins."""
+    assert load(["op=cross_entropy", "device=cpu"]).op.chunk_size == 16
+    for shape in ("gpu", "gpu_check"):
+        cfg = load(["op=cross_entropy", f"shape={shape}", "device=cuda", "precision=bf16"])
+        main = next(c for c in cross_entropy.OP.cases(cfg) if c.main)
+        assert cfg.op.chunk_size == 512 and main.dims == dict(tokens=8192, d_model=2048, vocab=32768)
+        assert cross_entropy.OP.geometry(cross_entropy.IMPLS["triton"], main, cfg)["chunks"] == 16
+    assert load(["op=cross_entropy", "shape=gpu", "device=cuda", "op.chunk_size=64"]).op.chunk_size == 64
+
+
 def test_the_models_fused_loss_equals_its_logits_cross_entropy_and_trains():
     """With the op's defaults (ignore_index -100, no smoothing) every path's hook gives the model's own loss,
     F.cross_entropy of its fp32 logits; bench-train trains the reference and the Triton path to the same losses."""
