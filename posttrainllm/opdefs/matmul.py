@@ -16,6 +16,8 @@ b_scale, quantized once per case by posttrainllm.ops.reference (make_inputs), an
                 otherwise, named in microbench.json's describe.unavailable)
     triton      posttrainllm.ops.fp8_matmul: tl.dot on the e4m3 operands, fp32 accumulator, scales in the epilogue
 and the microbench times beside them the bf16 GEMM of the same unquantized operands (describe: what fp8 buys).
+Both fast paths want B K-major (column-major (K, N)): make_inputs lays it out so once per case, outside every
+timed call.
 """
 
 from __future__ import annotations
@@ -109,15 +111,17 @@ def _pad(x: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Ten
 
 
 def _scaled_mm(x: Tensors, cfg: LabConfig) -> Tensors:
-    """torch._scaled_mm with B column-major, as it asks, and the point's output dtype. A dim off a multiple of 16 is
-    zero-padded (A's rows and K, B's K and columns; scales by ones) and C cut back: what a caller of it on CUDA must
-    do (torchao pads the same way); the padded rows and columns of C are never returned."""
+    """torch._scaled_mm with A row-major and B column-major, as it asks, and the point's output dtype. The op's inputs
+    come so (make_inputs), so the call copies neither; a B in another layout (a caller's) is laid out here. A dim off
+    a multiple of 16 is zero-padded (A's rows and K, B's K and columns; scales by ones) and C cut back: what a caller
+    of it on CUDA must do (torchao pads the same way); the padded rows and columns of C are never returned. No timed
+    shape of conf/shape is off 16: only parity's edge cases pad."""
     a, a_scale, b, b_scale = _fp8_args(x)
     (m, k), n = a.shape, b.shape[1]
     pm, pk, pn = (-m) % SCALED_MM_ALIGN, (-k) % SCALED_MM_ALIGN, (-n) % SCALED_MM_ALIGN
     if a_scale.dim() == 2:  # rowwise: (M, 1) and (1, N) follow A's rows and B's columns
         a_scale, b_scale = _pad(a_scale, pm, 0, 1.0), _pad(b_scale, 0, pn, 1.0)
-    b = _pad(b, pk, pn).t().contiguous().t()  # (K, N) column-major
+    b = _pad(b, pk, pn).t().contiguous().t()  # (K, N) column-major: no copy when it already is
     c = torch._scaled_mm(_pad(a, pm, pk).contiguous(), b, scale_a=a_scale, scale_b=b_scale,
                          out_dtype=getattr(torch, cfg.precision.dtype))
     return {"out": c[:m, :n].contiguous() if pm or pn else c}
@@ -213,7 +217,10 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
     """Standard-normal A and B drawn in fp32 from the case's seed, cast to the point's dtype.
 
     A quantized case (Case.quantize '<fp8 format>:<scaling>') quantizes them, in the reference math: A_q, its
-    scale (one, or one per row of A: (M, 1)), B_q and its scale (one, or one per column of B: (1, N))."""
+    scale (one, or one per row of A: (M, 1)), B_q and its scale (one, or one per column of B: (1, N)). B_q is laid
+    out K-major, column-major (K, N), here, once per case and outside every timed call: the layout torch._scaled_mm
+    (cuBLASLt) asks of B, and the one Hopper's fp8 wgmma reads (K-major operands only, unlike its 16-bit form); the
+    Triton kernel takes any strides. The same values: only their order in memory."""
     randn, d = seeded_randn(case.seed, dtype, device), case.dims
     a, b = randn(d["m"], d["k"]), randn(d["k"], d["n"])
     if not case.quantize:
@@ -223,7 +230,7 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
     a_scale = reference.fp8_scale(a, None if scaling == "tensor" else 1, fp8)  # () or (M, 1)
     b_scale = reference.fp8_scale(b, None if scaling == "tensor" else 0, fp8)  # () or (1, N)
     return {"a": reference.quantize_fp8(a, a_scale, fp8), "a_scale": a_scale,
-            "b": reference.quantize_fp8(b, b_scale, fp8), "b_scale": b_scale}
+            "b": reference.quantize_fp8(b, b_scale, fp8).t().contiguous().t(), "b_scale": b_scale}
 
 
 def _problem(case: Case) -> str:
