@@ -14,7 +14,9 @@ b_scale, quantized once per case by posttrainllm.ops.reference (make_inputs), an
     reference   posttrainllm.ops.reference.fp8_matmul: dequantize, then the product (float64: the oracle)
     scaled_mm   torch._scaled_mm, where it runs on the point's device and scaling (scaled_mm_refusal; absent
                 otherwise, named in microbench.json's describe.unavailable)
-    triton      posttrainllm.ops.fp8_matmul: tl.dot on the e4m3 operands, fp32 accumulator, scales in the epilogue
+    triton      posttrainllm.ops.fp8_matmul: tl.dot on the e4m3 operands, fp32 accumulator, scales in the epilogue;
+                on CUDA from compute capability 8.9 (triton_fp8_refusal: absent below, named as scaled_mm is),
+                and through Triton's interpreter on the CPU
 and the microbench times beside them the bf16 GEMM of the same unquantized operands (describe: what fp8 buys).
 Both fast paths want B K-major (column-major (K, N)): make_inputs lays it out so once per case, outside every
 timed call.
@@ -149,6 +151,30 @@ def scaled_mm_refusal(cfg: LabConfig) -> str | None:
     return _SCALED_MM_PROBES[key]
 
 
+FP8_DOT_CAPABILITY = (8, 9)  # fp8 tensor cores (tl.dot on e4m3 operands): Ada (sm_89), Hopper (sm_90) and later
+
+
+def triton_fp8_refusal(cfg: LabConfig) -> str | None:
+    """None where the Triton fp8 GEMM runs: a CUDA device of compute capability 8.9 or more, or the CPU, through
+    Triton's interpreter (which emulates the fp8 loads and tl.dot); else why not, one line (the path is then
+    absent, not failed)."""
+    if _device(cfg) != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < FP8_DOT_CAPABILITY:
+        return (f"tl.dot on float8_e4m3fn needs compute capability >= {'.'.join(map(str, FP8_DOT_CAPABILITY))} (fp8 "
+                f"tensor cores: Ada, Hopper); this device is sm_{major}{minor}")
+    return None
+
+
+def unavailable(cfg: LabConfig) -> dict[str, str]:
+    """The fp8 paths absent from this point, each with its reason (microbench.json's describe.unavailable)."""
+    refusals = {"scaled_mm": scaled_mm_refusal(cfg), "triton": triton_fp8_refusal(cfg)}
+    return {name: why for name, why in refusals.items() if why is not None}
+
+
 def _triton_fp8(x: Tensors, cfg: LabConfig) -> Tensors:
     from posttrainllm.ops.fp8_matmul import fp8_matmul
 
@@ -184,10 +210,12 @@ SCALED_MM_CPU_TRAIN = ("torch._scaled_mm with per-tensor scales has no fast CPU 
 
 
 def _impls_for(cfg: LabConfig) -> dict[str, Impl]:
-    """The registry for this point: under fp8 the quantized paths (scaled_mm only where it runs), else IMPLS."""
+    """The registry for this point: under fp8 the quantized paths (scaled_mm and triton only where they run), else
+    IMPLS."""
     if cfg.precision.quantize is None:
         return IMPLS
-    found = {name: impl for name, impl in FP8_IMPLS.items() if name != "scaled_mm" or scaled_mm_refusal(cfg) is None}
+    absent = unavailable(cfg)
+    found = {name: impl for name, impl in FP8_IMPLS.items() if name not in absent}
     if "scaled_mm" in found and _device(cfg) == "cpu" and cfg.precision.quantize.scaling == "tensor":
         found["scaled_mm"] = dataclasses.replace(found["scaled_mm"], train_refusal=SCALED_MM_CPU_TRAIN)
     return found
@@ -344,7 +372,7 @@ def _describe(case: Case, inputs: Tensors, cfg: LabConfig) -> dict[str, Any]:
                         **timing.summary(), "bytes": bf16_bytes, "flops_per_byte": fp8.flops / bf16_bytes,
                         "gflops_per_s": fp8.flops / seconds / 1e9, "gbytes_per_s": bf16_bytes / seconds / 1e9},
         "fp8_bytes": fp8.bytes, "fp8_flops_per_byte": fp8.flops / fp8.bytes,
-        "unavailable": {"scaled_mm": why} if (why := scaled_mm_refusal(cfg)) else {},
+        "unavailable": unavailable(cfg),
         "summary": line,
     }
 
