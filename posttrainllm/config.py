@@ -104,7 +104,9 @@ class OpConfig:
     # --- op=cross_entropy (conf/op/cross_entropy.yaml: why these values) ---
     ignore_index: int = -100  # targets equal to it contribute nothing; the mean divides by the others' count
     label_smoothing: float = 0.0  # ε in [0, 1]: the target distribution is (1 − ε)·one_hot + ε/V
-    chunk_size: int = 16  # tokens per chunk of the fused path: (chunk_size, V) fp32 logits alive at once
+    # tokens per chunk of the fused path, (chunk_size, V) fp32 logits alive at once; conf/op/cross_entropy.yaml takes
+    # it from the shape (shape.ce_chunk_size), so that a GPU shape gets a GPU-sized chunk
+    chunk_size: int = 16
     block_v: int = 256  # the fused kernel's vocabulary block (a power of two >= 16)
 
     def __post_init__(self) -> None:
@@ -368,6 +370,7 @@ class ShapeConfig:
     ce_edge: list[list[int]] = field(default_factory=lambda: [[1, 64, 1000], [37, 40, 1000]])  # [N, C, V] per case
     ce_curve: list[int] = field(default_factory=lambda: [16, 64, 256, 1024])  # tokens
     ce_vocab_curve: list[int] = field(default_factory=lambda: [1024, 4096, 16384, 32768])  # V at ce_tokens tokens
+    ce_chunk_size: int = 16  # the fused path's tokens per chunk at these sizes (op.chunk_size's default)
 
     def __post_init__(self) -> None:
         _positive("shape", batch=self.batch, seq_len=self.seq_len, m=self.m, n=self.n, k=self.k,
@@ -398,7 +401,8 @@ class ShapeConfig:
         for tdf in self.moe_edge:
             require(len(tdf) == 3 and min(tdf) > 0, f"shape.moe_edge: {list(tdf)} must be three sizes [T, d, f] > 0")
         # --- op=cross_entropy ---
-        _positive("shape", ce_tokens=self.ce_tokens, ce_d_model=self.ce_d_model, ce_vocab=self.ce_vocab)
+        _positive("shape", ce_tokens=self.ce_tokens, ce_d_model=self.ce_d_model, ce_vocab=self.ce_vocab,
+                  ce_chunk_size=self.ce_chunk_size)
         for key in ("ce_curve", "ce_vocab_curve"):
             values = list(getattr(self, key))
             require(len(values) >= 2 and min(values) > 0, f"shape.{key}={values}: give at least two sizes > 0")

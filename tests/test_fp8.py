@@ -189,6 +189,44 @@ def test_a_refusing_scaled_mm_is_absent_and_named(monkeypatch):
     assert list(matmul.OP.paths(cfg)) == ["reference", "triton"]
 
 
+@pytest.mark.parametrize("precision", ["fp8", "fp8_rowwise"])
+def test_b_comes_k_major_once_per_case_so_no_timed_call_lays_it_out(precision, monkeypatch):
+    """make_inputs gives B_q column-major (K-major): torch._scaled_mm gets the inputs' own A and B (no copy in the
+    call), and both fast paths give the same numbers as on a row-major B."""
+    cfg = load([*SMALL, f"precision={precision}"])
+    case = next(c for c in matmul.OP.cases(cfg) if c.main)
+    x = matmul.OP.make_inputs(case, torch.bfloat16, "cpu")
+    assert x["b"].stride() == (1, 64) and x["a"].is_contiguous()
+    handed = []
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: handed.append((a, b)) or scaled_mm(a, b, **kw))
+    row_major = dict(x, b=x["b"].contiguous())
+    for name in ("scaled_mm", "triton"):
+        fn = matmul.FP8_IMPLS[name].fn
+        assert torch.equal(fn(x, cfg)["out"], fn(row_major, cfg)["out"]), name
+    (a, b), _ = handed
+    assert a.data_ptr() == x["a"].data_ptr() and b.data_ptr() == x["b"].data_ptr() and b.stride() == x["b"].stride()
+
+
+def test_the_triton_fp8_gemm_is_absent_below_sm_89_and_runs_interpreted_on_a_cpu(monkeypatch):
+    """tl.dot on e4m3 needs fp8 tensor cores (compute capability 8.9): below, the path is absent with the reason, as
+    a refusing torch._scaled_mm is; on the CPU Triton's interpreter runs it."""
+    cpu = load(["op=matmul", "precision=fp8", "device=cpu"])
+    assert matmul.triton_fp8_refusal(cpu) is None and "triton" in matmul.OP.paths(cpu)
+    cuda = load(["op=matmul", "precision=fp8", "device=cuda"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(matmul, "scaled_mm_refusal", lambda cfg: None)  # no probe on a device this machine lacks
+    for capability, runs in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert ("triton" in matmul.OP.paths(cuda)) == runs, capability
+        if not runs:
+            why = matmul.unavailable(cuda)["triton"]
+            assert why == (f"tl.dot on float8_e4m3fn needs compute capability >= 8.9 (fp8 tensor cores: Ada, "
+                           f"Hopper); this device is sm_{capability[0]}{capability[1]}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert matmul.unavailable(cuda) == {"triton": "no CUDA device"}
+
+
 def test_fp8_costs_count_one_byte_operands_and_the_scales():
     cfg = load(["op=matmul", "precision=fp8_rowwise", "device=cpu"])
     costs = matmul.OP.costs(Case("c", 0, dict(m=8, n=4, k=16), True, quantize="float8_e4m3fn:row"), cfg)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from posttrainllm.config import PROJECT_ROOT
 
@@ -58,6 +59,8 @@ def test_the_gpu_plan_is_the_issues_run_one_dimension_at_a_time(monkeypatch):
     assert (fp8.tile.block_m, fp8.tile.block_n, fp8.tile.block_k) == (128, 128, 64) and not fp8.tile.autotune
     assert labs["op-matmul_tile-b128"].tile == fp8.tile and labs["op-matmul_tile-b128"].precision.name == "bf16"
     monkeypatch.setitem(matmul_op._SCALED_MM_PROBES, ("cuda", fp8.precision.quantize.recipe, "bfloat16"), None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # an H200: the Triton fp8 GEMM runs from sm_89
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     paths = get_op("matmul").paths(fp8)
     assert list(paths) == ["reference", "scaled_mm", "triton"] and paths["scaled_mm"].fn is matmul_op._scaled_mm
     assert {impl.backward for impl in paths.values()} == {"none"}

@@ -14,8 +14,12 @@ b_scale, quantized once per case by posttrainllm.ops.reference (make_inputs), an
     reference   posttrainllm.ops.reference.fp8_matmul: dequantize, then the product (float64: the oracle)
     scaled_mm   torch._scaled_mm, where it runs on the point's device and scaling (scaled_mm_refusal; absent
                 otherwise, named in microbench.json's describe.unavailable)
-    triton      posttrainllm.ops.fp8_matmul: tl.dot on the e4m3 operands, fp32 accumulator, scales in the epilogue
+    triton      posttrainllm.ops.fp8_matmul: tl.dot on the e4m3 operands, fp32 accumulator, scales in the epilogue;
+                on CUDA from compute capability 8.9 (triton_fp8_refusal: absent below, named as scaled_mm is),
+                and through Triton's interpreter on the CPU
 and the microbench times beside them the bf16 GEMM of the same unquantized operands (describe: what fp8 buys).
+Both fast paths want B K-major (column-major (K, N)): make_inputs lays it out so once per case, outside every
+timed call.
 """
 
 from __future__ import annotations
@@ -109,15 +113,17 @@ def _pad(x: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Ten
 
 
 def _scaled_mm(x: Tensors, cfg: LabConfig) -> Tensors:
-    """torch._scaled_mm with B column-major, as it asks, and the point's output dtype. A dim off a multiple of 16 is
-    zero-padded (A's rows and K, B's K and columns; scales by ones) and C cut back: what a caller of it on CUDA must
-    do (torchao pads the same way); the padded rows and columns of C are never returned."""
+    """torch._scaled_mm with A row-major and B column-major, as it asks, and the point's output dtype. The op's inputs
+    come so (make_inputs), so the call copies neither; a B in another layout (a caller's) is laid out here. A dim off
+    a multiple of 16 is zero-padded (A's rows and K, B's K and columns; scales by ones) and C cut back: what a caller
+    of it on CUDA must do (torchao pads the same way); the padded rows and columns of C are never returned. No timed
+    shape of conf/shape is off 16: only parity's edge cases pad."""
     a, a_scale, b, b_scale = _fp8_args(x)
     (m, k), n = a.shape, b.shape[1]
     pm, pk, pn = (-m) % SCALED_MM_ALIGN, (-k) % SCALED_MM_ALIGN, (-n) % SCALED_MM_ALIGN
     if a_scale.dim() == 2:  # rowwise: (M, 1) and (1, N) follow A's rows and B's columns
         a_scale, b_scale = _pad(a_scale, pm, 0, 1.0), _pad(b_scale, 0, pn, 1.0)
-    b = _pad(b, pk, pn).t().contiguous().t()  # (K, N) column-major
+    b = _pad(b, pk, pn).t().contiguous().t()  # (K, N) column-major: no copy when it already is
     c = torch._scaled_mm(_pad(a, pm, pk).contiguous(), b, scale_a=a_scale, scale_b=b_scale,
                          out_dtype=getattr(torch, cfg.precision.dtype))
     return {"out": c[:m, :n].contiguous() if pm or pn else c}
@@ -143,6 +149,30 @@ def scaled_mm_refusal(cfg: LabConfig) -> str | None:
                 _SCALED_MM_PROBES[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}" \
                     if str(exc).strip() else type(exc).__name__
     return _SCALED_MM_PROBES[key]
+
+
+FP8_DOT_CAPABILITY = (8, 9)  # fp8 tensor cores (tl.dot on e4m3 operands): Ada (sm_89), Hopper (sm_90) and later
+
+
+def triton_fp8_refusal(cfg: LabConfig) -> str | None:
+    """None where the Triton fp8 GEMM runs: a CUDA device of compute capability 8.9 or more, or the CPU, through
+    Triton's interpreter (which emulates the fp8 loads and tl.dot); else why not, one line (the path is then
+    absent, not failed)."""
+    if _device(cfg) != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < FP8_DOT_CAPABILITY:
+        return (f"tl.dot on float8_e4m3fn needs compute capability >= {'.'.join(map(str, FP8_DOT_CAPABILITY))} (fp8 "
+                f"tensor cores: Ada, Hopper); this device is sm_{major}{minor}")
+    return None
+
+
+def unavailable(cfg: LabConfig) -> dict[str, str]:
+    """The fp8 paths absent from this point, each with its reason (microbench.json's describe.unavailable)."""
+    refusals = {"scaled_mm": scaled_mm_refusal(cfg), "triton": triton_fp8_refusal(cfg)}
+    return {name: why for name, why in refusals.items() if why is not None}
 
 
 def _triton_fp8(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -180,10 +210,12 @@ SCALED_MM_CPU_TRAIN = ("torch._scaled_mm with per-tensor scales has no fast CPU 
 
 
 def _impls_for(cfg: LabConfig) -> dict[str, Impl]:
-    """The registry for this point: under fp8 the quantized paths (scaled_mm only where it runs), else IMPLS."""
+    """The registry for this point: under fp8 the quantized paths (scaled_mm and triton only where they run), else
+    IMPLS."""
     if cfg.precision.quantize is None:
         return IMPLS
-    found = {name: impl for name, impl in FP8_IMPLS.items() if name != "scaled_mm" or scaled_mm_refusal(cfg) is None}
+    absent = unavailable(cfg)
+    found = {name: impl for name, impl in FP8_IMPLS.items() if name not in absent}
     if "scaled_mm" in found and _device(cfg) == "cpu" and cfg.precision.quantize.scaling == "tensor":
         found["scaled_mm"] = dataclasses.replace(found["scaled_mm"], train_refusal=SCALED_MM_CPU_TRAIN)
     return found
@@ -213,7 +245,10 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
     """Standard-normal A and B drawn in fp32 from the case's seed, cast to the point's dtype.
 
     A quantized case (Case.quantize '<fp8 format>:<scaling>') quantizes them, in the reference math: A_q, its
-    scale (one, or one per row of A: (M, 1)), B_q and its scale (one, or one per column of B: (1, N))."""
+    scale (one, or one per row of A: (M, 1)), B_q and its scale (one, or one per column of B: (1, N)). B_q is laid
+    out K-major, column-major (K, N), here, once per case and outside every timed call: the layout torch._scaled_mm
+    (cuBLASLt) asks of B, and the one Hopper's fp8 wgmma reads (K-major operands only, unlike its 16-bit form); the
+    Triton kernel takes any strides. The same values: only their order in memory."""
     randn, d = seeded_randn(case.seed, dtype, device), case.dims
     a, b = randn(d["m"], d["k"]), randn(d["k"], d["n"])
     if not case.quantize:
@@ -223,7 +258,7 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
     a_scale = reference.fp8_scale(a, None if scaling == "tensor" else 1, fp8)  # () or (M, 1)
     b_scale = reference.fp8_scale(b, None if scaling == "tensor" else 0, fp8)  # () or (1, N)
     return {"a": reference.quantize_fp8(a, a_scale, fp8), "a_scale": a_scale,
-            "b": reference.quantize_fp8(b, b_scale, fp8), "b_scale": b_scale}
+            "b": reference.quantize_fp8(b, b_scale, fp8).t().contiguous().t(), "b_scale": b_scale}
 
 
 def _problem(case: Case) -> str:
@@ -337,7 +372,7 @@ def _describe(case: Case, inputs: Tensors, cfg: LabConfig) -> dict[str, Any]:
                         **timing.summary(), "bytes": bf16_bytes, "flops_per_byte": fp8.flops / bf16_bytes,
                         "gflops_per_s": fp8.flops / seconds / 1e9, "gbytes_per_s": bf16_bytes / seconds / 1e9},
         "fp8_bytes": fp8.bytes, "fp8_flops_per_byte": fp8.flops / fp8.bytes,
-        "unavailable": {"scaled_mm": why} if (why := scaled_mm_refusal(cfg)) else {},
+        "unavailable": unavailable(cfg),
         "summary": line,
     }
 

@@ -9,19 +9,27 @@ For each chunk,
         pass 2  overwrites the logits with the loss's gradient (softmax − (1 − ε)·one_hot − ε/V) · scale
     grad_h_chunk = dlogits @ weight   and   grad_weight += dlogitsᵀ @ h_chunk
 all inside the forward. The autograd backward only scales the saved gradients by the upstream scalar.
-Peak memory: one (chunk, V) block of logits plus grad_weight (V, C) fp32, instead of the reference's
-(N, V) logits and log-probabilities (and their gradients).
+
+Memory, what the forward allocates (tests/ops/test_cross_entropy.py holds it at bf16): one (chunk, V) fp32
+block of logits, reused by every chunk; at bf16/fp16 with gradients asked, its (chunk, V) copy in the inputs'
+dtype for the backward GEMMs; grad_h (N, C) fp32 and grad_weight (V, C) fp32 where asked; the (N,) fp32 row
+losses. No copy of the weight (on the CPU, slabs of CPU_SLAB vocabulary rows upcast at a time: _gemm). The
+reference holds the (N, V) logits and log-probabilities (and their gradients).
 
 The mean: scale = 1 / n_valid, the tokens of the whole batch whose target is not ignore_index, for the
 loss and the gradients of every chunk alike. Ignored rows have zero loss and zero gradient; with every
 target ignored the mean of nothing is NaN (as F.cross_entropy's) and the gradients are zero.
 Label smoothing ε: loss_row = (1 − ε)·(lse − x_y) + ε·(lse − Σ_j x_j / V).
 
-Precision: the logits, the loss and the gradients' accumulation are fp32 whatever h's dtype (bf16/fp16
-inputs are upcast a chunk at a time, the weight once); the gradients are cast to the inputs' dtypes after
-the upstream scale. The kernel sees only fp32, so the interpreter's bf16 defect does not reach it.
+Precision: the three GEMMs take their operands in the inputs' dtype and sum in fp32 (_gemm: a tensor-core GEMM
+with an fp32 result), so the logits, the loss and the gradients' accumulation are fp32 whatever h's dtype. At
+bf16/fp16 the backward GEMMs take the gradient rounded to the inputs' dtype, as Liger's do, but unscaled
+(softmax − one_hot, in [−1, 1]) with the scale applied to their fp32 result: times 1/n_valid its entries of
+~1/(V·N) underflow fp16 (N 2048, V 32768: 88% of them zero, grad_h rows off by up to 2%, 40x fp16's own
+rounding). The gradients are cast to the inputs' dtypes after the upstream scale. The kernel sees only fp32, so
+the interpreter's bf16 defect does not reach it.
 
-Shapes: h (N, C), weight (V, C), targets (N,) int64 -> a 0-dim fp32 loss.
+Shapes: h (N, C), weight (V, C), targets (N,) int64 (any stride) -> a 0-dim fp32 loss.
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _cross_entropy_kernel(
     logits_ptr, stride_row,  # (rows, V) fp32, unit stride along V; overwritten with dloss/dlogits (WRITE_GRAD)
-    targets_ptr, loss_ptr,  # (rows,) int64, (rows,) fp32: each row's loss times scale
+    targets_ptr, stride_target,  # (rows,) int64, any stride (a view such as targets[::2])
+    loss_ptr,  # (rows,) fp32: each row's loss times scale
     V, scale, ignore_index, label_smoothing,
     BLOCK_V: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
@@ -45,7 +54,7 @@ def _cross_entropy_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * stride_row
-    target = tl.load(targets_ptr + row)
+    target = tl.load(targets_ptr + row * stride_target)
     cols = tl.arange(0, BLOCK_V)
 
     # -- an ignored row: no loss, no gradient
@@ -125,6 +134,39 @@ def _check_inputs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
                          f"ignore_index={ignore_index}")
 
 
+CPU_SLAB = 1024  # rows (of the vocabulary) each 16-bit GEMM upcasts at a time on the CPU (_gemm)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, alpha: float = 1.0,
+          accumulate: bool = False) -> torch.Tensor:
+    """out = alpha · (a @ b), or out += alpha · (a @ b) with accumulate: a and b in one dtype, out fp32, every
+    product summed in fp32 (what a tensor-core GEMM with fp32 accumulation computes).
+
+    fp32: torch's GEMM. bf16/fp16 on CUDA: cuBLAS's 16-bit GEMM keeping its fp32 result (out_dtype). The CPU has no
+    16-bit GEMM with an fp32 result (aten::mm.dtype is CUDA's); a product of two 16-bit values is exact in fp32, so
+    fp32 GEMMs on slabs upcast CPU_SLAB at a time along the longest dimension (the vocabulary) compute the same sum,
+    in another order, without an fp32 copy of the weight."""
+    beta = 1.0 if accumulate else 0.0  # 0: out's old contents (torch.empty's) are ignored, NaN included
+    if a.dtype == torch.float32:
+        return torch.addmm(out, a, b, beta=beta, alpha=alpha, out=out)
+    if a.is_cuda:
+        return torch.addmm(out, a, b, out_dtype=torch.float32, beta=beta, alpha=alpha, out=out)
+    (M, K), N = a.shape, b.shape[1]
+    if K >= max(M, N):  # the sum itself in slabs: dlogits @ weight
+        for k in range(0, K, CPU_SLAB):
+            out.addmm_(a[:, k:k + CPU_SLAB].float(), b[k:k + CPU_SLAB].float(), beta=beta if k == 0 else 1.0,
+                       alpha=alpha)
+    elif N >= M:  # slabs of out's columns: h_chunk @ weightᵀ
+        a32 = a.float()
+        for j in range(0, N, CPU_SLAB):
+            out[:, j:j + CPU_SLAB].addmm_(a32, b[:, j:j + CPU_SLAB].float(), beta=beta, alpha=alpha)
+    else:  # slabs of out's rows: dlogitsᵀ @ h_chunk
+        b32 = b.float()
+        for i in range(0, M, CPU_SLAB):
+            out[i:i + CPU_SLAB].addmm_(a[i:i + CPU_SLAB].float(), b32, beta=beta, alpha=alpha)
+    return out
+
+
 def fused_linear_cross_entropy_forward(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -145,26 +187,30 @@ def fused_linear_cross_entropy_forward(
     n_valid = int((targets != ignore_index).sum())  # the mean's divisor: the whole batch's non-ignored tokens
     scale = 1.0 / n_valid if n_valid else 0.0
     write_grad = grad_h or grad_weight
-    w32 = weight.float()  # (V, C); no copy when weight is fp32
     loss_rows = torch.empty(N, device=h.device, dtype=torch.float32)  # (N,) each row's loss times scale
     dh = torch.empty(N, C, device=h.device, dtype=torch.float32) if grad_h else None
     dw = torch.zeros(V, C, device=h.device, dtype=torch.float32) if grad_weight else None
     chunk = launch["chunk_rows"]
     logits_buffer = torch.empty(chunk, V, device=h.device, dtype=torch.float32)  # reused by every chunk
+    # bf16/fp16: the backward GEMMs' operand, the chunk's gradient unscaled in h's dtype; the scale goes on their result
+    narrow = h.dtype != torch.float32 and write_grad
+    grad_buffer = torch.empty(chunk, V, device=h.device, dtype=h.dtype) if narrow else None
+    grad_scale = scale if narrow else 1.0
     for start in range(0, N, chunk):
         end = min(start + chunk, N)
-        h_chunk = h[start:end].float()  # (n, C)
-        logits = torch.mm(h_chunk, w32.t(), out=logits_buffer[:end - start])  # (n, V) fp32
+        h_chunk = h[start:end]  # (n, C) in h's dtype
+        logits = _gemm(h_chunk, weight.t(), logits_buffer[:end - start])  # (n, V) fp32
         _cross_entropy_kernel[(end - start,)](
-            logits, logits.stride(0), targets[start:end], loss_rows[start:end],
+            logits, logits.stride(0), targets[start:end], targets.stride(0), loss_rows[start:end],
             V, scale, ignore_index, label_smoothing,
             BLOCK_V=block_v, WRITE_GRAD=write_grad, HAS_SMOOTHING=label_smoothing > 0.0, num_warps=num_warps,
         )
         # logits now hold dloss/dlogits of the chunk's rows
+        grad = torch.mul(logits, n_valid, out=grad_buffer[:end - start]) if narrow else logits
         if dh is not None:
-            torch.mm(logits, w32, out=dh[start:end])  # (n, V) @ (V, C)
+            _gemm(grad, weight, dh[start:end], alpha=grad_scale)  # (n, V) @ (V, C)
         if dw is not None:
-            dw.addmm_(logits.t(), h_chunk)  # += (V, n) @ (n, C)
+            _gemm(grad.t(), h_chunk, dw, alpha=grad_scale, accumulate=True)  # += (V, n) @ (n, C)
     # every target ignored: the mean of nothing, NaN as F.cross_entropy's 0/0
     loss = loss_rows.sum() if n_valid else torch.full((), float("nan"), device=h.device)
     return loss, dh, dw

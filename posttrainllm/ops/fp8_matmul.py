@@ -17,6 +17,10 @@ tl.dot on fp8 takes K in steps of 32 (Triton's min_dot_size for 8-bit operands):
 Gradients of a quantized GEMM are a recipe's (e5m2 dY, its own scaling), not this kernel's: `fp8_matmul` returns
 no autograd history.
 
+Layout: any strides. B K-major (column-major (K, N)) is what Hopper's fp8 wgmma reads, and what op=matmul's inputs
+give it (opdefs/matmul.py make_inputs, once per case); the GPU needs compute capability 8.9 for tl.dot on fp8
+(opdefs/matmul.py triton_fp8_refusal).
+
 Shapes: a (M, K), b (K, N) -> c (M, N) bf16.
 """
 

@@ -168,6 +168,10 @@ def matmul_smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int,
 
 _TUNERS: dict = {}
 LAST_AUTOTUNE: dict[str, dict] = {}  # "matmul" -> the configuration the autotuner chose at its last launch
+# The tuner's key: the sizes and A's and B's strides. dA = dC @ Bᵀ and dB = Aᵀ @ dC run this kernel on transposed
+# views (TritonMatmul), so at M = N = K only their strides tell them from the forward: without them the backward
+# reused the forward's choice, tuned for row-major operands.
+TUNE_KEY = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn"]
 
 
 def _tuner(space, smem: int, itemsize: int):
@@ -179,7 +183,7 @@ def _tuner(space, smem: int, itemsize: int):
         if not configs:
             raise ValueError(f"no matmul autotune configuration fits {smem} B of shared memory")
         even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_matmul_kernel)
-        _TUNERS[key] = triton.autotune(configs=configs, key=["M", "N", "K"])(even_k)
+        _TUNERS[key] = triton.autotune(configs=configs, key=TUNE_KEY)(even_k)
     return _TUNERS[key]
 
 
@@ -188,6 +192,12 @@ def _space(tile: tuple[int, int, int, int, int, int], tune_tiles: bool):
     if tune_tiles:
         return [(bm, bn, bk, tile[3], w, st) for bm, bn, bk, w, st in MATMUL_SPACE]
     return [(*tile[:4], w, st) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def kernel_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple:
+    """_matmul_kernel's arguments up to its strides, in order: the pointers, M, N, K, then A's, B's and C's strides."""
+    (M, K), N = a.shape, b.shape[1]
+    return (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
 
 
 def triton_matmul(
@@ -232,7 +242,7 @@ def triton_matmul(
     )
     upcast = use_bf16_emulation(a.dtype, emulate_bf16)
     c = torch.empty((M, N), device=a.device, dtype=torch.float32 if upcast else a.dtype)
-    args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    args = kernel_args(a, b, c)
     if autotune and a.is_cuda:
         from posttrainllm.ops.attention import device_smem_bytes
 
@@ -292,7 +302,8 @@ def matmul(
     autotune: str | None = None,
 ) -> torch.Tensor:
     """Differentiable a (M, K) @ b (K, N) -> (M, N) in a's dtype; forward and backward share the tiles
-    (and, with autotune, the tuner: its key is (M, N, K), so dA and dB are tuned as their own problems)."""
+    (and, with autotune, the tuner: its key holds the sizes and strides, TUNE_KEY, so dA and dB are tuned as their
+    own problems)."""
     tile = dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m,
                 num_warps=num_warps, num_stages=num_stages, input_precision=input_precision, autotune=autotune)
     return TritonMatmul.apply(a, b, tile)

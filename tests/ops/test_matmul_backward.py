@@ -102,3 +102,18 @@ def test_matmul_rejects_bad_input():
         matmul(_leaf(8, 16), _leaf(17, 8))
     with pytest.raises(ValueError, match="block_m=24 must be a power of two"):
         matmul(_leaf(16, 16), _leaf(16, 16), block_m=24)
+
+
+def test_the_autotune_key_names_the_strides_so_da_and_db_tune_as_their_own_problems():
+    """tile=auto: dA = dC @ Bᵀ and dB = Aᵀ @ dC run the forward's kernel on transposed views; at M = N = K only their
+    strides tell the three apart, so the tuner's key holds them (every key an argument of the kernel: Triton's
+    autotuner drops one it cannot find)."""
+    tuner = matmul_module._tuner(matmul_module._space((64, 64, 32, 8, 4, 2), True), 232448, 2)
+    assert {"M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn"} <= set(tuner.keys)
+    assert set(tuner.keys) <= set(tuner.arg_names)
+    a, b, dc = (torch.empty(64, 64) for _ in range(3))
+
+    def key(x, y):
+        named = dict(zip(tuner.arg_names, matmul_module.kernel_args(x, y, dc)))
+        return tuple(named[name] for name in tuner.keys)
+    assert len({key(a, b), key(dc, b.t()), key(a.t(), dc)}) == 3  # forward, dA, dB
