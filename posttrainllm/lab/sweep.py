@@ -306,7 +306,7 @@ def op_params(stage: str, config: dict[str, Any]) -> list[str]:
     them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (opdefs/moe.py). The ops in
     TRAIN_CASE_OPS have a parity case at bench-train's shape: the stages that list the cases read train's.
     """
-    if config["op"]["name"] == "moe" and stage in ("kernel", "parity", "bench_train"):
+    if config["op"]["name"] == "moe" and stage in ("parity", "bench_train"):  # the kernel stage lists config.shape
         return ["config.shape.moe_d_model", "config.shape.moe_ffn"]
     if config["op"]["name"] in TRAIN_CASE_OPS and stage in ("reference", "microbench"):  # their cases (op.cases)
         return ["config.train.batch_size", "config.train.seq_len"]
