@@ -45,7 +45,7 @@ from omegaconf import DictConfig
 from posttrainllm.config import CONF_DIR, DIMENSIONS, ConfigError, LabConfig
 
 from posttrainllm.lab.configure import check_train_rules, load, validate
-from posttrainllm.lab.failures import TRACEBACKS
+from posttrainllm.track.failures import TRACEBACKS
 
 EXIT_CONTRACT, EXIT_CONFIG = 1, 2
 EXIT_UNTRACKED = 3  # the receipt JSON was written, MLflow was not (server unreachable, store failed)

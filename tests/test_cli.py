@@ -166,7 +166,7 @@ def test_receipt_import_refuses_a_missing_folder(workdir, capsys):
 
 
 def test_a_path_that_cannot_run_here_is_a_line_apart_and_exit_0(workdir, capsys):
-    """lab/failures.py: an import needing a GPU driver is no broken contract; the console names it apart, located,
+    """track/failures.py: an import needing a GPU driver is no broken contract; the console names it apart, located,
     with the traceback's file beside the receipt."""
     kernel = workdir / "needs_gpu.py"
     kernel.write_text("import triton\n\ntriton.runtime.driver.active.get_current_device()\n\n\n"

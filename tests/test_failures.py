@@ -1,4 +1,4 @@
-"""A failed path located, and "cannot run here" told apart from "wrong" (posttrainllm/lab/failures.py).
+"""A failed path located, and "cannot run here" told apart from "wrong" (posttrainllm/track/failures.py).
 
 The user paths' cases, through their workers, are in test_user_impls.py; here: whose frame is whose, each pattern
 of CANNOT_RUN on the message it names, and a built-in path that raises, located in posttrainllm.
@@ -11,7 +11,8 @@ import torch
 from conftest import parity_report
 
 from posttrainllm.config import PROJECT_ROOT
-from posttrainllm.lab import failures, parity
+from posttrainllm.lab import parity
+from posttrainllm.track import failures
 from posttrainllm.lab.configure import load
 from posttrainllm.opdefs import matmul
 

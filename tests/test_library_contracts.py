@@ -48,7 +48,7 @@ def _library_verdicts(op_name: str, precision: str, tmp: Path) -> dict[str, dict
         outputs, broken = [], []
         for record in records:
             got, violations = stages._run_case(impl, record, case_config(Case(**record["case"]), cfg), "cpu",
-                                               Counter())
+                                               Counter(), [])
             outputs.append(got)
             broken += violations
         result = stages._check_path(op, impl, cfg, records, outputs)

@@ -173,7 +173,7 @@ def test_loss_drift_verdicts_follow_from_the_losses():
 
 
 def test_a_path_that_cannot_run_here_is_its_own_verdict_and_breaks_no_point(tmp_path):
-    """lab/failures.py: no case checked and none failed, with the reason it could not run: "cannot run here"; the
+    """track/failures.py: no case checked and none failed, with the reason it could not run: "cannot run here"; the
     point's verdict is its other paths'. Called a pass, or hiding a failed case, it is named."""
     gap = {"pattern": "triton_no_driver", "reason": "Triton found no GPU driver (0 active drivers)",
            "runs_on": "a GPU with its driver"}

@@ -185,6 +185,9 @@ def test_an_ops_own_config_reads_are_listed_for_its_points_only():
     moe = {"config": {"op": {"name": "moe"}, "tile": {"name": "b32"}, "workgroup": {"name": "w4s2"}}}
     attention = {"config": {**moe["config"], "op": {"name": "attention"}}}
     probe = ["config.shape.moe_d_model", "config.shape.moe_ffn"]  # opdefs/moe.py probes grouped_mm at that size
-    for stage in ("kernel", "parity", "bench_train"):
+    for stage in ("parity", "bench_train"):
         assert sweep.stage_deps(stage, moe)["params"][-2:] == probe
         assert not set(probe) & set(sweep.stage_deps(stage, attention)["params"])
+    # the kernel stage reads the whole shape (its compile section: the main case), which covers the probe's keys
+    assert "config.shape" in sweep.stage_deps("kernel", moe)["params"]
+    assert not set(probe) & set(sweep.stage_deps("kernel", moe)["params"])

@@ -45,7 +45,8 @@ HONEST = '''
 import os
 from pathlib import Path
 
-Path(__file__).with_suffix(".pid").write_text(str(os.getpid()))  # where it was imported
+with open(Path(__file__).with_suffix(".pid"), "a") as f:  # every process it was imported in
+    f.write(f"{os.getpid()}\\n")
 
 
 def matmul(a, b):
@@ -59,8 +60,8 @@ def test_an_honest_path_runs_in_another_process_passes_and_gets_a_speed_from_out
     path = report["paths"]["matmul"]
     assert path["verdict"] == "pass" and path["backward"] == "own"
     assert {"out", "grad_a", "grad_b"} <= set(path["worst"])  # its own gradients, through the worker's graph
-    pid = int((tmp_path / "honest.pid").read_text())
-    assert pid != os.getpid()
+    pids = [int(line) for line in (tmp_path / "honest.pid").read_text().split()]  # its worker; the compile child's
+    assert os.getpid() not in pids
     assert not [m for m in __import__("sys").modules if m.startswith("posttrainllm_user_")]  # never imported here
     kernel = json.loads((out / "kernel.json").read_text())["paths"]["matmul"]
     assert kernel["worker_start_s"] > 0
@@ -68,7 +69,7 @@ def test_an_honest_path_runs_in_another_process_passes_and_gets_a_speed_from_out
     micro = stages.run_microbench(cfg, out, CALIBRATION)
     entry = micro["paths"]["matmul"]
     assert entry["valid"], entry.get("reason")
-    assert entry["worker_start_s"] > 0 and entry["outside"]["forward"]["worker_pid"] == pid
+    assert entry["worker_start_s"] > 0 and entry["outside"]["forward"]["worker_pid"] in pids
     forward = entry["outside"]["forward"]
     assert forward["batch_size"] >= 4 and forward["batches"] >= 3
     assert entry["reps"] == forward["batch_size"] * forward["batches"]  # every call of every batch is a sample

@@ -83,7 +83,7 @@ def run_guarded(fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, tor
     Triton launches by kernel name. `unchanged`: more tensors the call is handed (the upstream gradient of a
     backward) that it must leave unchanged ("changed <name>"); an output may share their storage (autograd
     passes a gradient through unchanged where the math is the identity). `errors`, if given, gains the exception
-    fn raised (the kernel stage locates it: lab/failures.py).
+    fn raised (the kernel stage locates it: track/failures.py).
     """
     snapshot = {name: x.detach().clone() for name, x in inputs.items()}
     others = {name: (x, x.detach().clone()) for name, x in (unchanged or {}).items()}

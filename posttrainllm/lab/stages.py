@@ -12,7 +12,7 @@ throughput, roofline, curve or training time anywhere. The stage still writes
 its report and raises `ContractBroken` so an interactive command can exit 1;
 the DVC entry point records it and lets the sweep run on.
 
-A path that raises is located (lab/failures.py: the innermost frame of its own code, its traceback in
+A path that raises is located (track/failures.py: the innermost frame of its own code, its traceback in
 tracebacks/<path>.txt); one whose failure says this machine lacks what it needs (a GPU driver, CUDA, a gap of
 Triton's interpreter) gets the verdict "cannot run here": no speed either, and never a broken contract. The
 parity stage's headline counts the paths that broke the contract and names those apart.
@@ -34,13 +34,14 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
-from posttrainllm.lab import failures, guards, outside, parity, rooms
+from posttrainllm.lab import guards, outside, parity, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
 from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
                                  replaced_library)
+from posttrainllm.track import failures
 from posttrainllm.track.provenance import git_revision
 
 INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
@@ -56,7 +57,7 @@ class ContractBroken(RuntimeError):
 
 class DidNotRun(RuntimeError):
     """A path's forward call raised (its message: "<Type>: <first line>"; the exception is its __cause__), its
-    backward raised what this machine cannot run (lab/failures.py), or its forward returned no dict of tensors."""
+    backward raised what this machine cannot run (track/failures.py), or its forward returned no dict of tensors."""
 
 
 def _dtype(cfg: LabConfig) -> torch.dtype:
@@ -243,7 +244,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     Guarded: a path must leave its inputs unchanged, return no storage of theirs, and a
     Triton path must launch a Triton kernel (guards.py); what it broke is recorded and
     parity fails it. A path that raises is recorded with its error rather than stopping the others:
-    "error" ("<Type>: <message> (at file:line: text)") and "failure" (lab/failures.py: type, message, the
+    "error" ("<Type>: <message> (at file:line: text)") and "failure" (track/failures.py: type, message, the
     innermost frame of its own code, what this machine lacks where that is why, and its traceback's file,
     tracebacks/<path>.txt).
     """
@@ -266,7 +267,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
             if impl.user is not None:
                 entry["user"] = impl.user
             launched: Counter = Counter()
-            raised: list[dict[str, Any]] = []  # its located failures (lab/failures.py), the first recorded
+            raised: list[dict[str, Any]] = []  # its located failures (track/failures.py), the first recorded
             try:
                 backward = result_backward(impl, ref["records"][0], cfg, device)
                 entry["backward"] = backward
@@ -337,7 +338,7 @@ def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str, l
     (inputs unchanged, no aliasing, the path's kernels of that direction launched); the outputs' form (tensor,
     shape, dtype, device) against the reference's. Outputs of the wrong form are dropped (parity: missing).
     A forward that raises is DidNotRun, its exception the cause; a backward that raises is a violation, located
-    (its failure joins `raised`), or DidNotRun where this machine cannot run it (lab/failures.py)."""
+    (its failure joins `raised`), or DidNotRun where this machine cannot run it (track/failures.py)."""
     inputs = rooms.fresh(record["inputs"], device)  # this path's own copy: its writes reach no other path
     grad_out = record["grad_out"].to(device, copy=True)
     triton = impl.kind == "triton"
@@ -414,7 +415,7 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
         entry = kernel_report["paths"].get(impl.name, {"error": "not run by the kernel stage"})
         impl = dataclasses.replace(impl, backward=entry.get("backward", impl.backward))  # as its result declared
         gap = (entry.get("failure") or {}).get("cannot_run_here")
-        if outputs is None and gap:  # not wrong: this machine lacks what it needs (lab/failures.py CANNOT_RUN)
+        if outputs is None and gap:  # not wrong: this machine lacks what it needs (track/failures.py CANNOT_RUN)
             result = {"verdict": failures.CANNOT_RUN_HERE, "cannot_run_here": gap, "failed_cases": [], "worst": {},
                       "cases": []}
         elif outputs is None:

@@ -210,7 +210,7 @@ CORE_SOURCES = (
     "posttrainllm/lab/pipeline.py",
     "posttrainllm/lab/stages.py",
     "posttrainllm/lab/guards.py",
-    "posttrainllm/lab/failures.py",  # a failed path located, and whether it cannot run here
+    "posttrainllm/track/failures.py",  # a failed path located, and whether it cannot run here
     "posttrainllm/lab/parity.py",
     "posttrainllm/lab/outside.py",  # user paths timed from outside their worker (opdefs/worker.py)
     "posttrainllm/lab/rooms.py",

@@ -39,7 +39,7 @@ arguments to the worker and, when the worker kept a graph, returns outputs attac
 graph through `_Attach` (a torch.autograd.Function whose backward sends the output gradients). An exception
 in the worker is raised in the lab as an exception of the same type name and message (`UserCodeError`
 subclasses), carrying the worker's traceback and the innermost frame in the user's own files (`remote`: the
-error reply's "traceback" and "where", lab/failures.py); a worker that died is `WorkerDied`, naming its exit code
+error reply's "traceback" and "where", track/failures.py); a worker that died is `WorkerDied`, naming its exit code
 or signal.
 """
 
@@ -62,7 +62,7 @@ from typing import Any, Callable
 import torch
 
 from posttrainllm.files import USER_SOURCES
-from posttrainllm.lab.failures import first_line, locate, traceback_text
+from posttrainllm.track.failures import first_line, locate, traceback_text
 from posttrainllm.ops import emulate_bf16_in_interpreter
 
 _clock = time.perf_counter  # bound before any user code runs in a worker: a patched time.perf_counter is not ours
@@ -73,7 +73,7 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder holding postt
 
 class UserCodeError(RuntimeError):
     """An exception the user's code raised in its worker; each is re-raised as a subclass named as its type.
-    `remote`: the worker's traceback text and the frame it located in the user's files (lab/failures.py)."""
+    `remote`: the worker's traceback text and the frame it located in the user's files (track/failures.py)."""
 
     remote: dict[str, Any] | None = None
 
@@ -705,7 +705,7 @@ def serve(read_fd: int, write_fd: int) -> None:
 
 def _error_reply(exc: BaseException, prefix: str = "") -> dict[str, Any]:
     """The error as the lab raises it: type, first line of the message, the full traceback and the innermost frame
-    in the user's own files (lab/failures.py `locate`; for a Triton kernel under the interpreter, its own line)."""
+    in the user's own files (track/failures.py `locate`; for a Triton kernel under the interpreter, its own line)."""
     return {"error": {"type": type(exc).__name__, "message": prefix + first_line(exc),
                       "traceback": traceback_text(exc), "where": locate(exc, user=True)}}
 

@@ -313,7 +313,7 @@ def _write_run(client: Any, experiment_id: str, receipt: dict[str, Any], folder:
     """Create the run and fill it; the completion tag and the terminal status come last."""
     from mlflow.entities import Metric, Param
 
-    from posttrainllm.lab.failures import TRACEBACKS
+    from posttrainllm.track.failures import TRACEBACKS
 
     run_id = client.create_run(experiment_id, run_name=receipt["point"], tags=tags).info.run_id
     params: dict[str, str] = {}
@@ -329,7 +329,7 @@ def _write_run(client: Any, experiment_id: str, receipt: dict[str, Any], folder:
     for name in ARTIFACTS:
         if (folder / name).exists():
             client.log_artifact(run_id, str(folder / name))
-    if (folder / TRACEBACKS).is_dir():  # the full tracebacks of the paths that raised (lab/failures.py)
+    if (folder / TRACEBACKS).is_dir():  # the full tracebacks of the paths that raised (track/failures.py)
         client.log_artifacts(run_id, str(folder / TRACEBACKS), TRACEBACKS)
     client.set_tag(run_id, LOGGED_TAG, "true")
     client.set_terminated(run_id, "FINISHED" if tags["verdict"] == "pass" else "FAILED")

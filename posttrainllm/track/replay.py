@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrainllm.files import read_json
-from posttrainllm.lab.failures import CANNOT_RUN_HERE
+from posttrainllm.track.failures import CANNOT_RUN_HERE
 from posttrainllm.measure.timing import summarize
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -336,7 +336,7 @@ def verify_parity(receipt: dict[str, Any], folder: Path) -> list[str]:
                                              contract(case["output"]) if case["case"] != "*" else parity["contract"])
             problems += _failed_cases_problems(name, path, cases)
         ok = not failed_cases and all(w.get("verdict") == "pass" for w in path["worst"].values())
-        # a path this machine could not run (lab/failures.py) has nothing checked, and nothing failed
+        # a path this machine could not run (track/failures.py) has nothing checked, and nothing failed
         apart = ok and not path["worst"] and path.get("cannot_run_here")
         verdicts[name] = CANNOT_RUN_HERE if apart else "pass" if ok else "fail"
         if path["verdict"] != verdicts[name]:

@@ -69,7 +69,7 @@ def point_table(receipt: dict[str, Any]) -> str:
 
 def raised_note(path: dict[str, Any]) -> str:
     """A path that raised: where (the innermost frame of its own code) and, if this machine cannot run it, why and
-    what would (lab/failures.py); its traceback's file is in parity.json."""
+    what would (track/failures.py); its traceback's file is in parity.json."""
     error = path.get("error")
     if not error:
         return ""
