@@ -485,9 +485,11 @@ def parity_headline(precision: str, broken: dict[str, list[str]], apart: dict[st
 
 
 def refusals(out: Path) -> dict[str, str]:
-    """Why each path that did not pass parity gets no speed: FAILED_PARITY, or that it cannot run here and why."""
-    found = {}
-    for name, p in read_json(out / "parity.json")["paths"].items():
+    """Why each path that did not pass parity gets no speed: FAILED_PARITY, or that it cannot run here and why
+    (none where no parity stage ran: a curve of the paths it is given)."""
+    found: dict[str, str] = {}
+    recorded = read_json(out / "parity.json")["paths"] if (out / "parity.json").exists() else {}
+    for name, p in recorded.items():
         if p["verdict"] == failures.CANNOT_RUN_HERE:
             gap = p["cannot_run_here"]
             found[name] = f"{failures.CANNOT_RUN_HERE}: {gap['reason']} (runs on {gap['runs_on']}): no speed"
