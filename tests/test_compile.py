@@ -116,6 +116,12 @@ def test_the_cli_writes_compile_json_and_refuses_an_unknown_target(tmp_path):
     assert bad.returncode == 2 and "choose from sm80, sm90, sm100" in bad.stderr
 
 
+def test_the_config_offers_exactly_the_targets_with_limits():
+    from posttrainllm.config import COMPILE_TARGETS
+
+    assert set(COMPILE_TARGETS) == set(sass.TARGETS)
+
+
 def test_an_unknown_target_is_a_config_error():
     with pytest.raises(ConfigError, match="choose from sm80, sm90, sm100"):
         _lab("compile.targets=[sm75]")

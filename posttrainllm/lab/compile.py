@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from posttrainllm.measure import sass
+from posttrainllm.opdefs.user import shown
 
 RULE = ("each Triton launch of the point's main case (forward, then backward) captured where Triton binds it and "
         "specialized by Triton's own binder as a GPU launch of the same arguments is (unit strides constant, "
@@ -55,7 +56,6 @@ class Launch:
     direction: str
 
 
-_recording: list[Launch] = []
 _direction = ["forward"]
 
 
@@ -127,21 +127,13 @@ def _kernel_identity(jit: Any) -> dict[str, Any]:
         file = inspect.getsourcefile(fn)
     except TypeError:
         file = None
-    return {"kernel": fn.__name__, "file": _shown(file),
+    return {"kernel": fn.__name__, "file": shown(Path(file)) if file else None,
             "source_sha256": hashlib.sha256(jit.src.encode()).hexdigest() if getattr(jit, "src", None) else None}
 
 
-def _shown(file: str | None) -> str | None:
-    if file is None:
-        return None
-    path = Path(file).resolve()
-    try:
-        return str(path.relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
 def _one_line(exc: BaseException) -> str:
+    """The last meaningful line: a Triton CompilationError ends with its cause (failures.first_line would give the
+    source excerpt it starts with)."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip() and line.strip() != "^"]
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 

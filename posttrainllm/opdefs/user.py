@@ -107,7 +107,7 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _shown(path: Path) -> str:
+def shown(path: Path) -> str:
     """A path as a receipt shows it: relative to the project when inside it, else absolute."""
     path = path.resolve()
     return path.relative_to(PROJECT_ROOT).as_posix() if path.is_relative_to(PROJECT_ROOT) else str(path)
@@ -166,7 +166,7 @@ def _distribution_of(module_name: str) -> tuple[str | None, str | None]:
 
 
 def _file_identity(path: Path) -> dict[str, Any]:
-    return {"file": _shown(path), "sha256": _sha256(path)}
+    return {"file": shown(path), "sha256": _sha256(path)}
 
 
 def installed_entry_points(op_name: str | None = None) -> dict[str, importlib.metadata.EntryPoint]:
