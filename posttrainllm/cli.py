@@ -155,6 +155,10 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
     if train:
         stages.ensure_quality_base(lab)  # a quantized precision's quality gate decodes with it
     out = _fresh_point_dir(lab)
+    # read before any user code runs (the kernel stage's compile child, parity's workers): a file they rewrote
+    # would decide which speeds are possible (docs/timing.md: what the receipt combines is what was written)
+    calibration = calibrate.load_or_measure(Path(lab.run.out_dir) / "calibration.json", devices.resolve(
+        lab.device.name))
     stages.run_reference(lab, out)
     stages.run_kernel(lab, out)
     try:
@@ -163,8 +167,6 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
             _cannot_run.append(f"{lab.run.name}: {parity['headline']}")
     except stages.ContractBroken as exc:  # its line counts what broke and, apart, what cannot run here
         _broken.append(f"{lab.run.name}: {exc}")
-    calibration = calibrate.load_or_measure(Path(lab.run.out_dir) / "calibration.json", devices.resolve(
-        lab.device.name))
     stages.run_microbench(lab, out, calibration)  # paths that broke the contract get no timing
     if train:
         try:

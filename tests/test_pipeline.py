@@ -13,6 +13,8 @@ import sys
 import pytest
 from conftest import run_command
 
+from posttrainllm.track.stamp import file_sha256
+
 pytestmark = pytest.mark.slow
 
 
@@ -45,6 +47,13 @@ def test_every_stage_of_every_point_ran(project):
         assert receipt["bench_train"]["impls"]["sdpa"]["losses"]
         assert set(receipt["stamps"]) == {"reference", "kernel", "parity", "microbench", "bench_train"}
         assert (root / "runs" / point / "stamps" / "receipt.json").exists()
+        # what the receipt combined is what each stage wrote (receipt.INTEGRITY_RULE), checked on what DVC left
+        assert receipt["integrity"]["problems"] == []
+        assert set(receipt["stamps"]["microbench"]["outputs"]) == {"microbench.json", "timings.csv", "curve.csv"}
+        calibration = file_sha256(root / "runs" / "calibration.json")
+        inputs = json.loads((root / "runs" / "inputs" / point / "microbench.json").read_text())
+        assert inputs["reads"] == {"runs/calibration.json": calibration}
+        assert receipt["microbench"]["calibration"] == {"sha256": calibration, "problem": None}
 
 
 def test_the_kernel_stage_compiled_the_triton_kernels_for_sm90(project):

@@ -74,6 +74,9 @@ def test_an_honest_path_runs_in_another_process_passes_and_gets_a_speed_from_out
     assert forward["batch_size"] >= 4 and forward["batches"] >= 3
     assert entry["reps"] == forward["batch_size"] * forward["batches"]  # every call of every batch is a sample
     assert entry["forward_backward"]["median_ms"] > 0
+    memory = entry["memory"]  # its worker's, counted inside it and from outside (outside.MEMORY_RULE)
+    assert memory["output_bytes"] == 64 * 64 * 4 and memory["peak_bytes"] >= memory["output_bytes"]
+    assert memory["allocator_bytes"] >= memory["output_bytes"] and memory["resident_bytes"] is not None
     curve = (out / "curve.csv").read_text()
     assert any(line.startswith("matmul,matmul,user,") and ",True," in line for line in curve.splitlines())
 
@@ -181,6 +184,48 @@ def test_a_memoizing_path_passes_parity_and_gets_no_speed(tmp_path):
     assert not entry["valid"]
     assert entry["reason"].startswith("timed batch 1, set 1 of ") and "a stored or skipped result?" in entry["reason"]
     assert "median_ms" not in entry
+
+
+NUMPY = '''
+import numpy as np
+import torch
+
+
+def matmul(a, b):  # in NumPy: torch's allocator never sees its buffers
+    return torch.from_numpy(np.matmul(a.detach().numpy(), b.detach().numpy()))
+'''
+
+HELD = '''
+import torch
+
+_SLOT = 64 * 64 * 4
+_pool = bytearray(128 * _SLOT)  # allocated once, at import: every call's output lies in one of its slots
+_calls = [0]
+
+
+def matmul(a, b):  # forward-only (no autograd history): computed honestly, into memory no call allocates
+    _calls[0] += 1
+    out = torch.frombuffer(_pool, dtype=a.dtype, count=a.shape[0] * b.shape[1], offset=_calls[0] % 128 * _SLOT)
+    with torch.no_grad():
+        return torch.matmul(a, b, out=out.view(a.shape[0], b.shape[1]))
+'''
+
+
+def test_memory_outside_torch_is_counted_and_outputs_held_from_import_are_named(tmp_path):
+    """NumPy's buffers count (tracemalloc, the resident set); a peak below the outputs' own bytes is not a figure."""
+    cfg, out = _point(tmp_path, "numpy_mm.py", NUMPY, "matmul", [*MATMUL, "op.peers=[]"])
+    assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"
+    entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
+    assert entry["valid"], entry.get("reason")
+    assert entry["memory"]["allocator_bytes"] < entry["memory"]["output_bytes"] <= entry["memory"]["peak_bytes"]
+
+    workers.close_all()
+    (tmp_path / "held").mkdir()
+    cfg, out = _point(tmp_path / "held", "held.py", HELD, "matmul", [*MATMUL, "op.peers=[]"])
+    assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"
+    entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
+    assert not entry["valid"] and "median_ms" not in entry, entry["memory"]
+    assert "is below the 16384 B of the outputs it returned: a figure that cannot be true" in entry["reason"]
 
 
 SLOW_CLOCK = '''

@@ -22,8 +22,8 @@ up to the lab's compute span where they sum to less (AGREEMENT_RULE). A path tha
 loop, returns a stored result or one finished later loses its speed (a wrong output, a changed checksum); work
 hidden outside the worker's per-call clock is counted by the lab's; a patched clock is named by the worker
 (opdefs/worker.py `_tampered`).
-Not covered: no L2 flush between the calls of a batch (distinct sets are what keeps the cache honest), and
-the worker's memory is not measured (a user path's `memory` is the lab's side of one call).
+A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
+Not covered: no L2 flush between the calls of a batch (distinct sets are what keeps the cache honest).
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ AGREEMENT_RULE = ("the samples are the worker's per-call times (its own clock, b
 REFILL_RULE = ("after the last batch, new values (another seed) are copied in place into its first set's buffers "
                "in the worker and that set computed again: a result stored by the buffers' address or identity "
                "fails the oracle check there and the path gets no speed")
+MEMORY_RULE = ("a user path's peak memory is one forward call's in its worker: the larger of the sum of what torch's "
+               "allocator (the profiler's events; CUDA: max_memory_allocated) and Python's tracemalloc (NumPy's "
+               "buffers) counted in the worker, and the growth of its resident set read by the lab from outside "
+               "(/proc/<pid>/status VmHWM after clear_refs); a peak below the bytes of the outputs it returned "
+               "cannot be true (memory taken where neither count sees it, or outputs that are not its own): "
+               "named, and no speed")
 RULE = ("a user path is timed from outside its worker: batches of N >= 4 distinct input sets (fresh each batch) "
         "placed in the worker before the clock, computed in one request the lab's clock spans, every output "
         "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set; "
@@ -252,6 +258,45 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
                                   "worker_over_lab": worker_s / lab_s if lab_s > 0 else None})
     timing = summarize([s * 1e3 for s in samples], threads=threads, flushed=False)
     return UserTiming(timing, None, report)
+
+
+def _resident_bytes(pid: int, key: str) -> int | None:
+    """VmRSS or VmHWM of a process, from /proc (None where there is none: not Linux)."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        return None
+    return None
+
+
+def user_memory(op: OpDef, cfg: Any, case: Case, impl: Impl, device: str) -> tuple[dict[str, Any], str | None]:
+    """MEMORY_RULE for a user path at `case`: its memory entry, and why the figure cannot be true (None if it can)."""
+    worker = workers.worker_for(impl.fn.user_path)
+    drawn = _draw(op, cfg, case, case.seed + SEED_OFFSET - SET_SEED, False, device)
+    worker.request({"op": "put", "key": "memory", "grad_outs": None,
+                    "sets": [{"args": drawn.args, "kwargs": drawn.kwargs, "flags": [False] * len(drawn.tensors),
+                              "tensors": [t.detach() for t in drawn.tensors]}]})
+    before = _resident_bytes(worker.pid, "VmRSS")
+    try:  # "5" resets the peak resident set (VmHWM) to the current one (Linux >= 4.0)
+        with open(f"/proc/{worker.pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        before = None
+    worker.request({"op": "memory", "key": "memory", "device": device, "plain": True})
+    after = _resident_bytes(worker.pid, "VmHWM") if before is not None else None
+    resident = max(0, after - before) if after is not None else None
+    answer = worker.request({"op": "memory", "key": "memory", "device": device})
+    counted = answer["allocator"]["peak_bytes"] + answer["tracemalloc_bytes"]
+    outputs = sum(o.numel() * o.element_size() for o in answer["outputs"])
+    peak = max(counted, resident or 0)
+    entry = {"peak_bytes": peak, "method": MEMORY_RULE, "allocator_bytes": answer["allocator"]["peak_bytes"],
+             "tracemalloc_bytes": answer["tracemalloc_bytes"], "resident_bytes": resident, "output_bytes": outputs}
+    problem = (f"its peak memory {peak} B (allocator {entry['allocator_bytes']} B, tracemalloc "
+               f"{entry['tracemalloc_bytes']} B, resident growth {resident} B) is below the {outputs} B of the "
+               "outputs it returned: a figure that cannot be true (MEMORY_RULE): no speed") if peak < outputs else None
+    return entry, problem
 
 
 @dataclass

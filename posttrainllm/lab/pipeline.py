@@ -28,8 +28,13 @@ PARAMS = Path("params.yaml")
 RUNS = "runs"
 CALIBRATION = Path(RUNS) / "calibration.json"
 HEADS_BASE = Path(RUNS) / "heads" / "base"  # dvc.yaml's train_base writes the draft-heads base here
+READS_KEY = "reads"  # a microbench's inputs file: {file: sha256} of what an earlier stage wrote, before any point stage
 INPUTS = Path(RUNS) / "inputs"  # runs/inputs/<point>/<stage>.json: what DVC reruns a point stage on (lab/sweep.py)
 POINT_STAGES = ("reference", "kernel", "parity", "microbench", "bench_train", "receipt")  # a point's, in DVC's order
+# The files each point stage writes in runs/<point>/ (dvc.yaml's outs less stamps and plots; tests/test_dvc_deps.py
+# checks): their sha256 goes into the stage's stamp, and the receipt refuses a file changed since (stamp.check_outputs)
+STAGE_OUTPUTS = {"reference": ("reference.pt",), "kernel": ("kernel.pt", "kernel.json"), "parity": ("parity.json",),
+                 "microbench": ("microbench.json", "timings.csv", "curve.csv"), "bench_train": ("bench_train.json",)}
 TIMED_STAGES = ("microbench", "bench_train")  # they run timing loops: approval on a GPU (lab/approval.py)
 
 
@@ -67,12 +72,26 @@ def _stage(name: str) -> Callable[[LabConfig, dict[str, Any]], Any]:
         "reference": lambda cfg, _: stages.run_reference(cfg, point_dir(cfg)),
         "kernel": lambda cfg, _: stages.run_kernel(cfg, point_dir(cfg)),
         "parity": lambda cfg, _: _parity(cfg),
-        "microbench": lambda cfg, _: stages.run_microbench(cfg, point_dir(cfg),
-                                                           read_json(CALIBRATION)),
+        "microbench": lambda cfg, _: stages.run_microbench(cfg, point_dir(cfg), *calibration(cfg.run.name)),
         "bench_train": lambda cfg, _: stages.run_bench_train(cfg, point_dir(cfg), quality_base=HEADS_BASE),
         "receipt": _record,
     }
     return table[name]
+
+
+def calibration(point: str) -> tuple[dict[str, Any], str | None]:
+    """runs/calibration.json, and why it is not the file the calibrate stage wrote (None where it is, or where no
+    inputs stage hashed it: a stage script run by hand). Its peaks decide the impossible-time floor and the
+    rooflines, so a file rewritten since (by a user path's worker, say) would decide which speeds are possible."""
+    data = CALIBRATION.read_bytes()
+    inputs = INPUTS / point / "microbench.json"
+    expected = ((json.loads(inputs.read_text()).get(READS_KEY) or {}).get(CALIBRATION.as_posix())
+                if inputs.is_file() else None)
+    now = hashlib.sha256(data).hexdigest()
+    problem = None if expected in (None, now) else (
+        f"{CALIBRATION} is not what the calibrate stage wrote (sha256 {now[:12]} now, {expected[:12]} when the "
+        "inputs stage hashed it before any point stage ran)")
+    return {**json.loads(data), "sha256": now}, problem
 
 
 def _parity(cfg: LabConfig) -> dict[str, Any]:
@@ -112,6 +131,7 @@ class StageRun:
     label: str = ""  # shown in the progress lines (default: the point)
     inputs: Path | None = None  # what DVC reruns the stage on (a point stage's runs/inputs file), checked at the end
     progress: str = ""  # where the sweep stands (track/progress.py), shown when the stage starts
+    outputs: tuple[Path, ...] = ()  # the files it writes (STAGE_OUTPUTS), hashed into its stamp
 
 
 def stamped(stage: str, run: StageRun, *, written: tuple[type[Exception], ...] = ()) -> Any:
@@ -135,7 +155,8 @@ def stamped(stage: str, run: StageRun, *, written: tuple[type[Exception], ...] =
         except written as exc:
             raised = exc
     timing = {"stage_s": time.perf_counter() - started, "process_s": stamp.process_seconds()}
-    made = stamp.write_stage_stamp(stage, cfg, reads, timing, folder=run.folder, point=run.point, inputs=run.inputs)
+    made = stamp.write_stage_stamp(stage, cfg, reads, timing, folder=run.folder, point=run.point, inputs=run.inputs,
+                                   outputs=run.outputs)
     if run.inputs is not None and run.inputs.is_file():  # absent when the script is run without DVC's inputs stage
         stamp.check_inputs(json.loads(made.read_text()), json.loads(run.inputs.read_text()), run.inputs)
     print(f"posttrainllm: {stage} {run.label or run.point} done in {timing['stage_s']:.1f} s", file=sys.stderr,
@@ -196,7 +217,8 @@ def run_stage(stage: str, argv: list[str]) -> int:
         points = sweep.get("points") or [argv[0]]
         where = f" ({points.index(argv[0]) + 1}/{len(points)})" if argv[0] in points else ""
         return StageRun(cfg, argv[0], point_dir(cfg), lambda: _stage(stage)(cfg, sweep), label=argv[0] + where,
-                        inputs=INPUTS / argv[0] / f"{stage}.json", progress=sweep_progress())
+                        inputs=INPUTS / argv[0] / f"{stage}.json", progress=sweep_progress(),
+                        outputs=tuple(point_dir(cfg) / name for name in STAGE_OUTPUTS.get(stage, ())))
 
     return execute(stage, setup, verdicts=(ContractBroken,))
 

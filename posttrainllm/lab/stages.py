@@ -719,7 +719,8 @@ def _time_path(impl: Impl, cfg: LabConfig, sets: list[Tensors], grad_outs: list[
     return forward, train, memory, first_call_ms, state
 
 
-def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> dict[str, Any]:
+def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
+                   calibration_problem: str | None = None) -> dict[str, Any]:
     """Warmed timing, memory and roofline of every path that passed parity, then the measured curve.
 
     On the point's own shape each path is timed twice: the forward (the outputs every path
@@ -729,7 +730,9 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     speedup is a ratio of medians; "faster" is declared only when the spread bands do not
     overlap. Then every valid path over the op's curve axes (`shape.curve`, ...), each size
     parity-checked first, forward and with bench.curve_backward forward + backward too (curve.csv,
-    plots, crossovers: _curve). Triton through its interpreter is never timed.
+    plots, crossovers: _curve). Triton through its interpreter is never timed. `calibration_problem`: why
+    `calibration` is not what the calibrate stage wrote (lab/pipeline.py `calibration`): then no path but the
+    reference gets a speed, since its peaks decide which speeds are possible.
     """
     from posttrainllm.track import plots  # matplotlib: imported by the one stage that draws
 
@@ -761,6 +764,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
     report["impossible_rule"] = IMPOSSIBLE_RULE.format(fraction=bench.impossible_below)
     report["rotation_rule"] = rooms.ROTATION_RULE.format(n=len(sets))
     report["state_rule"] = STATE_RULE
+    report["calibration"] = {"sha256": calibration.get("sha256"), "problem": calibration_problem}
     report["above_roof_rule"] = roofline.ABOVE_ROOF_RULE
     cache_bytes = devices.last_level_cache_bytes(device)
     report["last_level_cache_bytes"] = cache_bytes
@@ -782,8 +786,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                                                     impl.backward != NO_BACKWARD)
                     with torch.no_grad():
                         first_call_ms = _first_call_ms(lambda: impl.fn(mine[0], cfg), device)
-                        memory = peak_bytes(lambda: impl.fn(mine[0], cfg), device, warmup=0)
-                    forward, train, state = user.forward, user.train, user.refused
+                    memory, untrue = outside.user_memory(op, cfg, case, impl, device)  # its worker's
+                    forward, train, state = user.forward, user.train, user.refused or untrue
                 else:
                     forward, train, memory, first_call_ms, state = _time_path(impl, cfg, mine, dos, device,
                                                                               settings)
@@ -791,7 +795,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any]) -> di
                 report["paths"][name] = {"valid": False, "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
                 continue
             refused = None if name == REFERENCE else (
-                state or forward.other_streams or (train is not None and train.other_streams) or None
+                (calibration_problem and f"{calibration_problem}: its peaks decide the impossible-time floor: no speed")
+                or state or forward.other_streams or (train is not None and train.other_streams) or None
                 or _timed_result_check(op, cfg, case, impl, mine[0])
                 or impossible(forward.median_ms, costs.flops, calibration, floor_flops, bench.impossible_below)
                 or (train is not None and (

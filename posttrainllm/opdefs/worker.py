@@ -655,6 +655,41 @@ class _Server:
             tampered.update(_tampered(self.state, self.ours, self.user_file))
         return {"samples_s": samples, "checksums": [checksums(a) for a in answers], "tampered": sorted(tampered)}
 
+    def memory(self, m: dict[str, Any]) -> dict[str, Any]:
+        """One forward call of the set put under m["key"], its peak counted in this process by torch's allocator
+        (measure/memory.py) and by tracemalloc (NumPy's buffers, Python's objects); answers with both counts and the
+        outputs themselves. With "plain", the call alone, uncounted: the lab reads the resident set's growth around
+        it from outside (lab/outside.py MEMORY_RULE), with no profiler's memory in it."""
+        import tracemalloc
+
+        from posttrainllm.measure.memory import peak_bytes
+
+        tensors, args, kwargs = self.batches[m["key"]]["sets"][0]
+        if m.get("plain"):  # one call and nothing else: the lab reads the resident set's growth around it
+            with torch.no_grad():
+                self.fn(*args, **kwargs)
+            _sync(tensors)
+            return {}
+        del self.batches[m["key"]]
+        results: list[Any] = []
+
+        def call() -> Any:
+            with torch.no_grad():
+                results.append(self.fn(*args, **kwargs))
+            _sync(tensors)
+            return results[-1]
+
+        _emulate_bf16()
+        tracemalloc.start()
+        try:
+            torch_peak = peak_bytes(call, m["device"], warmup=0)
+            python_peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        outputs: list[torch.Tensor] = []
+        _encode(results[-1], outputs)
+        return {"allocator": torch_peak, "tracemalloc_bytes": python_peak, "outputs": [o.detach() for o in outputs]}
+
     def refill(self, m: dict[str, Any]) -> dict[str, Any]:
         """New values copied in place into the last batch's first set's own buffers, and that set computed again
         (`run`, then `fetch`): a result stored by the buffers' identity (their address, their id) is the old one."""

@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -102,6 +103,8 @@ def build(cfg: LabConfig, *, sweep: dict[str, Any] | None = None, overrides: lis
         "bench_train": _read_optional(out / "bench_train.json"),
         "stamps": stamps,
     }
+    receipt["integrity"] = {"rule": INTEGRITY_RULE,
+                            "problems": integrity_problems(cfg, out, stamps, parity_report, receipt["microbench"])}
     withhold_speed(receipt)
     # the user paths' identities (spec, file, sha256, distribution, version), where a reader looks for them
     receipt["user_impls"] = {name: entry["user"] for name, entry in ((receipt["kernel"] or {}).get("paths")
@@ -204,6 +207,29 @@ def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:
         out[prefix] = str(value)
 
 
+INTEGRITY_RULE = ("what the receipt combines is what its stages wrote: every file a stage's stamp hashed is unchanged "
+                  "since, the contract parity judged by is the config's (precision.contract, lse_contract), and the "
+                  "calibration the microbench read is the file the calibrate stage wrote; otherwise the receipt "
+                  "fails and no path gets a speed until the point is rerun (`dvc repro`)")
+
+
+def integrity_problems(cfg: LabConfig, out: Path, stamps: dict[str, Any], parity_report: dict[str, Any] | None,
+                       microbench: dict[str, Any] | None) -> list[str]:
+    """INTEGRITY_RULE's findings for one point, one line each (none: [])"""
+    from posttrainllm.track import stamp
+
+    problems = stamp.check_outputs(stamps, out)
+    for key, contract in (("contract", cfg.precision.contract), ("lse_contract", cfg.precision.lse_contract)):
+        judged, config = (parity_report or {}).get(key), json.loads(json.dumps(asdict(contract)))  # as JSON holds it
+        if judged is not None and judged != config:
+            changed = sorted(k for k in set(judged) | set(config) if judged.get(k) != config.get(k))
+            problems.append(f"parity judged by another {key} than the config's (differs in {', '.join(changed)})")
+    problem = ((microbench or {}).get("calibration") or {}).get("problem")
+    if problem:
+        problems.append(problem)
+    return problems
+
+
 def quality_failures(receipt: dict[str, Any]) -> dict[str, str]:
     """{path: why} for the paths that failed bench-train's quality gate (a quantized precision's, model/quality.py)."""
     found = ((receipt.get("bench_train") or {}).get("quality") or {}).get("variants") or {}
@@ -214,6 +240,9 @@ def withhold_speed(receipt: dict[str, Any]) -> None:
     """A path that failed the quality gate gets no speed, as one that failed parity: its microbench entry in the
     receipt is marked invalid with the reason (its raw timings stay in microbench.json and timings.csv)."""
     paths = (receipt.get("microbench") or {}).get("paths") or {}
+    problems = (receipt.get("integrity") or {}).get("problems") or []
+    for name in paths if problems else ():
+        paths[name] = {**paths[name], "valid": False, "reason": f"the receipt's integrity ({problems[0]}): no speed"}
     for name, why in quality_failures(receipt).items():
         if name in paths:
             paths[name] = {**paths[name], "valid": False,
@@ -221,12 +250,12 @@ def withhold_speed(receipt: dict[str, Any]) -> None:
 
 
 def verdict(receipt: dict[str, Any]) -> str:
-    """'pass' when parity passed, every training-loss drift is within its limit and every path passed the quality
-    gate (a quantized precision's), else 'fail'."""
+    """'pass' when parity passed, every training-loss drift is within its limit, every path passed the quality
+    gate (a quantized precision's) and the receipt found no integrity problem (INTEGRITY_RULE), else 'fail'."""
     parity = (receipt.get("parity") or {}).get("verdict", "missing")
     drift = (receipt.get("bench_train") or {}).get("drift_verdict") or {}
     return ("pass" if parity == "pass" and all(v == "pass" for v in drift.values()) and not quality_failures(receipt)
-            else "fail")
+            and not (receipt.get("integrity") or {}).get("problems") else "fail")
 
 
 def _tags(receipt: dict[str, Any]) -> dict[str, str]:

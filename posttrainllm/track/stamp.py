@@ -12,6 +12,8 @@ heads stages write theirs in runs/heads/base/ and runs/heads/<K name>/):
                        user path it ran (op.user_impls; absolute when outside the project)
     inputs_sha256      a point stage's: the sha256 of runs/inputs/<point>/<stage>.json, the inputs file it
                        ran on (track/progress.py: the stage is done while that file keeps this hash)
+    outputs            a point stage's: {file name: sha256} of the files it wrote in runs/<point>/
+                       (lab/pipeline.py STAGE_OUTPUTS); the receipt refuses one changed since (`check_outputs`)
     config_keys        the dotted config keys the stage read ("tile.block_q"), `run.*` and
                        `sweep` left out (where to write and the plan, not what is computed);
                        null for a timed stage unless POSTTRAINLLM_RECORD_CONFIG_READS=1 (RECORD_ENV)
@@ -56,6 +58,7 @@ RECORD_ENV = "POSTTRAINLLM_RECORD_CONFIG_READS"
 # to how progress is shown reruns no stage
 DISPLAY_ONLY = ("posttrainllm/track/progress.py",)
 INPUTS_KEY = "inputs_sha256"
+OUTPUTS_KEY = "outputs"
 
 
 class StampMismatch(RuntimeError):
@@ -233,9 +236,9 @@ def process_seconds() -> float | None:
 
 def stage_stamp(stage: str, point: str, device: dict[str, Any], config_keys: list[str] | None,
                 root: Path = PROJECT_ROOT, timing: dict[str, float | None] | None = None,
-                inputs: Path | None = None) -> dict[str, Any]:
+                inputs: Path | None = None, outputs: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The stamp of a stage that just ran in this process; `timing`: its wall seconds (stage_s, process_s);
-    `inputs`: the inputs file it ran on, where it has one."""
+    `inputs`: the inputs file it ran on, where it has one; `outputs`: the files it wrote (those present)."""
     from posttrainllm.track.provenance import git_revision
 
     made = {"stage": stage, "point": point,
@@ -243,12 +246,15 @@ def stage_stamp(stage: str, point: str, device: dict[str, Any], config_keys: lis
             **git_revision(), "device": device, "sources": stage_sources(stage, root)}
     if inputs is not None and inputs.is_file():
         made[INPUTS_KEY] = file_sha256(inputs)
+    if outputs:
+        made[OUTPUTS_KEY] = {path.name: file_sha256(path) for path in outputs if path.is_file()}
     return {**made, "config_keys": config_keys, "timing": timing}
 
 
 def write_stage_stamp(stage: str, cfg: LabConfig, reads: ConfigReads | None,
                       timing: dict[str, float | None] | None = None, *, folder: Path | None = None,
-                      point: str | None = None, inputs: Path | None = None) -> Path:
+                      point: str | None = None, inputs: Path | None = None,
+                      outputs: tuple[Path, ...] = ()) -> Path:
     """After a stage ran in this process: its stamp, in <folder>/stamps/<stage>.json.
 
     folder and point default to the sweep point's (runs/<point>/, cfg.run.name); the heads stages
@@ -261,7 +267,8 @@ def write_stage_stamp(stage: str, cfg: LabConfig, reads: ConfigReads | None,
     device = devices.fingerprint(devices.resolve(cfg.device.name))
     keys = reads.keys() if reads is not None else None
     return write_stamp(folder if folder is not None else point_dir(cfg),
-                       stage_stamp(stage, point or cfg.run.name, device, keys, timing=timing, inputs=inputs))
+                       stage_stamp(stage, point or cfg.run.name, device, keys, timing=timing, inputs=inputs,
+                                   outputs=outputs))
 
 
 def write_stamp(point_dir: Path, stamp: dict[str, Any]) -> Path:
@@ -306,6 +313,20 @@ def check_consistent(stamps: dict[str, dict[str, Any]], where: Path | str) -> No
                 raise StampMismatch(
                     f"stages {a} and {b} were timed on different devices (differ in {', '.join(diff)}; "
                     f"stamps in {where}): their timings do not belong in one receipt; rerun with `dvc repro`")
+
+
+def check_outputs(stamps: dict[str, dict[str, Any]], folder: Path) -> list[str]:
+    """Each file a stage's stamp hashed when the stage ended that differs now, or is gone: one line each (a stage
+    that ran later, or anything else, rewrote it: what the receipt would combine is not what was computed)."""
+    changed = []
+    for stage, made in stamps.items():
+        for name, digest in (made.get(OUTPUTS_KEY) or {}).items():
+            path = folder / name
+            now = file_sha256(path) if path.is_file() else None
+            if now != digest:
+                changed.append(f"{name} {'changed' if now else 'is gone'} since the {stage} stage wrote it "
+                               f"(sha256 {digest[:12]} then" + (f", {now[:12]} now)" if now else ")"))
+    return changed
 
 
 def check_inputs(stamp: dict[str, Any], inputs: dict[str, Any], where: Path | str) -> None:
