@@ -255,7 +255,9 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     main_case = Case(**ref["records"][0]["case"])
     outputs: dict[str, list[Tensors] | None] = {}
     report: dict[str, Any] = {"device": device, "triton_interpreted": devices.triton_interpreted(), "paths": {}}
-    compiling = _start_compile(op, cfg, out)  # in a child process, beside this stage's own work
+    # in a child process, beside this stage's own work, where one of ours is Triton; for user paths alone, only
+    # once their calls here showed Triton launches (a PyTorch path's loop starts no compiler)
+    compiling = _start_compile(op, cfg, out) if any(i.kind == "triton" for i in op.optimized(cfg)) else None
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for impl in op.optimized(cfg):
             try:  # tile=auto runs the autotuner here: a failure is this path's, recorded, not the point's
@@ -297,16 +299,27 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
             if impl.user is not None:  # its worker process's start (spawn, import torch, its module), never timed
                 entry["worker_start_s"] = outside.worker_start_s(impl)
             report["paths"][impl.name] = entry
+    if compiling is None and any(e.get("user") and e["launched"] for e in report["paths"].values()):
+        compiling = _start_compile(op, cfg, out)
     if compiling is not None:  # every Triton kernel of the paths compiled for compile.targets (lab/compile.py)
         from posttrainllm.lab import compile as compile_lab
 
         report["compile"] = compile_lab.finish(*compiling)
+    elif any(impl.user is not None for impl in op.optimized(cfg)):
+        from posttrainllm.lab import compile as compile_lab
+
+        report["compile"] = {"targets": list(cfg.compile.targets), "rule": compile_lab.RULE, "paths": {},
+                             "rows": [], "note": NOTHING_TO_COMPILE}
     replaced = replaced_library()
     if replaced:  # the peers call what was bound when the lab started (opdefs/base.py LIBRARY), not these
         report["library_replaced"] = {"functions": replaced, "note": LIBRARY_REPLACED_NOTE}
     torch.save(outputs, out / "kernel.pt")
     write_json(out / "kernel.json", report)
     return report
+
+
+NOTHING_TO_COMPILE = ("no path launched a Triton kernel in this stage's calls (the worker counts a user path's "
+                      "launches): nothing to compile")
 
 
 def _start_compile(op: OpDef, cfg: LabConfig, out: Path) -> tuple[Any, Path, list[str], float] | None:
