@@ -100,4 +100,4 @@ def test_bad_input_is_one_line_and_writes_nothing(workdir, capsys, args, says):
 
 def test_help_lists_new_impl(capsys):
     assert cli.main(["--help"]) == 0
-    assert "posttrainllm new-impl op=OP FILE.py [--name NAME]" in capsys.readouterr().err
+    assert "posttrainllm new-impl op=OP FILE.py [--name NAME]" in capsys.readouterr().out  # asked for: stdout

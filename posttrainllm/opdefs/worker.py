@@ -219,7 +219,8 @@ class Worker:
         env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT), *filter(None, [env.get("PYTHONPATH")])])
         self.process = subprocess.Popen([sys.executable, "-m", "posttrainllm.opdefs.worker", str(child_in),
                                          str(child_out)], pass_fds=(child_in, child_out), env=env,
-                                        stdin=subprocess.DEVNULL, cwd=os.getcwd())
+                                        stdin=subprocess.DEVNULL, cwd=os.getcwd(),
+                                        start_new_session=True)  # a terminal's Ctrl-C is the lab's: it closes us
         os.close(child_in)
         os.close(child_out)
         self._in = Connection(lab_in, writable=False)
@@ -699,6 +700,8 @@ def serve(read_fd: int, write_fd: int) -> None:
             reply = _error_reply(exc)
         try:
             _send(outbox, reply)
+        except (BrokenPipeError, ConnectionResetError):  # the lab is gone (interrupted): nobody to answer
+            return
         except Exception as exc:  # an output torch cannot hand over as plain bytes (a sparse tensor, a subclass)
             _send(outbox, _error_reply(exc, "its result could not be sent: "))
 
