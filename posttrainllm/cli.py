@@ -153,7 +153,9 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
     except ConfigError as exc:
         _fail_config(exc)
     if train:
-        stages.ensure_quality_base(lab)  # a quantized precision's quality gate decodes with it
+        from posttrainllm.lab import heads
+
+        heads.ensure_quality_base(lab)  # a quantized precision's quality gate decodes with it
     out = _fresh_point_dir(lab)
     stages.run_reference(lab, out)
     stages.run_kernel(lab, out)

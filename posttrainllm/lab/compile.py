@@ -190,13 +190,14 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any) -> tuple[list[Launch], str |
     """The launches of one path's forward and (when it has one) backward at the point's main case."""
     import torch
 
-    from posttrainllm.lab import stages
+    from posttrainllm.lab.oracle import upstream_gradient
     from posttrainllm.opdefs import NO_BACKWARD, case_config
+    from posttrainllm.opdefs.base import leaves_of, point_dtype
 
     case = next(c for c in op.cases(cfg) if c.main)
     call_cfg = case_config(case, cfg)
-    inputs = op.make_inputs(case, stages._dtype(cfg), "cpu")
-    leaves = stages.leaves_of(inputs)
+    inputs = op.make_inputs(case, point_dtype(cfg), "cpu")
+    leaves = leaves_of(inputs)
     note = None
     with recording() as launches:
         _direction[0] = "forward"
@@ -206,7 +207,7 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any) -> tuple[list[Launch], str |
         if impl.backward != NO_BACKWARD and out.requires_grad and wrt:
             _direction[0] = "backward"
             try:
-                torch.autograd.grad(out, wrt, stages.upstream_gradient(case, out), allow_unused=True)
+                torch.autograd.grad(out, wrt, upstream_gradient(case, out), allow_unused=True)
             except Exception as exc:
                 note = f"backward not captured: {_one_line(exc)}"
         _direction[0] = "forward"

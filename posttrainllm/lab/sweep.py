@@ -209,6 +209,7 @@ CORE_SOURCES = (
     "posttrainllm/lab/configure.py",
     "posttrainllm/lab/pipeline.py",
     "posttrainllm/lab/stages.py",
+    "posttrainllm/lab/oracle.py",  # the reference's answers (stages.py, outside.py)
     "posttrainllm/lab/guards.py",
     "posttrainllm/track/failures.py",  # a failed path located, and whether it cannot run here
     "posttrainllm/lab/parity.py",

@@ -46,6 +46,8 @@ or signal.
 from __future__ import annotations
 
 import atexit
+import importlib
+import importlib.util
 import io
 import os
 import pickle
@@ -556,12 +558,9 @@ class _Server:
         if m["threads"]:
             torch.set_num_threads(m["threads"])
         sys.path[:] = m["sys_path"]
-        from posttrainllm.opdefs.user import UserPath
-
         u = m["user"]
-        user = UserPath(u["name"], u["module"], Path(u["file"]) if u["file"] else None, u["attr"], u["identity"])
         self.state, self.ours = _process_state(), _ours()  # as the lab set them, before any of the user's code
-        target = user.load()
+        target = load_user(u["module"], Path(u["file"]) if u["file"] else None, u["attr"], u["identity"])
         if not callable(target):
             raise TypeError(f"{user.attr} in {user.identity['file']} is a {type(target).__name__}, not a callable")
         self.fn = target
@@ -679,6 +678,30 @@ class _Server:
 
     def ping(self, m: dict[str, Any]) -> dict[str, Any]:
         return {}
+
+
+def load_user(module_name: str, file: Path | None, attr: str, identity: dict[str, Any]) -> Callable[..., Any]:
+    """A user path's callable (opdefs/user.py UserPath): its module imported once per process, from its file or by
+    its dotted name, then `attr` (dotted) read from it; an import error is the path's to report. The file is
+    registered in files.USER_SOURCES: the stage stamps hash what ran."""
+    if identity["source"] == "file":
+        module = sys.modules.get(module_name)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(module_name, file)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[module_name] = module  # Triton's @jit reads the source through the module
+            try:
+                loader_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+    else:
+        module = importlib.import_module(module_name)
+    USER_SOURCES[identity["file"]] = identity["sha256"]
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part)
+    return fn
 
 
 def serve(read_fd: int, write_fd: int) -> None:
