@@ -206,6 +206,12 @@ def plan_sweep(cfg: DictConfig) -> None:
         params = sweep.plan(lab.sweep)
     except ConfigError as exc:
         _fail_config(exc)
+    if any(point["config"]["op"].get("user_impls") for point in params["points"].values()):
+        print(f"sweep {lab.sweep.name!r}: listing the Triton kernel files its user paths launch (their DVC inputs)")
+        try:
+            sweep.find_kernel_files(params)
+        except ConfigError as exc:
+            _fail_config(exc)
     if lab.sweep.check_fit:  # before any GPU time: a kernel that would not launch leaves its point out
         print(f"sweep {lab.sweep.name!r}: compiling each point's Triton kernels (sweep.check_fit)")
         sweep.refuse_unfit(params)

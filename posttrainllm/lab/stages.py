@@ -240,6 +240,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
         from posttrainllm.lab import compile as compile_lab
 
         report["compile"] = compile_lab.finish(*compiling)
+        compile_lab.register_kernel_files(report["compile"])  # the stamp hashes the user paths' kernel files
     replaced = replaced_library()
     if replaced:  # the peers call what was bound when the lab started (opdefs/base.py LIBRARY), not these
         report["library_replaced"] = {"functions": replaced, "note": LIBRARY_REPLACED_NOTE}

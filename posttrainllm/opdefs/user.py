@@ -145,7 +145,8 @@ def _module_file(module_name: str, spec: str) -> Path:
     raise ConfigError(f"op.user_impls: {spec!r}: no module {module_name!r} in {top}")
 
 
-def _distribution_of(module_name: str) -> tuple[str | None, str | None]:
+def distribution_of(module_name: str) -> tuple[str | None, str | None]:
+    """(distribution, version) that provides the module's top-level package when installed, else (None, None)."""
     top = module_name.split(".")[0]
     dists = importlib.metadata.packages_distributions().get(top) or []
     if not dists:
@@ -220,7 +221,7 @@ def resolve(spec: str, op: OpDef) -> UserPath:
             module_name = f"posttrainllm_user_{op.name}_{identity['sha256'][:12]}"
         else:
             module_name, file = where, _module_file(where, spec)
-            dist, version = _distribution_of(where)
+            dist, version = distribution_of(where)
             identity.update(source="module", **_file_identity(file), distribution=dist, version=version)
         name = name or attr.split(".")[-1]
     _check_attr(file, attr, spec)
