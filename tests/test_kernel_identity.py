@@ -3,7 +3,6 @@ three-line adapter, named with its file, the sha256 of its source, its distribut
 stamp hashes that file and a planned sweep lists it in the inputs of the stages that run the path."""
 
 import hashlib
-import json
 import os
 import shutil
 
@@ -12,7 +11,7 @@ import pytest
 from posttrainllm.config import PROJECT_ROOT, point_config
 from posttrainllm.files import USER_SOURCES
 from posttrainllm.lab import compile as compiling
-from posttrainllm.lab import stages, sweep
+from posttrainllm.lab import sweep
 from posttrainllm.lab.configure import load
 from posttrainllm.lab.pipeline import POINT_STAGES
 from posttrainllm.track import stamp
@@ -66,8 +65,8 @@ def adapter(site, tmp_path, monkeypatch):
 def _identity(site):
     installed = (site / "tiny_triton" / "kernels.py").resolve()
     source = KERNELS[KERNELS.index("def _silu_mul_kernel"):KERNELS.index("\n\n\ndef silu_mul")] + "\n"  # jit.src
-    return installed, {"kernel": "_silu_mul_kernel", "file": str(installed), "distribution": DIST, "version": VERSION}, \
-        source
+    expected = {"kernel": "_silu_mul_kernel", "file": str(installed), "distribution": DIST, "version": VERSION}
+    return installed, expected, source
 
 
 def test_a_user_paths_installed_kernel_is_named_with_file_source_hash_and_distribution(site, adapter, tmp_path):
@@ -89,12 +88,14 @@ def test_a_user_paths_installed_kernel_is_named_with_file_source_hash_and_distri
 def test_a_planned_point_lists_the_kernel_file_and_an_edit_reruns_the_stages_that_run_it(site, adapter, tmp_path):
     for folder in ("pipelines", "posttrainllm"):
         shutil.copytree(PROJECT_ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    params = {"points": {"mine": {"changes": {}, "config": point_config(load([*SMALL, f"op.user_impls=[{adapter}:swiglu]"]))},
+    mine = point_config(load([*SMALL, f"op.user_impls=[{adapter}:swiglu]"]))
+    params = {"points": {"mine": {"changes": {}, "config": mine},
                          "plain": {"changes": {}, "config": point_config(load(SMALL))}}}
     said = []
     sweep.find_kernel_files(params, say=said.append)
     installed, _, _ = _identity(site)
-    assert params["points"]["mine"]["kernel_files"] == [str(installed)] and "kernel_files" not in params["points"]["plain"]
+    assert params["points"]["mine"]["kernel_files"] == [str(installed)]
+    assert "kernel_files" not in params["points"]["plain"]  # no user path: no child, nothing listed
     assert str(installed) in said[0]
 
     def inputs():

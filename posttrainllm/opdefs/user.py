@@ -19,8 +19,8 @@ Its identity (spec, file, sha256, distribution and version) goes into kernel.jso
 stage stamps (the file is registered in files.USER_SOURCES, which track/stamp.py hashes beside the package).
 
 A user path runs in a worker process of its own (opdefs/worker.py): its module is imported and called only
-there, one worker per path per stage process; the registry's function (`registry_fn`) is the op's adapter around the
-worker's proxy, differentiable through it. It meets the guards every path meets (lab/guards.py: the worker
+there, one worker per path per stage process; the registry's function (`registry_fn`) is the op's adapter around
+the worker's proxy, differentiable through it. It meets the guards every path meets (lab/guards.py: the worker
 reports writes into what it was handed, views of inputs and Triton launches, which the lab's guards then see and
 name), the timed-result and roofline checks, and is timed from outside its worker (lab/outside.py: batches of
 distinct input sets, the lab's clock, every output checked against the float64 oracle).
@@ -33,16 +33,13 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib
 import importlib.metadata
 import importlib.util
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from posttrainllm.config import PROJECT_ROOT, ConfigError, LabConfig
 

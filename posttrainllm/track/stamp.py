@@ -321,7 +321,7 @@ def check_inputs(stamp: dict[str, Any], inputs: dict[str, Any], where: Path | st
             if not any(f"config.{key}" == p or f"config.{key}".startswith(p + ".") for p in params)]
     if files or keys:
         missed = ", ".join([*files, *(f"config key {key}" for key in keys)])
-        theirs = [f for f in files if not f.startswith(("posttrainllm/", "pipelines/"))]  # a user path's, or its kernels'
+        theirs = [f for f in files if not f.startswith(("posttrainllm/", "pipelines/"))]  # a user path's, its kernels'
         fix = ("plan the sweep again (posttrainllm sweep: it lists the files user paths and their Triton kernels run)"
                if theirs and len(theirs) == len(files) and not keys else
                "add it to posttrainllm/lab/sweep.py `stage_deps`")
