@@ -808,13 +808,14 @@ def _command_help(command: str) -> str:
 
 
 def _project_root(start: Path) -> Path | None:
-    """The nearest folder from `start` up holding dvc.yaml or conf/ (what a clone of this project holds)."""
-    return next((d for d in (start, *start.parents) if (d / "dvc.yaml").is_file() or (d / "conf").is_dir()), None)
+    """The nearest folder from `start` up holding dvc.yaml and conf/, as a clone of this project does (either alone
+    is common elsewhere: another DVC project, a home folder's conf/)."""
+    return next((d for d in (start, *start.parents) if (d / "dvc.yaml").is_file() and (d / "conf").is_dir()), None)
 
 
 def _refuse_subfolder(command: str) -> int | None:
     """Commands read and write runs/, params.yaml and mlflow.db where they run: in a subfolder of a project
-    (a folder above holds dvc.yaml or conf/) they are refused in one line naming the root (exit 2)."""
+    (a folder above holds dvc.yaml and conf/) they are refused in one line naming the root (exit 2)."""
     import os
 
     here = Path.cwd()
@@ -836,7 +837,7 @@ def _say_where(command: str, labs: list[LabConfig]) -> None:
         if command != "sweep" and any(lab.run.log_mlflow for lab in labs) and not os.environ.get(
                 "MLFLOW_TRACKING_URI"):
             what.append("mlflow.db")
-        print(f"posttrainllm {command}: {here} is no project root (no dvc.yaml or conf/ here or above): writing "
+        print(f"posttrainllm {command}: {here} is no project root (no dvc.yaml and conf/ here or above): writing "
               f"{' and '.join(what)} here")
 
 

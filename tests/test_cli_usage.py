@@ -14,8 +14,9 @@ from posttrainllm.config import PROJECT_ROOT
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
-    """A folder that is a project root (it holds dvc.yaml), as the working directory."""
+    """A folder that is a project root (it holds dvc.yaml and conf/), as the working directory."""
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    (tmp_path / "conf").mkdir()
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -72,6 +73,14 @@ def test_in_a_subfolder_of_the_project_a_command_refuses_and_names_the_root(proj
     assert cli.main(["bench", "--help"]) == 0  # inspecting writes nothing: allowed anywhere
 
 
+def test_a_conf_folder_alone_above_is_no_project(tmp_path):
+    (tmp_path / "home" / "conf").mkdir(parents=True)  # a home folder's own conf/, not a clone of the lab
+    (tmp_path / "home" / "work").mkdir()
+    assert cli._project_root(tmp_path / "home" / "work") is None
+    (tmp_path / "home" / "dvc.yaml").write_text("stages: {}\n")
+    assert cli._project_root(tmp_path / "home" / "work") == tmp_path / "home"
+
+
 def test_outside_any_project_a_command_says_where_it_writes(tmp_path, monkeypatch, capsys):
     from posttrainllm.lab import stages
 
@@ -82,7 +91,7 @@ def test_outside_any_project_a_command_says_where_it_writes(tmp_path, monkeypatc
     monkeypatch.setattr(stages, "run_reference", stop)
     assert cli._project_root(tmp_path) is None
     assert cli.main(["bench", "op=rmsnorm", "device=cpu", "run.log_mlflow=false", "run.out_dir=mine"]) == 130
-    assert f"{tmp_path} is no project root (no dvc.yaml or conf/ here or above): writing mine/ here" in (
+    assert f"{tmp_path} is no project root (no dvc.yaml and conf/ here or above): writing mine/ here" in (
         capsys.readouterr().out)
     (tmp_path / "runs").mkdir()  # said once: a folder that has its runs/ already is the user's choice
     assert cli.main(["bench", "op=rmsnorm", "device=cpu"]) == 130
