@@ -153,7 +153,9 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
     except ConfigError as exc:
         _fail_config(exc)
     if train:
-        stages.ensure_quality_base(lab)  # a quantized precision's quality gate decodes with it
+        from posttrainllm.lab import heads
+
+        heads.ensure_quality_base(lab)  # a quantized precision's quality gate decodes with it
     out = _fresh_point_dir(lab)
     # read before any user code runs (the kernel stage's compile child, parity's workers): a file they rewrote
     # would decide which speeds are possible (docs/timing.md: what the receipt combines is what was written)
@@ -206,6 +208,12 @@ def plan_sweep(cfg: DictConfig) -> None:
         params = sweep.plan(lab.sweep)
     except ConfigError as exc:
         _fail_config(exc)
+    if any(point["config"]["op"].get("user_impls") for point in params["points"].values()):
+        print(f"sweep {lab.sweep.name!r}: listing the Triton kernel files its user paths launch (their DVC inputs)")
+        try:
+            sweep.find_kernel_files(params)
+        except ConfigError as exc:
+            _fail_config(exc)
     if lab.sweep.check_fit:  # before any GPU time: a kernel that would not launch leaves its point out
         print(f"sweep {lab.sweep.name!r}: compiling each point's Triton kernels (sweep.check_fit)")
         sweep.refuse_unfit(params)
@@ -266,6 +274,48 @@ COMMANDS: dict[str, Callable[[DictConfig], None]] = {
     "sweep": plan_sweep,
     "compile": compile_point,
     "experimental train-heads": train_heads_point,
+}
+# every command `main` dispatches (the Hydra apps above and the plain ones), as typed
+COMMAND_NAMES = ("bench", "bench-train", "sweep", "compile", "report", "progress", "ui", "receipt", "experimental",
+                 "replay", "compare", "new-impl")
+
+# `COMMAND --help`: what the command does, its common overrides ({op} etc.: the config group's options) and an
+# example, printed before Hydra's own help (the config groups and the whole config)
+HELP: dict[str, tuple[str, tuple[tuple[str, str], ...], str]] = {
+    "bench": (
+        "One point: each path of the op (the reference, the built-in paths, your own) checked against float64 "
+        "math (parity), then timed forward and forward+backward against the reference (microbench), a table "
+        "and a receipt in run.out_dir/<point>/ (runs/bench/ by default).",
+        (("op={op}", "the operation"), ("precision={precision}", "dtype and its contract"),
+         ("shape={shape}", "problem sizes"), ("tile={tile}", "Triton block sizes"),
+         ("'op.user_impls=[FILE.py:FUNCTION]'", "your own path (posttrainllm new-impl writes one)"),
+         ("'op.only=[NAME,...]'", "only these paths and the reference"),
+         ("'op.peers=[compiled]'", "the opt-in peers (attention: also flex)"),
+         ("run.name=NAME", "the point's folder name"), ("-m op=matmul,rmsnorm", "one point per value")),
+        "posttrainllm bench op=attention precision=bf16 'op.only=[triton]'"),
+    "bench-train": (
+        "What bench does, then the end-to-end training step of a small model with each path swapped in: loss "
+        "drift against the reference and the measured speedup beside Amdahl's prediction.",
+        (("op={op}", "the operation"), ("precision={precision}", "dtype and its contract"),
+         ("architecture={architecture}", "the model"), ("train.steps=N", "training steps (drift read at the last)"),
+         ("'op.only=[NAME,...]'", "only these paths and the reference")),
+        "posttrainllm bench-train architecture=gqa precision=bf16"),
+    "sweep": (
+        "Plan a sweep (conf/sweep/NAME.yaml: a baseline and one dimension varied at a time) into params.yaml; "
+        "`dvc repro` then runs its points and `posttrainllm report` shows them.",
+        (("sweep={sweep}", "which sweep"), ("'sweep.overrides=[\"op.only=[triton]\"]'", "applied to every point")),
+        "posttrainllm sweep sweep=smoke && dvc repro && posttrainllm report"),
+    "compile": (
+        "Every Triton kernel the point's paths launch, compiled here for compile.targets (no GPU needed): "
+        "registers, spills, shared memory, occupancy, tensor cores; exit 1 if one would not launch.",
+        (("op={op}", "the operation"), ("shape={shape}", "problem sizes"), ("tile={tile}", "Triton block sizes"),
+         ("'compile.targets=[sm80,sm90]'", "GPU architectures")),
+        "posttrainllm compile op=attention precision=bf16 shape=gpu device=cpu"),
+    "experimental train-heads": (
+        "Medusa draft heads on a frozen base: the base (trained once, reused while its settings match), then "
+        "the heads, then a lossless decode measurement (accepted length, tokens per second), a table.",
+        (("heads={heads}", "how many heads (K)"), ("'heads.tree=[2,2,1]'", "tree verification")),
+        "posttrainllm experimental train-heads -m heads=k1,k2,k4"),
 }
 
 
@@ -711,8 +761,107 @@ def new_impl(args: list[str]) -> int:
     return 0
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+
+
+def _unknown_command(name: str) -> int:
+    """One line naming it and the closest commands, then every command; exit 2."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(dict.fromkeys([*COMMANDS, *COMMAND_NAMES])), n=3, cutoff=0.5)
+    hint = f": did you mean {' or '.join(close)}?" if close else ""
+    print(f"posttrainllm: unknown command {name!r}{hint}\n  commands: {', '.join(COMMAND_NAMES)} "
+          "(posttrainllm --help says what each does)", file=sys.stderr)
+    return EXIT_CONFIG
+
+
+def _dashed_override(command: str, args: list[str]) -> str | None:
+    """The line refusing `--key value` or `--key=value` (Hydra takes `key=value`), or None when every dashed
+    argument is one of Hydra's own flags (hydra's argument parser) or --grid."""
+    from hydra._internal.utils import get_args_parser
+
+    flags = get_args_parser()._option_string_actions
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if not arg.startswith("-") or name in flags or arg == "--grid" or name.lstrip("-")[:1].isdigit():
+            continue
+        if not eq:
+            following = args[i + 1] if i + 1 < len(args) else ""
+            value = following if following and not following.startswith("-") and "=" not in following else "VALUE"
+        return (f"posttrainllm {command}: overrides are key=value, not {arg}: write {name.lstrip('-')}={value}  "
+                f"(posttrainllm {command} --help lists the common ones)")
+    return None
+
+
+def _command_help(command: str) -> str:
+    """What the command does, its common overrides (with the config groups' options) and an example."""
+    import textwrap
+
+    from posttrainllm.config import group_options
+
+    does, common, example = HELP[command]
+    groups = {g: "|".join(group_options(g)) for g in ("op", "precision", "shape", "tile", "architecture", "sweep",
+                                                        "heads")}
+    lines = [f"posttrainllm {command}: " + textwrap.fill(does, 110, subsequent_indent="  "), "",
+             "Common overrides (key=value; any key of the config below):"]
+    lines += [f"  {key.format(**groups)}\n      {meaning}" for key, meaning in common]
+    lines += ["", "Example:", f"  {example}", "", "Hydra's help: the config groups and the whole config", ""]
+    return "\n".join(lines)
+
+
+def _project_root(start: Path) -> Path | None:
+    """The nearest folder from `start` up holding dvc.yaml and conf/, as a clone of this project does (either alone
+    is common elsewhere: another DVC project, a home folder's conf/)."""
+    return next((d for d in (start, *start.parents) if (d / "dvc.yaml").is_file() and (d / "conf").is_dir()), None)
+
+
+def _refuse_subfolder(command: str) -> int | None:
+    """Commands read and write runs/, params.yaml and mlflow.db where they run: in a subfolder of a project
+    (a folder above holds dvc.yaml and conf/) they are refused in one line naming the root (exit 2)."""
+    import os
+
+    here = Path.cwd()
+    root = _project_root(here)
+    if os.environ.get("DVC_ROOT") or root is None or root == here:  # under DVC, DVC chose the folder
+        return None
+    print(f"posttrainllm {command}: run it from the project root, {root} (here, in {here}, it would read and "
+          "write runs/, params.yaml and mlflow.db apart from the project's)", file=sys.stderr)
+    return EXIT_CONFIG
+
+
+def _say_where(command: str, labs: list[LabConfig]) -> None:
+    """Outside any project, before a first runs/ is made there: one line saying where the command writes."""
+    import os
+
+    here = Path.cwd()
+    if _project_root(here) is None and not (here / "runs").exists():
+        what = ["params.yaml"] if command == "sweep" else sorted({f"{lab.run.out_dir}/" for lab in labs})
+        if command != "sweep" and any(lab.run.log_mlflow for lab in labs) and not os.environ.get(
+                "MLFLOW_TRACKING_URI"):
+            what.append("mlflow.db")
+        print(f"posttrainllm {command}: {here} is no project root (no dvc.yaml and conf/ here or above): writing "
+              f"{' and '.join(what)} here")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+    """The console script: a Ctrl-C anywhere is one line and exit 130 (a point's receipt is written whole or
+    not at all, files.write_json; a point without its receipt.json is not a result)."""
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        print("posttrainllm: interrupted (Ctrl-C): the point in progress has no receipt; its finished points "
+              "keep theirs", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(args: list[str]) -> int:
+    if args and not args[0].startswith("-") and args[0] not in COMMAND_NAMES:
+        return _unknown_command(args[0])
+    inspect = any(a.split("=")[0] in _INSPECT_FLAGS for a in args[1:])
+    if args[:1] not in ([], ["new-impl"]) and not args[0].startswith("-") and not inspect:
+        refused = _refuse_subfolder(" ".join(args[:2]) if args[0] == "experimental" else args[0])
+        if refused is not None:
+            return refused
     if args[:1] == ["new-impl"]:
         return new_impl(args[1:])
     if args and args[0] == "report":
@@ -729,10 +878,21 @@ def main(argv: list[str] | None = None) -> int:
         return compare_receipts(args[1:])
     if args[:1] == ["experimental"]:  # `experimental SUB`: one command name, the rest as for any other
         args = [" ".join(args[:2]), *args[2:]]
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
+    if args and args[0].startswith("experimental") and args[0] not in COMMANDS:
+        return _unknown_command(args[0])
     if not args or args[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
-        return 0 if args and args[0] in ("-h", "--help") else EXIT_CONFIG
+        return EXIT_CONFIG
     command, rest = args[0], args[1:]
+    dashed = _dashed_override(command, rest)
+    if dashed:
+        print(dashed, file=sys.stderr)
+        return EXIT_CONFIG
+    if {"-h", "--help"} & set(rest):
+        print(_command_help(command), flush=True)
     grid = "--grid" in rest
     rest = [a for a in rest if a != "--grid"]
     from posttrainllm.lab import approval
@@ -761,6 +921,8 @@ def main(argv: list[str] | None = None) -> int:
         print("posttrainllm: config error: posttrainllm sweep -m: a sweep plans one params.yaml: give one sweep=NAME, "
               "and the options to try under vary: in conf/sweep/<name>.yaml", file=sys.stderr)
         return EXIT_CONFIG
+    if not any(a.split("=")[0] in _INSPECT_FLAGS for a in rest):
+        _say_where(command, labs)
     app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(COMMANDS[command])
     saved_argv = sys.argv
     sys.argv = [f"posttrainllm {command}", *rest]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,11 @@ def point_dir(cfg: LabConfig) -> Path:
 
 
 def write_json(path: Path, data: Any) -> None:
+    """Whole or not at all: written beside the target, then renamed over it (an interrupt leaves no half file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    os.replace(partial, path)
 
 
 def read_json(path: Path) -> Any:

@@ -121,3 +121,34 @@ def parity_report(cfg, out) -> dict:
     except stages.ContractBroken:
         pass
     return json.loads((out / "parity.json").read_text())
+
+
+def install_wheel(folder, dist: str, version: str, files: dict, entry_points: str = ""):
+    """A wheel of `files` ({path in the wheel: text}) written by hand (no build backend, no index) with its
+    metadata, entry points and RECORD, installed by pip into folder/site (offline, no dependencies): that folder,
+    for PYTHONPATH."""
+    import base64
+    import hashlib
+    import os
+    import sys
+    import zipfile
+
+    package = dist.replace("-", "_")
+    info = f"{package}-{version}.dist-info"
+    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    if entry_points:
+        files[f"{info}/entry_points.txt"] = entry_points
+
+    def digest(text):
+        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{path},sha256={digest(text)},{len(text.encode())}\n" for path, text in files.items())
+    files[f"{info}/RECORD"] = record + f"{info}/RECORD,,\n"
+    wheel = folder / f"{package}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+    run_command([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
+                 "--disable-pip-version-check", "--target", folder / "site", wheel], folder, os.environ)
+    return folder / "site"

@@ -2,20 +2,18 @@
 here, installed with pip into a folder, named `entry:<name>` in a bench run in another process; its identity is
 the receipt's, and an entry point that is not there, or is another op's, is one line and exit 2."""
 
-import base64
 import hashlib
 import json
 import os
 import shutil
 import sys
-import zipfile
 
 import pytest
 
 from posttrainllm import cli
 from posttrainllm.config import PROJECT_ROOT
 
-from conftest import run_command
+from conftest import install_wheel, run_command
 
 DIST, VERSION = "tiny-kernels", "0.1.0"
 OPS_SOURCE = '"""A matmul from outside the lab."""\n\n\ndef matmul(a, b):\n    return a @ b\n'
@@ -23,37 +21,12 @@ QUICK = ["device=cpu", "parity.seeds=[0]", "tile=b16", "shape.m=32", "shape.n=32
          "shape.curve=[16,32]", "bench.warmup=1", "bench.reps=2", "bench.min_time_s=0", "run.log_mlflow=false"]
 
 
-def _wheel(folder):
-    """tiny_kernels-0.1.0-py3-none-any.whl, written by hand (no build backend, no index): the package, its
-    metadata, the entry point `matmul.tiny = tiny_kernels.ops:matmul` and a RECORD of them all."""
-    info = f"tiny_kernels-{VERSION}.dist-info"
-    files = {
-        "tiny_kernels/__init__.py": "",
-        "tiny_kernels/ops.py": OPS_SOURCE,
-        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {DIST}\nVersion: {VERSION}\n",
-        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        f"{info}/entry_points.txt": "[posttrainllm.impls]\nmatmul.tiny = tiny_kernels.ops:matmul\n",
-    }
-
-    def digest(text):
-        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
-
-    record = "".join(f"{path},sha256={digest(text)},{len(text.encode())}\n" for path, text in files.items())
-    files[f"{info}/RECORD"] = record + f"{info}/RECORD,,\n"
-    wheel = folder / f"tiny_kernels-{VERSION}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        for path, text in files.items():
-            archive.writestr(path, text)
-    return wheel
-
-
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    """The wheel installed by pip into a folder of its own (offline: no index, no dependencies)."""
-    folder = tmp_path_factory.mktemp("tiny_kernels")
-    run_command([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
-                 "--disable-pip-version-check", "--target", folder / "site", _wheel(folder)], folder, os.environ)
-    return folder / "site"
+    """tiny_kernels-0.1.0, with the entry point `matmul.tiny = tiny_kernels.ops:matmul`, installed into a folder."""
+    return install_wheel(tmp_path_factory.mktemp("tiny_kernels"), DIST, VERSION,
+                         {"tiny_kernels/__init__.py": "", "tiny_kernels/ops.py": OPS_SOURCE},
+                         "[posttrainllm.impls]\nmatmul.tiny = tiny_kernels.ops:matmul\n")
 
 
 def test_an_entry_point_is_a_path_with_its_distribution_in_the_receipt(site, tmp_path, calibration):

@@ -100,4 +100,32 @@ def test_bad_input_is_one_line_and_writes_nothing(workdir, capsys, args, says):
 
 def test_help_lists_new_impl(capsys):
     assert cli.main(["--help"]) == 0
-    assert "posttrainllm new-impl op=OP FILE.py [--name NAME]" in capsys.readouterr().err
+    assert "posttrainllm new-impl op=OP FILE.py [--name NAME]" in capsys.readouterr().out  # asked for: stdout
+
+
+def test_the_docs_signature_table_is_the_ops_signatures():
+    from posttrainllm.opdefs import signatures
+
+    assert signatures.documented() == signatures.table(), (
+        "docs/bring-your-own-kernel.md's signature table differs from the ops' SIGNATURE: "
+        "regenerate it with `python -m posttrainllm.opdefs.signatures`")
+    for op in OPS.values():  # one row per op, its call as code
+        assert f"| `{op.name}` | `{op.signature.partition(';')[0].strip()}` |" in signatures.table()
+
+
+def test_a_changed_signature_is_caught_and_regenerated(tmp_path, monkeypatch):
+    import dataclasses
+
+    from posttrainllm.opdefs import signatures
+
+    doc = tmp_path / "page.md"
+    shutil.copy(signatures.DOC, doc)
+    changed = dataclasses.replace(OPS["matmul"], signature="fn(a, b, *, out_dtype) -> c; a (M, K), b (K, N)")
+    monkeypatch.setitem(OPS, "matmul", changed)
+    assert signatures.documented(doc) != signatures.table()
+    assert signatures.write(doc) and signatures.documented(doc) == signatures.table()
+    assert "| `matmul` | `fn(a, b, *, out_dtype) -> c` | a (M, K), b (K, N) |" in doc.read_text()
+    assert not signatures.write(doc)  # current: nothing to rewrite
+    doc.write_text("# no table here\n")
+    with pytest.raises(ValueError, match="no signature table"):
+        signatures.documented(doc)

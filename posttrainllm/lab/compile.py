@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from posttrainllm.measure import sass
-from posttrainllm.opdefs.user import shown
+from posttrainllm.opdefs.user import distribution_of, shown
 
 RULE = ("each Triton launch of the point's main case (forward, then backward) captured where Triton binds it and "
         "specialized by Triton's own binder as a GPU launch of the same arguments is (unit strides constant, "
@@ -131,6 +131,35 @@ def _kernel_identity(jit: Any) -> dict[str, Any]:
             "source_sha256": hashlib.sha256(jit.src.encode()).hexdigest() if getattr(jit, "src", None) else None}
 
 
+def launched_kernels(launches: list[Launch]) -> list[dict[str, Any]]:
+    """Each distinct Triton kernel of `launches` once: its name, defining file (as the receipt shows files), the
+    sha256 of its source, and the distribution and version that provide its module when installed."""
+    found: dict[tuple, dict[str, Any]] = {}
+    for launch in launches:
+        identity = _kernel_identity(launch.kernel)
+        key = (identity["file"], identity["kernel"], identity["source_sha256"])
+        if key not in found:
+            dist, version = distribution_of(getattr(launch.kernel.fn, "__module__", "") or "")
+            found[key] = {**identity, "distribution": dist, "version": version}
+    return [found[key] for key in sorted(found, key=lambda k: tuple(map(str, k)))]
+
+
+def register_kernel_files(report: dict[str, Any]) -> dict[str, str]:
+    """The files outside the package whose Triton kernels a path launched (the report's `kernels`), registered with
+    their sha256 in files.USER_SOURCES, which the stage's stamp hashes (track/stamp.py); the lab/sweep.py plan lists
+    them in the inputs of the stages that run user paths (`kernel_files`). Returns what was registered."""
+    from posttrainllm.files import USER_SOURCES
+
+    found = {}
+    for entry in report.get("paths", {}).values():
+        for kernel in entry.get("kernels", ()):
+            file = kernel.get("file")
+            if file and not file.startswith("posttrainllm/") and Path(file).is_file():
+                found[file] = hashlib.sha256(Path(file).read_bytes()).hexdigest()
+    USER_SOURCES.update(found)
+    return found
+
+
 def _one_line(exc: BaseException) -> str:
     """The last meaningful line: a Triton CompilationError ends with its cause (failures.first_line would give the
     source excerpt it starts with)."""
@@ -190,13 +219,14 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any) -> tuple[list[Launch], str |
     """The launches of one path's forward and (when it has one) backward at the point's main case."""
     import torch
 
-    from posttrainllm.lab import stages
+    from posttrainllm.lab.oracle import upstream_gradient
     from posttrainllm.opdefs import NO_BACKWARD, case_config
+    from posttrainllm.opdefs.base import leaves_of, point_dtype
 
     case = next(c for c in op.cases(cfg) if c.main)
     call_cfg = case_config(case, cfg)
-    inputs = op.make_inputs(case, stages._dtype(cfg), "cpu")
-    leaves = stages.leaves_of(inputs)
+    inputs = op.make_inputs(case, point_dtype(cfg), "cpu")
+    leaves = leaves_of(inputs)
     note = None
     with recording() as launches:
         _direction[0] = "forward"
@@ -206,7 +236,7 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any) -> tuple[list[Launch], str |
         if impl.backward != NO_BACKWARD and out.requires_grad and wrt:
             _direction[0] = "backward"
             try:
-                torch.autograd.grad(out, wrt, stages.upstream_gradient(case, out), allow_unused=True)
+                torch.autograd.grad(out, wrt, upstream_gradient(case, out), allow_unused=True)
             except Exception as exc:
                 note = f"backward not captured: {_one_line(exc)}"
         _direction[0] = "forward"
@@ -235,8 +265,7 @@ def compile_in_process(config: dict[str, Any], targets: list[str], specialized: 
             report["paths"][impl.name] = {"error": f"its call failed while launches were recorded: {_one_line(exc)}"}
             continue
         rows = compile_launches(impl.name, launches, targets, specialized)
-        entry: dict[str, Any] = {"launches": len(launches), "kernels": len({(r["kernel"], r.get("file"))
-                                                                          for r in rows}),
+        entry: dict[str, Any] = {"launches": len(launches), "kernels": launched_kernels(launches),
                                  "seconds": round(time.perf_counter() - started, 2)}
         if not launches:
             entry["note"] = NOT_TRITON

@@ -41,7 +41,7 @@ from typing import Any
 
 from posttrainllm.measure import calibrate
 from posttrainllm.track import receipt
-from posttrainllm.lab import approval, stages
+from posttrainllm.lab import approval, heads, stages
 from posttrainllm.lab import sweep
 from posttrainllm.measure import device as devices
 from posttrainllm.config import ConfigError, LabConfig, SweepConfig
@@ -65,7 +65,7 @@ def run_point(cfg: Any, calibration: dict[str, Any], sweep_info: dict[str, Any],
             status = f"contract broken: {exc}"
         stages.run_microbench(cfg, out, calibration)
         if train:
-            stages.ensure_quality_base(cfg)  # a quantized point's quality gate decodes with it
+            heads.ensure_quality_base(cfg)  # a quantized point's quality gate decodes with it
             stages.run_bench_train(cfg, out)
     except stages.ContractBroken as exc:
         status = f"contract broken: {exc}"

@@ -200,6 +200,19 @@ def ensure_base(cfg: LabConfig) -> tuple[dict[str, Any], bool]:
 # --- train heads ----------------------------------------------------------------------------------
 
 
+def ensure_quality_base(cfg: LabConfig) -> None:
+    """`posttrainllm bench-train` under a quantized precision: train the draft-heads base where there is none, with
+    the settings DVC's train_base stage uses (conf/ as it is: architecture mha, heads k3), into heads.out_dir
+    (lab/stages.py quality_base_dir: the trained model the quality gate decodes with)."""
+    from posttrainllm.lab.configure import load
+
+    if cfg.precision.quantize is None or (base_dir(cfg) / "base.json").exists():
+        return
+    print(f"posttrainllm: no draft-heads base under {base_dir(cfg)}: training it (the quality gate decodes "
+          "with it) ...", file=sys.stderr, flush=True)
+    ensure_base(load([f"heads.out_dir={cfg.heads.out_dir}", f"device={cfg.device.name}"]))
+
+
 def _base_digest(model: Transformer) -> str:
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):

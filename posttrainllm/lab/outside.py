@@ -37,9 +37,10 @@ from typing import Any, Callable
 
 import torch
 
-from posttrainllm.lab import parity
+from posttrainllm.lab import oracle, parity
 from posttrainllm.measure.timing import Timing, summarize
 from posttrainllm.opdefs import Case, Impl, OpDef
+from posttrainllm.opdefs.base import point_dtype
 from posttrainllm.opdefs import worker as workers
 
 BATCH_MIN, BATCH_MAX = 4, 64
@@ -91,10 +92,8 @@ class _Set:
 
 def _draw(op: OpDef, cfg: Any, case: Case, seed: int, backward: bool, device: str) -> _Set:
     """One input set as the point's are drawn, and the natural call the path's adapter makes of it."""
-    from posttrainllm.lab import stages
-
     drawn = dataclasses.replace(case, seed=seed)
-    inputs = op.make_inputs(drawn, stages._dtype(cfg), device)
+    inputs = op.make_inputs(drawn, point_dtype(cfg), device)
     seen: list[tuple[tuple, dict]] = []
 
     def record(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -107,7 +106,7 @@ def _draw(op: OpDef, cfg: Any, case: Case, seed: int, backward: bool, device: st
     grad_out = None
     if backward:
         with torch.no_grad():
-            grad_out = stages.upstream_gradient(drawn, op.reference.fn(inputs, cfg)["out"])
+            grad_out = oracle.upstream_gradient(drawn, op.reference.fn(inputs, cfg)["out"])
     return _Set(inputs, args, kwargs, tensors, names, grad_out, drawn)
 
 
@@ -128,19 +127,17 @@ def _round_trip_s(request: Callable[[], Any], device: str, times: int) -> float:
 
 def _check(op: OpDef, cfg: Any, impl: Impl, s: _Set, got: dict[str, Any], backward: bool) -> str | None:
     """Every output the set returned against the float64 oracle of that set: None, or the first failure."""
-    from posttrainllm.lab import stages
-
-    oracle = stages.reference_outputs(op, cfg, stages.cast_floats(s.inputs, torch.float64), s.case,
-                                      s.grad_out.double() if backward else None)
-    baseline = stages.reference_outputs(op, cfg, s.inputs, s.case, s.grad_out if backward else None)
-    contract = stages.contract_for(cfg)
+    truth = oracle.reference_outputs(op, cfg, oracle.cast_floats(s.inputs, torch.float64), s.case,
+                                     s.grad_out.double() if backward else None)
+    baseline = oracle.reference_outputs(op, cfg, s.inputs, s.case, s.grad_out if backward else None)
+    contract = oracle.contract_for(cfg)
     wanted = ["out", *(op.gradient_names() if backward else [])]
-    wanted += [name for name in got if name not in wanted and name in oracle]  # returned extras (a logsumexp)
+    wanted += [name for name in got if name not in wanted and name in truth]  # returned extras (a logsumexp)
     for name in wanted:
         value = got.get(name)
         if not isinstance(value, torch.Tensor):
             return f"{name}: missing" if value is None else f"{name}: a {type(value).__name__}, not a tensor"
-        check = parity.check_output(value.detach().cpu(), oracle[name].detach().cpu(), baseline[name].detach().cpu(),
+        check = parity.check_output(value.detach().cpu(), truth[name].detach().cpu(), baseline[name].detach().cpu(),
                                     contract(name))
         if check["verdict"] != "pass":
             return f"{name}: {check['reason']}"

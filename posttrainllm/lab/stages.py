@@ -41,6 +41,9 @@ from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
 from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
                                  replaced_library)
+from posttrainllm.lab.oracle import cast_floats, contract_for, gradients, reference_outputs, upstream_gradient
+from posttrainllm.opdefs.base import leaves_of
+from posttrainllm.opdefs.base import point_dtype as _dtype
 from posttrainllm.track import failures
 from posttrainllm.track.provenance import git_revision
 
@@ -58,10 +61,6 @@ class ContractBroken(RuntimeError):
 class DidNotRun(RuntimeError):
     """A path's forward call raised (its message: "<Type>: <first line>"; the exception is its __cause__), its
     backward raised what this machine cannot run (track/failures.py), or its forward returned no dict of tensors."""
-
-
-def _dtype(cfg: LabConfig) -> torch.dtype:
-    return getattr(torch, cfg.precision.dtype)
 
 
 def _to_cpu(tensors: Tensors) -> Tensors:
@@ -87,36 +86,6 @@ def _interpreted(impl: Impl) -> bool:
 UPSTREAM_GRADIENT = "upstream gradient dO"  # how a guard names the gradient fed to a backward
 
 
-def upstream_gradient(case: Case, out: torch.Tensor) -> torch.Tensor:
-    """The dO fed to every backward of a case: standard normal from the case's seed, in out's dtype."""
-    gen = torch.Generator().manual_seed(case.seed + 1_000_003)
-    return torch.randn(out.shape, generator=gen, dtype=torch.float32).to(device=out.device, dtype=out.dtype)
-
-
-def leaves_of(inputs: Tensors) -> Tensors:
-    """Fresh autograd leaves: floating-point inputs require grad; integer ones (MoE's route_idx) cannot."""
-    return {name: x.detach().requires_grad_(x.is_floating_point()) for name, x in inputs.items()}
-
-
-def cast_floats(inputs: Tensors, dtype: torch.dtype) -> Tensors:
-    """The floating-point inputs in `dtype`; integer inputs (ids, indices) as they are."""
-    return {name: x.to(dtype) if x.is_floating_point() else x for name, x in inputs.items()}
-
-
-def gradients(fn: Callable[[Tensors], Tensors], inputs: Tensors, grad_out: torch.Tensor) -> Tensors:
-    """d(out · grad_out)/d(input) for every floating-point input: "grad_q", "grad_k", ... (the backward to check)."""
-    leaves = leaves_of(inputs)
-    wrt = {name: x for name, x in leaves.items() if x.requires_grad}
-    out = fn(leaves)["out"]
-    grads = torch.autograd.grad(out, list(wrt.values()), grad_out, allow_unused=True)
-    return {f"grad_{name}": g for name, g in zip(wrt, grads) if g is not None}  # a missing one fails parity
-
-
-def contract_for(cfg: LabConfig) -> Callable[[str], Any]:
-    """Each output's contract: the logsumexp is fp32 in every precision and has its own."""
-    return lambda output: cfg.precision.lse_contract if output == "lse" else cfg.precision.contract
-
-
 # --- reference ---------------------------------------------------------------------------
 
 
@@ -136,36 +105,6 @@ def check_memory(cfg: LabConfig, device: str) -> dict[str, Any]:
                           f"{budget / 2**30:.1f} GiB (parity.memory_fraction={cfg.parity.memory_fraction:g} of "
                           f"{available / 2**30:.1f} GiB available on {device}): use a smaller shape")
     return {"estimated_bytes": need, "budget_bytes": budget}
-
-
-def reference_outputs(op: OpDef, cfg: LabConfig, inputs: Tensors, case: Case,
-                      grad_out: torch.Tensor | None = None,
-                      formulation: Callable[[Tensors, LabConfig], Tensors] | None = None) -> Tensors:
-    """The reference's forward outputs, extra outputs and (given dO) input gradients, computed chunk by
-    chunk (op.oracle_chunks) in the inputs' dtype, assembled into whole tensors. `formulation`: another readable
-    formulation of the reference (op.gradient_baselines) in its place."""
-    fn = lambda x: (formulation or op.reference.fn)(x, cfg)  # noqa: E731
-    chunks = op.oracle_chunks(case)
-    if chunks == [{}]:
-        result = {**fn(inputs), **op.oracle_extra(inputs, cfg)}
-        if grad_out is not None:
-            result.update(gradients(fn, inputs, grad_out))
-        return result
-    result: Tensors = {}
-    for chunk in chunks:
-        piece = {name: x[chunk[name]] for name, x in inputs.items()}
-        got = {**fn(piece), **op.oracle_extra(piece, cfg)}
-        if grad_out is not None:
-            got.update(gradients(fn, piece, grad_out[chunk[op.output_follows["out"]]]))
-        for name, value in got.items():
-            index = chunk[op.output_follows[name]]
-            if name not in result:
-                shape = list(value.shape)
-                for dim, (sl, size) in enumerate(zip(index, inputs[op.output_follows[name]].shape)):
-                    shape[dim] = size
-                result[name] = value.new_zeros(shape)
-            result[name][index] = value.detach()
-    return result
 
 
 def run_reference(cfg: LabConfig, out: Path) -> None:
@@ -305,6 +244,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
         from posttrainllm.lab import compile as compile_lab
 
         report["compile"] = compile_lab.finish(*compiling)
+        compile_lab.register_kernel_files(report["compile"])  # the stamp hashes the user paths' kernel files
     elif any(impl.user is not None for impl in op.optimized(cfg)):
         from posttrainllm.lab import compile as compile_lab
 
@@ -998,21 +938,6 @@ AUTOCAST_OF = {"bfloat16": "bf16", "float16": "fp16"}  # a quantized precision's
 def quality_base_dir(cfg: LabConfig) -> Path:
     """Where the draft-heads base lives (lab/heads.py base_dir): the trained model the quality gate decodes with."""
     return Path(cfg.heads.out_dir) / "base"
-
-
-def ensure_quality_base(cfg: LabConfig) -> None:
-    """`posttrainllm bench-train` under a quantized precision: train the draft-heads base where there is none, with
-    the settings DVC's train_base stage uses (conf/ as it is: architecture mha, heads k3), into heads.out_dir."""
-    if cfg.precision.quantize is None or (quality_base_dir(cfg) / "base.json").exists():
-        return
-    import sys
-
-    from posttrainllm.lab import heads
-    from posttrainllm.lab.configure import load
-
-    print(f"posttrainllm: no draft-heads base under {quality_base_dir(cfg)}: training it (the quality gate decodes "
-          "with it) ...", file=sys.stderr, flush=True)
-    heads.ensure_base(load([f"heads.out_dir={cfg.heads.out_dir}", f"device={cfg.device.name}"]))
 
 
 def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = None) -> dict[str, Any]:

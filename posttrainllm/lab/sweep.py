@@ -121,6 +121,33 @@ def refuse_unfit(params: dict[str, Any], say: Any = print) -> dict[str, Any]:
     return params
 
 
+def find_kernel_files(params: dict[str, Any], say: Any = print) -> dict[str, Any]:
+    """Each point with user paths gets `kernel_files`: the files outside the package whose Triton kernels those
+    paths launch (an installed library's ops/rope.py behind a three-line adapter), found by recording the launches
+    of the point's main case in the compile child (lab/compile.py, nothing compiled). `stage_deps` lists them with
+    the user's files, so an edit to one reruns the stages that run it; a kernel stage that meets a file not listed
+    here refuses its stamp (track/stamp.py check_inputs): plan the sweep again. One child per distinct op config."""
+    from posttrainllm.config import validate_schema
+    from posttrainllm.lab import compile as compiling
+
+    found: dict[str, list[str]] = {}
+    for name, point in params["points"].items():
+        config = point["config"]
+        if not config["op"].get("user_impls"):
+            continue
+        key = json.dumps([config["op"], config["precision"]], sort_keys=True, default=str)
+        if key not in found:
+            report = compiling.compile_point(validate_schema(config), [])
+            if report.get("error"):
+                raise ConfigError(f"sweep point {name}: its user paths' Triton kernels could not be listed: "
+                                  f"{report['error']}")
+            found[key] = sorted({k["file"] for entry in report["paths"].values() for k in entry.get("kernels", ())
+                                 if k.get("file") and not k["file"].startswith("posttrainllm/")})
+        point["kernel_files"] = found[key]
+        say(f"  {name:<24} kernel files of its user paths: {', '.join(found[key]) or 'none'}")
+    return params
+
+
 def render(params: dict[str, Any]) -> str:
     return HEADER.format(name=params["sweep"]["name"]) + yaml.safe_dump(params, sort_keys=False)
 
@@ -209,6 +236,7 @@ CORE_SOURCES = (
     "posttrainllm/lab/configure.py",
     "posttrainllm/lab/pipeline.py",
     "posttrainllm/lab/stages.py",
+    "posttrainllm/lab/oracle.py",  # the reference's answers (stages.py, outside.py)
     "posttrainllm/lab/guards.py",
     "posttrainllm/track/failures.py",  # a failed path located, and whether it cannot run here
     "posttrainllm/lab/parity.py",
@@ -321,8 +349,9 @@ def stage_deps(stage: str, point: dict[str, Any]) -> dict[str, list[str]]:
     """What a planned point's stage depends on: {"sources": files and folders, "params": paths in the point}."""
     if stage not in POINT_STAGES:
         raise ValueError(f"unknown point stage {stage!r}: the point stages are {', '.join(POINT_STAGES)}")
+    kernel_files = point.get("kernel_files") or [] if stage in USER_STAGES else []  # find_kernel_files
     sources = list(dict.fromkeys([f"pipelines/{stage}.py", *CORE_SOURCES, *STAGE_SOURCES.get(stage, ()),
-                                  *op_sources(stage, point["config"])]))
+                                  *op_sources(stage, point["config"]), *kernel_files]))
     folders = [s for s in sources if not s.endswith(".py")]
     sources = [s for s in sources if not any(s.startswith(folder + "/") for folder in folders)]  # each file once
     return {"sources": sources, "params": [*STAGE_PARAMS[stage], *op_params(stage, point["config"])]}

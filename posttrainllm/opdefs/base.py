@@ -264,16 +264,30 @@ class OpDef:
                                   f"{', '.join(self.optional_peers) or 'none'}")
             paths[name] = self.optional_peers[name](cfg)
         if cfg.op.user_impls:
-            from posttrainllm.opdefs.user import user_impls
-
-            taken = set(paths) | set(self.impls) | set(self.optional_peers) | set(self.reserved_names)
-            paths.update(user_impls(self, list(cfg.op.user_impls), taken))
+            paths.update(self._user_paths(list(cfg.op.user_impls), set(paths) | set(self.impls)
+                                          | set(self.optional_peers) | set(self.reserved_names)))
         for name in cfg.op.only:
             if name not in paths:
                 raise ConfigError(f"op.only: {name!r} is not a path of this {self.name} point: valid choices are "
                                   f"{', '.join(paths)} (a peer needs op.peers, a kernel of your own op.user_impls)")
         if cfg.op.only:
             paths = {name: impl for name, impl in paths.items() if name == REFERENCE or name in cfg.op.only}
+        return paths
+
+    def _user_paths(self, specs: list[str], taken: set[str]) -> dict[str, Impl]:
+        """The paths of `op.user_impls` (opdefs/user.py), adapted to the registry; a name already taken is refused."""
+        from posttrainllm.opdefs.user import USER_KIND, registry_fn, resolve
+
+        paths: dict[str, Impl] = {}
+        for spec in specs:
+            user = resolve(spec, self)
+            if user.name in taken or user.name in paths:
+                where = "a built-in path" if user.name in taken else "another user path"
+                raise ConfigError(f"op.user_impls: {spec!r}: the name {user.name!r} is taken by {where} of "
+                                  f"{self.name} (taken: {', '.join(sorted(taken | set(paths)))}); name it, "
+                                  f"<name>={spec}")
+            paths[user.name] = Impl(user.name, USER_KIND, registry_fn(user, self), backend=f"{user.identity['spec']} "
+                                    f"({user.identity['file']})", user=user.identity)
         return paths
 
     def optimized(self, cfg: LabConfig) -> list[Impl]:
@@ -295,6 +309,16 @@ class OpDef:
 
     def geometry(self, impl: Impl, case: Case, cfg: LabConfig) -> dict[str, Any]:
         return impl.geometry(case, cfg) if impl.geometry else {"backend": impl.backend}
+
+
+def point_dtype(cfg: LabConfig) -> torch.dtype:
+    """The point's input dtype (precision.dtype)."""
+    return getattr(torch, cfg.precision.dtype)
+
+
+def leaves_of(inputs: Tensors) -> Tensors:
+    """Fresh autograd leaves: floating-point inputs require grad; integer ones (MoE's route_idx) cannot."""
+    return {name: x.detach().requires_grad_(x.is_floating_point()) for name, x in inputs.items()}
 
 
 def seeded_randn(seed: int, dtype: torch.dtype, device: str) -> Callable[..., torch.Tensor]:

@@ -19,8 +19,8 @@ Its identity (spec, file, sha256, distribution and version) goes into kernel.jso
 stage stamps (the file is registered in files.USER_SOURCES, which track/stamp.py hashes beside the package).
 
 A user path runs in a worker process of its own (opdefs/worker.py): its module is imported and called only
-there, one worker per path per stage process; the registry's function (`_lazy`) is the op's adapter around the
-worker's proxy, differentiable through it. It meets the guards every path meets (lab/guards.py: the worker
+there, one worker per path per stage process; the registry's function (`registry_fn`) is the op's adapter around
+the worker's proxy, differentiable through it. It meets the guards every path meets (lab/guards.py: the worker
 reports writes into what it was handed, views of inputs and Triton launches, which the lab's guards then see and
 name), the timed-result and roofline checks, and is timed from outside its worker (lab/outside.py: batches of
 distinct input sets, the lab's clock, every output checked against the float64 oracle).
@@ -33,18 +33,18 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib
 import importlib.metadata
 import importlib.util
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from posttrainllm.config import PROJECT_ROOT, ConfigError, LabConfig
-from posttrainllm.files import USER_SOURCES
-from posttrainllm.opdefs.base import Impl, OpDef, Tensors
+
+if TYPE_CHECKING:  # names for annotations only: base.py (OpDef.paths) imports this module, never the reverse
+    from posttrainllm.opdefs.base import OpDef, Tensors
 
 ENTRY_POINT_GROUP = "posttrainllm.impls"
 ENTRY_PREFIX = "entry:"
@@ -68,24 +68,9 @@ class UserPath:
 
     def load(self) -> Callable[..., Any]:
         """Import the module (once per process) and return the callable; an import error is the path's to report."""
-        if self.identity["source"] == "file":
-            module = sys.modules.get(self.module)
-            if module is None:
-                loader_spec = importlib.util.spec_from_file_location(self.module, self.file)
-                module = importlib.util.module_from_spec(loader_spec)
-                sys.modules[self.module] = module  # Triton's @jit reads the source through the module
-                try:
-                    loader_spec.loader.exec_module(module)
-                except BaseException:
-                    del sys.modules[self.module]
-                    raise
-        else:
-            module = importlib.import_module(self.module)
-        USER_SOURCES[self.identity["file"]] = self.identity["sha256"]  # the stage stamps hash what ran
-        fn = module
-        for part in self.attr.split("."):
-            fn = getattr(fn, part)
-        return fn
+        from posttrainllm.opdefs.worker import load_user
+
+        return load_user(self.module, self.file, self.attr, self.identity)
 
 
 _RESOLVED: dict[tuple[str, str], UserPath] = {}
@@ -157,7 +142,8 @@ def _module_file(module_name: str, spec: str) -> Path:
     raise ConfigError(f"op.user_impls: {spec!r}: no module {module_name!r} in {top}")
 
 
-def _distribution_of(module_name: str) -> tuple[str | None, str | None]:
+def distribution_of(module_name: str) -> tuple[str | None, str | None]:
+    """(distribution, version) that provides the module's top-level package when installed, else (None, None)."""
     top = module_name.split(".")[0]
     dists = importlib.metadata.packages_distributions().get(top) or []
     if not dists:
@@ -232,7 +218,7 @@ def resolve(spec: str, op: OpDef) -> UserPath:
             module_name = f"posttrainllm_user_{op.name}_{identity['sha256'][:12]}"
         else:
             module_name, file = where, _module_file(where, spec)
-            dist, version = _distribution_of(where)
+            dist, version = distribution_of(where)
             identity.update(source="module", **_file_identity(file), distribution=dist, version=version)
         name = name or attr.split(".")[-1]
     _check_attr(file, attr, spec)
@@ -245,9 +231,9 @@ def resolve(spec: str, op: OpDef) -> UserPath:
     return path
 
 
-def _lazy(user: UserPath, op: OpDef) -> Callable[[Tensors, LabConfig], Tensors]:
-    """The registry's function of a user path: the op's adapter around the path's worker (opdefs/worker.py), which
-    imports the user's module at the first call, in its own process."""
+def registry_fn(user: UserPath, op: OpDef) -> Callable[[Tensors, LabConfig], Tensors]:
+    """The registry's function of a user path (`Impl.fn`, OpDef.paths): the op's adapter around the path's worker
+    (opdefs/worker.py), which imports the user's module at the first call, in its own process."""
     from posttrainllm.opdefs.worker import remote
 
     natural = remote(user)
@@ -256,17 +242,3 @@ def _lazy(user: UserPath, op: OpDef) -> Callable[[Tensors, LabConfig], Tensors]:
     fn.user_path = user  # the lab's timing from outside (lab/outside.py) reaches the worker through it
     fn.natural = natural
     return fn
-
-
-def user_impls(op: OpDef, specs: list[str], taken: set[str]) -> dict[str, Impl]:
-    """The op's user paths from `op.user_impls`, adapted to the registry; a name already taken is refused."""
-    paths: dict[str, Impl] = {}
-    for spec in specs:
-        user = resolve(spec, op)
-        if user.name in taken or user.name in paths:
-            where = "a built-in path" if user.name in taken else "another user path"
-            raise ConfigError(f"op.user_impls: {spec!r}: the name {user.name!r} is taken by {where} of {op.name} "
-                              f"(taken: {', '.join(sorted(taken | set(paths)))}); name it, <name>={spec}")
-        paths[user.name] = Impl(user.name, USER_KIND, _lazy(user, op), backend=f"{user.identity['spec']} "
-                                f"({user.identity['file']})", user=user.identity)
-    return paths

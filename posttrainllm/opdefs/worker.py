@@ -46,6 +46,8 @@ or signal.
 from __future__ import annotations
 
 import atexit
+import importlib
+import importlib.util
 import io
 import os
 import pickle
@@ -219,7 +221,8 @@ class Worker:
         env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT), *filter(None, [env.get("PYTHONPATH")])])
         self.process = subprocess.Popen([sys.executable, "-m", "posttrainllm.opdefs.worker", str(child_in),
                                          str(child_out)], pass_fds=(child_in, child_out), env=env,
-                                        stdin=subprocess.DEVNULL, cwd=os.getcwd())
+                                        stdin=subprocess.DEVNULL, cwd=os.getcwd(),
+                                        start_new_session=True)  # a terminal's Ctrl-C is the lab's: it closes us
         os.close(child_in)
         os.close(child_out)
         self._in = Connection(lab_in, writable=False)
@@ -555,12 +558,9 @@ class _Server:
         if m["threads"]:
             torch.set_num_threads(m["threads"])
         sys.path[:] = m["sys_path"]
-        from posttrainllm.opdefs.user import UserPath
-
         u = m["user"]
-        user = UserPath(u["name"], u["module"], Path(u["file"]) if u["file"] else None, u["attr"], u["identity"])
         self.state, self.ours = _process_state(), _ours()  # as the lab set them, before any of the user's code
-        target = user.load()
+        target = load_user(u["module"], Path(u["file"]) if u["file"] else None, u["attr"], u["identity"])
         if not callable(target):
             raise TypeError(f"{user.attr} in {user.identity['file']} is a {type(target).__name__}, not a callable")
         self.fn = target
@@ -715,6 +715,30 @@ class _Server:
         return {}
 
 
+def load_user(module_name: str, file: Path | None, attr: str, identity: dict[str, Any]) -> Callable[..., Any]:
+    """A user path's callable (opdefs/user.py UserPath): its module imported once per process, from its file or by
+    its dotted name, then `attr` (dotted) read from it; an import error is the path's to report. The file is
+    registered in files.USER_SOURCES: the stage stamps hash what ran."""
+    if identity["source"] == "file":
+        module = sys.modules.get(module_name)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(module_name, file)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[module_name] = module  # Triton's @jit reads the source through the module
+            try:
+                loader_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+    else:
+        module = importlib.import_module(module_name)
+    USER_SOURCES[identity["file"]] = identity["sha256"]
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part)
+    return fn
+
+
 def serve(read_fd: int, write_fd: int) -> None:
     """The worker's loop: one answer per message until "exit" or the lab's end of the pipe closes."""
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
@@ -734,6 +758,8 @@ def serve(read_fd: int, write_fd: int) -> None:
             reply = _error_reply(exc)
         try:
             _send(outbox, reply)
+        except (BrokenPipeError, ConnectionResetError):  # the lab is gone (interrupted): nobody to answer
+            return
         except Exception as exc:  # an output torch cannot hand over as plain bytes (a sparse tensor, a subclass)
             _send(outbox, _error_reply(exc, "its result could not be sent: "))
 

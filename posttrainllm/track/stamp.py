@@ -8,8 +8,9 @@ heads stages write theirs in runs/heads/base/ and runs/heads/<K name>/):
     revision, dirty    git HEAD and whether the tree differed from it (track/provenance.py)
     device             the device fingerprint the stage ran with (measure/device.py `fingerprint`)
     sources            {repo-relative path: sha256} of every posttrainllm module loaded in the
-                       stage's process, plus its pipelines/<stage>.py script and the file of every
-                       user path it ran (op.user_impls; absolute when outside the project)
+                       stage's process, plus its pipelines/<stage>.py script, the file of every
+                       user path it ran (op.user_impls; absolute when outside the project) and, for the
+                       kernel stage, the files of the Triton kernels those paths launch (lab/compile.py)
     inputs_sha256      a point stage's: the sha256 of runs/inputs/<point>/<stage>.json, the inputs file it
                        ran on (track/progress.py: the stage is done while that file keeps this hash)
     outputs            a point stage's: {file name: sha256} of the files it wrote in runs/<point>/
@@ -341,9 +342,13 @@ def check_inputs(stamp: dict[str, Any], inputs: dict[str, Any], where: Path | st
             if not any(f"config.{key}" == p or f"config.{key}".startswith(p + ".") for p in params)]
     if files or keys:
         missed = ", ".join([*files, *(f"config key {key}" for key in keys)])
+        theirs = [f for f in files if not f.startswith(("posttrainllm/", "pipelines/"))]  # a user path's, its kernels'
+        fix = ("plan the sweep again (posttrainllm sweep: it lists the files user paths and their Triton kernels run)"
+               if theirs and len(theirs) == len(files) and not keys else
+               "add it to posttrainllm/lab/sweep.py `stage_deps`")
         raise StampMismatch(
             f"stage {stamp.get('stage')} ran with {missed}, which {where} does not list: DVC would not rerun it "
-            "when that changes; add it to posttrainllm/lab/sweep.py `stage_deps`, then `dvc repro`")
+            f"when that changes; {fix}, then `dvc repro`")
 
 
 def _made(stamp: dict[str, Any]) -> str:
