@@ -275,8 +275,6 @@ def report_sweep(args: list[str]) -> int:
     """Print the sweep's receipts (runs/<point>/receipt.json for each point of params.yaml): a table that fits
     a terminal (report.TERMINAL_WIDTH), or every column with --wide; runs/report.md keeps every column and
     runs/report.html adds each point's plots and parity; then the MLflow runs table's address, if there is one."""
-    import textwrap
-
     from posttrainllm.track import report, report_page
     from posttrainllm.lab.pipeline import PARAMS, RUNS
     from posttrainllm.files import read_json
@@ -314,9 +312,10 @@ def report_sweep(args: list[str]) -> int:
         own = Path(RUNS) / name / "stamps" / "receipt.json"
         if own.exists() and receipt.get("stamps") is not None:
             receipt["stamps"] = {**receipt["stamps"], "receipt": read_json(own)}
-    def fit(text: str) -> str:  # a long line of prose, wrapped to the table's width
-        return textwrap.fill(text, report.TERMINAL_WIDTH, subsequent_indent="  ")
+    fit = report.fill  # a long line of prose, wrapped to the table's width
 
+    for line in report.flag_lines(receipts):  # the figures not to read as results, with why (track/derived.py)
+        print(fit(line))
     if report.stage_times_text(receipts):
         print(fit(report.stage_times_text(receipts)))
     runs = Path(RUNS)

@@ -13,7 +13,8 @@ def _receipt(point, verdict="pass", drift="pass", stamps=None):
                    "paths": {"sdpa": {"verdict": "pass", "worst": {}}, "triton": {"verdict": verdict, "worst": {}}}},
         "microbench": {"paths": {"reference": {"valid": True, "median_ms": 2.0},
                                  "sdpa": {"valid": True, "median_ms": 1.0, "speedup_vs_reference": 2.0,
-                                          "vs_reference": "faster", "forward_backward": {"speedup_vs_reference": 1.5}}},
+                                          "vs_reference": "faster",
+                                          "forward_backward": {"median_ms": 3.0, "speedup_vs_reference": 1.5}}},
                        "curve": {"crossover_vs_reference": {"sdpa": 64}}},
         "bench_train": {"impls": {}, "drift": {"sdpa": 0.0}, "drift_verdict": {"sdpa": drift}},
         "stamps": stamps or {},
@@ -46,7 +47,7 @@ def _worst_case(name, **overrides):
                                        "sdpa_math": {"verdict": "fail", "worst": {}}})
     receipt["kernel"]["paths"]["sdpa_efficient"] = {"kind": "peer"}
     receipt["microbench"]["paths"]["sdpa_efficient"] = {"valid": True, "median_ms": 0.001, "speedup_vs_reference": 2000.0,
-                                                        "forward_backward": {"speedup_vs_reference": 12345.678}}
+                                                        "forward_backward": {"median_ms": 1e-3, "speedup_vs_reference": 12345.678}}
     receipt["bench_train"]["amdahl"] = {"variants": {"sdpa": {"valid": True, "predicted_speedup": 1234.5,
                                                               "measured_speedup": 0.5}}}
     return receipt
@@ -58,7 +59,7 @@ def test_the_default_table_fits_a_terminal_whatever_the_names():
     assert max(len(line) for line in table.splitlines()) <= report.TERMINAL_WIDTH, table
     header, failing, passing = table.splitlines()[:3]
     assert header.split() == ["point", "verdict", "first_failure", "parity", "best_peer", "peer_x", "peer_fb_x",
-                              "ours_x", "ours_fb_x", "e2e_path", "e2e_pred", "e2e_meas"]
+                              "ours_x", "ours_fb_x", "e2e_path", "e2e_pred", "e2e_meas", "flags"]
     assert failing.startswith("x" * 17 + "... FAIL") and "triton: S4231" in failing
     assert " triton:fail,sdpa_... " in failing  # ours first, then the other paths that failed, clipped
     # the numbers are never clipped: the text gives way
