@@ -32,6 +32,7 @@ RULES = (("non-finite", "non-finite"), ("mismatch_frac", "elementwise count"), (
 WEIGHT_GRADIENT = re.compile(r"^grad_(w|weight|b|bias|route_weight)(_|$)")
 WEIGHT_HINT = ("a weight gradient is a sum over rows: accumulate it in fp32 (conf/op/moe.yaml's "
                "op.max_error_only is the measured exemption of such sums from the elementwise count)")
+BEYOND_ROUNDING = 100.0  # error / allowance past which no accumulation order explains a tensor (bound 8x the reference's)
 NONFINITE_HINT = "an overflow or a division by zero: compute in fp32 and cast at the end"
 
 
@@ -74,12 +75,17 @@ def _rule(reason: str) -> str:
     return next((rule for marker, rule in RULES if reason.startswith(marker)), "failed")
 
 
-def _hint(output: str, rule: str) -> str | None:
+def _hint(output: str, rule: str, ratio: float | None) -> str | None:
+    """What the math suggests for a failing rule: a weight gradient near its bound is a sum's rounding; any
+    tensor far past it (BEYOND_ROUNDING) is a wrong result, not a precision."""
     if rule == "non-finite":
         return NONFINITE_HINT
-    if WEIGHT_GRADIENT.match(output) and rule in ("elementwise count", "worst-error ratio", "row worst-error"):
-        return WEIGHT_HINT
-    return None
+    if rule not in ("elementwise count", "worst-error ratio", "row worst-error"):
+        return None
+    if ratio is not None and ratio > BEYOND_ROUNDING:
+        return (f"{ratio:.3g}x its bound is beyond any rounding: a wrong result (which rows or columns does it "
+                "cover?), not a precision")
+    return WEIGHT_HINT if WEIGHT_GRADIENT.match(output) else None
 
 
 def _nearest(worst: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +127,7 @@ def _decided(entry: dict[str, Any], contract: dict[str, Any]) -> dict[str, Any]:
                      f"limit {contract['error_multiple']:g}x)")
         return {"decided_by": "guard" if guard else output, "rule": rule, "first_case": case,
                 "failed": len(failed), "rows": f"{rows.group(1)}/{rows.group(2)}" if rows else None,
-                "why": line, "hint": _hint(output, rule)}
+                "why": line, "hint": _hint(output, rule, w.get("bound_ratio"))}
     if verdict == "pass" and worst:
         nearest = _nearest(worst)
         return {"decided_by": nearest["worst_tensor"] or "-", "rule": "worst-error ratio", "first_case": "-",
