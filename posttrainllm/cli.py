@@ -417,6 +417,9 @@ def serve_ui(args: list[str]) -> int:
         return EXIT_CONTRACT
     lines = [f"runs table: {found.runs_table}"] + ([f"latest sweep ({found.sweep}): {found.sweep_run}"]
                                                   if found.sweep_run else [])
+    moved = None if remote else ui.moved_artifacts(uri)
+    if moved:  # a copied store: its artifacts are where it was copied from
+        print(f"posttrainllm: {ui.MOVED.format(recorded=moved)}", file=sys.stderr)
     if remote:
         print(f"the store is a tracking server: its UI is at {base}")
         print("\n".join(lines))

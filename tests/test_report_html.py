@@ -55,10 +55,14 @@ def test_the_default_report_fits_160_columns_and_wide_has_every_column(reported)
     out, wide, runs = reported
     widths = [len(line) for line in out.splitlines()]
     assert max(widths) <= report.TERMINAL_WIDTH, out
-    rows = [line for line in out.splitlines() if line.startswith(POINTS)]
+    rows = [line for line in out.splitlines() if line.startswith(tuple(f"{p} " for p in POINTS))]  # not "p: flag"
     assert [row.split()[0] for row in rows] == ["baseline", "precision-fp16"], out
     assert all(" triton:pass " in row for row in rows) and "written: runs/report.md" in out
     receipts = {p: json.loads((runs / p / "receipt.json").read_text()) for p in POINTS}
+    flags = report.summary_frame(receipts).set_index("point")["flags"]
+    for point in POINTS:  # every figure in a point's flags column is said below the table, with its reason
+        said = {line.split(": ")[1] for line in out.splitlines() if line.startswith(f"{point}: ")}
+        assert said == set(flags[point].split(",")) - {"-"}, out
     columns = list(report.sweep_frame(receipts).columns)
     assert wide.splitlines()[0].split() == columns and max(len(line) for line in wide.splitlines()) > 300
     assert (runs / "report.md").read_text().startswith("| " + " | ".join(columns) + " |")  # every column

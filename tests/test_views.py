@@ -162,3 +162,21 @@ def test_a_weight_gradient_that_misses_only_the_count_is_told_to_accumulate_in_f
     decided = derived._decision(guard, contract)
     assert (decided["decided_by"], decided["rule"], decided["first_case"]) == ("guard", "guard", "S37-seed0")
     assert decided["hint"] is None and decided["why"].startswith("the path failed the guard rule on S37-seed0")
+
+
+def test_a_copied_store_says_where_its_artifacts_still_are(tmp_path, mlflow_uri):
+    """MLflow records absolute artifact locations: a copy of the store names the original's mlartifacts/, and
+    `posttrainllm ui` says how to rebuild it (docs/results.md)."""
+    import shutil
+
+    from posttrainllm.track import receipt as receipts
+    from posttrainllm.track import store, ui
+
+    receipts.log_to_mlflow(_told_apart(), tmp_path, mlflow_uri)  # the store and its experiment exist
+    assert ui.moved_artifacts(mlflow_uri) is None  # its artifacts are beside it
+    copy = tmp_path / "copied"
+    copy.mkdir()
+    shutil.copy(store.sqlite_path(mlflow_uri), copy / "mlflow.db")
+    moved = ui.moved_artifacts(f"sqlite:///{copy / 'mlflow.db'}")
+    assert moved == receipts.artifact_location(mlflow_uri) != receipts.artifact_location(f"sqlite:///{copy}/mlflow.db")
+    assert "posttrainllm receipt import runs" in ui.MOVED.format(recorded=moved)
