@@ -117,7 +117,7 @@ def test_report_prints_the_summary_and_wide_prints_every_column(tmp_path, monkey
     assert (tmp_path / "runs" / "report.md").read_text().startswith("| " + " | ".join(columns) + " |")
 
 
-@pytest.mark.parametrize("args", [["--wid"], ["--wide", "--wide"], ["wide"], ["-x"]])
+@pytest.mark.parametrize("args", [["--wid"], ["--wide", "--wide"], ["-x"], ["runs", "--wid"]])
 def test_a_bad_report_flag_is_one_line_and_exit_2(args, tmp_path, monkeypatch, capsys):
     from posttrainllm import cli
 
@@ -148,3 +148,31 @@ def test_the_train_table_lists_every_path_and_shows_no_nan():
     assert rows["triton"].split()[1:7] == ["-", "-", "-", "3", "5.5000", "4.5000"]
     assert rows["mine"].rstrip().endswith("forward-only: not trained (no backward to train with)")
     assert rows["sdpa"].rstrip().endswith("failed parity: no speed number") and "5.5000" not in rows["sdpa"]
+
+
+def test_any_folder_of_points_is_a_report(tmp_path, monkeypatch, capsys):
+    """`posttrainllm report FOLDER ...`: every point under the folders (a sweep's, a bench's, several), no
+    params.yaml needed; the page and report.md in their common parent; a draft-heads receipt is not a point."""
+    import json
+
+    from posttrainllm import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'none' / 'mlflow.db'}")
+    for folder, receipt in (("runs/baseline", _receipt("baseline")), ("runs/bench/mine", _receipt("mine", "fail"))):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "receipt.json").write_text(json.dumps({**receipt, "schema": "posttrainllm.track.receipt/1"}))
+    (tmp_path / "runs/heads/k1").mkdir(parents=True)
+    (tmp_path / "runs/heads/k1/receipt.json").write_text(json.dumps({"schema": "posttrainllm.track.receipt.heads/1"}))
+    assert cli.main(["report", "runs/bench"]) == 1  # its one point failed
+    out = capsys.readouterr().out
+    assert [line.split()[:2] for line in out.splitlines()[1:2]] == [["mine", "FAIL"]]
+    assert (tmp_path / "runs/bench/report.html").is_file() and not (tmp_path / "runs/report.html").exists()
+    assert cli.main(["report", "runs/bench", "runs/baseline"]) == 1
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()[1:3]] == ["bench/mine", "baseline"]
+    assert 'href="bench/mine/receipt.json"' in (tmp_path / "runs/report.html").read_text()
+    assert cli.main(["report", "runs/heads"]) == 1
+    assert capsys.readouterr().err.strip() == "posttrainllm: no receipts under runs/heads"
+    assert cli.main(["report", "runs/nowhere"]) == 2
+    assert "no folder runs/nowhere" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -400,6 +401,31 @@ def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
     ]
     timing = stage_times_text(receipts)
     return "\n".join(lines + legend + (["", f"Time: {timing}"] if timing else [])) + "\n"
+
+
+def read_folders(folders: list[Path]) -> tuple[Path, dict[str, dict[str, Any]], list[str]]:
+    """Every point's receipt under `folders` (receipt.receipt_files; a draft-heads receipt is not a point):
+    (the page's folder, {the point's folder relative to it: receipt}, unreadable receipts with why). The page's
+    folder is the points' folders' common parent, so its links to each point's files are relative."""
+    import os
+
+    from posttrainllm.files import read_json
+    from posttrainllm.track.receipt import SCHEMA, receipt_files
+
+    found = [path.resolve() for folder in folders for path in receipt_files(folder)]
+    if not found:
+        return folders[0], {}, []
+    root = Path(os.path.commonpath([path.parent.parent for path in found]))
+    receipts, unreadable = {}, []
+    for path in dict.fromkeys(found):
+        try:
+            receipt = read_json(path)
+        except (OSError, ValueError) as exc:  # a truncated or hand-edited receipt: named, not a traceback
+            unreadable.append(f"{path} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+            continue
+        if isinstance(receipt, dict) and receipt.get("schema") == SCHEMA:
+            receipts[path.parent.relative_to(root).as_posix()] = receipt
+    return root, receipts, unreadable
 
 
 def stage_times(receipts: dict[str, dict[str, Any]]) -> dict[str, Any]:
