@@ -75,7 +75,8 @@ def test_the_page_names_only_files_that_exist_and_pngs_that_read(reported):
     text = (runs / "report.html").read_text()
     page = Page()
     page.feed(text)
-    assert not re.search(r"https?://|//cdn|<script|<link|@import|url\(", text)  # nothing from elsewhere
+    # nothing from elsewhere (url(#id): an inline figure's own clip path)
+    assert not re.search(r"https?://|//cdn|<script|<link|@import|url\((?!#)", text)
     assert "script" not in page.tags and "iframe" not in page.tags
     expected = {f"{p}/{plot}" for p in POINTS for plot in report_page.PLOTS}
     assert set(page.images) == expected and all((runs / p / plot).is_file() for p in POINTS for plot in report_page.PLOTS)
@@ -93,6 +94,9 @@ def test_the_page_names_only_files_that_exist_and_pngs_that_read(reported):
     for point in POINTS:  # parity verdicts per path, in the point's section
         section = text[text.index(f'id="point-{point}"'):]
         assert all(f"<td>{path}</td><td>pass</td>" in section for path in ("sdpa", "triton"))
+        # its per-path table (the console's columns) and bench-train's table with the loss curves drawn inline
+        assert "<th>decided_by</th>" in section and "<th>fwd+bwd_band</th>" in section and "<th>roofline</th>" in section
+        assert "<h3>Bench-train</h3>" in section and "<th>predicted</th>" in section and "<svg " in section
 
 
 def test_failing_points_come_first_and_a_missing_plot_is_not_named(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+import matplotlib
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -160,3 +161,32 @@ def memory_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = No
         ax.set_title(title or f"{rows['op'].iloc[0]} memory on {rows['device'].iloc[0]}")
         ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def loss_curves_svg(train: Mapping[str, Any], prefix: str = "") -> str:
+    """bench-train's training loss per step, one line per variant (bench_train.json `impls`), as an inline
+    <svg> for report.html: no file, no script, no address of elsewhere (MLflow keeps the same curves as the
+    stepped metric train.<variant>.loss). A variant through Triton's interpreter trains fewer steps."""
+    import io
+    import re
+
+    from matplotlib.backends.backend_svg import FigureCanvasSVG
+
+    fig = Figure(figsize=(6.4, 3.4))
+    ax = fig.subplots()
+    for name, entry in train["impls"].items():
+        losses = entry["losses"]
+        ax.plot(range(len(losses)), losses, marker="o" if len(losses) <= 24 else None, markersize=3,
+                label=f"{name} ({len(losses)} steps)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    FigureCanvasSVG(fig)
+    out = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as text: a few kB, not glyph outlines
+        fig.savefig(out, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None})
+    svg = out.getvalue()
+    svg = re.sub(r"<metadata>.*?</metadata>", "", svg[svg.index("<svg"):], flags=re.S)  # no RDF namespaces
+    svg = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg)  # inline SVG in HTML needs no namespace declarations
+    return re.sub(r'(id="|href="#|url\(#)', rf"\g<1>{prefix}", svg)  # ids unique among a page's figures

@@ -134,11 +134,16 @@ def backward_note(backward: str | None) -> str:
 
 
 def train_table(receipt: dict[str, Any]) -> str:
+    """train_head, then train_frame as text (the bench-train console; "-" where nothing applies)."""
+    if not receipt.get("bench_train"):
+        return f"point {receipt['point']}: no bench-train result"
+    return train_head(receipt) + "\n" + train_frame(receipt).to_string(index=False)
+
+
+def train_frame(receipt: dict[str, Any]) -> pd.DataFrame:
     """One row per bench-train variant: speed where valid, the loss curve's ends (at its own last step), drift,
     Amdahl; then a row per path not trained (failed parity, forward-only, ...) with why. "-" where nothing applies."""
-    train = receipt.get("bench_train")
-    if not train:
-        return f"point {receipt['point']}: no bench-train result"
+    train = receipt["bench_train"]
     amdahl = train.get("amdahl", {}).get("variants", {})
     quality = (train.get("quality") or {}).get("variants") or {}  # a quantized precision's gate, per path
     rows = []
@@ -168,6 +173,13 @@ def train_table(receipt: dict[str, Any]) -> str:
         })
     rows += [{**dict.fromkeys(rows[0], "-"), "variant": name, "note": why}
              for name, why in (train.get("skipped") or {}).items()]
+    return pd.DataFrame(rows)
+
+
+def train_head(receipt: dict[str, Any]) -> str:
+    """bench-train's one line about the point: model, precision, device, tokens per step, the drift limit, the
+    op's share of the step and the baseline's own run-to-run band."""
+    train = receipt["bench_train"]
     fraction = train.get("amdahl", {}).get("fraction")
     band = (train.get("noise") or {}).get("band")
     head = (f"point {receipt['point']}: bench-train {receipt['config']['architecture']['name']} "
@@ -176,7 +188,7 @@ def train_table(receipt: dict[str, Any]) -> str:
             + (f", {train['amdahl']['op']} is {fraction:.0%} of the baseline step" if fraction is not None else "")
             + (f", run-to-run band +-{(band - 1) * 100:.1f}% (the baseline against itself: a measured speedup "
                "inside it is no measurable change)" if band is not None else ""))
-    return head + "\n" + pd.DataFrame(rows).to_string(index=False)
+    return head
 
 
 def _crossover(curve: dict[str, Any], mode: str, peer: str | None) -> Any:

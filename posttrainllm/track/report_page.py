@@ -95,6 +95,19 @@ def path_rows(receipt: dict[str, Any]) -> pd.DataFrame:
     return frame
 
 
+def _train_section(receipt: dict[str, Any]) -> str:
+    """bench-train: its line, the loss curves (inline SVG) and the table the console prints (report.train_frame:
+    speed, loss ends, drift, predicted against measured end-to-end speedup, and why a path was not trained)."""
+    if not (receipt.get("bench_train") or {}).get("impls"):
+        return ""
+    from posttrainllm.track import plots
+
+    return (f"<h3>Bench-train</h3><p>{_e(report.train_head(receipt))}</p>"
+            f'<div class="wide">{_table(report.train_frame(receipt).astype(str))}</div>'
+            f"<figure>{plots.loss_curves_svg(receipt['bench_train'], prefix=_anchor(receipt['point']) + '-loss-')}"
+            "</figure>")
+
+
 def _point_section(name: str, receipt: dict[str, Any], runs: Path) -> str:
     failed = report.point_failed(receipt)
     parity = receipt.get("parity") or {}
@@ -119,6 +132,7 @@ def _point_section(name: str, receipt: dict[str, Any], runs: Path) -> str:
             + (f"<h3>Failures and flags</h3><ul>{''.join(f'<li>{_e(line)}</li>' for line in lines)}</ul>"
                if lines else "")
             + f"<h3>Parity per path</h3>{_table(parity_rows(receipt).astype(str))}"
+            + _train_section(receipt)
             + (f"<h3>Plots</h3><p>{images}</p>" if plots else "<p>No plots in this point's folder.</p>")
             + "</section>")
 
