@@ -297,7 +297,7 @@ def report_sweep(args: list[str]) -> int:
             print(f"posttrainllm: report: no folder {absent[0]}: give folders of points (a sweep's runs/, "
                   "runs/bench, a point's folder)", file=sys.stderr)
             return EXIT_CONFIG
-        runs, receipts, unreadable = report.read_folders([Path(folder) for folder in folders])
+        runs, receipts, heads, unreadable = report.read_folders([Path(folder) for folder in folders])
         missing, sweep_name = [], ""
     else:
         try:
@@ -315,6 +315,7 @@ def report_sweep(args: list[str]) -> int:
                     unreadable.append(f"{path} ({_one_line(exc)})")
         missing = [name for name in plan["points"] if not (runs / name / "receipt.json").exists()]
         sweep_name = (plan.get("sweep") or {}).get("name", "")
+        heads = report.read_folders([runs / "heads"], root=runs)[2] if (runs / "heads").is_dir() else {}
     for line in unreadable:
         print(f"posttrainllm: unreadable receipt {line}: rerun its point (dvc repro)", file=sys.stderr)
     if not receipts:
@@ -330,10 +331,12 @@ def report_sweep(args: list[str]) -> int:
 
     for line in report.flag_lines(receipts):  # the figures not to read as results, with why (track/derived.py)
         print(fit(line))
+    if heads:
+        print(report.HEADS_LEGEND, report.heads_frame(heads).to_string(index=False), sep="\n")
     if report.stage_times_text(receipts):
         print(fit(report.stage_times_text(receipts)))
     (runs / "report.md").write_text(report.sweep_markdown(receipts))
-    (runs / "report.html").write_text(report_page.sweep_page(receipts, runs, sweep=sweep_name))
+    (runs / "report.html").write_text(report_page.sweep_page(receipts, runs, sweep=sweep_name, heads=heads))
     print(f"written: {runs / 'report.md'} (every column), {runs / 'report.html'} (plots and parity per point)")
     address = _runs_table_address()
     if address:

@@ -176,3 +176,16 @@ def test_any_folder_of_points_is_a_report(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "posttrainllm: no receipts under runs/heads"
     assert cli.main(["report", "runs/nowhere"]) == 2
     assert "no folder runs/nowhere" in capsys.readouterr().err
+    decode = {"variants": {"greedy": {"decode_tokens_per_s": 1000.0},
+                           "trained": {"decode_tokens_per_s": 2300.0, "mean_accepted_length": 3.3,
+                                       "acceptance_rate_per_head": [0.83, 0.77]}},
+              "speedup": {"trained": {"measured": 2.3, "predicted": 2.4}}}
+    (tmp_path / "runs/heads/k2").mkdir(parents=True)
+    (tmp_path / "runs/heads/k2/receipt.json").write_text(json.dumps(
+        {"schema": "posttrainllm.track.receipt.heads/1", "verdict": "pass", "decode": decode}))
+    assert cli.main(["report", "runs"]) == 1  # the draft heads beside the points, in the table and on the page
+    out = capsys.readouterr().out
+    assert ["heads/k2", "pass", "trained", "3.30", "0.83,0.77", "2300", "2.30", "2.40"] in [
+        line.split() for line in out.splitlines()], out
+    page = (tmp_path / "runs/report.html").read_text()
+    assert "<h2>Draft heads</h2>" in page and 'href="heads/k2/receipt.json"' in page

@@ -415,29 +415,59 @@ def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines + legend + (["", f"Time: {timing}"] if timing else [])) + "\n"
 
 
-def read_folders(folders: list[Path]) -> tuple[Path, dict[str, dict[str, Any]], list[str]]:
-    """Every point's receipt under `folders` (receipt.receipt_files; a draft-heads receipt is not a point):
-    (the page's folder, {the point's folder relative to it: receipt}, unreadable receipts with why). The page's
-    folder is the points' folders' common parent, so its links to each point's files are relative."""
+def read_folders(folders: list[Path], root: Path | None = None
+                 ) -> tuple[Path, dict[str, dict[str, Any]], dict[str, dict[str, Any]], list[str]]:
+    """Every receipt under `folders` (receipt.receipt_files): (the page's folder, {the point's folder relative to
+    it: receipt}, the same of the draft-heads receipts, unreadable receipts with why). The page's folder is
+    `root`, else the receipts' folders' common parent, so its links to each point's files are relative."""
     import os
 
     from posttrainllm.files import read_json
-    from posttrainllm.track.receipt import SCHEMA, receipt_files
+    from posttrainllm.track.receipt import HEADS_SCHEMA, SCHEMA, receipt_files
 
     found = [path.resolve() for folder in folders for path in receipt_files(folder)]
     if not found:
-        return folders[0], {}, []
-    root = Path(os.path.commonpath([path.parent.parent for path in found]))
-    receipts, unreadable = {}, []
+        return root or folders[0], {}, {}, []
+    root = root.resolve() if root else Path(os.path.commonpath([path.parent.parent for path in found]))
+    receipts: dict[str, dict[str, Any]] = {}
+    heads: dict[str, dict[str, Any]] = {}
+    unreadable = []
     for path in dict.fromkeys(found):
         try:
             receipt = read_json(path)
         except (OSError, ValueError) as exc:  # a truncated or hand-edited receipt: named, not a traceback
             unreadable.append(f"{path} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
             continue
-        if isinstance(receipt, dict) and receipt.get("schema") == SCHEMA:
-            receipts[path.parent.relative_to(root).as_posix()] = receipt
-    return root, receipts, unreadable
+        schema = receipt.get("schema") if isinstance(receipt, dict) else None
+        if schema in (SCHEMA, HEADS_SCHEMA) and (schema == SCHEMA or "decode" in receipt):
+            (receipts if schema == SCHEMA else heads)[path.parent.relative_to(root).as_posix()] = receipt
+    return root, receipts, heads, unreadable
+
+
+HEADS_LEGEND = ("draft heads: speedup = decode tokens/s over plain greedy's, measured; predicted from the mean "
+                "accepted length and a verification step's cost")
+
+
+def heads_frame(heads: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """The draft heads (`posttrainllm experimental train-heads`), one row per receipt and decode variant: lossless
+    or not, the mean accepted length and each head's acceptance rate, decode tokens/s, and the speedup over plain
+    greedy measured and predicted (from the accepted length and the verification's cost)."""
+    rows = []
+    for name, receipt in heads.items():
+        decode = receipt.get("decode") or {}
+        speedup = decode.get("speedup") or {}
+        for variant, entry in (decode.get("variants") or {}).items():
+            rates = entry.get("acceptance_rate_per_head") or []
+            rows.append({
+                "heads": name, "verdict": receipt.get("verdict", "-"), "variant": variant,
+                "accepted": _fmt(entry.get("mean_accepted_length"), ".2f"),
+                "acceptance per head": ",".join(f"{r:.2f}" for r in rates) or "-",
+                "decode tokens/s": _fmt(entry.get("decode_tokens_per_s"), ".0f"),
+                "speedup": _fmt((speedup.get(variant) or {}).get("measured"), ".2f"),
+                "predicted": _fmt((speedup.get(variant) or {}).get("predicted"), ".2f"),
+            })
+    return pd.DataFrame(rows, columns=["heads", "verdict", "variant", "accepted", "acceptance per head",
+                                       "decode tokens/s", "speedup", "predicted"])
 
 
 def stage_times(receipts: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -137,7 +137,8 @@ def _point_section(name: str, receipt: dict[str, Any], runs: Path) -> str:
             + "</section>")
 
 
-def sweep_page(receipts: dict[str, dict[str, Any]], runs: Path, *, sweep: str = "") -> str:
+def sweep_page(receipts: dict[str, dict[str, Any]], runs: Path, *, sweep: str = "",
+               heads: dict[str, dict[str, Any]] | None = None) -> str:
     """The page for `runs/report.html`: `runs` is the folder it is written to (the points' folders are in it)."""
     summary = report.formatted(report.summary_frame(receipts))  # failing points first
     failed = sum(report.point_failed(r) for r in receipts.values())
@@ -151,5 +152,10 @@ def sweep_page(receipts: dict[str, dict[str, Any]], runs: Path, *, sweep: str = 
         f'<div class="wide">{_table(wide)}</div></details>',
         *(_point_section(name, receipts[name], runs) for name in summary["point"]),
     ]
+    if heads:  # the draft heads' receipts (runs/heads/<K>/): acceptance and decode speed, lossless or not
+        body += ['<section id="draft-heads"><h2>Draft heads</h2>', _table(report.heads_frame(heads)),
+                 f"<p>{_e(report.HEADS_LEGEND)}. Each receipt: "
+                 + " · ".join(f'<a href="{_href(*name.split("/"), "receipt.json")}">{_e(name)}</a>' for name in heads)
+                 + "</p></section>"]
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
             f"<style>{STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
