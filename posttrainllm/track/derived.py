@@ -25,8 +25,8 @@ BEST_PEER_RULE = ("best peer: the peer (kind 'peer' in the op's registry; every 
                   "lowest valid forward median")
 ABOVE_ROOF = "not a result (above 100%, the calibration or the timing is wrong)"
 # how a failed case's reason (lab/parity.py check_output, lab/stages.py) names the rule that failed it
-RULES = (("non-finite", "non-finite"), ("mismatch_frac", "elementwise count"), ("row ", "row worst-error"),
-         ("max_abs_err", "worst-error ratio"), ("sqnr", "SQNR"), ("shape", "shape"),
+RULES = (("non-finite", "non-finite"), ("mismatch_frac", "elementwise count"), ("row ", "row worst error"),
+         ("max_abs_err", "worst error"), ("sqnr", "SQNR"), ("shape", "shape"),
          ("missing output", "missing output"), ("no result", "did not run"), ("did not run", "did not run"))
 # a weight (or routing-weight) gradient: the input is shared by every row, its gradient a sum over the rows
 WEIGHT_GRADIENT = re.compile(r"^grad_(w|weight|b|bias|route_weight)(_|$)")
@@ -80,7 +80,7 @@ def _hint(output: str, rule: str, ratio: float | None) -> str | None:
     tensor far past it (BEYOND_ROUNDING) is a wrong result, not a precision."""
     if rule == "non-finite":
         return NONFINITE_HINT
-    if rule not in ("elementwise count", "worst-error ratio", "row worst-error"):
+    if rule not in ("elementwise count", "worst error", "row worst error"):
         return None
     if ratio is not None and ratio > BEYOND_ROUNDING:
         return (f"{ratio:.3g}x its bound is beyond any rounding: a wrong result (which rows or columns does it "
@@ -130,7 +130,7 @@ def _decided(entry: dict[str, Any], contract: dict[str, Any]) -> dict[str, Any]:
                 "why": line, "hint": _hint(output, rule, w.get("bound_ratio"))}
     if verdict == "pass" and worst:
         nearest = _nearest(worst)
-        return {"decided_by": nearest["worst_tensor"] or "-", "rule": "worst-error ratio", "first_case": "-",
+        return {"decided_by": nearest["worst_tensor"] or "-", "rule": "within bound", "first_case": "-",
                 "failed": 0, "rows": None, "why": "", "hint": None, "bound_ratio": nearest["worst_ratio"]}
     return {"decided_by": "-", "rule": "-", "first_case": "-", "failed": len(failed), "rows": None, "why": "",
             "hint": None}

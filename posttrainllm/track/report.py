@@ -42,7 +42,7 @@ def path_frame(receipt: dict[str, Any]) -> pd.DataFrame:
         rows.append({
             "path": name, "verdict": f["verdict"], "decided_by": decided, "rule": f["rule"],
             "first_fail": f["first_case"],
-            "failed": "-" if not f["failed"] else f"{f['failed']}" + (f" ({f['rows']} rows)" if f["rows"] else ""),
+            "failed": "-" if not f["failed"] else f"{f['failed']}" + (f" ({f['rows']})" if f["rows"] else ""),
             "fwd_ms": _fmt(f["fwd_ms"], ".3f"), "fwd_band": _band(f["fwd_band"]),
             "fwd+bwd_ms": _fmt(f["fb_ms"], ".3f"), "fwd+bwd_band": _band(f["fb_band"]),
             "fwd_x": _fmt(f["fwd_x"], ".2f"), "fwd+bwd_x": _fmt(f["fb_x"], ".2f"),
@@ -58,8 +58,9 @@ def path_frame(receipt: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-PATH_LEGEND = ("decided_by: a failing path's first failing tensor (or guard) and its rule; a passing path's tensor "
-               "nearest its bound, at that fraction of it. x: reference median / the path's.")
+PATH_LEGEND = ("decided_by: a failing path's first failing tensor (or guard) and the rule it failed; a passing "
+               "path's tensor nearest its bound, at that fraction of it.\n  failed: cases (rows failed/rows). "
+               "band: p20-p80 ms. x: the reference's median / the path's.")
 PATH_NUMBERS = ("failed", "fwd_ms", "fwd_band", "fwd+bwd_ms", "fwd+bwd_band", "fwd_x", "fwd+bwd_x")
 
 
