@@ -303,7 +303,8 @@ def _tags(receipt: dict[str, Any]) -> dict[str, str]:
     tags["best_peer.rule"] = derived.BEST_PEER_RULE
     if fields["e2e_path"]:
         tags["e2e.path"] = fields["e2e_path"]
-        tags["e2e.measured"] = fields["e2e_meas"] if isinstance(fields["e2e_meas"], str) else "a change"
+        if fields["e2e_meas"] == "n.c.":  # no e2e.measured metric then: inside the baseline's own band
+            tags["e2e.measured"] = "n.c. (inside the baseline's run-to-run band: no measurable change)"
     tags["flags"] = ",".join(dict.fromkeys(f["figure"] for f in fields["flags"])) or "none"
     if fields["flags"]:  # each with its path and reason, as the report prints them
         tags["flags.reasons"] = "\n".join(f"{f['figure']}: {f['path']}: {f['reason']}" for f in fields["flags"])[:5000]
