@@ -47,7 +47,8 @@ def _worst_case(name, **overrides):
                                        "sdpa_math": {"verdict": "fail", "worst": {}}})
     receipt["kernel"]["paths"]["sdpa_efficient"] = {"kind": "peer"}
     receipt["microbench"]["paths"]["sdpa_efficient"] = {"valid": True, "median_ms": 0.001, "speedup_vs_reference": 2000.0,
-                                                        "forward_backward": {"median_ms": 1e-3, "speedup_vs_reference": 12345.678}}
+                                                        "forward_backward": {"median_ms": 1e-3,
+                                                                             "speedup_vs_reference": 12345.678}}
     receipt["bench_train"]["amdahl"] = {"variants": {"sdpa": {"valid": True, "predicted_speedup": 1234.5,
                                                               "measured_speedup": 0.5}}}
     return receipt
@@ -161,7 +162,8 @@ def test_any_folder_of_points_is_a_report(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'none' / 'mlflow.db'}")
     for folder, receipt in (("runs/baseline", _receipt("baseline")), ("runs/bench/mine", _receipt("mine", "fail"))):
         (tmp_path / folder).mkdir(parents=True)
-        (tmp_path / folder / "receipt.json").write_text(json.dumps({**receipt, "schema": "posttrainllm.track.receipt/1"}))
+        receipt = {**receipt, "schema": "posttrainllm.track.receipt/1"}
+        (tmp_path / folder / "receipt.json").write_text(json.dumps(receipt))
     (tmp_path / "runs/heads/k1").mkdir(parents=True)
     (tmp_path / "runs/heads/k1/receipt.json").write_text(json.dumps({"schema": "posttrainllm.track.receipt.heads/1"}))
     assert cli.main(["report", "runs/bench"]) == 1  # its one point failed

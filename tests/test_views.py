@@ -3,15 +3,14 @@
 bench console locates a planted wrong weight gradient."""
 
 import copy
-import json
 
 import pytest
 
 from posttrainllm.track import derived, report, report_page
 from test_report import _receipt
 
-WEIGHT_GRAD_BUG = '''"""RMSNorm whose forward and input gradient are right, its weight gradient summed over only the first half of
-the rows (a planted bug: a reduction that stops early)."""
+WEIGHT_GRAD_BUG = '''"""RMSNorm whose forward and input gradient are right, its weight gradient summed over only
+the first half of the rows (a planted bug: a reduction that stops early)."""
 import torch
 
 
@@ -79,7 +78,7 @@ def _told_apart():
 
 
 def test_the_views_agree_on_the_best_peer_the_deciding_tensor_and_the_flags(tmp_path, mlflow_uri):
-    from mlflow.tracking import MlflowClient
+    MlflowClient = pytest.importorskip("mlflow.tracking").MlflowClient
 
     from posttrainllm.track import receipt as receipts
 
@@ -121,12 +120,10 @@ def test_the_views_agree_on_the_best_peer_the_deciding_tensor_and_the_flags(tmp_
     assert run.data.params == {"op.name": "attention", "precision.name": "fp16", "precision.dtype": "float16",
                                "tile.name": "b64", "tile.block_q": "64"}
     assert run.info.run_name == "precision-fp16" and run.data.tags["change.precision"] == "fp16"
-    assert json.loads(json.dumps(run.data.metrics))  # a handful per path, not every number
-    assert len(run.data.metrics) <= 6 * 4 + 6
+    assert len(run.data.metrics) <= 6 * 4 + 6  # a handful per path, not every number (metrics.json has them)
 
 
-@pytest.mark.parametrize("precision", ["fp32"])
-def test_a_planted_wrong_weight_gradient_fails_on_its_own_row_with_a_hint(tmp_path, precision):
+def test_a_planted_wrong_weight_gradient_fails_on_its_own_row_with_a_hint(tmp_path):
     """A user RMSNorm whose forward is right and whose weight gradient sums half the rows: the console's row reads
     fail, decided by grad_weight (never by the passing forward), with the rule, the allowed value and the hint."""
     from conftest import parity_report
@@ -136,16 +133,17 @@ def test_a_planted_wrong_weight_gradient_fails_on_its_own_row_with_a_hint(tmp_pa
     kernel = tmp_path / "halfsum.py"
     kernel.write_text(WEIGHT_GRAD_BUG)
     cfg = load(["op=rmsnorm", "device=cpu", "parity.seeds=[0]", "shape.seq_len=16", "shape.edge_seq_lens=[37]",
-                f"precision={precision}", f"op.user_impls=[\"mine={kernel}:rmsnorm\"]", "op.only=[mine]"])
+                f"op.user_impls=[\"mine={kernel}:rmsnorm\"]", "op.only=[mine]"])
     parity = parity_report(cfg, tmp_path)
     assert parity["paths"]["mine"]["worst"]["out"]["verdict"] == "pass"  # the forward is right
-    receipt = {"point": "p", "parity": parity, "microbench": {"paths": {}}, "config": {"precision": {"name": precision}},
+    receipt = {"point": "p", "parity": parity, "microbench": {"paths": {}},
+               "config": {"precision": {"name": "fp32"}},
                "provenance": {"machine": {"device_name": "cpu", "threads": 1}}}
     console = report.point_table(receipt)
     [row] = [line for line in console.splitlines() if line.startswith("mine ")]
     assert row.split()[:3] == ["mine", "fail", "grad_weight"], console
     [why] = [line for line in console.splitlines() if line.startswith("mine: grad_weight failed the ")]
-    assert "> allowed" in why or "> row allowed" in why or "mismatch_frac" in why, why
+    assert "failed the worst error rule on " in why and "max_abs_err" in why and "> allowed" in why, why
     assert "x its bound is beyond any rounding: a wrong result" in why, why  # half the rows: not a rounding
 
 
@@ -169,6 +167,7 @@ def test_a_copied_store_says_where_its_artifacts_still_are(tmp_path, mlflow_uri)
     `posttrainllm ui` says how to rebuild it (docs/results.md)."""
     import shutil
 
+    pytest.importorskip("mlflow")
     from posttrainllm.track import receipt as receipts
     from posttrainllm.track import store, ui
 

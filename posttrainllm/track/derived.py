@@ -32,7 +32,7 @@ RULES = (("non-finite", "non-finite"), ("mismatch_frac", "elementwise count"), (
 WEIGHT_GRADIENT = re.compile(r"^grad_(w|weight|b|bias|route_weight)(_|$)")
 WEIGHT_HINT = ("a weight gradient is a sum over rows: accumulate it in fp32 (conf/op/moe.yaml's "
                "op.max_error_only is the measured exemption of such sums from the elementwise count)")
-BEYOND_ROUNDING = 100.0  # error / allowance past which no accumulation order explains a tensor (bound 8x the reference's)
+BEYOND_ROUNDING = 100.0  # error / allowance past which no accumulation order explains a tensor
 NONFINITE_HINT = "an overflow or a division by zero: compute in fp32 and cast at the end"
 
 

@@ -35,7 +35,8 @@ from posttrainllm.files import point_dir, read_json, write_json
 SCHEMA = "posttrainllm.track.receipt/1"
 HEADS_SCHEMA = "posttrainllm.track.receipt.heads/1"  # a draft-heads receipt (build_heads): no point, no sweep
 EXPERIMENT = "posttrainllm"
-ARTIFACTS = ("receipt.json", "metrics.json", "parity.json", "kernel.json", "microbench.json", "timings.csv", "curve.csv",
+ARTIFACTS = ("receipt.json", "metrics.json", "parity.json", "kernel.json", "microbench.json", "timings.csv",
+             "curve.csv",
              "time_vs_size.png", "memory_vs_size.png", "roofline.png", "bench_train.json", "config.yaml")
 
 
