@@ -125,7 +125,8 @@ def roofline_plot(points: Iterable[Mapping[str, Any]], peaks: Mapping[str, Any],
         x, y = float(point["intensity_flops_per_byte"]), float(point["achieved_flops_per_s"])
         ax.plot([x], [y], marker=markers[i % len(markers)], linestyle="none", markersize=7, alpha=0.8,
                 markerfacecolor="none" if i >= len(markers) else None,
-                label=f"{point.get('label', '')}: {y / 1e9:.3g} GFLOP/s")
+                label=f"{point.get('label', '')}: {y / 1e9:.3g} GFLOP/s"
+                      + (" (above its roof: not a result)" if (point.get("fraction_of_attainable") or 0) > 1 else ""))
     ax.set_xscale("log")
     ax.set_yscale("log")
     top = max(list(roofs.values()) + [float(p["achieved_flops_per_s"]) for p in points])
