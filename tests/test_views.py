@@ -36,6 +36,13 @@ def rmsnorm(x, weight, eps):
     return _Norm.apply(x, weight, eps)
 '''
 
+ROUNDED_FIRST = '''import torch
+
+
+def rmsnorm(x, weight, eps):  # normalised in fp32, rounded to x's dtype, then scaled by the weight in x's dtype
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+'''
+
 
 def _told_apart():
     """A point whose views could disagree: the first registered peer (sdpa) is not the fastest; our kernel passes
@@ -123,28 +130,34 @@ def test_the_views_agree_on_the_best_peer_the_deciding_tensor_and_the_flags(tmp_
     assert len(run.data.metrics) <= 6 * 4 + 6  # a handful per path, not every number (metrics.json has them)
 
 
-def test_a_planted_wrong_weight_gradient_fails_on_its_own_row_with_a_hint(tmp_path):
-    """A user RMSNorm whose forward is right and whose weight gradient sums half the rows: the console's row reads
-    fail, decided by grad_weight (never by the passing forward), with the rule, the allowed value and the hint."""
+def test_a_wrong_weight_gradient_fails_on_its_own_row_with_the_rule_and_a_hint(tmp_path):
+    """Two user RMSNorms at bf16 whose forward is right: one sums its weight gradient over half the rows (a
+    planted bug), one rounds x̂ to bf16 before the weight's product and sum (gpt-fast's style). Each row reads
+    fail, decided by grad_weight, never by the passing forward; the first fails the worst-error rule far past
+    any rounding, the second only the elementwise count, told to accumulate in fp32."""
     from conftest import parity_report
 
     from posttrainllm.lab.configure import load
 
-    kernel = tmp_path / "halfsum.py"
-    kernel.write_text(WEIGHT_GRAD_BUG)
-    cfg = load(["op=rmsnorm", "device=cpu", "parity.seeds=[0]", "shape.seq_len=16", "shape.edge_seq_lens=[37]",
-                f"op.user_impls=[\"mine={kernel}:rmsnorm\"]", "op.only=[mine]"])
-    parity = parity_report(cfg, tmp_path)
-    assert parity["paths"]["mine"]["worst"]["out"]["verdict"] == "pass"  # the forward is right
+    (tmp_path / "halfsum.py").write_text(WEIGHT_GRAD_BUG)
+    (tmp_path / "rounded.py").write_text(ROUNDED_FIRST)
+    cfg = load(["op=rmsnorm", "device=cpu", "precision=bf16", "parity.seeds=[0]", "shape.seq_len=16",
+                "shape.edge_seq_lens=[37]", "op.only=[halfsum,rounded]",
+                f'op.user_impls=["halfsum={tmp_path}/halfsum.py:rmsnorm","rounded={tmp_path}/rounded.py:rmsnorm"]'])
+    parity = parity_report(cfg, tmp_path / "point")
+    assert all(parity["paths"][name]["worst"]["out"]["verdict"] == "pass" for name in ("halfsum", "rounded"))
     receipt = {"point": "p", "parity": parity, "microbench": {"paths": {}},
-               "config": {"precision": {"name": "fp32"}},
+               "config": {"precision": {"name": "bf16"}},
                "provenance": {"machine": {"device_name": "cpu", "threads": 1}}}
-    console = report.point_table(receipt)
-    [row] = [line for line in console.splitlines() if line.startswith("mine ")]
-    assert row.split()[:3] == ["mine", "fail", "grad_weight"], console
-    [why] = [line for line in console.splitlines() if line.startswith("mine: grad_weight failed the ")]
-    assert "failed the worst error rule on " in why and "max_abs_err" in why and "> allowed" in why, why
-    assert "x its bound is beyond any rounding: a wrong result" in why, why  # half the rows: not a rounding
+    console = report.point_table(receipt).splitlines()
+    rows = {line.split()[0]: line.split() for line in console[2:4]}
+    assert rows["halfsum"][:4] == ["halfsum", "fail", "grad_weight", "worst"], console
+    assert rows["rounded"][:5] == ["rounded", "fail", "grad_weight", "elementwise", "count"], console
+    [wrong] = [line for line in console if line.startswith("halfsum: grad_weight failed the worst error rule on ")]
+    assert "> allowed" in wrong and "reference math's error in the same precision is beyond any rounding" in wrong
+    [rounded] = [line for line in console if line.startswith("rounded: grad_weight failed the elementwise count")]
+    assert "mismatch_frac" in rounded and "the reference math's in the same precision, limit 8x" in rounded
+    assert rounded.endswith(f"hint: {derived.WEIGHT_HINT}"), rounded
 
 
 def test_a_weight_gradient_that_misses_only_the_count_is_told_to_accumulate_in_fp32():

@@ -30,9 +30,10 @@ RULES = (("non-finite", "non-finite"), ("mismatch_frac", "elementwise count"), (
          ("missing output", "missing output"), ("no result", "did not run"), ("did not run", "did not run"))
 # a weight (or routing-weight) gradient: the input is shared by every row, its gradient a sum over the rows
 WEIGHT_GRADIENT = re.compile(r"^grad_(w|weight|b|bias|route_weight)(_|$)")
-WEIGHT_HINT = ("a weight gradient is a sum over rows: accumulate it in fp32 (conf/op/moe.yaml's "
-               "op.max_error_only is the measured exemption of such sums from the elementwise count)")
-BEYOND_ROUNDING = 100.0  # error / allowance past which no accumulation order explains a tensor
+WEIGHT_HINT = ("a weight gradient is a sum over rows: accumulate it in fp32 and round once, at the end (the "
+               "reference math does; op.max_error_only exempts a sum from the count only where the reference "
+               "itself misses it, conf/op/moe.yaml)")
+BEYOND_ROUNDING = 8.0  # times the contract's error_multiple: past it no accumulation order explains a tensor
 NONFINITE_HINT = "an overflow or a division by zero: compute in fp32 and cast at the end"
 
 
@@ -75,16 +76,18 @@ def _rule(reason: str) -> str:
     return next((rule for marker, rule in RULES if reason.startswith(marker)), "failed")
 
 
-def _hint(output: str, rule: str, ratio: float | None) -> str | None:
-    """What the math suggests for a failing rule: a weight gradient near its bound is a sum's rounding; any
-    tensor far past it (BEYOND_ROUNDING) is a wrong result, not a precision."""
+def _hint(output: str, rule: str, worst: dict[str, Any], multiple: float | None) -> str | None:
+    """What the math suggests for a failing rule: a tensor whose error is far past what rounding gives
+    (BEYOND_ROUNDING times the contract's own multiple of the reference math's error) is a wrong result; a weight
+    gradient nearer its bound is a sum's rounding."""
     if rule == "non-finite":
         return NONFINITE_HINT
     if rule not in ("elementwise count", "worst error", "row worst error"):
         return None
-    if ratio is not None and ratio > BEYOND_ROUNDING:
-        return (f"{ratio:.3g}x its bound is beyond any rounding: a wrong result (which rows or columns does it "
-                "cover?), not a precision")
+    ratio = worst.get("error_ratio")
+    if ratio is not None and multiple and ratio > BEYOND_ROUNDING * multiple:
+        return (f"{ratio:.3g}x the reference math's error in the same precision is beyond any rounding (limit "
+                f"{multiple:g}x): a wrong result (which rows or columns does it cover?), not a precision")
     return WEIGHT_HINT if WEIGHT_GRADIENT.match(output) else None
 
 
@@ -127,7 +130,7 @@ def _decided(entry: dict[str, Any], contract: dict[str, Any]) -> dict[str, Any]:
                      f"limit {contract['error_multiple']:g}x)")
         return {"decided_by": "guard" if guard else output, "rule": rule, "first_case": case,
                 "failed": len(failed), "rows": f"{rows.group(1)}/{rows.group(2)}" if rows else None,
-                "why": line, "hint": _hint(output, rule, w.get("bound_ratio"))}
+                "why": line, "hint": _hint(output, rule, w, contract.get("error_multiple"))}
     if verdict == "pass" and worst:
         nearest = _nearest(worst)
         return {"decided_by": nearest["worst_tensor"] or "-", "rule": "within bound", "first_case": "-",
