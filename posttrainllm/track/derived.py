@@ -139,14 +139,17 @@ def _decided(entry: dict[str, Any], contract: dict[str, Any]) -> dict[str, Any]:
             "hint": None}
 
 
-def _above_roof(roof: dict[str, Any], noisy: str | None) -> str:
-    """A roofline fraction above 1, never a result: which of the calibration or the timing is suspect."""
+def _above_roof(roof: dict[str, Any], timed: dict[str, Any] | None) -> str:
+    """A roofline fraction above 1, never a result, and which of the two is wrong: the timing when the path at
+    its p80 time (the slow end of its band) would be within the roof, else the calibration (its peak)."""
+    fraction = roof["fraction_of_attainable"]
     said = roof.get("above_roof")  # the microbench's own reading, where it gives one
-    which = (said if isinstance(said, str) and said else "the timing is suspect: its band is noisy" if noisy
-             else f"the calibration is: its peak ({roof['attainable_flops_per_s'] / 1e9:.3g} GFLOP/s attainable) is "
-                  "below what this path computes at" if roof.get("attainable_flops_per_s")
-             else "the calibration or the timing is")
-    return f"roofline {roof['fraction_of_attainable']:.0%} of attainable, {ABOVE_ROOF}: {which}"
+    at_p80 = fraction * timed["median_ms"] / timed["p80_ms"] if timed and timed.get("p80_ms") else None
+    which = (said if isinstance(said, str) and said
+             else f"the timing: at its band's slow end (p80) it would be {at_p80:.0%}" if at_p80 and at_p80 <= 1
+             else f"the calibration: even at its band's slow end (p80) it computes {at_p80:.0%} of the "
+                  f"calibrated {roof.get('attainable_flops_per_s', 0) / 1e9:.3g} GFLOP/s" if at_p80 else "")
+    return f"roofline {fraction:.0%} of attainable, {ABOVE_ROOF}" + (f": here {which}" if which else "")
 
 
 def _speed(entry: dict[str, Any]) -> dict[str, Any]:
@@ -162,7 +165,8 @@ def _speed(entry: dict[str, Any]) -> dict[str, Any]:
     roof = (entry.get("roofline") or {}) if entry.get("valid") else {}
     fraction = roof.get("fraction_of_attainable")
     out["roofline_fraction"] = fraction
-    out["roofline_flag"] = _above_roof(roof, out["fwd_noisy"]) if fraction is not None and fraction > 1 else None
+    out["roofline_flag"] = (_above_roof(roof, _timing(entry)) if fraction is not None and fraction > 1
+                            else None)
     out["roofline_class"] = roof.get("classification")
     out["peak_bytes"] = (entry.get("memory") or {}).get("peak_bytes") if entry.get("valid") else None
     return out
