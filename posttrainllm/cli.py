@@ -328,7 +328,6 @@ def report_sweep(args: list[str]) -> int:
         if own.exists() and receipt.get("stamps") is not None:
             receipt["stamps"] = {**receipt["stamps"], "receipt": read_json(own)}
     fit = report.fill  # a long line of prose, wrapped to the table's width
-
     for line in report.flag_lines(receipts):  # the figures not to read as results, with why (track/derived.py)
         print(fit(line))
     if heads:
