@@ -6,8 +6,9 @@
     posttrainllm compile [overrides...]               every Triton kernel of the point compiled for compile.targets
                                                       (sm90 by default; no GPU needed): registers, spills, shared
                                                       memory, occupancy, tensor cores; exit 1 if one would not launch
-    posttrainllm report [--wide]                      the receipts of params.yaml's points, one row each (--wide: every
-                                                      column); writes runs/report.md and runs/report.html (plots)
+    posttrainllm report [--wide] [FOLDER ...]         the receipts of params.yaml's points, or of every point under the
+                                                      FOLDERs, one row each (--wide: every column); writes report.md
+                                                      and report.html (paths, plots) in runs/ or the FOLDERs' parent
     posttrainllm progress                             where `dvc repro` of the planned sweep stands: each point's
                                                       stages done, and the time left estimated from the stamps
     posttrainllm ui [--port N] [--host HOST]          the MLflow UI on the project's runs, and their addresses
@@ -319,16 +320,16 @@ HELP: dict[str, tuple[str, tuple[tuple[str, str], ...], str]] = {
 }
 
 
-REPORT_USAGE = ("usage: posttrainllm report [--wide]   (reads params.yaml and runs/<point>/receipt.json; --wide: "
-                "every column; writes runs/report.md and runs/report.html)")
+REPORT_USAGE = ("usage: posttrainllm report [--wide] [FOLDER ...]   (no FOLDER: params.yaml's points in runs/; a "
+                "FOLDER: every point under it, a sweep's runs/, runs/bench, a point; --wide: every column; writes "
+                "report.md and report.html in runs/ or in the folders' common parent)")
 
 
 def report_sweep(args: list[str]) -> int:
-    """Print the sweep's receipts (runs/<point>/receipt.json for each point of params.yaml): a table that fits
-    a terminal (report.TERMINAL_WIDTH), or every column with --wide; runs/report.md keeps every column and
-    runs/report.html adds each point's plots and parity; then the MLflow runs table's address, if there is one."""
-    import textwrap
-
+    """Print the receipts of params.yaml's points (runs/<point>/receipt.json), or of every point under the FOLDERs
+    given: a table that fits a terminal (report.TERMINAL_WIDTH), or every column with --wide, then each flagged
+    figure with its reason; report.md keeps every column and report.html adds each point's paths, plots and
+    parity (in runs/, or the folders' common parent); then the MLflow runs table's address, if there is one."""
     from posttrainllm.track import report, report_page
     from posttrainllm.lab.pipeline import PARAMS, RUNS
     from posttrainllm.files import read_json
@@ -338,43 +339,55 @@ def report_sweep(args: list[str]) -> int:
     if args in (["-h"], ["--help"]):
         print(REPORT_USAGE)
         return 0
-    if args not in ([], ["--wide"]):
+    folders = [arg for arg in args if arg != "--wide"]
+    if args.count("--wide") > 1 or any(arg.startswith("-") for arg in folders):
         print(REPORT_USAGE, file=sys.stderr)
         return EXIT_CONFIG
-    try:
-        plan = read_points(PARAMS)
-    except ConfigError as exc:  # missing, not YAML, not a plan: one line, nothing written
-        print(f"posttrainllm: config error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    points = plan["points"]
-    receipts, unreadable = {}, []
-    for name in points:
-        path = Path(RUNS) / name / "receipt.json"
-        if path.exists():
-            try:
-                receipts[name] = read_json(path)
-            except (OSError, ValueError) as exc:  # a truncated or hand-edited receipt: named, not a traceback
-                unreadable.append(f"{path} ({_one_line(exc)})")
+    if folders:  # any folder of points: a sweep's runs/, a bench's folder, several
+        absent = [folder for folder in folders if not Path(folder).is_dir()]
+        if absent:
+            print(f"posttrainllm: report: no folder {absent[0]}: give folders of points (a sweep's runs/, "
+                  "runs/bench, a point's folder)", file=sys.stderr)
+            return EXIT_CONFIG
+        runs, receipts, heads, unreadable = report.read_folders([Path(folder) for folder in folders])
+        missing, sweep_name = [], ""
+    else:
+        try:
+            plan = read_points(PARAMS)
+        except ConfigError as exc:  # missing, not YAML, not a plan: one line, nothing written
+            print(f"posttrainllm: config error: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        runs, receipts, unreadable = Path(RUNS), {}, []
+        for name in plan["points"]:
+            path = runs / name / "receipt.json"
+            if path.exists():
+                try:
+                    receipts[name] = read_json(path)
+                except (OSError, ValueError) as exc:  # a truncated or hand-edited receipt: named, not a traceback
+                    unreadable.append(f"{path} ({_one_line(exc)})")
+        missing = [name for name in plan["points"] if not (runs / name / "receipt.json").exists()]
+        sweep_name = (plan.get("sweep") or {}).get("name", "")
+        heads = report.read_folders([runs / "heads"], root=runs)[2] if (runs / "heads").is_dir() else {}
     for line in unreadable:
         print(f"posttrainllm: unreadable receipt {line}: rerun its point (dvc repro)", file=sys.stderr)
-    missing = [name for name in points if not (Path(RUNS) / name / "receipt.json").exists()]
     if not receipts:
-        print("posttrainllm: no receipts yet: run `dvc repro`", file=sys.stderr)
+        print(f"posttrainllm: no receipts under {' '.join(folders)}" if folders else
+              "posttrainllm: no receipts yet: run `dvc repro`", file=sys.stderr)
         return EXIT_CONTRACT
-    print(report.sweep_table(receipts) if args == ["--wide"] else report.summary_table(receipts))
+    print(report.sweep_table(receipts) if "--wide" in args else report.summary_table(receipts))
     for name, receipt in receipts.items():  # the receipt stage stamps itself after its receipt is written
-        own = Path(RUNS) / name / "stamps" / "receipt.json"
+        own = runs / name / "stamps" / "receipt.json"
         if own.exists() and receipt.get("stamps") is not None:
             receipt["stamps"] = {**receipt["stamps"], "receipt": read_json(own)}
-    def fit(text: str) -> str:  # a long line of prose, wrapped to the table's width
-        return textwrap.fill(text, report.TERMINAL_WIDTH, subsequent_indent="  ")
-
+    fit = report.fill  # a long line of prose, wrapped to the table's width
+    for line in report.flag_lines(receipts):  # the figures not to read as results, with why (track/derived.py)
+        print(fit(line))
+    if heads:
+        print(report.HEADS_LEGEND, report.heads_frame(heads).to_string(index=False), sep="\n")
     if report.stage_times_text(receipts):
         print(fit(report.stage_times_text(receipts)))
-    runs = Path(RUNS)
     (runs / "report.md").write_text(report.sweep_markdown(receipts))
-    (runs / "report.html").write_text(report_page.sweep_page(receipts, runs, sweep=(plan.get("sweep") or {}).get(
-        "name", "")))
+    (runs / "report.html").write_text(report_page.sweep_page(receipts, runs, sweep=sweep_name, heads=heads))
     print(f"written: {runs / 'report.md'} (every column), {runs / 'report.html'} (plots and parity per point)")
     address = _runs_table_address()
     if address:
@@ -470,6 +483,9 @@ def serve_ui(args: list[str]) -> int:
         return EXIT_CONTRACT
     lines = [f"runs table: {found.runs_table}"] + ([f"latest sweep ({found.sweep}): {found.sweep_run}"]
                                                   if found.sweep_run else [])
+    moved = None if remote else ui.moved_artifacts(uri)
+    if moved:  # a copied store: its artifacts are where it was copied from
+        print(f"posttrainllm: {ui.MOVED.format(recorded=moved)}", file=sys.stderr)
     if remote:
         print(f"the store is a tracking server: its UI is at {base}")
         print("\n".join(lines))

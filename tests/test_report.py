@@ -13,7 +13,8 @@ def _receipt(point, verdict="pass", drift="pass", stamps=None):
                    "paths": {"sdpa": {"verdict": "pass", "worst": {}}, "triton": {"verdict": verdict, "worst": {}}}},
         "microbench": {"paths": {"reference": {"valid": True, "median_ms": 2.0},
                                  "sdpa": {"valid": True, "median_ms": 1.0, "speedup_vs_reference": 2.0,
-                                          "vs_reference": "faster", "forward_backward": {"speedup_vs_reference": 1.5}}},
+                                          "vs_reference": "faster",
+                                          "forward_backward": {"median_ms": 3.0, "speedup_vs_reference": 1.5}}},
                        "curve": {"crossover_vs_reference": {"sdpa": 64}}},
         "bench_train": {"impls": {}, "drift": {"sdpa": 0.0}, "drift_verdict": {"sdpa": drift}},
         "stamps": stamps or {},
@@ -46,7 +47,8 @@ def _worst_case(name, **overrides):
                                        "sdpa_math": {"verdict": "fail", "worst": {}}})
     receipt["kernel"]["paths"]["sdpa_efficient"] = {"kind": "peer"}
     receipt["microbench"]["paths"]["sdpa_efficient"] = {"valid": True, "median_ms": 0.001, "speedup_vs_reference": 2000.0,
-                                                        "forward_backward": {"speedup_vs_reference": 12345.678}}
+                                                        "forward_backward": {"median_ms": 1e-3,
+                                                                             "speedup_vs_reference": 12345.678}}
     receipt["bench_train"]["amdahl"] = {"variants": {"sdpa": {"valid": True, "predicted_speedup": 1234.5,
                                                               "measured_speedup": 0.5}}}
     return receipt
@@ -58,7 +60,7 @@ def test_the_default_table_fits_a_terminal_whatever_the_names():
     assert max(len(line) for line in table.splitlines()) <= report.TERMINAL_WIDTH, table
     header, failing, passing = table.splitlines()[:3]
     assert header.split() == ["point", "verdict", "first_failure", "parity", "best_peer", "peer_x", "peer_fb_x",
-                              "ours_x", "ours_fb_x", "e2e_path", "e2e_pred", "e2e_meas"]
+                              "ours_x", "ours_fb_x", "e2e_path", "e2e_pred", "e2e_meas", "flags"]
     assert failing.startswith("x" * 17 + "... FAIL") and "triton: S4231" in failing
     assert " triton:fail,sdpa_... " in failing  # ours first, then the other paths that failed, clipped
     # the numbers are never clipped: the text gives way
@@ -116,7 +118,7 @@ def test_report_prints_the_summary_and_wide_prints_every_column(tmp_path, monkey
     assert (tmp_path / "runs" / "report.md").read_text().startswith("| " + " | ".join(columns) + " |")
 
 
-@pytest.mark.parametrize("args", [["--wid"], ["--wide", "--wide"], ["wide"], ["-x"]])
+@pytest.mark.parametrize("args", [["--wid"], ["--wide", "--wide"], ["-x"], ["runs", "--wid"]])
 def test_a_bad_report_flag_is_one_line_and_exit_2(args, tmp_path, monkeypatch, capsys):
     from posttrainllm import cli
 
@@ -147,3 +149,45 @@ def test_the_train_table_lists_every_path_and_shows_no_nan():
     assert rows["triton"].split()[1:7] == ["-", "-", "-", "3", "5.5000", "4.5000"]
     assert rows["mine"].rstrip().endswith("forward-only: not trained (no backward to train with)")
     assert rows["sdpa"].rstrip().endswith("failed parity: no speed number") and "5.5000" not in rows["sdpa"]
+
+
+def test_any_folder_of_points_is_a_report(tmp_path, monkeypatch, capsys):
+    """`posttrainllm report FOLDER ...`: every point under the folders (a sweep's, a bench's, several), no
+    params.yaml needed; the page and report.md in their common parent; a draft-heads receipt is not a point."""
+    import json
+
+    from posttrainllm import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'none' / 'mlflow.db'}")
+    for folder, receipt in (("runs/baseline", _receipt("baseline")), ("runs/bench/mine", _receipt("mine", "fail"))):
+        (tmp_path / folder).mkdir(parents=True)
+        receipt = {**receipt, "schema": "posttrainllm.track.receipt/1"}
+        (tmp_path / folder / "receipt.json").write_text(json.dumps(receipt))
+    (tmp_path / "runs/heads/k1").mkdir(parents=True)
+    (tmp_path / "runs/heads/k1/receipt.json").write_text(json.dumps({"schema": "posttrainllm.track.receipt.heads/1"}))
+    assert cli.main(["report", "runs/bench"]) == 1  # its one point failed
+    out = capsys.readouterr().out
+    assert [line.split()[:2] for line in out.splitlines()[1:2]] == [["mine", "FAIL"]]
+    assert (tmp_path / "runs/bench/report.html").is_file() and not (tmp_path / "runs/report.html").exists()
+    assert cli.main(["report", "runs/bench", "runs/baseline"]) == 1
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()[1:3]] == ["bench/mine", "baseline"]
+    assert 'href="bench/mine/receipt.json"' in (tmp_path / "runs/report.html").read_text()
+    assert cli.main(["report", "runs/heads"]) == 1
+    assert capsys.readouterr().err.strip() == "posttrainllm: no receipts under runs/heads"
+    assert cli.main(["report", "runs/nowhere"]) == 2
+    assert "no folder runs/nowhere" in capsys.readouterr().err
+    decode = {"variants": {"greedy": {"decode_tokens_per_s": 1000.0},
+                           "trained": {"decode_tokens_per_s": 2300.0, "mean_accepted_length": 3.3,
+                                       "acceptance_rate_per_head": [0.83, 0.77]}},
+              "speedup": {"trained": {"measured": 2.3, "predicted": 2.4}}}
+    (tmp_path / "runs/heads/k2").mkdir(parents=True)
+    (tmp_path / "runs/heads/k2/receipt.json").write_text(json.dumps(
+        {"schema": "posttrainllm.track.receipt.heads/1", "verdict": "pass", "decode": decode}))
+    assert cli.main(["report", "runs"]) == 1  # the draft heads beside the points, in the table and on the page
+    out = capsys.readouterr().out
+    assert ["heads/k2", "pass", "trained", "3.30", "0.83,0.77", "2300", "2.30", "2.40"] in [
+        line.split() for line in out.splitlines()], out
+    page = (tmp_path / "runs/report.html").read_text()
+    assert "<h2>Draft heads</h2>" in page and 'href="heads/k2/receipt.json"' in page

@@ -55,10 +55,14 @@ def test_the_default_report_fits_160_columns_and_wide_has_every_column(reported)
     out, wide, runs = reported
     widths = [len(line) for line in out.splitlines()]
     assert max(widths) <= report.TERMINAL_WIDTH, out
-    rows = [line for line in out.splitlines() if line.startswith(POINTS)]
+    rows = [line for line in out.splitlines() if line.startswith(tuple(f"{p} " for p in POINTS))]  # not "p: flag"
     assert [row.split()[0] for row in rows] == ["baseline", "precision-fp16"], out
     assert all(" triton:pass " in row for row in rows) and "written: runs/report.md" in out
     receipts = {p: json.loads((runs / p / "receipt.json").read_text()) for p in POINTS}
+    flags = report.summary_frame(receipts).set_index("point")["flags"]
+    for point in POINTS:  # every figure in a point's flags column is said below the table, with its reason
+        said = {line.split(": ")[1] for line in out.splitlines() if line.startswith(f"{point}: ")}
+        assert said == set(flags[point].split(",")) - {"-"}, out
     columns = list(report.sweep_frame(receipts).columns)
     assert wide.splitlines()[0].split() == columns and max(len(line) for line in wide.splitlines()) > 300
     assert (runs / "report.md").read_text().startswith("| " + " | ".join(columns) + " |")  # every column
@@ -71,7 +75,8 @@ def test_the_page_names_only_files_that_exist_and_pngs_that_read(reported):
     text = (runs / "report.html").read_text()
     page = Page()
     page.feed(text)
-    assert not re.search(r"https?://|//cdn|<script|<link|@import|url\(", text)  # nothing from elsewhere
+    # nothing from elsewhere (url(#id): an inline figure's own clip path)
+    assert not re.search(r"https?://|//cdn|<script|<link|@import|url\((?!#)", text)
     assert "script" not in page.tags and "iframe" not in page.tags
     expected = {f"{p}/{plot}" for p in POINTS for plot in report_page.PLOTS}
     assert set(page.images) == expected and all((runs / p / plot).is_file() for p in POINTS for plot in report_page.PLOTS)
@@ -89,6 +94,9 @@ def test_the_page_names_only_files_that_exist_and_pngs_that_read(reported):
     for point in POINTS:  # parity verdicts per path, in the point's section
         section = text[text.index(f'id="point-{point}"'):]
         assert all(f"<td>{path}</td><td>pass</td>" in section for path in ("sdpa", "triton"))
+        # its per-path table (the console's columns) and bench-train's table with the loss curves drawn inline
+        assert all(f"<th>{column}</th>" in section for column in ("decided_by", "fwd+bwd_band", "roofline"))
+        assert "<h3>Bench-train</h3>" in section and "<th>predicted</th>" in section and "<svg " in section
 
 
 def test_failing_points_come_first_and_a_missing_plot_is_not_named(tmp_path):

@@ -61,6 +61,13 @@ def measured_text(measured: float | None, band: float | None) -> str | None:
     return f"{measured:.2f}x"
 
 
+def disagrees(predicted: float, measured: float, band: float | None) -> bool:
+    """The measured end-to-end speedup misses the predicted one beyond the stated band: more than DISAGREEMENT
+    apart, and not both inside the baseline's own run-to-run band."""
+    return abs(measured / predicted - 1.0) > DISAGREEMENT and not (within_band(measured, band)
+                                                                   and within_band(predicted, band))
+
+
 def predicted_speedup(fraction: float, speedup: float) -> float:
     return 1.0 / ((1.0 - fraction) + fraction / speedup)
 
@@ -68,8 +75,7 @@ def predicted_speedup(fraction: float, speedup: float) -> float:
 def reading(*, fraction: float, speedup: float, predicted: float, measured: float, op_profile: dict[str, Any],
             microbench_problem: str, model_problem: str, band: float | None = None) -> str:
     """One line on why predicted and measured disagree (empty when they agree, or when both lie inside the band)."""
-    if abs(measured / predicted - 1.0) <= DISAGREEMENT or (within_band(measured, band)
-                                                            and within_band(predicted, band)):
+    if not disagrees(predicted, measured, band):
         return ""
     reasons = []
     if microbench_problem != model_problem:

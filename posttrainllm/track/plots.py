@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+import matplotlib
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -117,10 +118,15 @@ def roofline_plot(points: Iterable[Mapping[str, Any]], peaks: Mapping[str, Any],
         ax.plot(grid, [min(flops, bandwidth * i) for i in grid], label=f"{name}: {flops / 1e9:.3g} GFLOP/s")
     ax.plot(grid, [bandwidth * i for i in grid], linestyle=":", color="grey",
             label=f"memory: {bandwidth / 1e9:.3g} GB/s")
-    for point in points:
+    markers = "osD^vP*Xh<>p"
+    # one marker per path, named in a legend beside the axes: paths of one op share an intensity, so labels
+    # written at the points would lie on top of each other
+    for i, point in enumerate(sorted(points, key=lambda p: -float(p["achieved_flops_per_s"]))):
         x, y = float(point["intensity_flops_per_byte"]), float(point["achieved_flops_per_s"])
-        ax.plot([x], [y], marker="o", color="black")
-        ax.annotate(str(point.get("label", "")), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ax.plot([x], [y], marker=markers[i % len(markers)], linestyle="none", markersize=7, alpha=0.8,
+                markerfacecolor="none" if i >= len(markers) else None,
+                label=f"{point.get('label', '')}: {y / 1e9:.3g} GFLOP/s"
+                      + (" (above its roof: not a result)" if (point.get("fraction_of_attainable") or 0) > 1 else ""))
     ax.set_xscale("log")
     ax.set_yscale("log")
     top = max(list(roofs.values()) + [float(p["achieved_flops_per_s"]) for p in points])
@@ -130,7 +136,7 @@ def roofline_plot(points: Iterable[Mapping[str, Any]], peaks: Mapping[str, Any],
     ax.set_ylabel("FLOP/s")
     ax.set_title(title or "roofline")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     return _save(fig, path)
 
 
@@ -139,7 +145,9 @@ def memory_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = No
     one panel per curve axis (x_name).
 
     A path that materialises the (S, S) scores grows ~4x per doubling of S; a fused one ~2x,
-    like the minimal bytes (inputs + outputs) drawn dashed grey.
+    like the minimal bytes (inputs + outputs) drawn dashed grey. The two measure different things: a call's
+    peak counts what it allocates (its inputs exist before it), the line what it must read and write, so a
+    fused path's peak may lie below the line.
     """
     valid = df[df["valid"].astype(bool) & df["peak_bytes"].notna()]
     if valid.empty:
@@ -154,9 +162,39 @@ def memory_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = No
             colours.setdefault(impl, line.get_color())
         model = rows.drop_duplicates("x_value").sort_values("x_value")
         ax.plot(model["x_value"].to_numpy(), model["minimal_bytes"].astype(float).to_numpy(), linestyle="--",
-                color="grey", label="minimal bytes (inputs + outputs)")
+                color="grey", label="inputs + outputs: what a call reads and writes\n(not allocated by it: "
+                                    "the peaks count only what it allocates)")
         _log2_x(ax, rows, x_name)
         ax.set_ylabel("peak memory of one call [B]")
         ax.set_title(title or f"{rows['op'].iloc[0]} memory on {rows['device'].iloc[0]}")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, -0.14), ncol=2)  # below: never over a line
     return _save(fig, path)
+
+
+def loss_curves_svg(train: Mapping[str, Any], prefix: str = "") -> str:
+    """bench-train's training loss per step, one line per variant (bench_train.json `impls`), as an inline
+    <svg> for report.html: no file, no script, no address of elsewhere (MLflow keeps the same curves as the
+    stepped metric train.<variant>.loss). A variant through Triton's interpreter trains fewer steps."""
+    import io
+    import re
+
+    from matplotlib.backends.backend_svg import FigureCanvasSVG
+
+    fig = Figure(figsize=(6.4, 3.4))
+    ax = fig.subplots()
+    for name, entry in train["impls"].items():
+        losses = entry["losses"]
+        ax.plot(range(len(losses)), losses, marker="o" if len(losses) <= 24 else None, markersize=3,
+                label=f"{name} ({len(losses)} steps)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    FigureCanvasSVG(fig)
+    out = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as text: a few kB, not glyph outlines
+        fig.savefig(out, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None})
+    svg = out.getvalue()
+    svg = re.sub(r"<metadata>.*?</metadata>", "", svg[svg.index("<svg"):], flags=re.S)  # no RDF namespaces
+    svg = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg)  # inline SVG in HTML needs no namespace declarations
+    return re.sub(r'(id="|href="#|url\(#)', rf"\g<1>{prefix}", svg)  # ids unique among a page's figures

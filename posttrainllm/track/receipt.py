@@ -27,16 +27,17 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 from posttrainllm.measure import device as devices
-from posttrainllm.track import store
+from posttrainllm.track import derived, store
 from posttrainllm.track.provenance import git_revision, project_root
 from posttrainllm.track.stamp import STAMPS
-from posttrainllm.config import LabConfig, point_config
+from posttrainllm.config import DIMENSIONS, LabConfig, point_config
 from posttrainllm.files import point_dir, read_json, write_json
 
 SCHEMA = "posttrainllm.track.receipt/1"
 HEADS_SCHEMA = "posttrainllm.track.receipt.heads/1"  # a draft-heads receipt (build_heads): no point, no sweep
 EXPERIMENT = "posttrainllm"
-ARTIFACTS = ("receipt.json", "parity.json", "kernel.json", "microbench.json", "timings.csv", "curve.csv",
+ARTIFACTS = ("receipt.json", "metrics.json", "parity.json", "kernel.json", "microbench.json", "timings.csv",
+             "curve.csv",
              "time_vs_size.png", "memory_vs_size.png", "roofline.png", "bench_train.json", "config.yaml")
 
 
@@ -199,6 +200,59 @@ def metrics(receipt: dict[str, Any]) -> dict[str, float]:
     return flat
 
 
+FILTER_GROUPS = ("tile", "workgroup")  # a kernel's knobs: every value a parameter (a few each)
+FILTER_VALUES = ("precision.dtype", "op.only", "op.user_impls", "bench.threads")
+
+
+def run_params(receipt: dict[str, Any]) -> dict[str, str]:
+    """The MLflow run's parameters: the point's dimensions by name, and the few values a person filters by
+    (FILTER_GROUPS, FILTER_VALUES); the whole config is its config.yaml artifact."""
+    config = receipt["config"]
+    flat: dict[str, str] = {}
+    _flatten("", {group: config[group] for group in FILTER_GROUPS if isinstance(config.get(group), dict)}, flat)
+    for dimension in DIMENSIONS:
+        group = config.get(dimension)
+        if isinstance(group, dict) and "name" in group:
+            flat[f"{dimension}.name"] = str(group["name"])
+        elif isinstance(group, str):
+            flat[dimension] = group
+    for key in FILTER_VALUES:
+        group, _, name = key.partition(".")
+        value = (config.get(group) or {}).get(name) if isinstance(config.get(group), dict) else None
+        if value not in (None, [], ""):
+            flat[key] = str(value)
+    return flat
+
+
+def headline_metrics(receipt: dict[str, Any]) -> dict[str, float]:
+    """The MLflow run's metrics, a handful per path that make sense as default columns (track/derived.py: the
+    numbers every view shows): parity pass, forward and forward+backward median and speedup against the
+    reference, a roofline fraction that is a result (<= 1), training loss drift and tokens/s; and the point's
+    best-peer, ours-against-it and end-to-end figures. Every other number is in the metrics.json artifact."""
+    fields = derived.point_fields(receipt)
+    flat: dict[str, float] = {}
+    for name, f in fields["paths"].items():
+        if f["verdict"] in ("pass", "fail"):
+            flat[f"parity.{name}.pass"] = float(f["verdict"] == "pass")
+        for key, value in (("median_ms", f["fwd_ms"]), ("fwd_bwd.median_ms", f["fb_ms"]),
+                           ("speedup_vs_reference", f["fwd_x"]), ("fwd_bwd.speedup_vs_reference", f["fb_x"]),
+                           ("roofline_fraction", None if f["roofline_flag"] else f["roofline_fraction"])):
+            if value is not None:
+                flat[f"bench.{name}.{key}"] = value
+    train = receipt.get("bench_train") or {}
+    for name, drift in (train.get("drift") or {}).items():
+        flat[f"train.{name}.loss_drift"] = drift
+    for name, entry in (train.get("impls") or {}).items():
+        if entry.get("timing_valid", True) and entry.get("tokens_per_s") is not None:
+            flat[f"train.{name}.tokens_per_s"] = entry["tokens_per_s"]
+    for key, value in (("best_peer.speedup", fields["peer_x"]), ("best_peer.fwd_bwd_speedup", fields["peer_fb_x"]),
+                       ("triton.vs_best_peer", fields["ours_x"]), ("triton.fwd_bwd_vs_best_peer", fields["ours_fb_x"]),
+                       ("e2e.predicted", fields["e2e_pred"]), ("e2e.measured", fields["e2e_meas"])):
+        if isinstance(value, (int, float)):
+            flat[key] = value
+    return flat
+
+
 def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
@@ -274,10 +328,22 @@ def _tags(receipt: dict[str, Any]) -> dict[str, str]:
         for key in ("spec", "file", "sha256", "distribution", "version"):
             if identity.get(key):
                 tags[f"user.{name}.{key}"] = str(identity[key])
+    fields = derived.point_fields(receipt)  # the figures as every view shows them
+    tags["best_peer"] = fields["best_peer"] or "none"
+    tags["best_peer.rule"] = derived.BEST_PEER_RULE
+    if fields["e2e_path"]:
+        tags["e2e.path"] = fields["e2e_path"]
+        if fields["e2e_meas"] == "n.c.":  # no e2e.measured metric then: inside the baseline's own band
+            tags["e2e.measured"] = "n.c. (inside the baseline's run-to-run band: no measurable change)"
+    tags["flags"] = ",".join(dict.fromkeys(f["figure"] for f in fields["flags"])) or "none"
+    if fields["flags"]:  # each with its path and reason, as the report prints them
+        tags["flags.reasons"] = "\n".join(f"{f['figure']}: {f['path']}: {f['reason']}" for f in fields["flags"])[:5000]
     if receipt["sweep"]:
         tags["sweep"] = receipt["sweep"]["name"]
         tags["sweep.id"] = receipt["sweep"]["id"]
         tags["sweep.changes"] = ",".join(f"{k}={v}" for k, v in receipt["sweep"]["changes"].items()) or "baseline"
+        for dimension, value in receipt["sweep"]["changes"].items():  # filterable: tags.`change.precision` = 'fp16'
+            tags[f"change.{dimension}"] = str(value)
     return tags
 
 
@@ -345,10 +411,9 @@ def _write_run(client: Any, experiment_id: str, receipt: dict[str, Any], folder:
     from posttrainllm.track.failures import TRACEBACKS
 
     run_id = client.create_run(experiment_id, run_name=receipt["point"], tags=tags).info.run_id
-    params: dict[str, str] = {}
-    _flatten("", receipt["config"], params)
+    params = run_params(receipt)
     now = int(dt.datetime.now().timestamp() * 1000)
-    values = [Metric(k, float(v), now, 0) for k, v in metrics(receipt).items()]
+    values = [Metric(k, float(v), now, 0) for k, v in headline_metrics(receipt).items()]
     train = receipt.get("bench_train")
     for name, entry in (train or {}).get("impls", {}).items():
         values += [Metric(f"train.{name}.loss", loss, now, step) for step, loss in enumerate(entry["losses"])]

@@ -2,60 +2,108 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from posttrainllm.model import amdahl as band_rule
+from posttrainllm.track import derived
+
+TERMINAL_WIDTH = 160  # the widest line of a default table (the bench's and the report's), whatever the names
 
 
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else value if isinstance(value, str) else format(value, spec)
 
 
-def _measured(train: dict[str, Any], check: dict[str, Any]) -> float | str | None:
-    """A measured end-to-end speedup as printed: the number, or "n.c." inside the baseline's own run-to-run band
-    (bench_train.json noise.band): no speedup is ever printed inside it."""
-    measured = check.get("measured_speedup") if check.get("valid") else None
-    band = (train.get("noise") or {}).get("band")
-    return "n.c." if measured is not None and band_rule.within_band(measured, band) else measured
+def fill(text: str, width: int = TERMINAL_WIDTH) -> str:
+    """A long line of prose wrapped to `width`, its words (paths, file:line) never broken."""
+    import textwrap
+
+    return textwrap.fill(text, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
 
 
-def point_table(receipt: dict[str, Any]) -> str:
-    """One row per path: parity verdict and worst error, then timing and throughput where valid."""
+def _band(band: tuple[float, float] | None) -> str:
+    return f"{band[0]:.3f}-{band[1]:.3f}" if band else "-"
+
+
+def path_frame(receipt: dict[str, Any]) -> pd.DataFrame:
+    """One row per path (derived.path_fields): its verdict, the tensor and the rule that decided it, its first
+    failing case and how many cases (rows) failed, forward and forward+backward median and p20-p80 band in ms,
+    each one's speedup against the reference, and a note (flags, refusals, borrowed gradients). The bands are
+    p20-p80 in ms; the speedups (x) are the reference's median / the path's."""
     parity = (receipt.get("parity") or {}).get("paths", {})
-    bench = (receipt.get("microbench") or {}).get("paths", {})
     rows = []
-    for name in dict.fromkeys([*bench, *parity]):
-        p, b = parity.get(name, {}), bench.get(name, {})
-        worst = p.get("worst", {}).get("out", {})
-        valid = b.get("valid", False)
-        note = "; ".join(filter(None, [
-            "bf16 emulated (see receipt)" if p.get("emulation") else "",
-            backward_note(p.get("backward")),
-            raised_note(p),
-            "interpreted: not speed" if b.get("reason", "").startswith("Triton ran through") else
-            "" if p.get("cannot_run_here") else b.get("reason", ""),
-        ]))
+    for name, f in derived.path_fields(receipt).items():
+        p = parity.get(name, {})
+        decided = f["decided_by"] if f["verdict"] != "pass" or f.get("bound_ratio") is None else \
+            f"{f['decided_by']} {f['bound_ratio']:.2f}"
         rows.append({
-            "path": name,
-            "parity": p.get("verdict", "baseline" if name == "reference" else "-"),
-            "max_abs_err": _fmt(worst.get("max_abs_err"), ".2e"),
-            "allowed": _fmt(worst.get("allowed_abs_err"), ".2e"),
-            "median_ms": _fmt(b.get("median_ms") if valid else None, ".3f"),
-            "p20-p80_ms": f"{b['p20_ms']:.3f}-{b['p80_ms']:.3f}" if valid else "-",
-            "GFLOP/s": _fmt(b.get("gflops_per_s") if valid else None, ".2f"),
-            "GB/s": _fmt(b.get("gbytes_per_s") if valid else None, ".2f"),
-            "speedup": _fmt(b.get("speedup_vs_reference"), ".2f"),
-            "note": note,
+            "path": name, "verdict": f["verdict"], "decided_by": decided, "rule": f["rule"],
+            "first_fail": f["first_case"],
+            "failed": "-" if not f["failed"] else f"{f['failed']}" + (f" ({f['rows']})" if f["rows"] else ""),
+            "fwd_ms": _fmt(f["fwd_ms"], ".3f"), "fwd_band": _band(f["fwd_band"]),
+            "fwd+bwd_ms": _fmt(f["fb_ms"], ".3f"), "fwd+bwd_band": _band(f["fb_band"]),
+            "fwd_x": _fmt(f["fwd_x"], ".2f"), "fwd+bwd_x": _fmt(f["fb_x"], ".2f"),
+            "note": "; ".join(filter(None, [
+                "bf16 emulated" if p.get("emulation") else "",
+                backward_note(p.get("backward")),
+                "noisy" if f["fwd_noisy"] or f["fb_noisy"] else "",
+                "roofline >100%" if f["roofline_flag"] else "",
+                "interpreted: not speed" if (f["refused"] or "").startswith("Triton ran through") else
+                "" if p.get("cannot_run_here") or f["verdict"] == "fail" else (f["refused"] or ""),
+            ])) or "-",
         })
+    return pd.DataFrame(rows)
+
+
+PATH_LEGEND = ("decided_by: a failing path's first failing tensor (or guard) and the rule it failed; a passing "
+               "path's tensor nearest its bound, at that fraction of it.\n  failed: cases (rows failed/rows). "
+               "band: p20-p80 ms. x: the reference's median / the path's.")
+PATH_NUMBERS = ("failed", "fwd_ms", "fwd_band", "fwd+bwd_ms", "fwd+bwd_band", "fwd_x", "fwd+bwd_x")
+
+
+def path_lines(receipt: dict[str, Any]) -> list[str]:
+    """Under the path table, one line per path that needs one: why a failing rule failed (its allowed value) and
+    a hint where the math suggests one; why a path cannot run here; every flag, with its reason; then the
+    end-to-end prediction's flag, when its measurement misses it beyond the stated band."""
+    parity = (receipt.get("parity") or {}).get("paths", {})
+    lines = []
+    for name, f in derived.path_fields(receipt).items():
+        if f["verdict"] == "fail" and f["why"]:
+            lines.append(f"{name}: {f['why']}" + (f". hint: {f['hint']}" if f["hint"] else ""))
+        elif parity.get(name, {}).get("error"):  # raised: located; cannot run here: why and what would
+            lines.append(f"{name}: {raised_note(parity[name])}")
+        lines += [f"{name}: {flag}" for flag in f["flags"]]
+    e2e = derived.point_fields(receipt)["e2e_flag"]
+    return lines + ([e2e] if e2e else [])
+
+
+def point_table(receipt: dict[str, Any], width: int = TERMINAL_WIDTH) -> str:
+    """The bench's console: a head line, one row per path (path_frame) within `width` columns (the note clipped
+    and then given in full below), then path_lines, one line each."""
     machine = receipt["provenance"]["machine"]
     apart = (receipt.get("parity") or {}).get("cannot_run_here") or {}
     head = (f"point {receipt['point']}: {(receipt.get('microbench') or {}).get('problem', '')} "
             f"{receipt['config']['precision']['name']} on {machine['device_name']} ({machine['threads']} threads), "
             f"parity {(receipt.get('parity') or {}).get('verdict', 'missing')}"
             + (f" ({len(apart)} cannot run here, apart: {', '.join(apart)})" if apart else ""))
-    lines = [head, pd.DataFrame(rows).to_string(index=False)]
+    frame = path_frame(receipt)
+    if frame.empty:
+        return head
+    for column, most in (("path", 16), ("verdict", 15), ("decided_by", 20), ("first_fail", 24)):
+        frame[column] = frame[column].map(lambda text, w=most: _clip(text, w))
+    table = _aligned(frame, PATH_NUMBERS)
+    excess = max(map(len, table.splitlines())) - width
+    clipped = []
+    if excess > 0:  # the notes give way; a clipped one is said in full under the table
+        most = max(len("note"), int(frame["note"].map(len).max()) - excess)
+        clipped = [f"{path}: {note}" for path, note in zip(frame["path"], frame["note"]) if len(note) > most]
+        frame["note"] = frame["note"].map(lambda text: _clip(text, most))
+        table = _aligned(frame, PATH_NUMBERS)
+    lines = [head, table, PATH_LEGEND, *clipped]
+    lines += path_lines(receipt)  # one line each, unwrapped: a file:line in it stays whole
     quantization = (receipt.get("parity") or {}).get("quantization")
     if quantization:  # a quantized precision: the quantization's own error, apart from the paths'
         lines.append(f"quantization {quantization['recipe']}: SQNR {_fmt(quantization['sqnr_db'], '.1f')} dB, worst "
@@ -87,11 +135,16 @@ def backward_note(backward: str | None) -> str:
 
 
 def train_table(receipt: dict[str, Any]) -> str:
+    """train_head, then train_frame as text (the bench-train console; "-" where nothing applies)."""
+    if not receipt.get("bench_train"):
+        return f"point {receipt['point']}: no bench-train result"
+    return train_head(receipt) + "\n" + train_frame(receipt).to_string(index=False)
+
+
+def train_frame(receipt: dict[str, Any]) -> pd.DataFrame:
     """One row per bench-train variant: speed where valid, the loss curve's ends (at its own last step), drift,
     Amdahl; then a row per path not trained (failed parity, forward-only, ...) with why. "-" where nothing applies."""
-    train = receipt.get("bench_train")
-    if not train:
-        return f"point {receipt['point']}: no bench-train result"
+    train = receipt["bench_train"]
     amdahl = train.get("amdahl", {}).get("variants", {})
     quality = (train.get("quality") or {}).get("variants") or {}  # a quantized precision's gate, per path
     rows = []
@@ -121,6 +174,13 @@ def train_table(receipt: dict[str, Any]) -> str:
         })
     rows += [{**dict.fromkeys(rows[0], "-"), "variant": name, "note": why}
              for name, why in (train.get("skipped") or {}).items()]
+    return pd.DataFrame(rows)
+
+
+def train_head(receipt: dict[str, Any]) -> str:
+    """bench-train's one line about the point: model, precision, device, tokens per step, the drift limit, the
+    op's share of the step and the baseline's own run-to-run band."""
+    train = receipt["bench_train"]
     fraction = train.get("amdahl", {}).get("fraction")
     band = (train.get("noise") or {}).get("band")
     head = (f"point {receipt['point']}: bench-train {receipt['config']['architecture']['name']} "
@@ -129,36 +189,7 @@ def train_table(receipt: dict[str, Any]) -> str:
             + (f", {train['amdahl']['op']} is {fraction:.0%} of the baseline step" if fraction is not None else "")
             + (f", run-to-run band +-{(band - 1) * 100:.1f}% (the baseline against itself: a measured speedup "
                "inside it is no measurable change)" if band is not None else ""))
-    return head + "\n" + pd.DataFrame(rows).to_string(index=False)
-
-
-def _peer(receipt: dict[str, Any]) -> str | None:
-    """PyTorch's own optimized path for the point's op (kind "peer" in its registry): what a user would otherwise pick."""
-    paths = (receipt.get("kernel") or {}).get("paths", {})
-    return next((name for name, entry in paths.items() if entry.get("kind") == "peer"), None)
-
-
-def _vs_best_peer(receipt: dict[str, Any], mode: str) -> tuple[str | None, float | None, float | None]:
-    """Our kernel against the fastest valid peer (every SDPA backend is one) in `mode` ("forward" or
-    "forward_backward"): (best peer, best peer ms / triton ms, triton FLOP/s / calibrated GEMM peak).
-    A fraction >= 1 means ours is at least as fast; None where a side has no valid timing."""
-    micro = receipt.get("microbench") or {"paths": {}}
-    paths = (receipt.get("kernel") or {}).get("paths", {})
-
-    def timing(name: str) -> dict[str, Any] | None:
-        entry = micro["paths"].get(name) or {}
-        if not entry.get("valid"):
-            return None
-        timed = entry if mode == "forward" else entry.get("forward_backward")
-        return timed if timed and timed.get("median_ms") else None
-
-    peers = {name: t for name, entry in paths.items() if entry.get("kind") == "peer" and (t := timing(name))}
-    ours = timing("triton")
-    best = min(peers, key=lambda n: peers[n]["median_ms"]) if peers else None
-    fraction = peers[best]["median_ms"] / ours["median_ms"] if ours and best else None
-    peak = (micro.get("peaks") or {}).get("gemm_flops_per_s")
-    of_peak = ours["gflops_per_s"] * 1e9 / peak if ours and peak and ours.get("gflops_per_s") else None
-    return best, fraction, of_peak
+    return head
 
 
 def _crossover(curve: dict[str, Any], mode: str, peer: str | None) -> Any:
@@ -197,44 +228,44 @@ def _failures_first(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
-    """One row per point: what it changes, parity verdicts, valid timings against the baseline point,
-    roofline class, crossover, and bench-train (drift, Amdahl's predicted vs measured speedup)."""
+    """One row per point: what it changes, parity verdicts, valid timings of the best peer (derived.BEST_PEER_RULE)
+    against the reference and the baseline point, roofline class, crossover, our kernel against that peer, and
+    bench-train (drift, Amdahl's predicted vs measured speedup); `flags`: the figures not to read as results."""
     rows = []
     for name, receipt in receipts.items():
+        fields = derived.point_fields(receipt)
         parity = (receipt.get("parity") or {}).get("paths", {})
         micro = receipt.get("microbench") or {"paths": {}}
         bench = micro["paths"]
         train = receipt.get("bench_train") or {"impls": {}, "drift": {}}
-        peer = _peer(receipt)
+        peer = fields["best_peer"]
         peer_entry = bench.get(peer, {})
-        triton_worst = parity.get("triton", {}).get("worst", {})
-        ratios = [w["max_abs_err"] / w["allowed_abs_err"] for w in triton_worst.values() if w.get("allowed_abs_err")]
-        amdahl = train.get("amdahl", {}).get("variants", {}).get(peer, {})
         rows.append({
             "point": name,
-            "verdict": "FAIL" if point_failed(receipt) else "pass",
-            "first_failure": (receipt.get("parity") or {}).get("first_failure") or "-",
+            "verdict": "FAIL" if fields["verdict"] != "pass" else "pass",
+            "first_failure": fields["first_failure"] or "-",
             "change": ",".join(f"{k}={v}" for k, v in (receipt["sweep"] or {}).get("changes", {}).items()) or "-",
             "parity": ",".join(f"{p}:{v['verdict']}" for p, v in parity.items()),
-            "triton_err/allowed": max(ratios) if ratios else None,
+            "triton_err/allowed": (fields["paths"].get("triton") or {}).get("worst_ratio"),
             "ref_ms": bench.get("reference", {}).get("median_ms"),
             "peer": peer,
-            "peer_ms": peer_entry.get("median_ms") if peer_entry.get("valid") else None,
-            "peer_speedup": peer_entry.get("speedup_vs_reference"),
-            "peer_fb_speedup": (peer_entry.get("forward_backward") or {}).get("speedup_vs_reference"),
+            "peer_ms": fields["paths"][peer]["fwd_ms"] if peer else None,
+            "peer_speedup": fields["peer_x"],
+            "peer_fb_speedup": fields["peer_fb_x"],
             "peer_vs_ref": peer_entry.get("vs_reference"),
             "peer_noisy": peer_entry.get("noisy"),
             "peer_bound": (peer_entry.get("roofline") or {}).get("classification"),
             "crossover": micro.get("curve", {}).get("crossover_vs_reference", {}).get(peer),
             "crossover_fb": _crossover(micro.get("curve", {}), "forward_backward", peer),
-            "best_peer": _vs_best_peer(receipt, "forward")[0],
-            "triton_vs_best": _vs_best_peer(receipt, "forward")[1],
-            "triton_fb_vs_best": _vs_best_peer(receipt, "forward_backward")[1],
-            "triton_of_peak": _vs_best_peer(receipt, "forward")[2],
+            "triton_vs_best": fields["ours_x"],
+            "triton_fb_vs_best": fields["ours_fb_x"],
+            "triton_of_peak": fields["ours_of_peak"],
             "train_ms": train["impls"].get(train.get("baseline"), {}).get("warm_ms_per_step"),
             "max_drift": max(train["drift"].values()) if train["drift"] else None,
-            "amdahl_pred": amdahl.get("predicted_speedup"),
-            "amdahl_meas": _measured(train, amdahl),
+            "e2e_path": fields["e2e_path"],
+            "amdahl_pred": fields["e2e_pred"],
+            "amdahl_meas": fields["e2e_meas"],
+            "flags": flag_names(fields),
             **{f"triton_{key}": value for key, value in compiled(receipt).items()},
         })
     frame = _failures_first(pd.DataFrame(rows))
@@ -259,7 +290,7 @@ def formatted(frame: pd.DataFrame) -> pd.DataFrame:
     for column, spec in FORMATS.items():
         if column in frame:
             frame[column] = frame[column].map(lambda v, s=spec: _fmt(None if pd.isna(v) else v, s))
-    return frame.fillna("-").astype(str)
+    return frame.astype(object).fillna("-").astype(str)
 
 
 def sweep_table(receipts: dict[str, dict[str, Any]]) -> str:
@@ -267,16 +298,18 @@ def sweep_table(receipts: dict[str, dict[str, Any]]) -> str:
     return formatted(sweep_frame(receipts)).to_string(index=False)
 
 
-TERMINAL_WIDTH = 160  # the default table's widest line, whatever the points' names and failures
 # text columns of the summary, clipped to these widths (first_failure narrower still if a number is unusually wide)
-CLIPPED = {"point": 20, "first_failure": 32, "parity": 20, "best_peer": 14, "e2e_path": 10}
+CLIPPED = {"point": 20, "first_failure": 32, "parity": 20, "best_peer": 14, "e2e_path": 10, "flags": 24}
 SUMMARY_LEGEND = (
-    "peer_x, peer_fb_x: reference time / the best valid peer's (forward; forward+backward). ours_x, ours_fb_x: "
-    "that peer's time / our Triton kernel's,",
-    "  >= 1 when ours is as fast ('-' where Triton is interpreted: never speed). e2e_pred, e2e_meas: the training "
-    "step's speedup with e2e_path,",
-    "  predicted by Amdahl from the microbench and measured ('n.c.': inside the baseline's own run-to-run band, no",
-    "  measurable change). Speedups are ratios of medians.",
+    "best_peer: the peer with the lowest valid forward median. peer_x, peer_fb_x: reference time / best_peer's "
+    "(forward; forward+backward).",
+    "  ours_x, ours_fb_x: best_peer's time / our Triton kernel's, >= 1 when ours is as fast ('-' where Triton is "
+    "interpreted: never speed).",
+    "  e2e_pred, e2e_meas: the training step's speedup with e2e_path, predicted by Amdahl from the microbench and "
+    "measured ('n.c.': inside",
+    "  the baseline's own run-to-run band, no measurable change). Speedups are ratios of medians. flags: figures "
+    "not to read as results,",
+    "  each with its reason below (a noisy band, a measurement missing its prediction, a roofline above 100%).",
 )
 
 
@@ -292,40 +325,39 @@ def _our_parity(receipt: dict[str, Any]) -> str:
                             if p != "triton" and v["verdict"] != "pass"]) or "-"
 
 
-def _e2e(receipt: dict[str, Any]) -> tuple[str | None, float | None, float | None]:
-    """Amdahl's check of our Triton path where it is valid, else of the peer: (path, predicted, measured)."""
-    variants = ((receipt.get("bench_train") or {}).get("amdahl") or {}).get("variants", {})
-    for name in ("triton", _peer(receipt)):
-        check = variants.get(name) or {}
-        if check.get("valid"):
-            return name, check.get("predicted_speedup"), _measured(receipt["bench_train"], check)
-    return None, None, None
-
-
 def summary_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
     """The few columns to read first, one row per point (failing points first): its verdict and first failure,
-    our path's parity, the fastest valid peer's speedup over the reference and ours over that peer (forward;
-    forward+backward), and the end-to-end training step's predicted and measured speedup."""
+    our path's parity, the best peer's speedup over the reference and ours over that peer (forward;
+    forward+backward), the end-to-end training step's predicted and measured speedup, and which of these
+    figures are flagged (derived.py: noisy, missed beyond its band, above the roof)."""
     rows = []
     for name, receipt in receipts.items():
-        best, ours_x, _ = _vs_best_peer(receipt, "forward")
-        best_entry = ((receipt.get("microbench") or {}).get("paths") or {}).get(best) or {}
-        e2e_path, e2e_pred, e2e_meas = _e2e(receipt)
+        fields = derived.point_fields(receipt)
         rows.append({
             "point": name,
-            "verdict": "FAIL" if point_failed(receipt) else "pass",
-            "first_failure": (receipt.get("parity") or {}).get("first_failure") or "-",
+            "verdict": "FAIL" if fields["verdict"] != "pass" else "pass",
+            "first_failure": fields["first_failure"] or "-",
             "parity": _our_parity(receipt),
-            "best_peer": best or "-",
-            "peer_x": best_entry.get("speedup_vs_reference"),
-            "peer_fb_x": (best_entry.get("forward_backward") or {}).get("speedup_vs_reference"),
-            "ours_x": ours_x,
-            "ours_fb_x": _vs_best_peer(receipt, "forward_backward")[1],
-            "e2e_path": e2e_path or "-",
-            "e2e_pred": e2e_pred,
-            "e2e_meas": e2e_meas,
+            "best_peer": fields["best_peer"] or "-",
+            **{key: fields[key] for key in ("peer_x", "peer_fb_x", "ours_x", "ours_fb_x")},
+            "e2e_path": fields["e2e_path"] or "-",
+            "e2e_pred": fields["e2e_pred"],
+            "e2e_meas": fields["e2e_meas"],
+            "flags": flag_names(fields),
         })
     return _failures_first(pd.DataFrame(rows))
+
+
+def flag_names(fields: dict[str, Any]) -> str:
+    """derived.point_fields's flagged figures, named short for a table cell (the reasons: flag_lines)."""
+    return ",".join(dict.fromkeys(flag["figure"] for flag in fields["flags"])) or "-"
+
+
+def flag_lines(receipts: dict[str, dict[str, Any]]) -> list[str]:
+    """Every flag of the points' figures as `point: figure: path: reason`, failing points first."""
+    return [f"{name}: {flag['figure']}: {flag['path']}: {flag['reason']}"
+            for name in summary_frame(receipts)["point"]
+            for flag in derived.point_fields(receipts[name])["flags"]]
 
 
 def _aligned(frame: pd.DataFrame, numbers: tuple[str, ...]) -> str:
@@ -357,9 +389,10 @@ def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
     lines += ["| " + " | ".join(row) + " |" for row in frame.itertuples(index=False)]
     legend = [
-        "", "Times are medians in ms on each point's own shape; `peer` is PyTorch's own optimized path.",
-        "`triton_vs_best` (`triton_fb_vs_best`): the fastest valid peer's (`best_peer`, every SDPA backend "
-        "counted) forward (forward + backward) median / our kernel's, >= 1 when ours is as fast; "
+        "", "Times are medians in ms on each point's own shape; `peer` is the best of PyTorch's own optimized "
+        "paths (the same peer as `best_peer` in the default table).",
+        "`triton_vs_best` (`triton_fb_vs_best`): `peer`'s forward (forward + backward) median / our kernel's, "
+        ">= 1 when ours is as fast; "
         "`triton_of_peak`: our forward's FLOP/s / the calibrated GEMM peak. Empty where Triton is "
         "interpreted (never speed).",
         "`verdict`: FAIL when a path broke its contract or its loss-drift limit (failing points come first; "
@@ -372,12 +405,70 @@ def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
         "than the reference at every larger size; `crossover_fb`: the same for forward + backward (curves timed "
         "with bench.curve_backward). Other curve axes (MoE: experts) are in microbench.json's `crossovers`.",
         "`triton_err/allowed`: the worst of the Triton path's outputs and gradients, as a fraction of its "
-        "contract's bound. Triton timings through the interpreter are never shown.",
-        "`amdahl_pred`/`amdahl_meas`: the end-to-end step speedup predicted from the microbench and the op's "
-        "share of the step, and the measured one.",
+        "contract's bound (tensor-wide or per row, the larger). Triton timings through the interpreter are never "
+        "shown.",
+        f"`peer`: {derived.BEST_PEER_RULE}. `flags`: the figures not to read as results (`posttrainllm report` "
+        "prints each with its reason).",
+        "`amdahl_pred`/`amdahl_meas`: `e2e_path`'s end-to-end step speedup predicted from the microbench and the "
+        "op's share of the step, and the measured one.",
     ]
     timing = stage_times_text(receipts)
     return "\n".join(lines + legend + (["", f"Time: {timing}"] if timing else [])) + "\n"
+
+
+def read_folders(folders: list[Path], root: Path | None = None
+                 ) -> tuple[Path, dict[str, dict[str, Any]], dict[str, dict[str, Any]], list[str]]:
+    """Every receipt under `folders` (receipt.receipt_files): (the page's folder, {the point's folder relative to
+    it: receipt}, the same of the draft-heads receipts, unreadable receipts with why). The page's folder is
+    `root`, else the receipts' folders' common parent, so its links to each point's files are relative."""
+    import os
+
+    from posttrainllm.files import read_json
+    from posttrainllm.track.receipt import HEADS_SCHEMA, SCHEMA, receipt_files
+
+    found = [path.resolve() for folder in folders for path in receipt_files(folder)]
+    if not found:
+        return root or folders[0], {}, {}, []
+    root = root.resolve() if root else Path(os.path.commonpath([path.parent.parent for path in found]))
+    receipts: dict[str, dict[str, Any]] = {}
+    heads: dict[str, dict[str, Any]] = {}
+    unreadable = []
+    for path in dict.fromkeys(found):
+        try:
+            receipt = read_json(path)
+        except (OSError, ValueError) as exc:  # a truncated or hand-edited receipt: named, not a traceback
+            unreadable.append(f"{path} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+            continue
+        schema = receipt.get("schema") if isinstance(receipt, dict) else None
+        if schema in (SCHEMA, HEADS_SCHEMA) and (schema == SCHEMA or "decode" in receipt):
+            (receipts if schema == SCHEMA else heads)[path.parent.relative_to(root).as_posix()] = receipt
+    return root, receipts, heads, unreadable
+
+
+HEADS_LEGEND = ("draft heads: speedup = decode tokens/s over plain greedy's, measured; predicted from the mean "
+                "accepted length and a verification step's cost")
+
+
+def heads_frame(heads: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """The draft heads (`posttrainllm experimental train-heads`), one row per receipt and decode variant: lossless
+    or not, the mean accepted length and each head's acceptance rate, decode tokens/s, and the speedup over plain
+    greedy measured and predicted (from the accepted length and the verification's cost)."""
+    rows = []
+    for name, receipt in heads.items():
+        decode = receipt.get("decode") or {}
+        speedup = decode.get("speedup") or {}
+        for variant, entry in (decode.get("variants") or {}).items():
+            rates = entry.get("acceptance_rate_per_head") or []
+            rows.append({
+                "heads": name, "verdict": receipt.get("verdict", "-"), "variant": variant,
+                "accepted": _fmt(entry.get("mean_accepted_length"), ".2f"),
+                "acceptance per head": ",".join(f"{r:.2f}" for r in rates) or "-",
+                "decode tokens/s": _fmt(entry.get("decode_tokens_per_s"), ".0f"),
+                "speedup": _fmt((speedup.get(variant) or {}).get("measured"), ".2f"),
+                "predicted": _fmt((speedup.get(variant) or {}).get("predicted"), ".2f"),
+            })
+    return pd.DataFrame(rows, columns=["heads", "verdict", "variant", "accepted", "acceptance per head",
+                                       "decode tokens/s", "speedup", "predicted"])
 
 
 def stage_times(receipts: dict[str, dict[str, Any]]) -> dict[str, Any]:

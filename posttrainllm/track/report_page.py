@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 import pandas as pd
 
-from posttrainllm.track import report
+from posttrainllm.track import derived, report
 
 PLOTS = ("time_vs_size.png", "memory_vs_size.png", "roofline.png")  # what the microbench stage draws
 
@@ -61,17 +61,17 @@ def _anchor(point: str) -> str:
 
 
 def parity_rows(receipt: dict[str, Any]) -> pd.DataFrame:
-    """One row per path: its verdict, its worst output or gradient against the contract's bound, what failed."""
+    """One row per path: its verdict, its tensor nearest (or furthest past) its bound (derived.py), what failed."""
     rows = []
+    fields = derived.path_fields(receipt)
     for name, entry in ((receipt.get("parity") or {}).get("paths") or {}).items():
-        worst = {output: w["max_abs_err"] / w["allowed_abs_err"] for output, w in (entry.get("worst") or {}).items()
-                 if w.get("allowed_abs_err") and w.get("max_abs_err") is not None}
-        top = max(worst, key=worst.get) if worst else None
+        f = fields[name]
         failed = entry.get("failed_cases") or []
         rows.append({
             "path": name,
             "verdict": entry.get("verdict", "-"),
-            "worst err/allowed": f"{worst[top]:.3f} ({top}, {entry['worst'][top].get('case', '-')})" if top else "-",
+            "worst err/allowed": f"{f['worst_ratio']:.3f} ({f['worst_tensor']}, {f['worst_case'] or '-'})"
+                                 if f["worst_ratio"] is not None else "-",
             "failed cases": "; ".join(failed[:3]) + (f"; and {len(failed) - 3} more" if len(failed) > 3 else "")
                             or "-",
             "note": "; ".join(filter(None, ["bf16 emulated" if entry.get("emulation") else "",
@@ -79,6 +79,33 @@ def parity_rows(receipt: dict[str, Any]) -> pd.DataFrame:
                                             report.raised_note(entry)])) or "-",
         })
     return pd.DataFrame(rows, columns=["path", "verdict", "worst err/allowed", "failed cases", "note"])
+
+
+def path_rows(receipt: dict[str, Any]) -> pd.DataFrame:
+    """The console's per-path table (report.path_frame: the same derived fields), with each path's peak memory
+    and roofline fraction; a fraction above 100% is shown as not a result (track/derived.py)."""
+    frame = report.path_frame(receipt)
+    fields = derived.path_fields(receipt)
+    frame.insert(len(frame.columns) - 1, "peak_MB", [report._fmt(None if fields[p]["peak_bytes"] is None else
+                                                                 fields[p]["peak_bytes"] / 1e6, ".2f")
+                                                     for p in frame["path"]])
+    frame.insert(len(frame.columns) - 1, "roofline", [
+        "-" if (f := fields[p]["roofline_fraction"]) is None else f"{f:.0%}: not a result" if f > 1 else f"{f:.0%}"
+        for p in frame["path"]])
+    return frame
+
+
+def _train_section(receipt: dict[str, Any]) -> str:
+    """bench-train: its line, the loss curves (inline SVG) and the table the console prints (report.train_frame:
+    speed, loss ends, drift, predicted against measured end-to-end speedup, and why a path was not trained)."""
+    if not (receipt.get("bench_train") or {}).get("impls"):
+        return ""
+    from posttrainllm.track import plots
+
+    return (f"<h3>Bench-train</h3><p>{_e(report.train_head(receipt))}</p>"
+            f'<div class="wide">{_table(report.train_frame(receipt).astype(str))}</div>'
+            f"<figure>{plots.loss_curves_svg(receipt['bench_train'], prefix=_anchor(receipt['point']) + '-loss-')}"
+            "</figure>")
 
 
 def _point_section(name: str, receipt: dict[str, Any], runs: Path) -> str:
@@ -96,15 +123,22 @@ def _point_section(name: str, receipt: dict[str, Any], runs: Path) -> str:
     if parity.get("first_failure"):
         facts.insert(1, f"first failure: <code>{_e(parity['first_failure'])}</code>")
     plots = [plot for plot in PLOTS if (runs / name / plot).is_file()]
+    lines = report.path_lines(receipt)  # why each failing rule failed, and every flag with its reason
     images = "".join(f'<a href="{_href(name, plot)}"><img src="{_href(name, plot)}" alt="{_e(name)}: {_e(plot)}">'
                      f"</a>" for plot in plots)
     return (f'<section id="{_e(_anchor(name))}"><h2>{_e(name)}</h2><p>{" · ".join(facts)}</p>'
-            f"<h3>Parity per path</h3>{_table(parity_rows(receipt).astype(str))}"
+            + (f"<h3>Paths</h3>{_table(path_rows(receipt).astype(str))}<p>{_e(report.PATH_LEGEND)}</p>"
+               if receipt.get("parity") or receipt.get("microbench") else "")
+            + (f"<h3>Failures and flags</h3><ul>{''.join(f'<li>{_e(line)}</li>' for line in lines)}</ul>"
+               if lines else "")
+            + f"<h3>Parity per path</h3>{_table(parity_rows(receipt).astype(str))}"
+            + _train_section(receipt)
             + (f"<h3>Plots</h3><p>{images}</p>" if plots else "<p>No plots in this point's folder.</p>")
             + "</section>")
 
 
-def sweep_page(receipts: dict[str, dict[str, Any]], runs: Path, *, sweep: str = "") -> str:
+def sweep_page(receipts: dict[str, dict[str, Any]], runs: Path, *, sweep: str = "",
+               heads: dict[str, dict[str, Any]] | None = None) -> str:
     """The page for `runs/report.html`: `runs` is the folder it is written to (the points' folders are in it)."""
     summary = report.formatted(report.summary_frame(receipts))  # failing points first
     failed = sum(report.point_failed(r) for r in receipts.values())
@@ -118,5 +152,10 @@ def sweep_page(receipts: dict[str, dict[str, Any]], runs: Path, *, sweep: str = 
         f'<div class="wide">{_table(wide)}</div></details>',
         *(_point_section(name, receipts[name], runs) for name in summary["point"]),
     ]
+    if heads:  # the draft heads' receipts (runs/heads/<K>/): acceptance and decode speed, lossless or not
+        body += ['<section id="draft-heads"><h2>Draft heads</h2>', _table(report.heads_frame(heads)),
+                 f"<p>{_e(report.HEADS_LEGEND)}. Each receipt: "
+                 + " · ".join(f'<a href="{_href(*name.split("/"), "receipt.json")}">{_e(name)}</a>' for name in heads)
+                 + "</p></section>"]
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
             f"<style>{STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")

@@ -75,6 +75,25 @@ def addresses(uri: str, base: str) -> Addresses | None:
                      f"{tags.get('sweep', '?')} {tags.get('sweep.id', '')[:8]}".strip())
 
 
+MOVED = ("MLflow records absolute artifact locations (a sqlite store has no relative one), so this store's "
+         "artifacts are still read from {recorded}: rebuild the copy's runs from its receipts (rm -r mlflow.db "
+         "mlartifacts && posttrainllm receipt import runs; docs/results.md)")
+
+
+def moved_artifacts(uri: str) -> str | None:
+    """For a sqlite store copied from elsewhere: the artifact location it still records (not the mlartifacts/
+    beside it), or None. Only reads the store."""
+    expected = artifact_location(uri)
+    if expected is None or not store_exists(uri):
+        return None
+    from mlflow.tracking import MlflowClient
+
+    store.quiet_loggers()
+    experiment = MlflowClient(tracking_uri=uri).get_experiment_by_name(EXPERIMENT)
+    recorded = experiment.artifact_location if experiment is not None else None
+    return recorded if recorded and recorded.rstrip("/") != expected.rstrip("/") else None
+
+
 def port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         try:
