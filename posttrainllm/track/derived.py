@@ -217,11 +217,24 @@ def _e2e(receipt: dict[str, Any], peer: str | None) -> dict[str, Any]:
             "e2e_meas": "n.c." if meas is not None and amdahl.within_band(meas, band) else meas, "e2e_flag": flag}
 
 
+def quality_failures(receipt: dict[str, Any]) -> dict[str, str]:
+    """{path: why} for the paths that failed bench-train's quality gate (a quantized precision's, model/quality.py)."""
+    found = ((receipt.get("bench_train") or {}).get("quality") or {}).get("variants") or {}
+    return {name: "; ".join(entry["failed"]) for name, entry in found.items() if entry["verdict"] != "pass"}
+
+
+def verdict(receipt: dict[str, Any]) -> str:
+    """'pass' when parity passed, every training-loss drift is within its limit, every path passed the quality
+    gate (a quantized precision's) and the receipt found no integrity problem (INTEGRITY_RULE), else 'fail'."""
+    parity = (receipt.get("parity") or {}).get("verdict", "missing")
+    drift = (receipt.get("bench_train") or {}).get("drift_verdict") or {}
+    return ("pass" if parity == "pass" and all(v == "pass" for v in drift.values()) and not quality_failures(receipt)
+            and not (receipt.get("integrity") or {}).get("problems") else "fail")
+
+
 def point_fields(receipt: dict[str, Any]) -> dict[str, Any]:
     """A point's headline: its verdict, the best peer (BEST_PEER_RULE) and speedups, ours against it, the
     end-to-end check, and every flag with its path and reason."""
-    from posttrainllm.track.receipt import verdict
-
     paths = path_fields(receipt)
     peer = best_peer(receipt)
     best, ours = paths.get(peer) or {}, paths.get("triton") or {}

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from posttrainllm.measure import device as devices
 from posttrainllm.track import derived, store
+from posttrainllm.track.derived import quality_failures, verdict  # what a receipt's figures say
 from posttrainllm.track.provenance import git_revision, project_root
 from posttrainllm.track.stamp import STAMPS
 from posttrainllm.config import DIMENSIONS, LabConfig, point_config
@@ -284,12 +285,6 @@ def integrity_problems(cfg: LabConfig, out: Path, stamps: dict[str, Any], parity
     return problems
 
 
-def quality_failures(receipt: dict[str, Any]) -> dict[str, str]:
-    """{path: why} for the paths that failed bench-train's quality gate (a quantized precision's, model/quality.py)."""
-    found = ((receipt.get("bench_train") or {}).get("quality") or {}).get("variants") or {}
-    return {name: "; ".join(entry["failed"]) for name, entry in found.items() if entry["verdict"] != "pass"}
-
-
 def withhold_speed(receipt: dict[str, Any]) -> None:
     """A path that failed the quality gate gets no speed, as one that failed parity: its microbench entry in the
     receipt is marked invalid with the reason (its raw timings stay in microbench.json and timings.csv)."""
@@ -301,15 +296,6 @@ def withhold_speed(receipt: dict[str, Any]) -> None:
         if name in paths:
             paths[name] = {**paths[name], "valid": False,
                            "reason": f"failed the quality gate ({why}): no speed"}
-
-
-def verdict(receipt: dict[str, Any]) -> str:
-    """'pass' when parity passed, every training-loss drift is within its limit, every path passed the quality
-    gate (a quantized precision's) and the receipt found no integrity problem (INTEGRITY_RULE), else 'fail'."""
-    parity = (receipt.get("parity") or {}).get("verdict", "missing")
-    drift = (receipt.get("bench_train") or {}).get("drift_verdict") or {}
-    return ("pass" if parity == "pass" and all(v == "pass" for v in drift.values()) and not quality_failures(receipt)
-            and not (receipt.get("integrity") or {}).get("problems") else "fail")
 
 
 def _tags(receipt: dict[str, Any]) -> dict[str, str]:
