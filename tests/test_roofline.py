@@ -94,3 +94,13 @@ def test_a_fraction_above_one_is_named_never_a_result():
     assert "last-level cache unknown" in unknown["above_roof"]
     honest = roofline(2e9, 1e6, 4e-2, peak_flops=1e11, peak_bytes_per_s=1e10, cache_bytes=2**25)
     assert honest["above_roof"] is None
+
+
+def test_a_call_that_computed_wider_is_measured_against_the_wider_formats_roof():
+    """SDPA on a CPU computes an fp16 point in fp32, faster than the CPU's fp16 GEMM: 5x the fp16 peak is not above
+    the roofline when fp32's is 10x it; past fp32's too, it is named."""
+    wide = roofline(5e9, 1e6, 1e-2, peak_flops=1e11, peak_bytes_per_s=1e12, cache_bytes=2**25, widest_flops=1e12)
+    assert wide["above_roof"] is None and wide["fraction_of_attainable"] == pytest.approx(0.5)
+    assert wide["ceiling_flops_per_s"] == 1e12 and wide["peak_flops_per_s"] == 1e11
+    past = roofline(2e10, 1e6, 1e-2, peak_flops=1e11, peak_bytes_per_s=1e12, cache_bytes=2**25, widest_flops=1e12)
+    assert "2.00x the calibrated FLOP peak" in past["above_roof"] and past["fraction_of_attainable"] > 1

@@ -3,6 +3,7 @@
     arithmetic intensity  I = flops / bytes                       [FLOP/B]
     ridge point           R = peak_flops / peak_bytes_per_s       [FLOP/B]
     attainable            A = min(peak_flops, peak_bytes_per_s · I)   [FLOP/s]
+      (peak_flops: the fastest of the formats at least as precise as the point's, `widest_flops`)
     achieved              P = flops / seconds                     [FLOP/s]
     fraction              P / A
 
@@ -72,14 +73,16 @@ def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, 
     if overhead_s < 0:
         raise ValueError(f"roofline: overhead_s={overhead_s} must be >= 0")
     intensity = flops / nbytes  # FLOP/B
-    ridge = peak_flops / peak_bytes_per_s  # FLOP/B
+    # the FLOP roof: a call that computed in a wider format (SDPA on a CPU computes fp16 in fp32) may reach that
+    # format's peak, so the fastest of the formats at least as precise bounds it, not the point's own format alone
+    ceiling = max(peak_flops, widest_flops or 0.0)
+    ridge = ceiling / peak_bytes_per_s  # FLOP/B
     resident = cache_bytes is not None and nbytes <= cache_bytes  # the DRAM roof does not bind a cached set
     memory_roof = float("inf") if resident else peak_bytes_per_s * intensity  # FLOP/s
-    attainable = min(peak_flops, memory_roof)  # FLOP/s
+    attainable = min(ceiling, memory_roof)  # FLOP/s
     achieved = flops / seconds  # FLOP/s
     fraction = achieved / attainable
     above = None
-    ceiling = max(peak_flops, widest_flops or 0.0)
     if achieved > ceiling:
         above = (f"achieved {_si(achieved, 'FLOP/s')} is {achieved / ceiling:.2f}x the calibrated FLOP peak "
                  f"{_si(ceiling, 'FLOP/s')}: the calibration or the timing is wrong")
@@ -119,7 +122,8 @@ def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, 
         "flops": flops,
         "bytes": nbytes,
         "seconds": seconds,
-        "peak_flops_per_s": peak_flops,
+        "peak_flops_per_s": peak_flops,  # the point's own format's
+        "ceiling_flops_per_s": ceiling,  # the FLOP roof: the fastest format at least as precise
         "peak_bytes_per_s": peak_bytes_per_s,
         "overhead_s": overhead_s,
         "rule": RULE,
