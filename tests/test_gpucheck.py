@@ -117,6 +117,11 @@ def test_dry_run_writes_importable_receipts(tmp_path, monkeypatch, mlflow_uri, c
         backward, forward = (curve[curve["mode"] == m].set_index(["impl", "x_value"]) for m in
                              ("forward_backward", "forward"))
         assert (backward["flops"] > forward["flops"]).all()  # forward + backward: 3.5x the forward FLOPs
+        # the compile report beside the measured times: here every Triton time is the interpreter's, so none
+        rows = {r["kernel"]: r for r in summary["points"][point]["counters"]}
+        assert {"_attn_fwd_kernel", "_attn_bwd_dkdv", "_attn_bwd_dq"} <= set(rows)
+        assert all(r["registers"] > 0 and r["target"] == "sm90" and r["measured_ms"] is None
+                   and "interpreter" in r["why_not"] for r in rows.values())
         stored = receipt["microbench"]["curve"]
         assert [(c["x_name"], c["mode"]) for c in stored["crossovers"]] == [("seq_len", "forward"),
                                                                               ("seq_len", "forward_backward")]

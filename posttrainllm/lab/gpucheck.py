@@ -10,7 +10,9 @@ e4m3, torch._scaled_mm as the peer, forward only); the attention non-causal; the
 (Triton's autotuner). Each curve runs S = 1k..16k (M=N=K = 4096, 8192 for matmul), forward and
 forward + backward (forward only for fp8), against every peer the device has. Each point's receipt
 and evidence land in OUTDIR/<point>/; the big tensors (reference.pt, kernel.pt) are deleted once
-parity has read them.
+parity has read them. Beside them, counters.json (and summary.json, and the console) puts each Triton kernel's
+compile counters (registers, spills, shared memory, tensor cores, async copies) beside its path's measured
+median (COUNTERS_NOTE). Nsight Compute (`ncu`) is not run: its counters are left for a GPU session.
 
 Before anything runs it prints each point's rough device time (lab/approval.py: ROUGH_*, not yet
 measured on a GPU) and starts no point that, by that estimate, would end after `--budget-s`
@@ -52,6 +54,44 @@ from posttrainllm.lab.pipeline import sweep_id
 BIG_FILES = ("reference.pt", "kernel.pt")
 
 
+COUNTERS_NOTE = ("static counters (`posttrainllm compile`: the cubin built for the first compile target from the "
+                 "launch's own specialization) beside the path's measured median of that direction (forward: the "
+                 "forward; backward: forward + backward, every kernel of both): where a kernel spills or leaves "
+                 "tensor cores unused, the time says what it cost")
+
+
+def counters(built: dict[str, Any]) -> list[dict[str, Any]]:
+    """The compile report beside the measured times: one row per Triton kernel a path launched, on the first
+    compile target, with that path's measured median (COUNTERS_NOTE), or why it has none."""
+    section = (built.get("kernel") or {}).get("compile") or {}
+    first = (section.get("targets") or [None])[0]
+    paths = (built.get("microbench") or {}).get("paths") or {}
+    rows = []
+    for row in section.get("rows") or []:
+        if row.get("target") != first:
+            continue
+        timed = paths.get(row["path"]) or {}
+        mode = timed if row["direction"] == "forward" else (timed.get("forward_backward") or {})
+        rows.append({**{key: row.get(key) for key in ("path", "kernel", "direction", "target", "registers",
+                                                       "spill_bytes", "shared_bytes", "ctas_per_sm",
+                                                       "tensor_cores", "async_copy", "fits")},
+                     "measured_ms": mode.get("median_ms") if timed.get("valid") and mode.get("median_ms") else None,
+                     "why_not": None if timed.get("valid") and mode.get("median_ms") else (
+                         mode.get("reason") or timed.get("reason") or "not timed")})
+    return rows
+
+
+def _counters_table(rows: list[dict[str, Any]]) -> str:
+    import pandas as pd
+
+    if not rows:
+        return "  (no Triton kernel compiled)"
+    frame = pd.DataFrame(rows)
+    frame["measured_ms"] = [f"{ms:.4g}" if ms is not None else (why or "")[:40]
+                            for ms, why in zip(frame["measured_ms"], frame["why_not"])]
+    return frame.drop(columns=["why_not"]).to_string(index=False)
+
+
 def run_point(cfg: Any, calibration: dict[str, Any], sweep_info: dict[str, Any], *, train: bool) -> str:
     """One point through the stages; returns its status. A broken contract is a result, not a crash."""
     out = point_dir(cfg)
@@ -74,7 +114,8 @@ def run_point(cfg: Any, calibration: dict[str, Any], sweep_info: dict[str, Any],
     finally:
         for name in BIG_FILES:
             (out / name).unlink(missing_ok=True)
-    receipt.build(cfg, sweep=sweep_info)
+    built = receipt.build(cfg, sweep=sweep_info)
+    write_json(out / "counters.json", {"note": COUNTERS_NOTE, "rows": counters(built)})
     return status
 
 
@@ -135,14 +176,23 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         status = run_point(cfg, calibration, {**info, "changes": spec["changes"]}, train=args.train)
         seconds = time.perf_counter() - t0
-        summary["points"][point] = {"status": status, "seconds": seconds, "estimated_s": rough[point]}
+        found_counters = json_rows(args.out / point / "counters.json")
+        summary["points"][point] = {"status": status, "seconds": seconds, "estimated_s": rough[point],
+                                    "counters": found_counters}
         summary["seconds"] = time.perf_counter() - started
         write_json(args.out / "summary.json", {**summary, "complete": False})  # kept if the run is killed later
         print(f"{point}: {status} ({seconds:.1f} s; estimated {rough[point]:.0f} s)", flush=True)
+        print(_counters_table(found_counters), flush=True)
     summary["seconds"] = time.perf_counter() - started
     write_json(args.out / "summary.json", {**summary, "complete": True})
     print(f"{len(summary['points'])} points in {summary['seconds']:.0f} s, skipped: {summary['skipped'] or 'none'}")
     return 0 if all(p["status"] == "pass" for p in summary["points"].values()) else 1
+
+
+def json_rows(path: Path) -> list[dict[str, Any]]:
+    import json
+
+    return json.loads(path.read_text())["rows"] if path.exists() else []
 
 
 def _rehearsals(gpu: SweepConfig, dry: SweepConfig) -> dict[str, Any]:
