@@ -34,7 +34,7 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
-from posttrainllm.lab import guards, outside, parity, rooms
+from posttrainllm.lab import guards, invariance, outside, parity, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
@@ -279,6 +279,9 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                     results.append(got)
                     entry["violations"] += [f"{record['case']['name']}: {v}" for v in violations]
                 outputs[impl.name] = results
+                # bitwise: the main case again (determinism) and its rows in other batches (lab/invariance.py)
+                entry["invariance"] = invariance.measure(op, impl, ref["records"][0], results[0],
+                                                         case_config(main_case, cfg), device)
             except Exception as exc:  # a kernel that cannot run is a failed path, reported, not a crash
                 outputs[impl.name] = None
                 cause = exc.__cause__ if isinstance(exc, DidNotRun) else exc
@@ -296,6 +299,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 entry["evidence"] = impl.evidence()
             if impl.user is not None:  # its worker process's start (spawn, import torch, its module), never timed
                 entry["worker_start_s"] = outside.worker_start_s(impl)
+                entry["promises"] = outside.promises(impl)  # its function's `promises`, read in its worker
             report["paths"][impl.name] = entry
     if compiling is not None:  # every Triton kernel of the paths compiled for compile.targets (lab/compile.py)
         from posttrainllm.lab import compile as compile_lab
@@ -408,6 +412,10 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
         report["max_error_only"] = {"outputs": exempt, "reason": cfg.op.max_error_only.reason}
         report["notes"].append(f"{', '.join(exempt)}: max-error rules only, no elementwise atol/rtol "
                                f"count (op.max_error_only): {cfg.op.max_error_only.reason}")
+    report["invariance"] = {"required": list(cfg.parity.require), "determinism_rule": invariance.DETERMINISM_RULE,
+                            "batch_rule": invariance.BATCH_RULE, "properties_rule": invariance.PROPERTIES_RULE}
+    if kernel_report["device"] != "cuda":
+        report["invariance"]["note"] = invariance.INTERPRETED_NOTE
     if cfg.precision.allow_tf32 and kernel_report["device"] != "cuda":
         report["notes"].append("tf32 requested, but CPU torch and Triton's interpreter compute true fp32 here")
     for impl in op.optimized(cfg):
@@ -433,6 +441,15 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
         result["emulation"] = entry.get("emulation")
         result["backward"] = impl.backward
         result["launched"] = entry.get("launched", {})
+        if outputs is not None:  # bitwise: measured by the kernel stage, judged where promised or required
+            measured = entry.get("invariance") or {}
+            result["determinism"] = measured.get("determinism")
+            result["batch_invariance"] = measured.get("batch_invariance")
+            result["properties"], broke = invariance.judge(measured, invariance.promises_of(impl, entry),
+                                                           list(cfg.parity.require))
+            if broke:
+                result["verdict"] = "fail"
+                result["failed_cases"] = result["failed_cases"] + broke
         if impl.user is not None:
             result["user"] = impl.user
         if not impl.checks_gradients:  # a borrowed backward is never a pass of this path's gradients

@@ -251,7 +251,8 @@ STAGE_PARAMS = {
                "config.tile", "config.workgroup", "config.architecture", "config.device.name", "config.bench.threads",
                "config.compile", "config.shape"),  # the compile section: its targets, the main case's shape
     "parity": ("config.op",  # op.max_error_only too: outputs without the elementwise count
-               "config.precision", "config.architecture", "config.device.name", "config.bench.threads"),
+               "config.precision", "config.architecture", "config.device.name", "config.bench.threads",
+               "config.parity.require"),  # the bitwise properties every path must have (lab/invariance.py)
     "microbench": ("config.op", "config.precision", "config.tile", "config.workgroup", "config.shape",
                    "config.architecture", "config.parity", "config.bench", "config.device.name"),
     "bench_train": ("config.op", "config.precision", "config.tile", "config.workgroup", "config.architecture",

@@ -21,6 +21,15 @@ def _measured(train: dict[str, Any], check: dict[str, Any]) -> float | str | Non
     return "n.c." if measured is not None and band_rule.within_band(measured, band) else measured
 
 
+def held(path: dict[str, Any]) -> str:
+    """A path's bitwise properties (parity.json "properties", lab/invariance.py) in a few characters: det:y bi:n
+    (deterministic, batch-invariant: y holds, n does not, - not measured); "-" where none were measured."""
+    props = path.get("properties") or {}
+    mark = {True: "y", False: "n", None: "-"}
+    return " ".join(f"{short}:{mark[(props.get(prop) or {}).get('holds')]}" for short, prop in
+                    (("det", "deterministic"), ("bi", "batch_invariant"))) if props else "-"
+
+
 def point_table(receipt: dict[str, Any]) -> str:
     """One row per path: parity verdict and worst error, then timing and throughput where valid."""
     parity = (receipt.get("parity") or {}).get("paths", {})
@@ -42,6 +51,7 @@ def point_table(receipt: dict[str, Any]) -> str:
             "parity": p.get("verdict", "baseline" if name == "reference" else "-"),
             "max_abs_err": _fmt(worst.get("max_abs_err"), ".2e"),
             "allowed": _fmt(worst.get("allowed_abs_err"), ".2e"),
+            "bitwise": held(p),  # deterministic, batch-invariant (lab/invariance.py): y, n, - not measured
             "median_ms": _fmt(b.get("median_ms") if valid else None, ".3f"),
             "p20-p80_ms": f"{b['p20_ms']:.3f}-{b['p80_ms']:.3f}" if valid else "-",
             "GFLOP/s": _fmt(b.get("gflops_per_s") if valid else None, ".2f"),
