@@ -142,7 +142,7 @@ def batch_layouts(n: int, fixed_size: bool) -> tuple[list[int], list[tuple[str, 
             moves.append(("inward", [1 + (t != 0) * (n - 3) for t in targets]))
         return targets, [(f"{label} (size {n})", _layout(n, targets, n, pos)) for label, pos in moves
                          if pos != targets and len(set(pos)) == len(pos)]
-    layouts = [(f"alone (row {t}, size 1)", [("main", t)]) for t in targets]
+    layouts = [(f"alone (row {t}, size 1)", [("main", t)]) for t in targets if n > 1]  # n = 1: the main batch
     layouts.append((f"size {n + 1}", _layout(n, targets, n + 1, [1 + t for t in targets[:-1]] + [n])))
     layouts.append((f"size {n + 2}", _layout(n, targets, n + 2, [n + 1 - (t == last) * n for t in targets])))
     return targets, layouts
