@@ -34,7 +34,7 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
-from posttrainllm.lab import guards, invariance, outside, parity, rooms
+from posttrainllm.lab import guards, outside, parity, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
@@ -248,6 +248,8 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     innermost frame of its own code, what this machine lacks where that is why, and its traceback's file,
     tracebacks/<path>.txt).
     """
+    from posttrainllm.lab import invariance  # the kernel and parity stages' alone (lab/sweep.py STAGE_SOURCES)
+
     op = get_op(cfg.op.name)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     shutil.rmtree(out / failures.TRACEBACKS, ignore_errors=True)  # an earlier run's: none of them describe this one
@@ -390,7 +392,11 @@ def result_backward(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: 
 
 
 def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
-    """Each path against the oracle under the point's contract. Raises ContractBroken after writing."""
+    """Each path against the oracle under the point's contract, and the bitwise properties the kernel stage measured
+    (lab/invariance.py), judged where a path promises them or parity.require requires them. Raises ContractBroken
+    after writing."""
+    from posttrainllm.lab import invariance
+
     op = get_op(cfg.op.name)
     ref = _load_reference(out)
     kernel_outputs = torch.load(out / "kernel.pt", weights_only=True)

@@ -231,7 +231,9 @@ CORE_SOURCES = (
     "posttrainllm/track/stamp.py",
 )
 STAGE_SOURCES = {
-    "kernel": ("posttrainllm/lab/compile.py", "posttrainllm/measure/sass.py"),  # its `compile` section
+    "kernel": ("posttrainllm/lab/compile.py", "posttrainllm/measure/sass.py",  # its `compile` section
+               "posttrainllm/lab/invariance.py"),  # determinism and batch invariance, measured
+    "parity": ("posttrainllm/lab/invariance.py",),  # ... and judged
     "microbench": ("posttrainllm/lab/approval.py",  # a GPU times only with approval (POSTTRAINLLM_APPROVE=1)
                    "posttrainllm/measure", "posttrainllm/track/plots.py"),
     "bench_train": ("posttrainllm/lab/approval.py", "posttrainllm/model"),
