@@ -12,9 +12,11 @@ Batch invariance (BATCH_RULE)
     The op says what one row is and which dim of each input and output is its batch (OpDef.batch_axis). The main
     case's first and last rows are computed alone (a batch of one each), in the main case's batch (run 1), and in
     two other batches (sizes N+1 and N+2, the rows at other positions, every other row a companion drawn from
-    another seed). Each of those rows' outputs and gradients (of the batched inputs) is compared bitwise with its
-    own in the main batch. An op whose math depends on the batch's size (a mean over tokens: BatchAxis.fixed_size)
-    keeps the main size and moves the rows instead.
+    another seed). Each of those rows' forward outputs is compared bitwise with its own in the main batch: the
+    forward is what a sampler and a trainer both compute (the gradients' bits are determinism's to check, and
+    running backward in every batch would triple the cost). An op with no forward output of a row's own
+    (cross-entropy's loss is a mean) compares its batched inputs' gradients instead; an op whose math depends on
+    the batch's size (BatchAxis.fixed_size) keeps the main size and moves the rows.
 Declared and required (PROPERTIES_RULE)
     A path promises properties (Impl.promises; a user path as its function's `promises` attribute, read in its
     worker); a point requires them (parity.require). A promised or required property that does not hold fails
@@ -46,7 +48,8 @@ DETERMINISM_RULE = (f"the main case run {RUNS} times on the same values, each in
 BATCH_RULE = ("the main case's first and last rows (OpDef.batch_axis: what a row is, each tensor's batch dim) "
               "computed alone, in the main batch, and in batches of N+1 and N+2 at other positions among companions "
               "drawn from another seed (an op whose math depends on the batch's size keeps N and moves them); each "
-              "row's outputs and its batched inputs' gradients compared bitwise with the main batch's")
+              "row's forward outputs (where none is a row's, as a mean loss: its batched inputs' gradients) compared "
+              "bitwise with the main batch's")
 PROPERTIES_RULE = ("a property a path promises (Impl.promises, a user function's `promises`) or the point requires "
                    "(parity.require) and does not hold fails its parity with the first differing row; one neither "
                    "promised nor required is reported, never judged")
@@ -163,7 +166,7 @@ def _assemble(layout: list[tuple[str, int]], sources: dict[str, Tensors], dims: 
 def batch_invariance(op: OpDef, impl: Impl, case: Case, inputs: Tensors, grad_out: torch.Tensor | None,
                      main: Tensors, cfg: LabConfig, device: str) -> dict[str, Any]:
     """BATCH_RULE for one path on the main case (`main`: its outputs there, the kernel stage's run 1)."""
-    from posttrainllm.lab.stages import _dtype, upstream_gradient
+    from posttrainllm.lab.stages import _dtype
 
     axis = op.batch_axis
     if axis is None:
@@ -173,25 +176,17 @@ def batch_invariance(op: OpDef, impl: Impl, case: Case, inputs: Tensors, grad_ou
                                              "tensor makes a row's inputs depend on its batch"}
     dims = {name: d for name, d in axis.inputs.items() if name in inputs}
     n = next(inputs[name].shape[d] for name, d in dims.items())
-    companion_case = dataclasses.replace(case, seed=case.seed + COMPANION_SEED)
-    companions = op.make_inputs(companion_case, _dtype(cfg), "cpu")
-    out_dims = {k: v for k, v in axis.outputs.items() if k in main}
-    grad_dims = {f"grad_{k}": v for k, v in dims.items() if grad_out is not None and f"grad_{k}" in main}
-    compared = {**out_dims, **grad_dims}
+    companions = op.make_inputs(dataclasses.replace(case, seed=case.seed + COMPANION_SEED), _dtype(cfg), "cpu")
+    compared = {k: v for k, v in axis.outputs.items() if k in main}  # the forward's rows: what a sampler reads
+    if not axis.outputs and grad_out is not None:  # no forward output is a row's (a mean): the rows' gradients
+        compared = {f"grad_{k}": v for k, v in dims.items() if f"grad_{k}" in main}
+    backward = grad_out if any(name.startswith("grad_") for name in compared) else None  # out is not batched
     sources = {"main": {k: v.cpu() for k, v in inputs.items()}, "companion": companions}
-    if grad_out is not None and "out" in axis.outputs:  # dO is batched as out is; the companions' from their seed
-        dims_o = {**dims, "__grad_out__": axis.outputs["out"]}
-        sources["main"]["__grad_out__"] = grad_out.cpu()
-        sources["companion"]["__grad_out__"] = upstream_gradient(companion_case, grad_out.cpu())
-    else:
-        dims_o = dims
     targets, layouts = batch_layouts(n, axis.fixed_size)
     outputs = {name: {"bitwise_equal": True, "max_abs_diff": 0.0, "first_differing_row": None} for name in compared}
     sizes = [n]
     for label, layout in layouts:
-        batch = _assemble(layout, sources, dims_o)
-        dout = batch.pop("__grad_out__", None) if grad_out is not None and "out" in axis.outputs else grad_out
-        got = run_once(impl, batch, dout.cpu() if dout is not None else None, cfg, device)
+        got = run_once(impl, _assemble(layout, sources, dims), backward, cfg, device)
         sizes.append(len(layout))
         for name, dim in compared.items():
             for position, (src, row) in enumerate(layout):

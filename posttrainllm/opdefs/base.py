@@ -148,8 +148,9 @@ class BatchAxis:
 
     row: one row, in words (attention: "one sequence of one batch entry"; matmul: "a row of A").
     inputs: the batched inputs and the dim each is batched along; every other input is shared by the rows.
-    outputs: the forward outputs compared per row, and their batch dim; the gradients of the batched inputs are
-        compared along their input's dim (a shared input's gradient sums over the batch: not a row's).
+    outputs: the forward outputs compared per row, and their batch dim. {}: none is a row's (a mean loss), so the
+        gradients of the batched inputs are compared along their input's dim (a shared input's gradient sums over
+        the batch: never a row's).
     fixed_size: the op's math depends on the batch's size (a mean over tokens): the other batches keep the main
         case's size and move the rows among other companions; no row runs alone.
     note: what is not compared, and why.
