@@ -124,7 +124,7 @@ def determinism(impl: Impl, inputs: Tensors, grad_out: torch.Tensor | None, firs
                 outputs[name] = {**check, "run": None if check["bitwise_equal"] else run}
             elif not check["bitwise_equal"]:
                 have["max_abs_diff"] = max(have["max_abs_diff"], check["max_abs_diff"])
-    return {"rule": DETERMINISM_RULE, "case": case, "runs": RUNS, "bitwise_equal": _summary(outputs),
+    return {"case": case, "runs": RUNS, "bitwise_equal": _summary(outputs),
             "outputs": outputs}
 
 
@@ -203,7 +203,7 @@ def batch_invariance(op: OpDef, impl: Impl, case: Case, inputs: Tensors, grad_ou
                     entry.update(bitwise_equal=False, first_differing_row={
                         "row": row, "batch": label, "batch_size": len(layout), "position": position,
                         "index": [row, *within[1:]] if within else [row]})  # batch dims are dim 0
-    return {"rule": BATCH_RULE, "measured": True, "row": axis.row, "case": case.name, "rows": targets,
+    return {"measured": True, "row": axis.row, "case": case.name, "rows": targets,
             "batch_sizes": sorted(set(sizes)), "batches": [label for label, _ in layouts],
             "bitwise_equal": _summary(outputs), "outputs": outputs, **({"note": axis.note} if axis.note else {})}
 
