@@ -510,9 +510,10 @@ def _ours() -> dict[tuple[str, str], Any]:
 
 
 def _promises(fn: Any) -> list[str]:
-    """The function's `promises` attribute as plain strings (one string: one property); the lab judges the names."""
+    """The function's `promises` attribute as plain strings (a tuple or list of names; anything else is one name);
+    the lab judges the names."""
     found = getattr(fn, "promises", None) or ()
-    return [str(p) for p in ([found] if isinstance(found, str) else found)]
+    return [str(p) for p in (found if isinstance(found, (tuple, list, set, frozenset)) else [found])]
 
 
 def _tampered(state: dict[str, Any], ours: dict[tuple[str, str], Any], user_file: str | None) -> list[str]:
