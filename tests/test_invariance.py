@@ -13,7 +13,9 @@ from conftest import parity_report
 from posttrainllm.config import ConfigError
 from posttrainllm.lab import invariance
 from posttrainllm.lab.configure import load
+from posttrainllm.lab.stages import upstream_gradient
 from posttrainllm.lab.sweep import stage_deps
+from posttrainllm.opdefs import case_config, get_op
 from posttrainllm.track import receipt as receipts
 from posttrainllm.track.report import held
 
@@ -129,3 +131,23 @@ def test_the_other_batches_move_the_rows_among_companions(n, fixed, sizes):
         if len(layout) > 1:  # every batch of more than one row puts a row somewhere else than the main batch did
             assert where != rows
         assert sorted(rows) == (targets if len(layout) > 1 else rows)
+
+
+@pytest.mark.parametrize("op_name, path, holds, sizes", [
+    ("rmsnorm", "torch", True, [1, 2, 3, 4]),  # a token's norm owns its row: the same bits in any batch
+    ("matmul", "torch", False, [1, 2, 3, 4]),  # CPU BLAS: one row alone is a matrix-vector product, other bits
+    ("cross_entropy", "torch", True, [4]),  # a mean: its tokens' grad_h, moved within batches of the main size
+])
+def test_batch_invariance_of_pytorchs_own_paths_on_this_cpu(op_name, path, holds, sizes):
+    dims = {"rmsnorm": ["shape.batch=1", "shape.seq_len=2"], "matmul": ["shape.m=2", "shape.n=64", "shape.k=64", "tile=b16"],
+            "cross_entropy": ["shape.ce_tokens=4", "shape.ce_d_model=32", "shape.ce_vocab=96"]}[op_name]
+    cfg = load([f"op={op_name}", "device=cpu", "parity.seeds=[0]", *dims])
+    op = get_op(op_name)
+    case = op.cases(cfg)[0]
+    inputs = op.make_inputs(case, torch.float32, "cpu")
+    impl = op.paths(cfg)[path]
+    grad_out = upstream_gradient(case, op.reference.fn(inputs, cfg)["out"].detach())
+    main = invariance.run_once(impl, inputs, grad_out, case_config(case, cfg), "cpu")
+    got = invariance.batch_invariance(op, impl, case, inputs, grad_out, main, case_config(case, cfg), "cpu")
+    assert got["bitwise_equal"] is holds and got["batch_sizes"] == sizes
+    assert set(got["outputs"]) == ({"grad_h"} if op_name == "cross_entropy" else {"out"})
