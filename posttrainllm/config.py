@@ -28,6 +28,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # forward operands, e5m2 (2 mantissa bits, max 57344: range for gradients) where a recipe quantizes gradients
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 SCALINGS = ("tensor", "row")  # one scale per tensor; rowwise: A's per row, B's per column (the output's rows, cols)
+# The bitwise properties a path may declare and a point may require (parity.require; lab/invariance.py)
+PROPERTIES = ("deterministic", "batch_invariant")
 
 
 class ConfigError(ValueError):
@@ -440,9 +442,15 @@ class ParityConfig:
     # The reference stage's estimated peak (float64 oracle + inputs) may use at most this fraction of
     # the memory available when it starts (MemAvailable on CPU, free memory on CUDA); 0 < x <= 1.
     memory_fraction: float = 0.5
+    # Bitwise properties every path must have (lab/invariance.py): a path lacking one fails parity with its first
+    # differing row. [] judges only what a path declares (Impl.promises, a user function's `promises`)
+    require: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         require(len(self.seeds) >= 1, "parity.seeds: give at least one seed")
+        for name in self.require:
+            require(name in PROPERTIES, f"parity.require: unknown property {name!r}: valid choices are "
+                                        f"{', '.join(PROPERTIES)}")
         require(0 < self.memory_fraction <= 1, f"parity.memory_fraction={self.memory_fraction}: must be in (0, 1]")
 
 

@@ -343,6 +343,13 @@ def worker_start_s(impl: Impl) -> float | None:
     return worker.start_s if worker is not None else None
 
 
+def promises(impl: Impl) -> list[str] | None:
+    """The properties a user path's function promises (its `promises` attribute, lab/invariance.py), as its worker
+    read them at load; None where its worker never started."""
+    worker = workers.started(impl.fn.user_path)
+    return list(worker.promises) if worker is not None else None
+
+
 TRAIN_NOTE = ("a user path's step time includes its round trips to its worker process: every forward call sends its "
               "inputs and returns its outputs through pipes, every backward its gradients; not subtracted (a call "
               "carries activations, so its round trip is longer than the empty one measured here); "

@@ -187,6 +187,8 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     innermost frame of its own code, what this machine lacks where that is why, and its traceback's file,
     tracebacks/<path>.txt).
     """
+    from posttrainllm.lab import invariance  # the kernel and parity stages' alone (lab/sweep.py STAGE_SOURCES)
+
     op = get_op(cfg.op.name)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     shutil.rmtree(out / failures.TRACEBACKS, ignore_errors=True)  # an earlier run's: none of them describe this one
@@ -220,6 +222,9 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                     results.append(got)
                     entry["violations"] += [f"{record['case']['name']}: {v}" for v in violations]
                 outputs[impl.name] = results
+                # bitwise: the main case again (determinism) and its rows in other batches (lab/invariance.py)
+                entry["invariance"] = invariance.measure(op, impl, ref["records"][0], results[0],
+                                                         case_config(main_case, cfg), device)
             except Exception as exc:  # a kernel that cannot run is a failed path, reported, not a crash
                 outputs[impl.name] = None
                 cause = exc.__cause__ if isinstance(exc, DidNotRun) else exc
@@ -237,6 +242,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 entry["evidence"] = impl.evidence()
             if impl.user is not None:  # its worker process's start (spawn, import torch, its module), never timed
                 entry["worker_start_s"] = outside.worker_start_s(impl)
+                entry["promises"] = outside.promises(impl)  # its function's `promises`, read in its worker
             report["paths"][impl.name] = entry
     if compiling is None and any(e.get("user") and e["launched"] for e in report["paths"].values()):
         compiling = _start_compile(op, cfg, out)
@@ -339,7 +345,11 @@ def result_backward(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: 
 
 
 def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
-    """Each path against the oracle under the point's contract. Raises ContractBroken after writing."""
+    """Each path against the oracle under the point's contract, and the bitwise properties the kernel stage measured
+    (lab/invariance.py), judged where a path promises them or parity.require requires them. Raises ContractBroken
+    after writing."""
+    from posttrainllm.lab import invariance
+
     op = get_op(cfg.op.name)
     ref = _load_reference(out)
     kernel_outputs = torch.load(out / "kernel.pt", weights_only=True)
@@ -361,6 +371,10 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
         report["max_error_only"] = {"outputs": exempt, "reason": cfg.op.max_error_only.reason}
         report["notes"].append(f"{', '.join(exempt)}: max-error rules only, no elementwise atol/rtol "
                                f"count (op.max_error_only): {cfg.op.max_error_only.reason}")
+    report["invariance"] = {"required": list(cfg.parity.require), "determinism_rule": invariance.DETERMINISM_RULE,
+                            "batch_rule": invariance.BATCH_RULE, "properties_rule": invariance.PROPERTIES_RULE}
+    if kernel_report["device"] != "cuda":
+        report["invariance"]["note"] = invariance.INTERPRETED_NOTE
     if cfg.precision.allow_tf32 and kernel_report["device"] != "cuda":
         report["notes"].append("tf32 requested, but CPU torch and Triton's interpreter compute true fp32 here")
     for impl in op.optimized(cfg):
@@ -386,6 +400,15 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
         result["emulation"] = entry.get("emulation")
         result["backward"] = impl.backward
         result["launched"] = entry.get("launched", {})
+        if outputs is not None:  # bitwise: measured by the kernel stage, judged where promised or required
+            measured = entry.get("invariance") or {}
+            result["determinism"] = measured.get("determinism")
+            result["batch_invariance"] = measured.get("batch_invariance")
+            result["properties"], broke = invariance.judge(measured, invariance.promises_of(impl, entry),
+                                                           list(cfg.parity.require))
+            if broke:
+                result["verdict"] = "fail"
+                result["failed_cases"] = result["failed_cases"] + broke
         if impl.user is not None:
             result["user"] = impl.user
         if not impl.checks_gradients:  # a borrowed backward is never a pass of this path's gradients

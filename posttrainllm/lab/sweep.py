@@ -259,7 +259,9 @@ CORE_SOURCES = (
     "posttrainllm/track/stamp.py",
 )
 STAGE_SOURCES = {
-    "kernel": ("posttrainllm/lab/compile.py", "posttrainllm/measure/sass.py"),  # its `compile` section
+    "kernel": ("posttrainllm/lab/compile.py", "posttrainllm/measure/sass.py",  # its `compile` section
+               "posttrainllm/lab/invariance.py"),  # determinism and batch invariance, measured
+    "parity": ("posttrainllm/lab/invariance.py",),  # ... and judged
     "microbench": ("posttrainllm/lab/approval.py",  # a GPU times only with approval (POSTTRAINLLM_APPROVE=1)
                    "posttrainllm/measure", "posttrainllm/track/plots.py"),
     "bench_train": ("posttrainllm/lab/approval.py", "posttrainllm/model"),
@@ -279,7 +281,8 @@ STAGE_PARAMS = {
                "config.tile", "config.workgroup", "config.architecture", "config.device.name", "config.bench.threads",
                "config.compile", "config.shape"),  # the compile section: its targets, the main case's shape
     "parity": ("config.op",  # op.max_error_only too: outputs without the elementwise count
-               "config.precision", "config.architecture", "config.device.name", "config.bench.threads"),
+               "config.precision", "config.architecture", "config.device.name", "config.bench.threads",
+               "config.parity.require"),  # the bitwise properties every path must have (lab/invariance.py)
     "microbench": ("config.op", "config.precision", "config.tile", "config.workgroup", "config.shape",
                    "config.architecture", "config.parity", "config.bench", "config.device.name"),
     "bench_train": ("config.op", "config.precision", "config.tile", "config.workgroup", "config.architecture",

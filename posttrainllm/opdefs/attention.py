@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
-from posttrainllm.opdefs.base import (LIBRARY, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn,
-                                      softmax_scale)
+from posttrainllm.opdefs.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
+                                      seeded_randn, softmax_scale)
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
@@ -490,4 +490,6 @@ OP = OpDef(
         "attention", _reference, _make_inputs, "posttrainllm.ops.reference.attention"), "flex": _flex_peer},
     reserved_names=tuple(SDPA_BACKENDS), optional_outputs=("lse",),
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
+    batch_axis=BatchAxis("one sequence of one batch entry (every head and position of it)", {"q": 0, "k": 0, "v": 0},
+                         {"out": 0, "lse": 0}),
 )

@@ -132,11 +132,35 @@ class Impl:
     # what the path records of its own calls, for the stages to keep (the compiled peer: dynamo's graphs and
     # recompiles per input signature, opdefs/peers.py); None: nothing
     evidence: Callable[[], dict[str, Any]] | None = None
+    # the bitwise properties this path promises (config.PROPERTIES: deterministic, batch_invariant): parity fails it
+    # where one does not hold (lab/invariance.py); a user path declares them as its function's `promises`
+    promises: tuple[str, ...] = ()
 
     @property
     def checks_gradients(self) -> bool:
         """Parity checks this path's gradients only when they are its own."""
         return self.backward == OWN_BACKWARD
+
+
+@dataclass(frozen=True)
+class BatchAxis:
+    """What one row of an op is and where its batch axis lies, for the batch-invariance check (lab/invariance.py).
+
+    row: one row, in words (attention: "one sequence of one batch entry"; matmul: "a row of A").
+    inputs: the batched inputs and the dim each is batched along; every other input is shared by the rows.
+    outputs: the forward outputs compared per row, and their batch dim. {}: none is a row's (a mean loss), so the
+        gradients of the batched inputs are compared along their input's dim (a shared input's gradient sums over
+        the batch: never a row's).
+    fixed_size: the op's math depends on the batch's size (a mean over tokens): the other batches keep the main
+        case's size and move the rows among other companions; no row runs alone.
+    note: what is not compared, and why.
+    """
+
+    row: str
+    inputs: dict[str, int]
+    outputs: dict[str, int]
+    fixed_size: bool = False
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -243,6 +267,8 @@ class OpDef:
     # every linear layer's three GEMMs in fp8, ops/reference.py fp8_linear). Else its fp8 paths are forward-only and
     # bench-train refuses the point (lab/configure.py check_train_rules)
     trains_quantized: bool = False
+    # What a row is and its batch axis (BatchAxis): the batch-invariance check; None: not measured for this op
+    batch_axis: BatchAxis | None = None
 
     @property
     def reference(self) -> Impl:

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.opdefs.base import REFERENCE, Case, Costs, CurveAxis, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.opdefs.base import (REFERENCE, BatchAxis, Case, Costs, CurveAxis, Impl, ModelHooks, OpDef, Tensors,
+                                      seeded_randn)
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
@@ -296,4 +297,8 @@ OP = OpDef(
     optional_peers={"compiled": compiled("cross_entropy", _reference, _make_inputs,
                                          "posttrainllm.ops.reference.linear_cross_entropy")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
+    batch_axis=BatchAxis("a token", {"h": 0, "targets": 0}, {}, fixed_size=True,
+                         note="out is the mean over the batch's tokens (one number, not a token's): not compared; a "
+                         "token's grad_h carries 1/N of its batch, so it is compared in batches of the main case's "
+                         "size only; grad_weight sums over the tokens"),
 )

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize
-from posttrainllm.opdefs.base import (LIBRARY, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn,
-                                      softmax_scale)
+from posttrainllm.opdefs.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
+                                      seeded_randn, softmax_scale)
 from posttrainllm.opdefs.attention import SCALE_CASE_FACTOR, train_case
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
@@ -254,4 +254,7 @@ OP = OpDef(
     optional_peers={"compiled": compiled("decode_attention", _reference, _make_inputs,
                                          "posttrainllm.ops.reference.chunk_attention")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
+    batch_axis=BatchAxis("one sequence of one batch entry: its query chunk and its KV cache", {"q": 0, "k": 0, "v": 0},
+                         {"out": 0, "lse": 0}, note="every sequence of a batch has the same cache length here (the "
+                         "op takes one kv_len): batches of mixed cache lengths are not tried"),
 )

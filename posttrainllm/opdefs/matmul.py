@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
-from posttrainllm.opdefs.base import (LIBRARY, NO_BACKWARD, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
-                                      check_fp8_config, seeded_randn)
+from posttrainllm.opdefs.base import (LIBRARY, NO_BACKWARD, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef,
+                                      Tensors, check_fp8_config, seeded_randn)
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
@@ -415,4 +415,5 @@ OP = OpDef(
     optional_peers={"compiled": compiled("matmul", _reference, _make_inputs, "posttrainllm.ops.reference.matmul")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
     point_impls=_impls_for, reserved_names=("scaled_mm",), describe=_describe, quantizes=True, trains_quantized=True,
+    batch_axis=BatchAxis("a row of A", {"a": 0}, {"out": 0}, note="grad_b sums over the rows of A: not a row's"),
 )

@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize
-from posttrainllm.opdefs.base import (NO_BACKWARD, REFERENCE, Case, Costs, CurveAxis, Impl, ModelHooks, OpDef,
-                                      Tensors, check_fp8_config, seeded_randn)
+from posttrainllm.opdefs.base import (NO_BACKWARD, REFERENCE, BatchAxis, Case, Costs, CurveAxis, Impl, ModelHooks,
+                                      OpDef, Tensors, check_fp8_config, seeded_randn)
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
@@ -503,4 +503,6 @@ OP = OpDef(
     point_impls=_impls_for, quantizes=True, reserved_names=("scaled_grouped_mm",),
     optional_peers={"compiled": compiled("moe", _reference, _make_inputs, "posttrainllm.ops.reference.moe_dense")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
+    batch_axis=BatchAxis("a token with its routing", {"x": 0, "route_weight": 0, "route_idx": 0}, {"out": 0},
+                         note="the experts' weight gradients sum over the tokens: not a token's"),
 )

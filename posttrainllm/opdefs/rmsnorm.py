@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
-from posttrainllm.opdefs.base import LIBRARY, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.opdefs.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
+                                      seeded_randn)
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
@@ -211,4 +212,5 @@ OP = OpDef(
     model_overrides=lambda cfg: {"norm_eps": cfg.op.eps},
     optional_peers={"compiled": compiled("rmsnorm", _reference, _make_inputs, "posttrainllm.ops.reference.rmsnorm")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
+    batch_axis=BatchAxis("a token", {"x": 0}, {"out": 0}, note="grad_weight sums over the tokens: not a token's"),
 )

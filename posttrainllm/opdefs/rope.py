@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.opdefs.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
@@ -204,4 +204,6 @@ OP = OpDef(
     reference_bytes=_reference_bytes, nondiff_inputs=("cos", "sin"),
     optional_peers={"compiled": compiled("rope", _reference, _make_inputs, "posttrainllm.ops.reference.rope")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
+    batch_axis=BatchAxis("a token (one batch entry's tokens, each at its position of the shared tables)", {"x": 0},
+                         {"out": 0}),
 )

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.opdefs.base import REFERENCE, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.opdefs.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
 from posttrainllm.opdefs.peers import compiled
 from posttrainllm.ops import reference
 
@@ -208,4 +208,5 @@ OP = OpDef(
     model_overrides=_model_overrides,
     optional_peers={"compiled": compiled("swiglu", _reference, _make_inputs, "posttrainllm.ops.reference.swiglu")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
+    batch_axis=BatchAxis("a token", {"gate": 0, "up": 0}, {"out": 0}),
 )

@@ -13,7 +13,8 @@ by an unpickler that refuses every class, then each tensor's storage as raw byte
 and offset; no object the worker chose is ever built in the lab (an output that is no tensor comes back as its
 type's name only).
 
-    load      import the user's module (an error there is the path's failure, "<Type>: <message>", located)
+    load      import the user's module (an error there is the path's failure, "<Type>: <message>", located);
+              answered with its function's `promises` (lab/invariance.py), as plain strings
     call      one call in the natural signature: the tensors, which of them require grad, the other
               arguments; the worker keeps the autograd graph under a call id when an output has history
     backward  the output gradients of a kept call -> the input gradients (None where unused)
@@ -242,6 +243,7 @@ class Worker:
         self.pid = reply["pid"]
         self.threads = reply["threads"]
         self.tampered: list[str] = reply.get("tampered") or []  # what its import changed (outside.py: no speed)
+        self.promises: list[str] = reply.get("promises") or []  # its function's `promises` (lab/invariance.py)
         USER_SOURCES[user.identity["file"]] = user.identity["sha256"]  # the stage stamps hash what ran
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -510,6 +512,13 @@ def _ours() -> dict[tuple[str, str], Any]:
     return found
 
 
+def _promises(fn: Any) -> list[str]:
+    """The function's `promises` attribute as plain strings (a tuple or list of names; anything else is one name);
+    the lab judges the names."""
+    found = getattr(fn, "promises", None) or ()
+    return [str(p) for p in (found if isinstance(found, (tuple, list, set, frozenset)) else [found])]
+
+
 def _tampered(state: dict[str, Any], ours: dict[tuple[str, str], Any], user_file: str | None) -> list[str]:
     """What the user's code changed of this process that no kernel needs to: torch's switches, `time`'s clocks,
     the lab's own functions (those loaded before it ran, or any of the lab's modules bound to its code)."""
@@ -567,7 +576,7 @@ class _Server:
         _emulate_bf16()
         code = getattr(target, "__code__", None)
         self.user_file = str(u["file"]) if u["file"] else (code.co_filename if code else None)
-        return {"pid": os.getpid(), "threads": torch.get_num_threads(),
+        return {"pid": os.getpid(), "threads": torch.get_num_threads(), "promises": _promises(target),
                 "tampered": _tampered(self.state, self.ours, self.user_file)}
 
     def call(self, m: dict[str, Any]) -> dict[str, Any]:

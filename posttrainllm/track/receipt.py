@@ -65,8 +65,10 @@ def _parity_summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
             "headline": report.get("headline"), "cannot_run_here": report.get("cannot_run_here"),
             "inputs": report.get("inputs"), "quantization": report.get("quantization"),
             "rule": report["rule"], "notes": report["notes"], "backward_rule": report.get("backward_rule"),
+            "invariance": report.get("invariance"),
             "paths": {name: {k: p.get(k) for k in ("verdict", "failed_cases", "violations", "worst", "emulation",
-                                                   "backward", "gradients", "error", "cannot_run_here")}
+                                                   "backward", "gradients", "error", "cannot_run_here",
+                                                   "determinism", "batch_invariance", "properties")}
                       for name, p in report["paths"].items()}}
 
 
@@ -156,6 +158,9 @@ def metrics(receipt: dict[str, Any]) -> dict[str, float]:
             for key in ("max_abs_err", "max_rel_err", "mismatch_frac", "allowed_abs_err"):
                 if key in worst:
                     flat[f"parity.{name}.{output}.{key}"] = worst[key]
+        for prop, held in ((p.get("properties") or {}).items()):  # bitwise (lab/invariance.py): 1 holds, 0 not
+            if held.get("holds") is not None:
+                flat[f"parity.{name}.{prop}"] = float(held["holds"])
     quantization = parity_report.get("quantization") or {}
     for key in ("sqnr_db", "row_min_sqnr_db"):  # the lowest over cases (a near-exact case's may be +inf)
         if quantization.get(key) is not None and math.isfinite(quantization[key]):

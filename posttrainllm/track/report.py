@@ -24,6 +24,15 @@ def fill(text: str, width: int = TERMINAL_WIDTH) -> str:
     return textwrap.fill(text, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
 
 
+def held(path: dict[str, Any]) -> str:
+    """A path's bitwise properties (parity.json "properties", lab/invariance.py) in a few characters: det:y bi:n
+    (deterministic, batch-invariant: y holds, n does not, - not measured); "-" where none were measured."""
+    props = path.get("properties") or {}
+    mark = {True: "y", False: "n", None: "-"}
+    return " ".join(f"{short}:{mark[(props.get(prop) or {}).get('holds')]}" for short, prop in
+                    (("det", "deterministic"), ("bi", "batch_invariant"))) if props else "-"
+
+
 def _band(band: tuple[float, float] | None) -> str:
     return f"{band[0]:.3f}-{band[1]:.3f}" if band else "-"
 
@@ -41,7 +50,7 @@ def path_frame(receipt: dict[str, Any]) -> pd.DataFrame:
             f"{f['decided_by']} {f['bound_ratio']:.2f}"
         rows.append({
             "path": name, "verdict": f["verdict"], "decided_by": decided, "rule": f["rule"],
-            "first_fail": f["first_case"],
+            "first_fail": f["first_case"], "bitwise": held(p),  # det(erministic), bi (batch-invariant): y/n/-
             "failed": "-" if not f["failed"] else f"{f['failed']}" + (f" ({f['rows']})" if f["rows"] else ""),
             "fwd_ms": _fmt(f["fwd_ms"], ".3f"), "fwd_band": _band(f["fwd_band"]),
             "fwd+bwd_ms": _fmt(f["fb_ms"], ".3f"), "fwd+bwd_band": _band(f["fb_band"]),
