@@ -95,7 +95,7 @@ def compare(a: torch.Tensor, b: torch.Tensor, row_ndim: int = 1) -> dict[str, An
 def run_once(impl: Impl, inputs: Tensors, grad_out: torch.Tensor | None, cfg: LabConfig, device: str) -> Tensors:
     """One call of `impl` on its own copy of `inputs`: its forward outputs and, given grad_out, its gradients, on the
     CPU. The same two calls the kernel stage makes (a forward on plain inputs, then the gradients' call)."""
-    from posttrainllm.lab.stages import gradients
+    from posttrainllm.lab.oracle import gradients
 
     x = rooms.fresh(inputs, device)
     got = {k: v.detach() for k, v in impl.fn(x, cfg).items() if isinstance(v, torch.Tensor)}
@@ -166,7 +166,7 @@ def _assemble(layout: list[tuple[str, int]], sources: dict[str, Tensors], dims: 
 def batch_invariance(op: OpDef, impl: Impl, case: Case, inputs: Tensors, grad_out: torch.Tensor | None,
                      main: Tensors, cfg: LabConfig, device: str) -> dict[str, Any]:
     """BATCH_RULE for one path on the main case (`main`: its outputs there, the kernel stage's run 1)."""
-    from posttrainllm.lab.stages import _dtype
+    from posttrainllm.opdefs.base import point_dtype as _dtype
 
     axis = op.batch_axis
     if axis is None:
