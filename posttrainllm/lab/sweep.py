@@ -265,6 +265,8 @@ STAGE_SOURCES = {
     "microbench": ("posttrainllm/lab/approval.py",  # a GPU times only with approval (POSTTRAINLLM_APPROVE=1)
                    "posttrainllm/measure", "posttrainllm/track/plots.py"),
     "bench_train": ("posttrainllm/lab/approval.py", "posttrainllm/model"),
+    # the figures every view shows (best peer, flags), tagged on its MLflow run; the end-to-end band's rule
+    "receipt": ("posttrainllm/track/derived.py", "posttrainllm/model/__init__.py", "posttrainllm/model/amdahl.py"),
 }
 # The stages that run the op's Triton path: kernel checks it and records its launch geometry; microbench times
 # it and bench_train trains it (on a GPU; bench_train also on a CPU, through the interpreter, for a few steps)
