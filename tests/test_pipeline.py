@@ -11,6 +11,7 @@ import json
 import sys
 
 import pytest
+import yaml
 from conftest import run_command
 
 from posttrainllm.track.stamp import file_sha256
@@ -30,6 +31,12 @@ def project(project_copy):
         source = kernel.read_text()
         assert source.count(ORIGINAL) == 1, "the planted bug's target line moved"
         kernel.write_text(source.replace(ORIGINAL, PLANTED))
+        # the draft heads small (the base stays as trained: the quality-gate test below reads it): no test here
+        # reads their figures, and at full size the heads and their decode took a sixth of this module's time
+        heads = root / "conf" / "heads" / "k3.yaml"
+        config = yaml.safe_load(heads.read_text())
+        config.update(steps=20, train_prompts=8, continuation_len=24, eval_prompts=2, new_tokens=16)
+        heads.write_text(yaml.safe_dump(config, sort_keys=False))
 
     root, env = project_copy("project", sweep="smoke", edit=plant)
     repro = run_command(["dvc", "repro"], root, env)  # exit 0: a broken contract is recorded, not fatal
