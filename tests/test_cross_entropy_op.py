@@ -95,6 +95,7 @@ def test_label_smoothing_is_checked_on_every_case_and_the_torch_peer_steps_aside
     assert "refuses smoothing" in cross_entropy.torch_refusal(cfg)
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_planted_bugs_are_caught(precision, tmp_path, monkeypatch, shared_reference):
     """Under every precision's contract the clean path passes (its GEMMs in the inputs' dtype at bf16 and fp16) and

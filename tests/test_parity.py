@@ -109,6 +109,7 @@ PLANTED_ATTENTION_BUGS = {
 IN_BOUNDS_ONLY = {"off-diagonal loop one block too far"}
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("bug", PLANTED_ATTENTION_BUGS)
 def test_planted_attention_bug_is_caught(bug, precision, tmp_path, monkeypatch, shared_reference):
@@ -196,6 +197,7 @@ PLANTED_MATMUL_BUGS = {
 }
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("bug", PLANTED_MATMUL_BUGS)
 def test_planted_matmul_bug_is_caught_only_by_the_edge_shape(bug, tmp_path, monkeypatch, shared_reference):
     mutant = _mutant(tmp_path, "matmul", *PLANTED_MATMUL_BUGS[bug])
@@ -300,6 +302,7 @@ def test_gradients_are_checked_for_every_path(tmp_path, monkeypatch, shared_refe
         assert {"grad_q", "grad_k", "grad_v"} <= set(report["paths"][path]["worst"])
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("bug", PLANTED_BACKWARD_BUGS)
 def test_planted_backward_bug_is_caught(bug, tmp_path, monkeypatch, shared_reference):
     original, planted, gradient = PLANTED_BACKWARD_BUGS[bug]

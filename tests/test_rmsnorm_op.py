@@ -67,6 +67,7 @@ BUG_PRECISIONS = [(bug, precision) for bug in PLANTED for precision in ("fp32", 
                   if bug != "x² in x's dtype" or precision == "fp16"]
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("bug, precision", BUG_PRECISIONS)
 def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch, shared_reference):
     """Under every precision's contract (bf16 through the interpreter's emulation, ops/__init__.py)."""

@@ -65,6 +65,7 @@ PLANTED_OUTPUTS = {
 }
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("bug", PLANTED)
 def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch, shared_reference):
