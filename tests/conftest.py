@@ -167,8 +167,9 @@ def without_compile_child(monkeypatch):
 @pytest.fixture(scope="session")
 def shared_reference(tmp_path_factory):
     """(args, out) -> load(args), with the reference stage of that config (inputs, float64 oracle, baseline) copied
-    into `out`: run once per session and config, for tests that plant a bug in a path (the reference's inputs and
-    oracle do not depend on it); then `kernel_and_parity(cfg, out)`."""
+    into `out`: run once per session and config, for tests that change a path only (a planted bug: the reference's
+    inputs and oracle do not depend on it), never one that patches the inputs or the reference math; then
+    `kernel_and_parity(cfg, out)`."""
     import shutil
 
     from posttrainllm.lab import stages

@@ -83,6 +83,7 @@ def test_every_path_passes_with_a_gradient_for_h_and_weight(tmp_path, shared_ref
     assert report["paths"]["triton"]["worst"]["out"]["row_ndim"] == 0  # the 0-dim loss is one row
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 def test_label_smoothing_is_checked_on_every_case_and_the_torch_peer_steps_aside(tmp_path, monkeypatch):
     """A bug in the smoothing term alone (the Σx part dropped) sits in a branch the default label_smoothing=0 never
     runs (HAS_SMOOTHING is a constexpr); a point with label_smoothing > 0 fails it on every case."""
