@@ -152,3 +152,66 @@ def install_wheel(folder, dist: str, version: str, files: dict, entry_points: st
     run_command([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
                  "--disable-pip-version-check", "--target", folder / "site", wheel], folder, os.environ)
     return folder / "site"
+
+
+@pytest.fixture
+def without_compile_child(monkeypatch):
+    """The kernel stage without its compile child (lab/compile.py: a second process that imports torch and Triton and
+    compiles the point's kernels for a GPU, ~4 s of CPU per stage): for tests of what parity concludes, which never read
+    kernel.json's `compile` section (tests/test_compile.py runs the stage with it)."""
+    from posttrainllm.lab import stages
+
+    monkeypatch.setattr(stages, "_start_compile", lambda op, cfg, out: None)
+
+
+@pytest.fixture(scope="session")
+def shared_reference(tmp_path_factory):
+    """(args, out) -> load(args), with the reference stage of that config (inputs, float64 oracle, baseline) copied
+    into `out`: run once per session and config, for tests that change a path only (a planted bug: the reference's
+    inputs and oracle do not depend on it), never one that patches the inputs or the reference math; then
+    `kernel_and_parity(cfg, out)`."""
+    import shutil
+
+    from posttrainllm.lab import stages
+    from posttrainllm.lab.configure import load
+
+    folders = {}
+
+    def copy_into(args, out):
+        if tuple(args) not in folders:
+            folders[tuple(args)] = tmp_path_factory.mktemp("reference")
+            stages.run_reference(load(list(args)), folders[tuple(args)])
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(folders[tuple(args)] / "reference.pt", out / "reference.pt")
+        return load(list(args))
+
+    return copy_into
+
+
+def kernel_and_parity(cfg, out) -> dict:
+    """parity_report's kernel -> parity on a reference already in `out` (shared_reference)."""
+    import json
+
+    from posttrainllm.lab import stages
+
+    stages.run_kernel(cfg, out)
+    try:
+        stages.run_parity(cfg, out)
+    except stages.ContractBroken:
+        pass
+    return json.loads((out / "parity.json").read_text())
+
+
+@pytest.fixture
+def without_invariance_reruns(monkeypatch):
+    """The kernel stage without its bitwise reruns (lab/invariance.py measure: the main case again and in other
+    batches, a third of a planted bug's interpreter time; tests/test_invariance.py tests them), for planted-bug tests:
+    parity judges those properties only where a path promises them or parity.require asks, and the stub refuses both,
+    so the verdict still comes from the cases alone."""
+    from posttrainllm.lab import invariance
+
+    def unmeasured(op, impl, record, first, cfg, device):
+        assert not invariance.promises_of(impl, {}) and not cfg.parity.require, "this point judges invariance"
+        return {}
+
+    monkeypatch.setattr(invariance, "measure", unmeasured)

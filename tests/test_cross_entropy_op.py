@@ -10,7 +10,7 @@ import dataclasses
 import json
 
 import pytest
-from conftest import kernel_mutant, parity_report
+from conftest import kernel_and_parity, kernel_mutant, parity_report
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +29,8 @@ QUICK = ["op=cross_entropy", "device=cpu", "parity.seeds=[0]", "shape.ce_tokens=
 CASES = ["N32-V1000-seed0", "N32-V1000-ignored_chunk", "N32-V1000-large_logits",
          "N32-C32-V1000-smoothed",  # another label smoothing than the point's, with ignored rows
          "N256-C128-V256-train"]  # bench-train's lm_head and loss: train.batch_size x train.seq_len tokens
+# no test here reads kernel.json's compile section (tests/test_compile.py does): the kernel stage runs without its child
+pytestmark = pytest.mark.usefixtures("without_compile_child")
 
 PLANTED = {
     # the issue's words: each chunk's loss divided by the chunk's size, not the batch's count of non-ignored tokens
@@ -72,15 +74,16 @@ def _failures(path: dict) -> set[str]:
     return {failure.split(":")[0] for failure in path["failed_cases"]}
 
 
-def test_every_path_passes_with_a_gradient_for_h_and_weight(tmp_path):
+def test_every_path_passes_with_a_gradient_for_h_and_weight(tmp_path, shared_reference):
     """The point's cases pass for torch and ours, with gradients for h and weight and none for the int64 targets."""
-    report = parity_report(load(QUICK), tmp_path)
+    report = kernel_and_parity(shared_reference([*QUICK, "precision=fp32"], tmp_path), tmp_path)
     assert report["verdict"] == "pass", report["first_failure"]
     assert set(report["paths"]) == {"torch", "triton"} and report["cases"] == CASES
     assert set(report["paths"]["triton"]["worst"]) == {"out", "grad_h", "grad_weight"}
     assert report["paths"]["triton"]["worst"]["out"]["row_ndim"] == 0  # the 0-dim loss is one row
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 def test_label_smoothing_is_checked_on_every_case_and_the_torch_peer_steps_aside(tmp_path, monkeypatch):
     """A bug in the smoothing term alone (the Σx part dropped) sits in a branch the default label_smoothing=0 never
     runs (HAS_SMOOTHING is a constexpr); a point with label_smoothing > 0 fails it on every case."""
@@ -93,15 +96,15 @@ def test_label_smoothing_is_checked_on_every_case_and_the_torch_peer_steps_aside
     assert "refuses smoothing" in cross_entropy.torch_refusal(cfg)
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_planted_bugs_are_caught(precision, tmp_path, monkeypatch):
+def test_planted_bugs_are_caught(precision, tmp_path, monkeypatch, shared_reference):
     """Under every precision's contract the clean path passes (its GEMMs in the inputs' dtype at bf16 and fp16) and
     each mutant fails exactly the cases and outputs its bug touches."""
     for name, (original, planted) in PLANTED.items():
         monkeypatch.setitem(cross_entropy.IMPLS, name, _mutant_path(tmp_path, name, original, planted))
-    cfg = load([*QUICK, f"precision={precision}"])
     out = tmp_path / "point"
-    stages.run_reference(cfg, out)
+    cfg = shared_reference([*QUICK, f"precision={precision}"], out)
     stages.run_kernel(cfg, out)
     with pytest.raises(stages.ContractBroken, match=f"broke the {precision} contract"):
         stages.run_parity(cfg, out)

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import kernel_mutant, parity_report
+from conftest import kernel_and_parity, kernel_mutant, parity_report
 
 from posttrainllm import cli
 from posttrainllm.config import ConfigError, Contract
@@ -22,6 +22,8 @@ from posttrainllm.ops import reference
 
 SMALL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "tile=b32", "shape.m=64", "shape.n=64", "shape.k=64",
          "shape.edge_mnk=[[41,77,33]]"]
+# no test here reads kernel.json's compile section (tests/test_compile.py does): the kernel stage runs without its child
+pytestmark = pytest.mark.usefixtures("without_compile_child")
 
 
 # --- the scaling recipe (posttrainllm/ops/reference.py) -----------------------------------------
@@ -115,9 +117,9 @@ def test_quantization_check_names_the_worst_row():
 
 
 @pytest.mark.parametrize("precision, scaling", [("fp8", "tensor"), ("fp8_rowwise", "row")])
-def test_fp8_paths_pass_forward_only_with_the_quantization_reported_apart(precision, scaling, tmp_path):
-    cfg = load([*SMALL, f"precision={precision}"])
-    report = parity_report(cfg, tmp_path)
+def test_fp8_paths_pass_forward_only_with_the_quantization_reported_apart(precision, scaling, tmp_path,
+                                                                          shared_reference):
+    report = kernel_and_parity(shared_reference([*SMALL, f"precision={precision}"], tmp_path), tmp_path)
     assert report["verdict"] == "pass", report["first_failure"]
     assert set(report["paths"]) == {"scaled_mm", "triton"}  # torch._scaled_mm runs on this CPU
     for path in report["paths"].values():
@@ -144,8 +146,9 @@ PLANTED_KERNEL_BUGS = {
 }
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("bug", PLANTED_KERNEL_BUGS)
-def test_planted_fp8_kernel_bug_is_caught(bug, tmp_path, monkeypatch):
+def test_planted_fp8_kernel_bug_is_caught(bug, tmp_path, monkeypatch, shared_reference):
     precision, original, planted = PLANTED_KERNEL_BUGS[bug]
     mutant = kernel_mutant(tmp_path, "fp8_matmul", original, planted)
 
@@ -153,7 +156,8 @@ def test_planted_fp8_kernel_bug_is_caught(bug, tmp_path, monkeypatch):
         return {"out": mutant.fp8_matmul(x["a"], x["a_scale"], x["b"], x["b_scale"], block_m=32, block_n=32,
                                          block_k=32)}
     monkeypatch.setitem(matmul.FP8_IMPLS, "triton", dataclasses.replace(matmul.FP8_IMPLS["triton"], fn=fn))
-    report = parity_report(load([*SMALL, f"precision={precision}"]), tmp_path / "point")
+    out = tmp_path / "point"
+    report = kernel_and_parity(shared_reference([*SMALL, f"precision={precision}"], out), out)
     assert report["paths"]["triton"]["verdict"] == "fail"
     assert report["paths"]["scaled_mm"]["verdict"] == "pass" and report["quantization"]["verdict"] == "pass"
     failed = report["paths"]["triton"]["failed_cases"][0]

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import kernel_mutant, parity_report
+from conftest import kernel_and_parity, kernel_mutant, parity_report
 
 from posttrainllm import cli
 from posttrainllm.config import ConfigError
@@ -22,6 +22,8 @@ from posttrainllm.ops import reference
 # one seed, no edge sizes: the point's 24 tokens, every token on expert 0, an empty expert, top-k = E
 QUICK = ["op=moe", "device=cpu", "parity.seeds=[0]", "shape.moe_tokens=24", "shape.moe_edge=[]", "tile=b32"]
 RECIPES = [("fp8", "tensor"), ("fp8_rowwise", "row")]
+# no test here reads kernel.json's compile section (tests/test_compile.py does): the kernel stage runs without its child
+pytestmark = pytest.mark.usefixtures("without_compile_child")
 
 
 def _case(scaling: str, seed: int = 0, **dims: int) -> Case:
@@ -79,9 +81,10 @@ def test_the_reference_quantizes_h_over_the_routed_rows_as_a_grouped_gemm_does(s
 
 
 @pytest.mark.parametrize("precision, scaling", RECIPES)
-def test_fp8_moe_paths_pass_forward_only_with_the_quantization_reported_apart(precision, scaling, tmp_path):
-    cfg = load([*QUICK, f"precision={precision}"])
-    report = parity_report(cfg, tmp_path)
+def test_fp8_moe_paths_pass_forward_only_with_the_quantization_reported_apart(precision, scaling, tmp_path,
+                                                                              shared_reference):
+    cfg = shared_reference([*QUICK, f"precision={precision}"], tmp_path)
+    report = kernel_and_parity(cfg, tmp_path)
     assert report["verdict"] == "pass", report["first_failure"]
     assert set(report["paths"]) == {"triton"} and report["inputs"]["verdict"] == "pass"
     triton = report["paths"]["triton"]
@@ -130,8 +133,9 @@ PLANTED = {
 #                                                          ~1 and the other's ~e^-10 (squaring changes nothing visible)
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("bug", PLANTED)
-def test_planted_fp8_moe_kernel_bug_is_caught(bug, tmp_path, monkeypatch):
+def test_planted_fp8_moe_kernel_bug_is_caught(bug, tmp_path, monkeypatch, shared_reference):
     precision, original, planted = PLANTED[bug]
     mutant = kernel_mutant(tmp_path, "fp8_moe", original, planted)
 
@@ -139,7 +143,8 @@ def test_planted_fp8_moe_kernel_bug_is_caught(bug, tmp_path, monkeypatch):
         return {"out": mutant.fp8_moe(*(x[name] for name in moe.FP8_INPUTS), block_m=32, block_n=32, block_k=32)}
 
     monkeypatch.setitem(moe.FP8_IMPLS, "triton", dataclasses.replace(moe.FP8_IMPLS["triton"], fn=fn))
-    report = parity_report(load([*QUICK, f"precision={precision}"]), tmp_path / "point")
+    out = tmp_path / "point"
+    report = kernel_and_parity(shared_reference([*QUICK, f"precision={precision}"], out), out)
     triton = report["paths"]["triton"]
     assert triton["verdict"] == "fail" and report["first_failure"].startswith("triton: ")
     assert report["quantization"]["verdict"] == "pass" and report["inputs"]["verdict"] == "pass"

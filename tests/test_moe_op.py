@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import kernel_mutant, parity_report
+from conftest import kernel_and_parity, kernel_mutant, parity_report
 import torch
 
 from posttrainllm.config import ConfigError
@@ -23,6 +23,8 @@ from posttrainllm.ops import reference
 
 # one seed, no edge sizes: the point's 24 tokens, every token on expert 0, an empty expert, top-k = E
 QUICK = ["op=moe", "device=cpu", "parity.seeds=[0]", "shape.moe_tokens=24", "shape.moe_edge=[]"]
+# no test here reads kernel.json's compile section (tests/test_compile.py does): the kernel stage runs without its child
+pytestmark = pytest.mark.usefixtures("without_compile_child")
 
 
 def _mutant(tmp_path: Path, original: str, planted: str):
@@ -32,8 +34,8 @@ def _mutant(tmp_path: Path, original: str, planted: str):
 _parity = parity_report
 
 
-def test_every_path_passes_and_the_router_is_checked_apart(tmp_path):
-    report = _parity(load(QUICK), tmp_path)
+def test_every_path_passes_and_the_router_is_checked_apart(tmp_path, shared_reference):
+    report = kernel_and_parity(shared_reference([*QUICK, "precision=fp32"], tmp_path), tmp_path)
     assert report["verdict"] == "pass", report["first_failure"]
     assert set(report["paths"]) == {"sparse", "grouped_mm", "triton"}
     worst = report["paths"]["triton"]["worst"]
@@ -76,7 +78,8 @@ def test_a_router_that_disagrees_with_the_float64_router_fails(tmp_path, monkeyp
         return {**x, "route_idx": idx}
 
     monkeypatch.setattr(moe.OP, "make_inputs", misrouted)
-    cfg = load([*QUICK, "shape.moe_top_k=1"])  # top-1: no slot collision and every path still runs
+    # top-1: no slot collision and the path still runs; one path (op.only): the routing check is the reference's
+    cfg = load([*QUICK, "shape.moe_top_k=1", "op.only=[sparse]"])
     report = _parity(cfg, tmp_path)
     assert report["inputs"]["verdict"] == "fail" and report["verdict"] == "fail"
     assert report["first_failure"].startswith("inputs: ") and "recorded route_idx" in report["first_failure"]
@@ -108,9 +111,10 @@ PLANTED_OUTPUTS = {
 }
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("bug", PLANTED)
-def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch):
+def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch, shared_reference):
     """Under every precision's contract (bf16 through the interpreter's emulation, ops/__init__.py)."""
     mutant = _mutant(tmp_path, *PLANTED[bug])
 
@@ -120,8 +124,7 @@ def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch):
                                   block_k=t.block_k)}
 
     monkeypatch.setitem(moe.IMPLS, "triton", dataclasses.replace(moe.IMPLS["triton"], fn=fn))
-    cfg = load([*QUICK, f"precision={precision}"])
-    stages.run_reference(cfg, tmp_path)
+    cfg = shared_reference([*QUICK, f"precision={precision}"], tmp_path)
     stages.run_kernel(cfg, tmp_path)
     with pytest.raises(stages.ContractBroken, match=f"triton broke the {precision} contract"):
         stages.run_parity(cfg, tmp_path)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import kernel_mutant, parity_report
+from conftest import kernel_and_parity, kernel_mutant
 import torch
 
 from posttrainllm.config import ConfigError
@@ -23,10 +23,12 @@ from posttrainllm.opdefs import get_op, rmsnorm
 # of ~1e4, of ~1e-4 and of zeros
 QUICK = ["op=rmsnorm", "device=cpu", "parity.seeds=[0]", "shape.seq_len=16", "shape.edge_seq_lens=[37]"]
 CASES = {"16x128-seed0", "1x128-seed0", "37x37-seed0", "16x128-large", "16x128-small", "16x128-zero_rows"}
+# no test here reads kernel.json's compile section (tests/test_compile.py does): the kernel stage runs without its child
+pytestmark = pytest.mark.usefixtures("without_compile_child")
 
 
-def test_every_path_passes_on_every_case(tmp_path):
-    report = parity_report(load(QUICK), tmp_path)
+def test_every_path_passes_on_every_case(tmp_path, shared_reference):
+    report = kernel_and_parity(shared_reference([*QUICK, "precision=fp32"], tmp_path), tmp_path)
     assert report["verdict"] == "pass", report["first_failure"]
     assert set(report["paths"]) == {"torch", "triton"} and set(report["cases"]) == CASES
     assert set(report["paths"]["triton"]["worst"]) == {"out", "grad_x", "grad_weight"}
@@ -65,8 +67,9 @@ BUG_PRECISIONS = [(bug, precision) for bug in PLANTED for precision in ("fp32", 
                   if bug != "x² in x's dtype" or precision == "fp16"]
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("bug, precision", BUG_PRECISIONS)
-def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch):
+def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch, shared_reference):
     """Under every precision's contract (bf16 through the interpreter's emulation, ops/__init__.py)."""
     mutant = kernel_mutant(tmp_path, "rmsnorm", *PLANTED[bug])
 
@@ -74,8 +77,7 @@ def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch):
         return {"out": mutant.rmsnorm(x["x"], x["weight"], cfg.op.eps)}
 
     monkeypatch.setitem(rmsnorm.IMPLS, "triton", dataclasses.replace(rmsnorm.IMPLS["triton"], fn=fn))
-    cfg = load([*QUICK, f"precision={precision}"])
-    stages.run_reference(cfg, tmp_path)
+    cfg = shared_reference([*QUICK, f"precision={precision}"], tmp_path)
     stages.run_kernel(cfg, tmp_path)
     with pytest.raises(stages.ContractBroken, match=f"triton broke the {precision} contract"):
         stages.run_parity(cfg, tmp_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kernel_mutant, parity_report
+from conftest import kernel_and_parity, kernel_mutant
 
 from posttrainllm.lab.configure import load
 from posttrainllm.model.train import Variant, bench_train
@@ -21,11 +21,12 @@ from posttrainllm.ops import reference
 # one seed; the tiny shape's T = 128 over two blocks of tile b64, chunks of 1, 37 and 100 rows at position 128,
 # head dims 8, 34 and 64, and T = 1 and 37 at position 10_000
 QUICK = ["op=rope", "device=cpu", "parity.seeds=[0]"]
+# no test here reads kernel.json's compile section (tests/test_compile.py does): the kernel stage runs without its child
+pytestmark = pytest.mark.usefixtures("without_compile_child")
 
 
-def test_every_path_passes_on_fp32_tables_with_no_gradient_asked_of_them(tmp_path):
-    cfg = load([*QUICK, "precision=bf16"])
-    report = parity_report(cfg, tmp_path)
+def test_every_path_passes_on_fp32_tables_with_no_gradient_asked_of_them(tmp_path, shared_reference):
+    report = kernel_and_parity(shared_reference([*QUICK, "precision=bf16"], tmp_path), tmp_path)
     assert report["verdict"] == "pass", report["first_failure"]
     assert report["cases"] == ["T128-seed0", "T1-at128-seed0", "T37-at128-seed0", "T100-at128-seed0", "T37-D8",
                                "T37-D34", "T37-D64", "T1-at10000", "T37-at10000"]
@@ -64,9 +65,10 @@ PLANTED_OUTPUTS = {
 }
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("bug", PLANTED)
-def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch):
+def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch, shared_reference):
     """Under every precision's contract (bf16 through the interpreter's emulation, ops/__init__.py)."""
     mutant = kernel_mutant(tmp_path, "rope", *PLANTED[bug])
 
@@ -74,7 +76,7 @@ def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch):
         return {"out": mutant.rope(x["x"], x["cos"].detach(), x["sin"].detach(), block_t=cfg.tile.block_m)}
 
     monkeypatch.setitem(rope.IMPLS, "triton", dataclasses.replace(rope.IMPLS["triton"], fn=fn))
-    report = parity_report(load([*QUICK, f"precision={precision}"]), tmp_path)
+    report = kernel_and_parity(shared_reference([*QUICK, f"precision={precision}"], tmp_path), tmp_path)
     triton = report["paths"]["triton"]
     assert report["verdict"] == "fail" and triton["verdict"] == "fail"
     caught_by, untouched = PLANTED_OUTPUTS[bug]

@@ -8,7 +8,7 @@ import dataclasses
 import json
 
 import pytest
-from conftest import kernel_mutant, parity_report
+from conftest import kernel_and_parity, kernel_mutant
 import torch
 
 from posttrainllm.config import itemsize
@@ -23,14 +23,16 @@ from posttrainllm.opdefs import get_op, swiglu
 QUICK = ["op=swiglu", "device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]"]
 CASES = ["R128-F384-seed0", "R1-F384-seed0", "R37-F37-seed0", "R128-F384-large_gate", "R128-F384-tiny"]
 # the interpreter's numpy e^100 (the large_gate case's extremes) warns, and so does the planted inf / inf
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
+# no test here reads kernel.json's compile section (tests/test_compile.py does): the kernel stage runs without its child
+pytestmark = [pytest.mark.usefixtures("without_compile_child"),
+              pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_every_case_passes_for_the_correct_kernel(precision, tmp_path):
-    cfg = load([*QUICK, f"precision={precision}"])
-    report = parity_report(cfg, tmp_path)
+def test_every_case_passes_for_the_correct_kernel(precision, tmp_path, shared_reference):
+    cfg = shared_reference([*QUICK, f"precision={precision}"], tmp_path)
+    report = kernel_and_parity(cfg, tmp_path)
     assert report["verdict"] == "pass", report["first_failure"]
     assert set(report["cases"]) == set(CASES)
     assert set(report["paths"]["triton"]["worst"]) == {"out", "grad_gate", "grad_up"}
@@ -64,9 +66,10 @@ PLANTED_OUTPUTS = {
 }
 
 
+@pytest.mark.usefixtures("without_invariance_reruns")
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("bug", PLANTED)
-def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch):
+def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch, shared_reference):
     """Under every precision's contract (bf16 through the interpreter's emulation, ops/__init__.py)."""
     mutant = kernel_mutant(tmp_path, "swiglu", *PLANTED[bug])
 
@@ -74,8 +77,7 @@ def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch):
         return {"out": mutant.swiglu(x["gate"], x["up"], block_rows=cfg.tile.block_m, block_f=cfg.tile.block_n)}
 
     monkeypatch.setitem(swiglu.IMPLS, "triton", dataclasses.replace(swiglu.IMPLS["triton"], fn=fn))
-    cfg = load([*QUICK, f"precision={precision}"])
-    stages.run_reference(cfg, tmp_path)
+    cfg = shared_reference([*QUICK, f"precision={precision}"], tmp_path)
     stages.run_kernel(cfg, tmp_path)
     with pytest.raises(stages.ContractBroken, match=f"triton broke the {precision} contract"):
         stages.run_parity(cfg, tmp_path)
