@@ -55,6 +55,15 @@ def calibration(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def sweep_runs(tmp_path_factory, calibration):
+    """A real (shrunk) smoke sweep's runs/ folder, every stage of both points run, MLflow absent: built once a
+    session (tests/test_sweep_folder.py build_runs) for the files that read it (test_sweep_folder, test_report_html)."""
+    from test_sweep_folder import build_runs
+
+    return build_runs(tmp_path_factory.mktemp("sweep"), calibration)
+
+
+@pytest.fixture(scope="session")
 def project_copy(tmp_path_factory, mlflow_uri):
     """make(name, sweep=..., edit=None, env=None) -> (root, env): a committed copy of the working tree as git
     sees it (tracked files and new ones not ignored), `edit(root)` applied, the sweep planned into params.yaml."""

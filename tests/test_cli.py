@@ -1,6 +1,8 @@
 """`posttrainllm bench` and `bench-train` in-process: the table, the receipt, MLflow, exit codes."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import shutil
 
@@ -21,15 +23,31 @@ def workdir(tmp_path, monkeypatch, mlflow_uri, calibration):
 
 QUICK = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "bench.reps=3", "bench.min_time_s=0",
          "shape.curve=[64,128]"]
+# where the Triton path (through the interpreter here: most of a point's time) is not what a test is about
+SDPA_ONLY = "op.only=[sdpa]"
 
 
-def test_bench_prints_table_and_logs_a_receipt(workdir, mlflow_uri, capsys):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, mlflow_uri, calibration):
+    """One `bench-train` of QUICK, logged to MLflow, that the table, receipt and drift tests all read (each point
+    runs the Triton path through the interpreter: most of its time): (folder, stdout)."""
+    root = tmp_path_factory.mktemp("trained")
+    (root / "runs" / "bench").mkdir(parents=True)
+    shutil.copy(calibration, root / "runs" / "bench" / "calibration.json")
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as out:
+        patch.chdir(root)
+        patch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+        code = cli.main(["bench-train", *QUICK, "train.steps=3", "train.warmup_steps=1", "run.name=cli-bench"])
+    assert code == 0, out.getvalue()[-3000:]
+    return root / "runs/bench/cli-bench", out.getvalue()
+
+
+def test_bench_prints_table_and_logs_a_receipt(trained, mlflow_uri):
     from mlflow.tracking import MlflowClient
 
-    assert cli.main(["bench", *QUICK, "run.name=cli-bench"]) == 0
-    out = capsys.readouterr().out
+    folder, out = trained
     assert "parity pass" in out and "interpreted: not speed" in out
-    receipt = json.loads((workdir / "runs/bench/cli-bench/receipt.json").read_text())
+    receipt = json.loads((folder / "receipt.json").read_text())
     assert receipt["kernel"]["paths"]["triton"]["geometry"]["grid"] == [2, 4]  # ceil(S=128 / BLOCK_Q=64) x B*H
     assert receipt["microbench"]["paths"]["triton"]["valid"] is False
     assert "speedup_vs_reference" not in receipt["microbench"]["paths"]["triton"]
@@ -44,7 +62,7 @@ def test_broken_path_gets_no_speed_and_exit_1(workdir, monkeypatch, capsys):
     sdpa = attention.IMPLS["sdpa"]
     halved = dataclasses.replace(sdpa, fn=lambda x, cfg: {"out": sdpa.fn(x, cfg)["out"] * 0.5})
     monkeypatch.setitem(attention.IMPLS, "sdpa", halved)
-    assert cli.main(["bench-train", *QUICK, "train.steps=2", "train.warmup_steps=1", "run.name=broken",
+    assert cli.main(["bench-train", *QUICK, SDPA_ONLY, "train.steps=2", "train.warmup_steps=1", "run.name=broken",
                      "run.log_mlflow=false"]) == 1
     captured = capsys.readouterr()
     assert "contract broken: broken: sdpa broke the fp32 contract" in captured.err
@@ -64,7 +82,7 @@ def test_broken_path_gets_no_speed_and_exit_1(workdir, monkeypatch, capsys):
 
 
 def test_multirun_over_one_dimension_names_each_point(workdir, capsys):
-    assert cli.main(["bench", "-m", *QUICK, "precision=fp32,fp16", "run.log_mlflow=false"]) == 0
+    assert cli.main(["bench", "-m", *QUICK, SDPA_ONLY, "precision=fp32,fp16", "run.log_mlflow=false"]) == 0
     names = sorted(p.name for p in (workdir / "runs/bench").iterdir() if p.is_dir())
     # QUICK's overrides are too long for a name: the dimensions' choices, then a hash of them all
     assert [n.rpartition("-")[0] for n in names] == ["precision=fp16,device=cpu", "precision=fp32,device=cpu"]
@@ -119,13 +137,10 @@ def test_a_point_name_is_short_and_differs_with_its_overrides():
     assert cli.point_name([], exclude, "train") == "train"
 
 
-def test_bench_train_reports_drift_within_contract(workdir, capsys):
-    args = ["bench-train", *QUICK, "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false",
-            "run.name=train"]
-    assert cli.main(args) == 0
-    out = capsys.readouterr().out
+def test_bench_train_reports_drift_within_contract(trained):
+    folder, out = trained
     assert "drift limit 0.0001" in out and "reference" in out and "sdpa" in out
-    result = json.loads((workdir / "runs/bench/train/bench_train.json").read_text())
+    result = json.loads((folder / "bench_train.json").read_text())
     assert result["drift_verdict"] == {"sdpa": "pass", "triton": "pass"}  # triton: through the interpreter on CPU
     assert len(result["impls"]["reference"]["losses"]) == 3
 
@@ -141,7 +156,7 @@ def test_bench_train_drift_beyond_contract_fails(workdir, monkeypatch, capsys):
         return ModelHooks(attention=lambda q, k, v: 1.5 * right(q, k, v)) if impl.name == "sdpa" else hooks(impl, cfg)
 
     monkeypatch.setattr(attention.OP, "model_hooks", wrong_scale)
-    args = ["bench-train", *QUICK, "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false"]
+    args = ["bench-train", *QUICK, SDPA_ONLY, "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false"]
     assert cli.main(args) == 1
     assert "loss drift of sdpa exceeds train_loss_drift=0.0001" in capsys.readouterr().err
 
@@ -149,7 +164,7 @@ def test_bench_train_drift_beyond_contract_fails(workdir, monkeypatch, capsys):
 def test_receipt_import_logs_json_made_without_mlflow_once(workdir, mlflow_uri, capsys):
     from mlflow.tracking import MlflowClient
 
-    assert cli.main(["bench", *QUICK, "run.name=offline", "run.log_mlflow=false"]) == 0
+    assert cli.main(["bench", *QUICK, SDPA_ONLY, "run.name=offline", "run.log_mlflow=false"]) == 0
     folder = workdir / "runs" / "bench"
     assert cli.main(["receipt", "import", str(folder)]) == 0
     assert cli.main(["receipt", "import", str(folder)]) == 0  # a second import adds nothing
@@ -173,7 +188,8 @@ def test_a_path_that_cannot_run_here_is_a_line_apart_and_exit_0(workdir, capsys)
                       "def matmul(a, b):\n    return a @ b\n")
     assert cli.main(["bench", "op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[]", "shape.m=64",
                      "shape.n=64", "shape.k=64", "shape.matmul_curve=[32,64]", "bench.reps=3", "bench.min_time_s=0",
-                     f"op.user_impls=[{kernel}:matmul]", "run.name=apart", "run.log_mlflow=false"]) == 0
+                     f"op.user_impls=[{kernel}:matmul]", "op.only=[matmul]", "run.name=apart",
+                     "run.log_mlflow=false"]) == 0
     captured = capsys.readouterr()
     assert ("posttrainllm: apart: 1 cannot run here (not a broken contract): matmul (Triton found no GPU driver "
             "(0 active drivers); runs on a GPU with its driver)") in captured.err

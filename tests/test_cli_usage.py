@@ -1,6 +1,7 @@
 """The CLI forgives: a mistyped command, `--key value`, `--help`, Ctrl-C and the wrong folder each get one line."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,7 +82,7 @@ def test_a_conf_folder_alone_above_is_no_project(tmp_path):
     assert cli._project_root(tmp_path / "home" / "work") == tmp_path / "home"
 
 
-def test_outside_any_project_a_command_says_where_it_writes(tmp_path, monkeypatch, capsys):
+def test_outside_any_project_a_command_says_where_it_writes(tmp_path, monkeypatch, calibration, capsys):
     from posttrainllm.lab import stages
 
     def stop(*args, **kwargs):  # the line came before anything was written; nothing more is needed here
@@ -90,27 +91,37 @@ def test_outside_any_project_a_command_says_where_it_writes(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(stages, "run_reference", stop)
     assert cli._project_root(tmp_path) is None
+    _calibrated(tmp_path / "mine", calibration)
     assert cli.main(["bench", "op=rmsnorm", "device=cpu", "run.log_mlflow=false", "run.out_dir=mine"]) == 130
     assert f"{tmp_path} is no project root (no dvc.yaml and conf/ here or above): writing mine/ here" in (
         capsys.readouterr().out)
-    (tmp_path / "runs").mkdir()  # said once: a folder that has its runs/ already is the user's choice
+    _calibrated(tmp_path / "runs" / "bench", calibration)  # said once: a folder that has its runs/ already is the
+    # user's choice
     assert cli.main(["bench", "op=rmsnorm", "device=cpu"]) == 130
     assert "no project root" not in capsys.readouterr().out
 
 
-def test_ctrl_c_in_process_is_one_line_exit_130_and_no_receipt(project, monkeypatch, capsys):
+def test_ctrl_c_in_process_is_one_line_exit_130_and_no_receipt(project, monkeypatch, calibration, capsys):
     from posttrainllm.lab import stages
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(stages, "run_kernel", interrupted)
+    _calibrated(project / "runs" / "bench", calibration)
     assert cli.main(["bench", "op=rmsnorm", "device=cpu", "run.name=cut", "run.log_mlflow=false"]) == 130
     err = capsys.readouterr().err
     assert err.splitlines() == ["posttrainllm: interrupted (Ctrl-C): the point in progress has no receipt; its "
                                 "finished points keep theirs"]
     assert (project / "runs/bench/cut/reference.pt").exists()
     assert not (project / "runs/bench/cut/receipt.json").exists()
+
+
+def _calibrated(folder, calibration):
+    """folder/calibration.json: this CPU's from the session, which the CLI reuses (same fingerprint), so a command
+    reaches its stages without a 12 s calibration of its own."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(calibration, folder / "calibration.json")
 
 
 def _worker_of(parent: int) -> bool:
@@ -128,9 +139,10 @@ def _worker_of(parent: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker process through /proc")
-def test_ctrl_c_with_a_user_worker_running_prints_no_traceback(project):
+def test_ctrl_c_with_a_user_worker_running_prints_no_traceback(project, calibration):
     """A terminal's Ctrl-C reaches the whole process group: the lab, its user path's worker, the compile child."""
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    _calibrated(project / "runs" / "bench", calibration)
     assert cli.main(["new-impl", "op=rmsnorm", "k/mine.py"]) == 0
     bench = subprocess.Popen(
         [sys.executable, "-m", "posttrainllm", "bench", "op=rmsnorm", "device=cpu", "parity.seeds=[0]",

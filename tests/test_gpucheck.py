@@ -3,6 +3,7 @@ MLflow, big tensors removed, curves in both modes."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +22,17 @@ from posttrainllm.opdefs import get_op
 FP8 = "op-matmul_tile-b128_precision-fp8"
 
 
-def test_the_gpu_plan_is_the_issues_run_one_dimension_at_a_time(monkeypatch):
+@pytest.fixture(scope="module")
+def gpu_plan():
+    """The gpu_check sweep's plan (a Hydra compose per point: seconds), made once for the tests that read it."""
+    return sweep.plan(load(["sweep=gpu_check"]).sweep)
+
+
+def test_the_gpu_plan_is_the_issues_run_one_dimension_at_a_time(gpu_plan, monkeypatch):
     """bf16 attention at head dim 128, causal then non-causal, S from 1k to 16k, forward and forward+backward;
     bf16 matmul at 4096³ and 8192³, then at 128x128x64 tiles, then fp8 there (forward only, against
     torch._scaled_mm); tile=auto last. The most important points first."""
-    points = sweep.plan(load(["sweep=gpu_check"]).sweep)["points"]
+    points = gpu_plan["points"]
     assert list(points) == ["baseline", "op-matmul", "op-matmul_tile-b128", FP8, "op-attention_noncausal",
                             "tile-auto"]
     seen = []  # the planner's rule holds: each point one change from the baseline or from an earlier point
@@ -69,8 +76,10 @@ def test_the_gpu_plan_is_the_issues_run_one_dimension_at_a_time(monkeypatch):
 
 
 @pytest.mark.slow
-def test_dry_run_writes_importable_receipts(tmp_path, monkeypatch, mlflow_uri, capsys):
+def test_dry_run_writes_importable_receipts(tmp_path, monkeypatch, mlflow_uri, calibration, capsys):
     out = tmp_path / "gpu"
+    out.mkdir()
+    shutil.copy(calibration, out / "calibration.json")  # this CPU's, reused (same fingerprint): no 12 s calibration
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run([str(PROJECT_ROOT / "scripts" / "gpu-check.sh"), str(out), "--dry-run", "--no-train"],
                           env=env, capture_output=True, text=True, timeout=600)
@@ -135,20 +144,22 @@ def test_dry_run_writes_importable_receipts(tmp_path, monkeypatch, mlflow_uri, c
 
 
 @pytest.mark.slow
-def test_budget_skips_whole_points(tmp_path):
+def test_budget_skips_whole_points(tmp_path, calibration):
     from posttrainllm.lab import gpucheck
+
+    shutil.copy(calibration, tmp_path / "calibration.json")  # reused: the budget, not the calibration, is tested
 
     assert gpucheck.main([str(tmp_path), "--dry-run", "--no-train", "--budget-s", "0"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["points"] == {} and summary["skipped"] == ["baseline", "precision-fp16", FP8]
 
 
-def test_sdpa_backends_are_probed_at_the_kernel_stages_lengths_on_cuda():
+def test_sdpa_backends_are_probed_at_the_kernel_stages_lengths_on_cuda(gpu_plan):
     """On the GPU a backend is probed at every length the kernel stage runs (S=1, S=1000 are off every tile), so
     one that refuses an edge length is absent, not a failed path; the CPU keeps its one small probe."""
     from posttrainllm.opdefs.attention import _probe_lengths
 
-    lab = validate(sweep.plan(load(["sweep=gpu_check"]).sweep)["points"]["baseline"]["config"])
+    lab = validate(gpu_plan["points"]["baseline"]["config"])
     assert _probe_lengths(lab, "cuda") == (1, 64, 1000, 4096)
     assert _probe_lengths(lab, "cpu") == (64,)
 

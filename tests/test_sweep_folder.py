@@ -46,10 +46,15 @@ def _heads_receipt(runs):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, calibration):
+def runs(sweep_runs):
+    """The sweep's runs/ folder: built once a session (conftest.py sweep_runs) for this file and test_report_html."""
+    return sweep_runs
+
+
+def build_runs(root: Path, calibration: Path) -> Path:
+    """root/runs/ of the shrunk smoke sweep, every stage of every point run as `dvc repro` runs it."""
     from posttrainllm.lab.pipeline import run_stage
 
-    root = tmp_path_factory.mktemp("sweep")
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)
         patch.setattr(receipts, "mlflow_available", lambda: False)  # JSON only, to be imported later

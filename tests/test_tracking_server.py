@@ -105,7 +105,8 @@ def test_a_sweep_over_http_survives_the_server_going_away_and_is_read_back(workd
 
     monkeypatch.setattr(receipt, "log_to_mlflow", log_then_kill)
     started = time.monotonic()
-    assert cli.main(["bench", "-m", *QUICK, "precision=fp32,fp16", "run.out_dir=runs/http"]) == 3
+    # sdpa alone beside the reference: the Triton path through the interpreter is not what is tested here
+    assert cli.main(["bench", "-m", *QUICK, "op.only=[sdpa]", "precision=fp32,fp16", "run.out_dir=runs/http"]) == 3
     assert time.monotonic() - started < 90  # bounded HTTP retries: not MLflow's ~250 s default
     captured = capsys.readouterr()
     assert captured.out.count(f"({server.uri})") == 1  # the first point's line names the server it logged to
