@@ -119,17 +119,10 @@ def kernel_mutant(tmp_path, module: str, original: str, planted: str):
 
 def parity_report(cfg, out) -> dict:
     """reference -> kernel -> parity of one point into `out`; parity.json (written also when a contract broke)."""
-    import json
-
     from posttrainllm.lab import stages
 
     stages.run_reference(cfg, out)
-    stages.run_kernel(cfg, out)
-    try:
-        stages.run_parity(cfg, out)
-    except stages.ContractBroken:
-        pass
-    return json.loads((out / "parity.json").read_text())
+    return kernel_and_parity(cfg, out)
 
 
 def install_wheel(folder, dist: str, version: str, files: dict, entry_points: str = ""):
