@@ -63,7 +63,8 @@ def test_the_planted_bug_twin_of_the_example_fails(tmp_path):
 def test_a_pytorch_function_goes_through_every_stage(tmp_path):
     cfg = load([*ATTENTION, f"op.user_impls=[{EXAMPLES / 'torch_attention.py'}:sdpa_attention]",
                 "op.only=[sdpa_attention]", f"run.out_dir={tmp_path}", "run.name=p", "train.steps=2",
-                "train.warmup_steps=1", "bench.reps=3", "bench.min_time_s=0", "shape.curve=[32,64]"])
+                "train.warmup_steps=1", "bench.reps=3", "bench.min_time_s=0", "bench.max_reps=12",
+                "shape.curve=[32,64]"])
     out = tmp_path / "p"
     parity_report(cfg, out)
     calibration = {"peaks": {"gemm_flops_per_s": {"float32": 1e11}, "copy_bytes_per_s": 1e10}}
@@ -82,7 +83,8 @@ def test_a_forward_only_result_is_not_an_error(tmp_path):
     spec = _write(tmp_path, "nograd.py", "import torch\n\ndef matmul(a, b):\n    with torch.no_grad():\n"
                                          "        return a @ b\n")
     cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]", "op.only=[matmul]", f"run.out_dir={tmp_path}",
-                "run.name=p", "bench.reps=3", "bench.min_time_s=0", "train.steps=2", "train.warmup_steps=1"])
+                "run.name=p", "bench.reps=3", "bench.min_time_s=0", "bench.max_reps=12", "train.steps=2",
+                "train.warmup_steps=1"])
     out = tmp_path / "p"
     report = parity_report(cfg, out)
     assert report["paths"]["matmul"]["verdict"] == "pass" and report["paths"]["matmul"]["backward"] == "none"
@@ -123,7 +125,7 @@ def test_a_stored_result_for_seen_inputs_gets_no_speed(tmp_path):
     the path gets no speed, whatever the allocator does."""
     spec = _write(tmp_path, "caching.py", CACHING)
     cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]", "op.only=[matmul,torch]", f"run.out_dir={tmp_path}",
-                "run.name=p", "bench.reps=3", "bench.min_time_s=0"])
+                "run.name=p", "bench.reps=3", "bench.min_time_s=0", "bench.max_reps=12"])
     out = tmp_path / "p"
     report = parity_report(cfg, out)
     assert report["paths"]["matmul"]["verdict"] == "pass"  # every parity case has buffers of its own

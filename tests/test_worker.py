@@ -19,10 +19,10 @@ from posttrainllm.opdefs import worker as workers
 
 MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]", "shape.m=64", "shape.n=64",
           "shape.k=64", "shape.curve=[16,32]", "shape.matmul_curve=[16,32]", "bench.reps=3", "bench.min_time_s=0",
-          "bench.warmup=1", "run.log_mlflow=false"]
+          "bench.warmup=1", "bench.max_reps=12", "run.log_mlflow=false"]
 ATTENTION = ["device=cpu", "parity.seeds=[0]", "architecture=gqa", "tile=b16", "shape.seq_len=32",
              "shape.edge_seq_lens=[]", "shape.curve=[16,32]", "bench.reps=3", "bench.min_time_s=0", "bench.warmup=1",
-             "run.log_mlflow=false"]
+             "bench.max_reps=12", "run.log_mlflow=false"]
 MINE = "op.only=[matmul]"  # the user path and the reference alone, where no built-in path is asserted on
 CALIBRATION = {"peaks": {"gemm_flops_per_s": {"float32": 1e11}, "copy_bytes_per_s": 1e10}}
 
@@ -75,6 +75,7 @@ def test_an_honest_path_runs_in_another_process_passes_and_gets_a_speed_from_out
     forward = entry["outside"]["forward"]
     assert forward["batch_size"] >= 4 and forward["batches"] >= 3
     assert entry["reps"] == forward["batch_size"] * forward["batches"]  # every call of every batch is a sample
+    assert entry["reps"] == cfg.bench.max_reps == 12  # bench.max_reps caps its timed calls: 3 batches of 4
     assert entry["forward_backward"]["median_ms"] > 0
     memory = entry["memory"]  # its worker's, counted inside it and from outside (outside.MEMORY_RULE)
     assert memory["output_bytes"] == 64 * 64 * 4 and memory["peak_bytes"] >= memory["output_bytes"]
