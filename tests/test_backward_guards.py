@@ -24,7 +24,7 @@ DECODE = ["op=decode_attention", "device=cpu", "parity.seeds=[0]", "shape.decode
 
 
 def test_a_borrowed_backward_is_shown_as_not_checked(tmp_path):
-    report = parity_report(load(DECODE), tmp_path)
+    report = parity_report(load([*DECODE, "op.only=[triton,sdpa]"]), tmp_path)
     triton, sdpa = report["paths"]["triton"], report["paths"]["sdpa"]
     assert triton["backward"] == "reference" and sdpa["backward"] == "own"
     assert triton["gradients"].startswith("not checked: the backward is borrowed from the 'reference' path")
@@ -47,7 +47,7 @@ def test_a_forward_only_path_gets_no_gradients_asked(tmp_path, monkeypatch):
             return sdpa.fn(x, cfg)
 
     monkeypatch.setitem(attention.IMPLS, "sdpa", dataclasses.replace(sdpa, fn=no_grad_sdpa, backward="none"))
-    report = parity_report(load(ATTENTION), tmp_path)
+    report = parity_report(load([*ATTENTION, "op.only=[sdpa]"]), tmp_path)
     path = report["paths"]["sdpa"]
     assert path["verdict"] == "pass" and path["backward"] == "none"
     assert path["gradients"].startswith("none: a forward-only path")
@@ -77,7 +77,7 @@ def test_a_backward_that_writes_into_its_inputs_is_caught(tmp_path, monkeypatch)
         return {"out": Scribbles.apply(x["q"], x["k"], x["v"])}
 
     monkeypatch.setitem(attention.IMPLS, "sdpa", dataclasses.replace(sdpa, fn=fn))
-    report = parity_report(load(ATTENTION + ["architecture=mha"]), tmp_path)
+    report = parity_report(load(ATTENTION + ["architecture=mha", "op.only=[sdpa]"]), tmp_path)
     failures = report["paths"]["sdpa"]["failed_cases"]
     assert report["paths"]["sdpa"]["verdict"] == "fail"
     assert any("backward changed input q" in f for f in failures)
@@ -94,7 +94,7 @@ def test_a_triton_path_whose_backward_falls_back_to_pytorch_is_caught(tmp_path, 
         return {"out": ref + (got["out"] - ref).detach(), "lse": got["lse"]}
 
     monkeypatch.setitem(attention.IMPLS, "triton", dataclasses.replace(triton, fn=fn))
-    report = parity_report(load(ATTENTION + ["architecture=mha"]), tmp_path)
+    report = parity_report(load(ATTENTION + ["architecture=mha", "op.only=[triton]"]), tmp_path)
     failures = report["paths"]["triton"]["failed_cases"]
     assert report["paths"]["triton"]["verdict"] == "fail"
     assert any("backward launched no _attn_bwd_dq (a kernel the path names)" in f for f in failures)

@@ -18,7 +18,8 @@ from conftest import install_wheel, run_command
 DIST, VERSION = "tiny-kernels", "0.1.0"
 OPS_SOURCE = '"""A matmul from outside the lab."""\n\n\ndef matmul(a, b):\n    return a @ b\n'
 QUICK = ["device=cpu", "parity.seeds=[0]", "tile=b16", "shape.m=32", "shape.n=32", "shape.k=32", "shape.edge_mnk=[]",
-         "shape.curve=[16,32]", "bench.warmup=1", "bench.reps=2", "bench.min_time_s=0", "run.log_mlflow=false"]
+         "shape.curve=[16,32]", "bench.warmup=1", "bench.reps=2", "bench.min_time_s=0", "bench.max_reps=12",
+         "run.log_mlflow=false"]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_an_entry_point_is_a_path_with_its_distribution_in_the_receipt(site, tmp
     shutil.copy(calibration, tmp_path / "runs" / "calibration.json")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(PROJECT_ROOT)])}
     done = run_command([sys.executable, "-m", "posttrainllm", "bench", "op=matmul", "op.user_impls=[entry:tiny]",
-                        "run.out_dir=runs", "run.name=tiny", *QUICK], tmp_path, env, check=False)
+                        "op.only=[tiny]", "run.out_dir=runs", "run.name=tiny", *QUICK], tmp_path, env, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     receipt = json.loads((tmp_path / "runs" / "tiny" / "receipt.json").read_text())
     installed = site / "tiny_kernels" / "ops.py"

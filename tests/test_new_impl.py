@@ -10,7 +10,7 @@ from posttrainllm import cli
 from posttrainllm.opdefs import OPS
 
 QUICK = ["device=cpu", "parity.seeds=[0]", "bench.warmup=1", "bench.reps=2", "bench.min_time_s=0",
-         "run.log_mlflow=false"]
+         "bench.max_reps=12", "run.log_mlflow=false"]
 # per op, the smallest problem its checks accept: few cases, one curve size
 SMALL = {
     "attention": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],

@@ -25,6 +25,7 @@ EXAMPLES = PROJECT_ROOT / "examples"
 ATTENTION = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "architecture=gqa"]
 MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]", "shape.m=64", "shape.n=64",
           "shape.k=64", "shape.curve=[32,64]", "shape.matmul_curve=[32,64]"]
+MINE = "op.only=[matmul]"  # the user path and the reference alone, where no built-in path is asserted on
 
 
 def _write(tmp_path: Path, name: str, source: str) -> str:
@@ -35,7 +36,8 @@ def _write(tmp_path: Path, name: str, source: str) -> str:
 
 def test_a_triton_kernel_from_outside_is_judged_and_not_timed_under_the_interpreter(tmp_path):
     spec = f"{EXAMPLES / 'triton_attention.py'}:attention"
-    report = parity_report(load([*ATTENTION, f"op.user_impls=[{spec}]"]), tmp_path)
+    small = ["shape.seq_len=64", "train.batch_size=1", "op.only=[attention]"]  # a smaller interpreted grid per case
+    report = parity_report(load([*ATTENTION, *small, f"op.user_impls=[{spec}]"]), tmp_path)
     path = report["paths"]["attention"]
     assert path["verdict"] == "pass", path["failed_cases"]
     assert path["backward"] == "own" and {"out", "grad_q", "grad_k", "grad_v"} <= set(path["worst"])
@@ -43,7 +45,7 @@ def test_a_triton_kernel_from_outside_is_judged_and_not_timed_under_the_interpre
     assert path["user"]["sha256"] == hashlib.sha256((EXAMPLES / "triton_attention.py").read_bytes()).hexdigest()
     kernel = json.loads((tmp_path / "kernel.json").read_text())
     assert kernel["paths"]["attention"]["kind"] == "user"
-    paths = stages.parity_paths(get_op("attention"), load([*ATTENTION, f"op.user_impls=[{spec}]"]), tmp_path)
+    paths = stages.parity_paths(get_op("attention"), load([*ATTENTION, *small, f"op.user_impls=[{spec}]"]), tmp_path)
     assert paths["attention"].kind == "triton"  # it launched Triton: interpreted, the microbench will not time it
 
 
@@ -60,8 +62,9 @@ def test_the_planted_bug_twin_of_the_example_fails(tmp_path):
 
 def test_a_pytorch_function_goes_through_every_stage(tmp_path):
     cfg = load([*ATTENTION, f"op.user_impls=[{EXAMPLES / 'torch_attention.py'}:sdpa_attention]",
-                f"run.out_dir={tmp_path}", "run.name=p", "train.steps=2", "train.warmup_steps=1",
-                "bench.reps=3", "bench.min_time_s=0", "shape.curve=[32,64]"])
+                "op.only=[sdpa_attention]", f"run.out_dir={tmp_path}", "run.name=p", "train.steps=2",
+                "train.warmup_steps=1", "bench.reps=3", "bench.min_time_s=0", "bench.max_reps=12",
+                "shape.curve=[32,64]"])
     out = tmp_path / "p"
     parity_report(cfg, out)
     calibration = {"peaks": {"gemm_flops_per_s": {"float32": 1e11}, "copy_bytes_per_s": 1e10}}
@@ -80,7 +83,8 @@ def test_a_forward_only_result_is_not_an_error(tmp_path):
     spec = _write(tmp_path, "nograd.py", "import torch\n\ndef matmul(a, b):\n    with torch.no_grad():\n"
                                          "        return a @ b\n")
     cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]", "op.only=[matmul]", f"run.out_dir={tmp_path}",
-                "run.name=p", "bench.reps=3", "bench.min_time_s=0", "train.steps=2", "train.warmup_steps=1"])
+                "run.name=p", "bench.reps=3", "bench.min_time_s=0", "bench.max_reps=12", "train.steps=2",
+                "train.warmup_steps=1"])
     out = tmp_path / "p"
     report = parity_report(cfg, out)
     assert report["paths"]["matmul"]["verdict"] == "pass" and report["paths"]["matmul"]["backward"] == "none"
@@ -120,8 +124,8 @@ def test_a_stored_result_for_seen_inputs_gets_no_speed(tmp_path):
     where none does, the refill after the last batch (new values in the same buffers) makes it wrong. Either way
     the path gets no speed, whatever the allocator does."""
     spec = _write(tmp_path, "caching.py", CACHING)
-    cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]", f"run.out_dir={tmp_path}", "run.name=p",
-                "bench.reps=3", "bench.min_time_s=0"])
+    cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]", "op.only=[matmul,torch]", f"run.out_dir={tmp_path}",
+                "run.name=p", "bench.reps=3", "bench.min_time_s=0", "bench.max_reps=12"])
     out = tmp_path / "p"
     report = parity_report(cfg, out)
     assert report["paths"]["matmul"]["verdict"] == "pass"  # every parity case has buffers of its own
@@ -152,7 +156,7 @@ def test_a_time_under_the_roofline_floor_is_impossible():
 ])
 def test_an_output_of_the_wrong_form_fails_with_that_reason(body, reason, tmp_path):
     spec = _write(tmp_path, "wrong.py", f"def matmul(a, b):\n    {body}\n")
-    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]", MINE]), tmp_path)
     failures = report["paths"]["matmul"]["failed_cases"]
     assert report["paths"]["matmul"]["verdict"] == "fail"
     assert any(reason in f for f in failures), failures
@@ -229,7 +233,7 @@ def test_plain_python_calling_to_on_a_float_is_the_paths_own_error(tmp_path):
     """The message Liger-Kernel 0.8.5's RMSNorm raises under the interpreter, raised by plain Python: no interpreter
     in its traceback, so not the interpreter's gap but the path's error."""
     spec = _write(tmp_path, "raises.py", "def matmul(a, b):\n    eps = 1e-6\n    return a @ b * eps.to(a.dtype)\n")
-    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]", MINE]), tmp_path)
     assert report["paths"]["matmul"]["verdict"] == "fail"
     assert report["paths"]["matmul"]["failed_cases"] == [
         f"did not run: AttributeError: 'float' object has no attribute 'to' (at {spec}:3: "
@@ -238,7 +242,7 @@ def test_plain_python_calling_to_on_a_float_is_the_paths_own_error(tmp_path):
 
 def test_a_triton_kernel_failing_under_the_interpreter_is_located_at_its_own_line(tmp_path):
     spec = _triton(tmp_path, "bad_op.py", TRITON_BAD_OP)
-    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]", MINE]), tmp_path)
     path = report["paths"]["matmul"]
     assert path["verdict"] == "fail"  # a bad op is the kernel's error on every machine
     assert path["error"]["type"] == "InterpreterError" and "Expected pointer argument" in path["error"]["message"]
@@ -251,7 +255,7 @@ def test_a_triton_kernel_failing_under_the_interpreter_is_located_at_its_own_lin
 def test_an_import_that_fails_is_the_paths_failure_located_at_its_line(tmp_path):
     spec = _write(tmp_path, "noimport.py", "import torch\nimport no_such_module_here\n\ndef matmul(a, b):\n"
                                             "    return a @ b\n")
-    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    report = parity_report(load([*MATMUL, f"op.user_impls=[{spec}:matmul]", MINE]), tmp_path)
     path = report["paths"]["matmul"]
     assert path["verdict"] == "fail"
     assert path["failed_cases"] == [f"did not run: ModuleNotFoundError: No module named 'no_such_module_here' "
@@ -266,7 +270,7 @@ def test_an_import_that_fails_is_the_paths_failure_located_at_its_line(tmp_path)
 ])
 def test_an_import_that_needs_a_gpu_cannot_run_here_and_breaks_no_contract(source, pattern, tmp_path):
     spec = _write(tmp_path, "needs_gpu.py", source + "\n\ndef matmul(a, b):\n    return a @ b\n")
-    cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]"])
+    cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]", MINE])
     stages.run_reference(cfg, tmp_path)
     stages.run_kernel(cfg, tmp_path)
     report = stages.run_parity(cfg, tmp_path)  # no ContractBroken: nothing broke
@@ -350,7 +354,7 @@ def test_a_users_bf16_triton_kernel_is_computed_as_ours_under_the_interpreter(tm
     from posttrainllm.ops import USER_BF16_INTERPRETER_REASON
 
     spec = _write(tmp_path, "mm.py", TRITON_MATMUL)
-    report = parity_report(load([*MATMUL, "precision=bf16", f"op.user_impls=[{spec}:matmul]"]), tmp_path)
+    report = parity_report(load([*MATMUL, "precision=bf16", f"op.user_impls=[{spec}:matmul]", MINE]), tmp_path)
     path = report["paths"]["matmul"]
     assert path["verdict"] == "pass", path["failed_cases"]
     assert path["emulation"] == USER_BF16_INTERPRETER_REASON and path["launched"]
@@ -391,7 +395,7 @@ def test_a_duplicate_user_name_and_an_unknown_peer_are_refused():
 
 
 def test_the_compiled_peer_is_checked_and_its_compile_time_kept_apart(tmp_path):
-    report = parity_report(load([*MATMUL, "op.peers=[compiled]"]), tmp_path)
+    report = parity_report(load([*MATMUL, "op.peers=[compiled]", "op.only=[compiled]"]), tmp_path)
     assert report["paths"]["compiled"]["verdict"] == "pass" and report["paths"]["compiled"]["backward"] == "own"
     geometry = json.loads((tmp_path / "kernel.json").read_text())["paths"]["compiled"]["geometry"]
     assert geometry["backend"] == "torch.compile(posttrainllm.ops.reference.matmul)"

@@ -19,10 +19,11 @@ from posttrainllm.opdefs import worker as workers
 
 MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]", "shape.m=64", "shape.n=64",
           "shape.k=64", "shape.curve=[16,32]", "shape.matmul_curve=[16,32]", "bench.reps=3", "bench.min_time_s=0",
-          "bench.warmup=1", "run.log_mlflow=false"]
+          "bench.warmup=1", "bench.max_reps=12", "run.log_mlflow=false"]
 ATTENTION = ["device=cpu", "parity.seeds=[0]", "architecture=gqa", "tile=b16", "shape.seq_len=32",
              "shape.edge_seq_lens=[]", "shape.curve=[16,32]", "bench.reps=3", "bench.min_time_s=0", "bench.warmup=1",
-             "run.log_mlflow=false"]
+             "bench.max_reps=12", "run.log_mlflow=false"]
+MINE = "op.only=[matmul]"  # the user path and the reference alone, where no built-in path is asserted on
 CALIBRATION = {"peaks": {"gemm_flops_per_s": {"float32": 1e11}, "copy_bytes_per_s": 1e10}}
 
 
@@ -55,7 +56,8 @@ def matmul(a, b):
 
 
 def test_an_honest_path_runs_in_another_process_passes_and_gets_a_speed_from_outside(tmp_path):
-    cfg, out = _point(tmp_path, "honest.py", HONEST, "matmul", [*MATMUL, "train.steps=2", "train.warmup_steps=1"])
+    cfg, out = _point(tmp_path, "honest.py", HONEST, "matmul", [*MATMUL, MINE, "train.steps=2",
+                                                                     "train.warmup_steps=1"])
     report = parity_report(cfg, out)
     path = report["paths"]["matmul"]
     assert path["verdict"] == "pass" and path["backward"] == "own"
@@ -73,6 +75,7 @@ def test_an_honest_path_runs_in_another_process_passes_and_gets_a_speed_from_out
     forward = entry["outside"]["forward"]
     assert forward["batch_size"] >= 4 and forward["batches"] >= 3
     assert entry["reps"] == forward["batch_size"] * forward["batches"]  # every call of every batch is a sample
+    assert entry["reps"] == cfg.bench.max_reps == 12  # bench.max_reps caps its timed calls: 3 batches of 4
     assert entry["forward_backward"]["median_ms"] > 0
     memory = entry["memory"]  # its worker's, counted inside it and from outside (outside.MEMORY_RULE)
     assert memory["output_bytes"] == 64 * 64 * 4 and memory["peak_bytes"] >= memory["output_bytes"]
@@ -124,7 +127,9 @@ def attention(q, k, v, *, causal, sm_scale):  # in float64: its verdict does not
 
 
 def test_what_a_path_does_to_torch_and_time_at_import_stays_in_its_worker(tmp_path):
-    cfg, out = _point(tmp_path, "meddler.py", MEDDLER, "attention", ATTENTION)
+    # the SDPA peers are the ones its import would slow: they stay; our Triton attention is not asserted on
+    cfg, out = _point(tmp_path, "meddler.py", MEDDLER, "attention",
+                      [*ATTENTION, "op.only=[attention,sdpa,sdpa_flash,sdpa_math]"])
     torch.set_num_threads(cfg.bench.threads)  # what every stage sets (measure/device.py prepare)
     before = (F.scaled_dot_product_attention, torch.Tensor.copy_, time.perf_counter, torch.get_num_threads(),
               torch.is_anomaly_enabled())
@@ -178,7 +183,7 @@ def matmul(a, b):
 
 
 def test_a_memoizing_path_passes_parity_and_gets_no_speed(tmp_path):
-    cfg, out = _point(tmp_path, "memo.py", MEMO, "matmul", MATMUL)
+    cfg, out = _point(tmp_path, "memo.py", MEMO, "matmul", [*MATMUL, MINE])
     assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"  # one call per shape there
     entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
     assert not entry["valid"]
@@ -216,7 +221,7 @@ def matmul(a, b):  # forward-only (no autograd history): computed honestly, into
 
 def test_memory_outside_torch_is_counted_and_outputs_held_from_import_are_named(tmp_path):
     """NumPy's buffers count (tracemalloc, the resident set); a peak below the outputs' own bytes is not a figure."""
-    cfg, out = _point(tmp_path, "numpy_mm.py", NUMPY, "matmul", [*MATMUL, "op.peers=[]"])
+    cfg, out = _point(tmp_path, "numpy_mm.py", NUMPY, "matmul", [*MATMUL, MINE])
     assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"
     entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
     assert entry["valid"], entry.get("reason")
@@ -225,7 +230,7 @@ def test_memory_outside_torch_is_counted_and_outputs_held_from_import_are_named(
     workers.close_all()
     (tmp_path / "held").mkdir()
     # 256 KB outputs: far above what the interpreter's own objects and a few resident pages add to a call
-    cfg, out = _point(tmp_path / "held", "held.py", HELD, "matmul", [*MATMUL, "op.peers=[]", "shape.m=256",
+    cfg, out = _point(tmp_path / "held", "held.py", HELD, "matmul", [*MATMUL, MINE, "shape.m=256",
                                                                       "shape.n=256"])
     assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"
     entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
@@ -247,7 +252,7 @@ def matmul(a, b):
 
 
 def test_a_worker_clock_that_disagrees_with_the_labs_gets_no_speed(tmp_path):
-    cfg, out = _point(tmp_path, "clock.py", SLOW_CLOCK, "matmul", MATMUL)
+    cfg, out = _point(tmp_path, "clock.py", SLOW_CLOCK, "matmul", [*MATMUL, MINE])
     assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"
     entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
     assert not entry["valid"] and "replaced __main__._clock" in entry["reason"], entry
@@ -258,7 +263,7 @@ def test_a_worker_clock_that_disagrees_with_the_labs_gets_no_speed(tmp_path):
     ("return a", "output out shares storage with input a"),
 ])
 def test_writes_into_an_input_and_returning_an_input_are_caught_and_named(tmp_path, body, violation):
-    cfg, out = _point(tmp_path, "guarded.py", f"def matmul(a, b):\n    {body}\n", "matmul", MATMUL)
+    cfg, out = _point(tmp_path, "guarded.py", f"def matmul(a, b):\n    {body}\n", "matmul", [*MATMUL, MINE])
     report = parity_report(cfg, out)
     path = report["paths"]["matmul"]
     assert path["verdict"] == "fail"

@@ -14,14 +14,15 @@ the curve (stages._curve) never call `measure()` on it. Instead, per batch:
    being written after the answer does not), and checks each against the float64 oracle of its set
    (parity.check_output with the reference math on those inputs; forward + backward: the gradients too).
 
-Fresh sets each batch: a result stored from an earlier call, keyed on anything but the values, is wrong
-here where the allocator hands the set new addresses; where it hands back an earlier set's, the refill after the
-last batch (REFILL_RULE: new values in the same buffers) makes such a result wrong whatever the allocator does. N grows until a batch computes for ~BATCH_ROUND_TRIPS empty round trips (at most BATCH_MAX); at least
-BATCHES_MIN batches. The worker's per-call times are the Timing's samples (its distribution), each batch's scaled
-up to the lab's compute span where they sum to less (AGREEMENT_RULE). A path that skips work, detects the timing
-loop, returns a stored result or one finished later loses its speed (a wrong output, a changed checksum); work
-hidden outside the worker's per-call clock is counted by the lab's; a patched clock is named by the worker
-(opdefs/worker.py `_tampered`).
+Fresh sets each batch: a result stored from an earlier call, keyed on anything but the values, is wrong here where
+the allocator hands the set new addresses; where it hands back an earlier set's, the refill after the last batch
+(REFILL_RULE: new values in the same buffers) makes such a result wrong whatever the allocator does. N grows until
+a batch computes for ~BATCH_ROUND_TRIPS empty round trips (at most BATCH_MAX, and at most bench.max_reps over
+BATCHES_MIN batches, never under BATCH_MIN); at least BATCHES_MIN batches. The worker's per-call times are the
+Timing's samples (its distribution), each batch's scaled up to the lab's compute span where they sum to less
+(AGREEMENT_RULE). A path that skips work, detects the timing loop, returns a stored result or one finished later
+loses its speed (a wrong output, a changed checksum); work hidden outside the worker's per-call clock is counted by
+the lab's; a patched clock is named by the worker (opdefs/worker.py `_tampered`).
 A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
 Not covered: no L2 flush between the calls of a batch (distinct sets are what keeps the cache honest).
 """
@@ -205,7 +206,9 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
         warm = draw(BATCH_MIN)
         put(warm, "warmup")
         per_call = max(statistics.median(worker.request({"op": "run", "key": "warmup"})["samples_s"]), 1e-9)
-        n = min(BATCH_MAX, max(BATCH_MIN, math.ceil(BATCH_ROUND_TRIPS * round_trip / per_call)))
+        # bench.max_reps caps a user path's timed calls too: the batch shrinks to fit it over BATCHES_MIN batches
+        n = min(BATCH_MAX, max(BATCH_MIN, math.ceil(settings["max_reps"] / BATCHES_MIN)),
+                max(BATCH_MIN, math.ceil(BATCH_ROUND_TRIPS * round_trip / per_call)))
         samples: list[float] = []
         batches: list[tuple[float, float]] = []  # per batch: (the lab's compute span, the worker's sum)
         null = None
