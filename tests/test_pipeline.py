@@ -31,11 +31,12 @@ def project(project_copy):
         source = kernel.read_text()
         assert source.count(ORIGINAL) == 1, "the planted bug's target line moved"
         kernel.write_text(source.replace(ORIGINAL, PLANTED))
-        # the draft heads small (the base stays as trained: the quality-gate test below reads it): no test here
-        # reads their figures, and at full size the heads and their decode took a sixth of this module's time
+        # the draft heads small and the base a third of its steps (600: a third of this module's time): no test
+        # here reads the heads' figures, and the quality-gate test below holds on a 200-step base too
         heads = root / "conf" / "heads" / "k3.yaml"
         config = yaml.safe_load(heads.read_text())
         config.update(steps=20, train_prompts=8, continuation_len=24, eval_prompts=2, new_tokens=16)
+        config["base"]["steps"] = 200
         heads.write_text(yaml.safe_dump(config, sort_keys=False))
 
     root, env = project_copy("project", sweep="smoke", edit=plant)
@@ -179,8 +180,8 @@ def test_the_failed_path_has_no_speed_anywhere(project):
 
 
 def test_the_quality_gates_greedy_check_catches_a_scale_bug_on_the_trained_base(project):
-    """The base `dvc repro` trained (train_base, 600 steps): greedy tokens with fp8 linear layers agree with bf16
-    ones above the gate's floor (conf/precision/fp8.yaml), and far below it with the scale applied twice."""
+    """The base `dvc repro` trained (train_base, 200 steps here): greedy tokens with fp8 linear layers agree with
+    bf16 ones above the gate's floor (conf/precision/fp8.yaml), and far below it with the scale applied twice."""
     import torch
     import torch.nn.functional as F
 
@@ -200,7 +201,7 @@ def test_the_quality_gates_greedy_check_catches_a_scale_bug_on_the_trained_base(
     found = quality.greedy_section(base, held, gate.new_tokens, {
         "fp8": fp8(reference.fp8_matmul),
         "scale twice": fp8(lambda a, a_s, b, b_s: reference.fp8_matmul(a, a_s * a_s, b, b_s))}, F.linear)["variants"]
-    assert found["fp8"]["agreement"] >= gate.min_greedy_agreement  # measured 0.80 (tensorwise)
+    assert found["fp8"]["agreement"] >= gate.min_greedy_agreement  # measured 1.00 (tensorwise; 0.80 at 600 steps)
     assert found["scale twice"]["agreement"] < gate.min_greedy_agreement  # measured 0.28
 
 
