@@ -292,3 +292,40 @@ def test_a_write_into_the_upstream_gradient_reaches_the_labs_buffer():
         assert torch.equal(grad, torch.zeros(4, 5))  # ... and the write into dO is in the lab's own buffer
     finally:
         source.unlink()
+
+
+PROBE = '''
+import json, os, torch
+from pathlib import Path
+
+seen = {"mark": os.environ.get("POSTTRAINLLM_TEST_MARK"), "cwd": os.getcwd(), "pid": os.getpid(),
+        "parent": os.getppid(), "left": getattr(torch, "_left_by_a_path", None)}
+Path(__file__).with_suffix(".json").write_text(json.dumps(seen))
+torch._left_by_a_path = __file__  # what no other path's worker may see
+
+
+def matmul(a, b):
+    return a @ b
+'''
+
+
+def test_each_worker_is_forked_clean_with_the_labs_environment_and_folder_of_its_start(tmp_path, monkeypatch):
+    """The zygote has imported torch and nothing of any user's: the second path's worker does not see what the
+    first one's import did, and takes the environment and working directory the lab has when it starts."""
+    from posttrainllm.opdefs import get_op
+    from posttrainllm.opdefs.user import resolve
+
+    seen = {}
+    for name in ("first", "second"):
+        (tmp_path / f"{name}.py").write_text(PROBE)
+        if name == "second":
+            monkeypatch.setenv("POSTTRAINLLM_TEST_MARK", "set after the first worker started")
+            (tmp_path / "elsewhere").mkdir()
+            monkeypatch.chdir(tmp_path / "elsewhere")
+        started = workers.worker_for(resolve(f"{tmp_path / name}.py:matmul", get_op("matmul")))
+        seen[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        assert seen[name]["pid"] == started.pid != os.getpid()
+    assert seen["first"]["mark"] is None and seen["second"]["mark"] == "set after the first worker started"
+    assert seen["second"]["cwd"] == str(tmp_path / "elsewhere")
+    assert seen["first"]["left"] is None and seen["second"]["left"] is None
+    assert seen["first"]["parent"] == seen["second"]["parent"] != os.getpid()  # the zygote's children, both

@@ -2,9 +2,12 @@
 
 The lab holds the judge (the float64 oracle, the contract, the calibration, the timing statistics, the
 receipt); the worker holds the user's module and nothing of those. One worker per user path per process of
-the lab (one per DVC stage, one per `posttrainllm bench` point), started at the path's first call by
-`python -m posttrainllm.opdefs.worker` with the lab's environment (TRITON_INTERPRET), its thread count
-(torch.get_num_threads(), which the stage set from bench.threads), its working directory and sys.path.
+the lab (one per DVC stage, one per `posttrainllm bench` point), started at the path's first call with the
+lab's environment (TRITON_INTERPRET), its thread count (torch.get_num_threads(), which the stage set from
+bench.threads), its working directory and sys.path. It is forked from the lab's zygote
+(`python -m posttrainllm.opdefs.worker --zygote`, one per lab process, started at the first user path): a
+process that has imported torch and this module and nothing else, and never calls any path, so a worker
+starts in milliseconds instead of the ~1.5 s of importing torch, from the same clean state every time.
 Whatever the user's code does to torch's functions, flags, thread count, Tensor methods, `time` or the GIL
 stays in that process: the next path has a worker of its own and the lab has its own interpreter.
 
@@ -50,9 +53,11 @@ import atexit
 import importlib
 import importlib.util
 import io
+import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -218,14 +223,11 @@ class Worker:
         started = time.perf_counter()
         lab_in, child_out = os.pipe()
         child_in, lab_out = os.pipe()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT), *filter(None, [env.get("PYTHONPATH")])])
-        self.process = subprocess.Popen([sys.executable, "-m", "posttrainllm.opdefs.worker", str(child_in),
-                                         str(child_out)], pass_fds=(child_in, child_out), env=env,
-                                        stdin=subprocess.DEVNULL, cwd=os.getcwd(),
-                                        start_new_session=True)  # a terminal's Ctrl-C is the lab's: it closes us
-        os.close(child_in)
-        os.close(child_out)
+        try:
+            self.process = _zygote().fork(child_in, child_out)
+        finally:
+            os.close(child_in)
+            os.close(child_out)
         self._in = Connection(lab_in, writable=False)
         self._out = Connection(lab_out, readable=False)
         self.calls = {"call": 0, "backward": 0}
@@ -239,7 +241,7 @@ class Worker:
             self.close()
             raise
         finally:
-            self.start_s = time.perf_counter() - started  # spawn + import torch + the user's module
+            self.start_s = time.perf_counter() - started  # the fork (the zygote's start, first) + the user's module
         self.pid = reply["pid"]
         self.threads = reply["threads"]
         self.tampered: list[str] = reply.get("tampered") or []  # what its import changed (outside.py: no speed)
@@ -270,8 +272,9 @@ class Worker:
             code = self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            code = self.process.wait()
-        how = (f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
+            code = self.process.wait(timeout=10)
+        how = ("its exit status unknown" if code is None else
+               f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
         return f"the worker process of user path {self.name!r} died during its {op} ({how})"
 
     def forget(self, call_id: int) -> None:
@@ -286,9 +289,97 @@ class Worker:
                 self.process.wait(timeout=5)
             except Exception:
                 self.process.kill()
-                self.process.wait()
+                self.process.wait(timeout=5)
         for conn in (self._in, self._out):
             conn.close()
+
+
+class _Zygote:
+    """The lab's side of its zygote: a process that imported torch and this module, and forks a worker on request.
+
+    Requests and answers are framed JSON over a Unix socket; a fork's two pipe ends travel with it as file
+    descriptors (SCM_RIGHTS). The zygote is the workers' parent, so it reaps them and tells how each ended."""
+
+    def __init__(self) -> None:
+        lab_end, its_end = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT), *filter(None, [env.get("PYTHONPATH")])])
+        self.process = subprocess.Popen([sys.executable, "-m", "posttrainllm.opdefs.worker", "--zygote",
+                                         str(its_end.fileno())], pass_fds=(its_end.fileno(),), env=env,
+                                        stdin=subprocess.DEVNULL, cwd=os.getcwd(),
+                                        start_new_session=True)  # a terminal's Ctrl-C is the lab's: it closes us
+        its_end.close()
+        self.socket = lab_end
+        self.conn = Connection(os.dup(lab_end.fileno()))
+        self.lock = threading.Lock()
+
+    def ask(self, request: dict[str, Any], fds: tuple[int, ...] = ()) -> dict[str, Any]:
+        with self.lock:
+            try:
+                self.conn.send_bytes(json.dumps(request).encode())
+                if fds:
+                    socket.send_fds(self.socket, [b"F"], list(fds))
+                return json.loads(self.conn.recv_bytes())
+            except (EOFError, OSError) as exc:
+                raise WorkerDied(f"the zygote that starts user paths' workers is gone ({exc or type(exc).__name__})"
+                                 ) from None
+
+    def fork(self, read_fd: int, write_fd: int) -> "_Forked":
+        """A worker reading `read_fd` and writing `write_fd`, in the lab's environment and working directory."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT), *filter(None, [env.get("PYTHONPATH")])])
+        return _Forked(self, self.ask({"op": "fork", "env": env, "cwd": os.getcwd()}, (read_fd, write_fd))["pid"])
+
+    def close(self) -> None:
+        self.conn.close()
+        self.socket.close()  # the zygote reads the end of its socket and exits
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class _Forked:
+    """A forked worker as the lab holds it (what Worker uses of a subprocess.Popen): its exit code comes from
+    the zygote, its parent; negative for a signal, as Popen's."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self.zygote, self.pid, self.code = zygote, pid, None
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit code, waiting up to `timeout` s (subprocess.TimeoutExpired after); None if the zygote is gone."""
+        if self.code is None:
+            try:
+                self.code = self.zygote.ask({"op": "wait", "pid": self.pid, "timeout": timeout})["code"]
+            except WorkerDied:
+                return None
+            if self.code is None:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+        return self.code
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+_ZYGOTE: _Zygote | None = None
+
+
+def _zygote() -> _Zygote:
+    """This lab process's zygote, started at its first user path (again if it has died)."""
+    global _ZYGOTE
+    if _ZYGOTE is None or _ZYGOTE.process.poll() is not None:
+        _ZYGOTE = _Zygote()
+    return _ZYGOTE
 
 
 _WORKERS: dict[tuple, Worker] = {}
@@ -328,7 +419,15 @@ def close_all() -> None:
         worker.close()
 
 
-atexit.register(close_all)
+def _at_exit() -> None:
+    global _ZYGOTE
+    close_all()
+    if _ZYGOTE is not None:
+        _ZYGOTE.close()
+        _ZYGOTE = None
+
+
+atexit.register(_at_exit)
 
 
 class _Link:
@@ -780,5 +879,57 @@ def _error_reply(exc: BaseException, prefix: str = "") -> dict[str, Any]:
                       "traceback": traceback_text(exc), "where": locate(exc, user=True)}}
 
 
-if __name__ == "__main__":
-    serve(int(sys.argv[1]), int(sys.argv[2]))
+def zygote(fd: int) -> None:
+    """`python -m posttrainllm.opdefs.worker --zygote FD`: until the lab's end of socket FD closes, fork a worker per
+    "fork" request (its pipe ends arrive as file descriptors) and answer "wait" requests with a worker's exit code.
+    A worker starts in a session of its own, in the environment and working directory the lab sent, and serves."""
+    control = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
+    ended: dict[int, int] = {}
+    while True:
+        try:
+            request = json.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        if request["op"] == "fork":
+            _, fds, _, _ = socket.recv_fds(control, 1, 2)
+            pid = os.fork()
+            if pid == 0:  # the worker
+                code = 0
+                try:
+                    conn.close()
+                    control.close()
+                    os.setsid()
+                    os.environ.clear()
+                    os.environ.update(request["env"])
+                    os.chdir(request["cwd"])
+                    serve(*fds)
+                except BaseException:
+                    import traceback
+
+                    traceback.print_exc()
+                    code = 1
+                finally:
+                    os._exit(code)
+            for f in fds:
+                os.close(f)
+            answer: dict[str, Any] = {"pid": pid}
+        else:  # "wait": the worker's exit code within the timeout, else None
+            pid, deadline = request["pid"], time.monotonic() + request["timeout"]
+            while pid not in ended:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    ended[pid] = os.waitstatus_to_exitcode(status)
+                elif time.monotonic() >= deadline:
+                    break
+                else:
+                    time.sleep(0.005)
+            answer = {"code": ended.get(pid)}
+        try:
+            conn.send_bytes(json.dumps(answer).encode())
+        except OSError:  # the lab is gone (interrupted): nobody to answer
+            return
+
+
+if __name__ == "__main__":  # python -m posttrainllm.opdefs.worker --zygote FD
+    zygote(int(sys.argv[2]))
