@@ -132,7 +132,7 @@ def _with_points_of_other_ops(root: Path) -> None:
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     heads = root / "conf" / "heads" / "k3.yaml"
     config = yaml.safe_load(heads.read_text())
-    config["base"].update(steps=6, warmup_steps=1, batch_size=4, seq_len=32, eval_batches=1)
+    config["base"].update(steps=6, warmup_steps=1, batch_size=4, seq_len=32, eval_batches=1, threads=1)
     heads.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -454,7 +454,8 @@ HEADS_ITEM = "k1"
 HEADS_STAGES = {"train_base": "base", "train_heads": HEADS_ITEM, "decode": HEADS_ITEM}  # stage: its folder
 # a tiny base and few tokens: what the stages load and read does not depend on the sizes
 HEADS_TINY = ["architecture.d_model=64", "architecture.mlp_hidden=128", "architecture.head_dim=16",
-              "heads.base.steps=6", "heads.base.warmup_steps=1", "heads.base.batch_size=4", "heads.base.seq_len=32",
+              "heads.base.steps=6", "heads.base.threads=1", "heads.base.warmup_steps=1", "heads.base.batch_size=4",
+              "heads.base.seq_len=32",
               "heads.base.eval_batches=1", "heads.base.max_seq_len=48", "heads.prompt_len=12",
               "heads.continuation_len=12", "heads.train_prompts=4", "heads.steps=2", "heads.batch_size=4",
               "heads.eval_prompts=1", "heads.new_tokens=4", "heads.warmup_prompts=0", "run.log_mlflow=false"]

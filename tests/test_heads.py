@@ -14,7 +14,7 @@ TINY = ["device=cpu", "architecture.d_model=64", "architecture.mlp_hidden=128", 
         "heads.base.steps=120", "heads.base.warmup_steps=4", "heads.base.batch_size=8", "heads.base.seq_len=48",
         "heads.base.eval_batches=2", "heads.base.max_seq_len=64", "heads.prompt_len=16", "heads.continuation_len=24",
         "heads.train_prompts=16", "heads.steps=30", "heads.batch_size=8", "heads.lr=3e-3", "heads.eval_prompts=3",
-        "heads.new_tokens=16", "heads.warmup_prompts=0"]
+        "heads.new_tokens=16", "heads.warmup_prompts=0", "heads.base.threads=1"]
 
 
 @pytest.fixture(scope="module")

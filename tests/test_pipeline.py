@@ -36,7 +36,7 @@ def project(project_copy):
         heads = root / "conf" / "heads" / "k3.yaml"
         config = yaml.safe_load(heads.read_text())
         config.update(steps=20, train_prompts=8, continuation_len=24, eval_prompts=2, new_tokens=16)
-        config["base"]["steps"] = 200
+        config["base"].update(steps=200, threads=1)  # one thread: the other test worker holds the second core
         heads.write_text(yaml.safe_dump(config, sort_keys=False))
 
     root, env = project_copy("project", sweep="smoke", edit=plant)

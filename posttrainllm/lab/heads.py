@@ -126,7 +126,7 @@ def heldout_loss(model: Transformer, heldout: Corpus, cfg: LabConfig) -> float:
 def train_base(cfg: LabConfig) -> dict[str, Any]:
     """Train the base on the corpus's head; write base.pt (weights) and base.json (curve, held-out loss, sample)."""
     b = cfg.heads.base
-    device = devices.prepare(cfg.device.name, cfg.bench.threads)
+    device = devices.prepare(cfg.device.name, b.threads)  # untimed: bench.threads is for what is compared
     train, heldout, corpus = split_corpus(cfg)
     model = Transformer(model_config(cfg), seed=b.seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=b.lr, betas=(0.9, 0.95), weight_decay=0.1)
