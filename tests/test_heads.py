@@ -62,6 +62,14 @@ def test_the_command_runs_base_heads_decode_and_writes_a_receipt(run, capsys):
     per_position = 2 * 2 * 4 * 16 * 4  # K and V, 2 layers, 4 KV heads, head_dim 16, fp32
     assert cache == {"greedy": (16 + 16) * per_position, "spec_k0": (16 + 16 + 1) * per_position,
                      "untrained": (16 + 16 + 3) * per_position, "trained": (16 + 16 + 3) * per_position}
+    # the trainer-sampler gap on the trained base: the reference decode scored by every attention path's forward
+    gap = receipt["decode"]["trainer_sampler_gap"]
+    assert set(gap["pairs"]) == {"reference -> reference", "reference -> sdpa", "reference -> triton"}
+    assert gap["batches"] == [{"prompts": 3, "prompt_len": 16}, {"prompts": 3, "prompt_len": 9}]
+    assert all(p["tokens"] == 2 * 3 * 16 and p["max_abs"] < 1e-3 for p in gap["pairs"].values())
+    from posttrainllm.lab.heads import table  # what the command printed
+
+    assert "trainer-sampler gap, decode reference -> triton: max |d log p|" in table(receipt)
 
 
 def test_each_stage_is_stamped_and_the_receipt_records_the_stamps_before_it(run):

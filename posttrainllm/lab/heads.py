@@ -334,6 +334,23 @@ def decode_attention(cfg: LabConfig) -> tuple[AttentionFn, dict[str, Any]]:
                                                  "triton_interpreted": interpreted, "timed": not interpreted}
 
 
+def trainer_sampler_gap(cfg: LabConfig, base: Transformer, eval_prompts: torch.Tensor) -> dict[str, Any]:
+    """The eval prompts sampled by decode paths (the reference and heads.decode_attention) and scored by the
+    attention op's built-in paths (the training forward), in two batches: the prompts at their length and cut to
+    about half of it (model/gap.py). On the CPU, Triton runs through its interpreter (values, not speed)."""
+    from posttrainllm.model.gap import measure_gap
+    from posttrainllm.opdefs import get_op
+
+    decode, attention = get_op("decode_attention"), get_op("attention")
+    samplers = {name: decode.model_hooks(decode.impls[name], cfg).attention
+                for name in dict.fromkeys(["reference", cfg.heads.decode_attention])}
+    trainers = {name: attention.model_hooks(impl, cfg).attention for name, impl in attention.impls.items()}
+    batches = [eval_prompts, eval_prompts[:, : eval_prompts.shape[1] // 2 + 1]]
+    gap = measure_gap(base, batches, cfg.heads.new_tokens, samplers, trainers)
+    gap["triton_interpreted"] = devices.triton_interpreted()
+    return gap
+
+
 def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
     """Plain greedy vs speculative on the same eval prompts, the controls beside them; decode.json.
 
@@ -421,6 +438,7 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
                                     "greedy with heads.decode_attention greedy with the reference attention; a "
                                     f"near-tie (top-2 logit gap < {h.near_tie:g}) is named and still counted"}
     report["lossless"] = not mismatches
+    report["trainer_sampler_gap"] = trainer_sampler_gap(cfg, base, eval_prompts)
     report["speedup"] = _speedup(report, base, calibration, cfg) if timed else {"valid": False, "reason": INTERPRETED}
     out = heads_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
@@ -551,6 +569,12 @@ def table(receipt: dict[str, Any]) -> str:
     for key in ("verdict", "tree_verdict", "why", "reason"):
         if decode["speedup"].get(key):
             lines.append(f"  {decode['speedup'][key]}")
+    gap = decode.get("trainer_sampler_gap")
+    for name, pair in (gap or {}).get("pairs", {}).items():  # sampler -> trainer (model/gap.py)
+        lines.append(f"  trainer-sampler gap, decode {name}: max |d log p| {pair['max_abs']:.2e}, mean "
+                     f"{pair['mean_abs']:.2e}, {pair['bitwise_fraction']:.0%} of {pair['tokens']} tokens bitwise")
+    if gap and gap.get("why_not_bitwise"):
+        lines.append(f"  {gap['why_not_bitwise']}")
     return "\n".join(lines)
 
 
