@@ -530,8 +530,8 @@ class BaseTrainConfig:
     heldout_frac: float = 0.1      # the corpus's tail, never trained on: held-out loss and every prompt
     eval_batches: int = 8          # held-out loss = mean over this many batches of the tail
     max_seq_len: int = 256         # RoPE table: prompt + generated tokens (+ K + 1 when verifying) must fit
-    threads: int = 1               # CPU threads it trains with (0: torch's default, every core): nothing here is
-                                   # timed against anything, unlike bench.threads; recorded in base.json
+    threads: int = 1               # CPU threads it trains with (0: every CPU this process may use): nothing here
+                                   # is timed against anything, unlike bench.threads; recorded in base.json
 
     def __post_init__(self) -> None:
         _positive("heads.base", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, lr=self.lr,
@@ -539,7 +539,7 @@ class BaseTrainConfig:
         require(0 <= self.warmup_steps < self.steps,
                  f"heads.base.warmup_steps={self.warmup_steps}: must be in [0, heads.base.steps={self.steps})")
         require(0 < self.heldout_frac < 0.5, f"heads.base.heldout_frac={self.heldout_frac}: must be in (0, 0.5)")
-        require(self.threads >= 0, f"heads.base.threads={self.threads}: must be >= 0 (0: torch's default)")
+        require(self.threads >= 0, f"heads.base.threads={self.threads}: must be >= 0 (0: every usable CPU)")
         require(self.seq_len <= self.max_seq_len,
                  f"heads.base.seq_len={self.seq_len}: must be <= heads.base.max_seq_len={self.max_seq_len}")
 

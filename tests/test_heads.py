@@ -117,6 +117,23 @@ def test_a_second_k_reuses_the_base_and_other_settings_refuse_it(run, capsys):
         lab.load_base(other, "cpu")
 
 
+def test_the_base_trains_on_heads_base_threads_and_0_is_every_usable_cpu(tmp_path):
+    """Untimed, it need not keep bench.threads (1): 0 takes every CPU this process may use."""
+    import os
+
+    from posttrainllm.lab import heads as lab
+
+    before = torch.get_num_threads()
+    try:
+        for threads, want in ((0, len(os.sched_getaffinity(0))), (1, 1)):
+            cfg = load([*TINY, f"heads.out_dir={tmp_path / str(threads)}", "heads.base.steps=2",
+                        "heads.base.warmup_steps=0", f"heads.base.threads={threads}"])
+            torch.set_num_threads(1)  # as the stage runner leaves it (bench.threads)
+            assert lab.train_base(cfg)["threads"] == want
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_base_stamped_with_other_code_is_retrained_and_a_receipt_refuses_it(run, tmp_path):
     import shutil
 

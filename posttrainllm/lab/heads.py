@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -126,7 +127,8 @@ def heldout_loss(model: Transformer, heldout: Corpus, cfg: LabConfig) -> float:
 def train_base(cfg: LabConfig) -> dict[str, Any]:
     """Train the base on the corpus's head; write base.pt (weights) and base.json (curve, held-out loss, sample)."""
     b = cfg.heads.base
-    device = devices.prepare(cfg.device.name, b.threads)  # untimed: bench.threads is for what is compared
+    # untimed, so not bench.threads (the stage runner set that already): heads.base.threads, 0 = every usable CPU
+    device = devices.prepare(cfg.device.name, b.threads or len(os.sched_getaffinity(0)))
     train, heldout, corpus = split_corpus(cfg)
     model = Transformer(model_config(cfg), seed=b.seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=b.lr, betas=(0.9, 0.95), weight_decay=0.1)
