@@ -100,6 +100,10 @@ class OpConfig:
     # the softmax scale every path gets (a user path's sm_scale); null: 1/sqrt(head_dim). Parity also checks a case
     # at another scale (opdefs/attention.py), so a path that ignores it fails
     sm_scale: float | None = None
+    # --- op=decode_attention ---
+    # the Triton path's KV pieces: null, as many as fill the device (on a GPU the count follows the batch, and a
+    # row's bits with it); an int, that many KV blocks a piece whatever the batch: the batch-invariant mode
+    kv_split_blocks: int | None = None
     # --- op=rmsnorm ---
     # RMSNorm's epsilon, inside the root: x / sqrt(mean(x²) + eps); bench-train's model takes it as its norm_eps
     eps: float = 1e-5
@@ -119,6 +123,8 @@ class OpConfig:
                 "(1/sqrt(head_dim))")
         require(0.0 <= self.label_smoothing <= 1.0, f"op.label_smoothing={self.label_smoothing}: must be in [0, 1]")
         require(self.chunk_size >= 1, f"op.chunk_size={self.chunk_size}: must be >= 1")
+        require(self.kv_split_blocks is None or self.kv_split_blocks >= 1,
+                f"op.kv_split_blocks={self.kv_split_blocks}: must be >= 1 KV block a piece, or null (fill the device)")
         require(_power_of_two(self.block_v) and 16 <= self.block_v <= 65536,
                  f"op.block_v={self.block_v}: must be a power of two in [16, 65536]")
 

@@ -37,6 +37,7 @@ def test_default_config_is_valid():
      # (BLOCK_Q + 2·BLOCK_KV·stages)·D·4 B = (64 + 2·64·3)·64·4
      "needs 114688 B of shared memory per program, over device.smem_bytes=65536"),
     (["precision="], "unknown precision ''"),
+    (["op=decode_attention", "op.kv_split_blocks=0"], "op.kv_split_blocks=0: must be >= 1 KV block a piece, or null"),
 ])
 def test_bad_config_is_refused_with_a_named_bound(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -228,7 +228,8 @@ IMPLS = {
     "triton": Impl("triton", "triton", _triton, outputs=("out", "lse"), geometry=_triton_geometry,
                    backend="posttrainllm.ops.attention.flash_attention",
                    kernels={"forward": ("_attn_fwd_kernel",),
-                            "backward": ("_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")}),
+                            "backward": ("_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")},
+                   promises=("deterministic",)),  # no atomics: every sum in one order (lab/invariance.py checks)
 }
 
 

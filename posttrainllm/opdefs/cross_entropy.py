@@ -101,7 +101,8 @@ IMPLS = {
     # launches in the training call too
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry,
                    backend="posttrainllm.ops.cross_entropy.fused_linear_cross_entropy",
-                   kernels={"forward": ("_cross_entropy_kernel",), "backward": ("_cross_entropy_kernel",)}),
+                   kernels={"forward": ("_cross_entropy_kernel",), "backward": ("_cross_entropy_kernel",)},
+                   promises=("deterministic",)),  # no atomics: every sum in one order (lab/invariance.py checks)
 }
 
 

@@ -66,8 +66,8 @@ def _sdpa(x: Tensors, cfg: LabConfig) -> Tensors:
 
 def _triton_options(cfg: LabConfig) -> dict[str, Any]:
     t, w = cfg.tile, cfg.workgroup
-    return dict(block_q=t.block_q, block_kv=t.block_kv, num_warps=w.num_warps, num_stages=w.num_stages,
-                input_precision=cfg.precision.dot_precision, sm_scale=cfg.op.sm_scale)
+    return dict(block_q=t.block_q, block_kv=t.block_kv, split_blocks=cfg.op.kv_split_blocks, num_warps=w.num_warps,
+                num_stages=w.num_stages, input_precision=cfg.precision.dot_precision, sm_scale=cfg.op.sm_scale)
 
 
 def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -94,7 +94,8 @@ IMPLS = {
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry,
                    backend="posttrainllm.ops.decode_attention.decode_attention (forward; backward: reference math)",
                    backward=REFERENCE,  # the kernel recomputes the readable math's backward: not its own
-                   kernels={"forward": ("_chunk_attn_split_kernel", "_chunk_attn_combine_kernel")}),
+                   kernels={"forward": ("_chunk_attn_split_kernel", "_chunk_attn_combine_kernel")},
+                   promises=("deterministic",)),  # no atomics: every sum in one order (lab/invariance.py checks)
 }
 
 

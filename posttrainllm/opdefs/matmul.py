@@ -88,7 +88,8 @@ IMPLS = {
     REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.matmul"),
     "torch": Impl("torch", "peer", _torch, backend="torch.matmul"),
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry, backend="posttrainllm.ops.matmul.matmul",
-                   kernels={"forward": ("_matmul_kernel",), "backward": ("_matmul_kernel",)}),
+                   kernels={"forward": ("_matmul_kernel",), "backward": ("_matmul_kernel",)},
+                   promises=("deterministic",)),  # no atomics: every sum in one order (lab/invariance.py checks)
 }
 
 

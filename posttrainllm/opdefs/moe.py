@@ -148,7 +148,8 @@ IMPLS = {
        if GROUPED_MM is not None else {}),
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry, backend="posttrainllm.ops.moe.moe",
                    kernels={"forward": ("_gate_up_kernel", "_down_kernel", "_unpermute_kernel"),
-                            "backward": ("_down_backward_kernel", "_dx_rows_kernel", "_expert_grad_kernel")}),
+                            "backward": ("_down_backward_kernel", "_dx_rows_kernel", "_expert_grad_kernel")},
+                   promises=("deterministic",)),  # no atomics: every sum in one order (lab/invariance.py checks)
 }
 
 

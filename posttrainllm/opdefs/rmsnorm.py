@@ -70,7 +70,8 @@ IMPLS = {
     "torch": Impl("torch", "peer", _torch, backend="torch.nn.functional.rms_norm"),
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry,
                    backend="posttrainllm.ops.rmsnorm.rmsnorm",
-                   kernels={"forward": ("_rmsnorm_forward_kernel",), "backward": ("_rmsnorm_backward_kernel",)}),
+                   kernels={"forward": ("_rmsnorm_forward_kernel",), "backward": ("_rmsnorm_backward_kernel",)},
+                   promises=("deterministic", "batch_invariant")),  # no atomics; a program owns its rows (checked)
 }
 
 

@@ -67,7 +67,8 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 IMPLS = {
     REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.rope"),
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry, backend="posttrainllm.ops.rope.rope",
-                   kernels={"forward": ("_rope_kernel",), "backward": ("_rope_kernel",)}),
+                   kernels={"forward": ("_rope_kernel",), "backward": ("_rope_kernel",)},
+                   promises=("deterministic", "batch_invariant")),  # no atomics; a program owns its rows (checked)
 }
 
 

@@ -63,7 +63,8 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 IMPLS = {
     REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.swiglu"),
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry, backend="posttrainllm.ops.swiglu.swiglu",
-                   kernels={"forward": ("_swiglu_forward_kernel",), "backward": ("_swiglu_backward_kernel",)}),
+                   kernels={"forward": ("_swiglu_forward_kernel",), "backward": ("_swiglu_backward_kernel",)},
+                   promises=("deterministic", "batch_invariant")),  # no atomics; a program owns its rows (checked)
 }
 
 

@@ -19,6 +19,11 @@ cache once and in parallel (flash-decoding, Dao et al. 2023):
     (row max m, row sum l, unnormalised accumulator) in fp32;
   * a second kernel combines the pieces: o = Σ_s e^{m_s − m} acc_s / Σ_s e^{m_s − m} l_s.
 
+How many pieces: by default enough to fill the device, so on a GPU the count follows the batch, and a
+row's reduction order with it: the same sequence decodes to other bits in another batch, the sampler side
+of the trainer–sampler gap. `split_blocks` (op.kv_split_blocks) fixes the piece at that many KV blocks:
+batch-invariant, at the cost of idle SMs where B·Hkv·pieces is small.
+
 Addressing: batch and head bases and the partials' row indices are 64-bit (B·H·Sk·D and the fp32 partials
 can pass 2^31 elements); offsets inside one (batch, head) slice stay 32-bit, and check_addressable refuses
 a slice whose strides reach 2^31. The launcher refuses a grid past CUDA's limits.
@@ -162,15 +167,24 @@ def default_num_splits(batch: int, kv_heads: int, row_blocks: int, kv_len: int, 
 
 def decode_attention_launch(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, *,
                             block_q: int = 64, block_kv: int = 64, num_splits: int | None = None,
-                            num_warps: int = 4, num_stages: int = 2) -> dict[str, Any]:
-    """The dispatch geometry: rows per KV head (G·Sq) in blocks of BLOCK_Q (shrunk to fit, >= 16), pieces of Sk."""
+                            split_blocks: int | None = None, num_warps: int = 4, num_stages: int = 2) -> dict[str, Any]:
+    """The dispatch geometry: rows per KV head (G·Sq) in blocks of BLOCK_Q (shrunk to fit, >= 16), pieces of Sk.
+
+    The pieces: `num_splits` given outright; else `split_blocks` KV blocks a piece, the batch-invariant mode (their
+    count follows the cache length alone, so a row's reduction order never depends on its batch or the device);
+    else default_num_splits, which fills the device and so follows the batch on a GPU."""
     _check_block("block_q", block_q)
     _check_block("block_kv", block_kv)
+    if num_splits is not None and split_blocks is not None:
+        raise ValueError(f"num_splits={num_splits} and split_blocks={split_blocks}: give one or neither")
+    if split_blocks is not None and split_blocks < 1:
+        raise ValueError(f"split_blocks={split_blocks}: must be >= 1 KV block a piece")
     rows = heads // kv_heads * q_len  # G·Sq rows share one KV head
     block_q = min(block_q, max(16, triton.next_power_of_2(rows)))
     row_blocks = triton.cdiv(rows, block_q)
-    splits = num_splits or default_num_splits(batch, kv_heads, row_blocks, kv_len, block_kv)
     kv_blocks = triton.cdiv(kv_len, block_kv)
+    splits = num_splits or (triton.cdiv(kv_blocks, split_blocks) if split_blocks
+                            else default_num_splits(batch, kv_heads, row_blocks, kv_len, block_kv))
     per_split = triton.cdiv(kv_blocks, splits) * block_kv  # keys per piece, a whole number of blocks
     for axis, size, limit in (("axis 1 (batch x kv heads)", batch * kv_heads, MAX_GRID_YZ),
                               ("axis 2 (cache pieces)", splits, MAX_GRID_YZ),
@@ -181,6 +195,8 @@ def decode_attention_launch(batch: int, heads: int, kv_heads: int, q_len: int, k
             "grid": [row_blocks, batch * kv_heads, splits], "combine_grid": [batch * heads * q_len],
             "rows_per_kv_head": rows, "block_q": block_q, "block_kv": block_kv,
             "block_d": max(16, triton.next_power_of_2(head_dim)), "num_splits": splits, "kv_per_split": per_split,
+            "split_rule": ("given" if num_splits else f"{split_blocks} KV blocks a piece (batch-invariant)"
+                           if split_blocks else "from the batch and the device (default_num_splits)"),
             "num_warps": num_warps, "num_stages": num_stages}
 
 
@@ -196,9 +212,9 @@ def check_addressable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None
 
 
 def triton_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                            block_q: int = 64, block_kv: int = 64, num_splits: int | None = None, num_warps: int = 4,
-                            num_stages: int = 2, input_precision: str = "ieee",
-                            emulate_bf16: bool | None = None) -> torch.Tensor:
+                            block_q: int = 64, block_kv: int = 64, num_splits: int | None = None,
+                            split_blocks: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                            input_precision: str = "ieee", emulate_bf16: bool | None = None) -> torch.Tensor:
     """softmax(Q Kᵀ · scale + bottom-right causal mask) · V: q (B, H, Sq, D), k, v (B, Hkv, Sk, D) -> (B, H, Sq, D)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"expected 4-D q (B, H, Sq, D), k and v (B, Hkv, Sk, D) of one shape; got "
@@ -216,7 +232,7 @@ def triton_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         raise ValueError(f"input_precision={input_precision!r}; choose one of {INPUT_PRECISIONS}")
     check_addressable(q, k, v)
     launch = decode_attention_launch(B, H, Hkv, Sq, Sk, D, block_q=block_q, block_kv=block_kv, num_splits=num_splits,
-                                     num_warps=num_warps, num_stages=num_stages)
+                                     split_blocks=split_blocks, num_warps=num_warps, num_stages=num_stages)
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     upcast = use_bf16_emulation(q.dtype, emulate_bf16)
     splits = launch["num_splits"]
@@ -261,6 +277,6 @@ class _DecodeAttention(torch.autograd.Function):
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
-    """The differentiable public function (options: block_q, block_kv, num_splits, num_warps, num_stages,
-    input_precision, emulate_bf16, sm_scale); see triton_decode_attention."""
+    """The differentiable public function (options: block_q, block_kv, num_splits, split_blocks, num_warps,
+    num_stages, input_precision, emulate_bf16, sm_scale); see triton_decode_attention."""
     return _DecodeAttention.apply(q, k, v, options)

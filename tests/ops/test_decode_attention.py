@@ -83,6 +83,33 @@ def test_backward_is_the_reference_math(device):
         torch.testing.assert_close(a, b)
 
 
+def test_the_batch_invariant_mode_fixes_the_pieces_by_the_cache_alone(monkeypatch):
+    """By default the piece count fills the device, so on a GPU it follows the batch; with split_blocks it follows
+    the cache length alone (the batch-invariant mode, op.kv_split_blocks)."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # an H200's 132 SMs
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: types.SimpleNamespace(multi_processor_count=132))
+    pieces = lambda batch, **kw: decode_attention_launch(batch, 8, 2, 1, 1000, 64, **kw)["num_splits"]  # noqa: E731
+    assert pieces(1) != pieces(64)  # the default: a row's reduction order depends on its batch
+    assert pieces(1, split_blocks=4) == pieces(64, split_blocks=4) == 4  # 16 KV blocks, 4 a piece
+    assert decode_attention_launch(1, 8, 2, 1, 1000, 64, split_blocks=4)["split_rule"] == (
+        "4 KV blocks a piece (batch-invariant)")
+    with pytest.raises(ValueError, match="give one or neither"):
+        decode_attention_launch(1, 8, 2, 1, 1000, 64, split_blocks=4, num_splits=2)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        decode_attention_launch(1, 8, 2, 1, 1000, 64, split_blocks=0)
+
+
+def test_in_the_batch_invariant_mode_a_row_has_the_same_bits_in_any_batch(device):
+    q, k, v = _inputs(3, 4, 2, 1, 300, 32, torch.float32, device)
+    together = triton_decode_attention(q, k, v, block_kv=16, split_blocks=3)  # 19 KV blocks: 7 pieces
+    torch.testing.assert_close(together, reference.chunk_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    for row in range(3):
+        alone = triton_decode_attention(q[row:row + 1], k[row:row + 1], v[row:row + 1], block_kv=16, split_blocks=3)
+        assert torch.equal(alone[0], together[row])
+
+
 def test_launch_geometry_serves_a_gqa_group_per_program():
     launch = decode_attention_launch(1, 8, 2, 1, 1000, 64, block_q=64, block_kv=64, num_splits=4)
     assert launch["rows_per_kv_head"] == 4 and launch["block_q"] == 16  # 4 rows padded to tl.dot's 16
