@@ -140,6 +140,31 @@ def _record(lab: LabConfig) -> dict[str, Any]:
     return done
 
 
+class _StageTimes:
+    """Wall seconds of each part of a point's run, printed under its table: where the author's loop goes. The
+    first point of a process also shows the process's start-up (Python, the imports, Hydra's config)."""
+
+    first = True
+
+    def __init__(self) -> None:
+        from posttrainllm.track.stamp import process_seconds
+
+        started = process_seconds() if _StageTimes.first else None
+        _StageTimes.first = False
+        self.seconds: dict[str, float] = {} if started is None else {"start-up (imports and config)": started}
+
+    def run(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - began
+
+    def line(self) -> str:
+        parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
+        return f"times: {parts}; {sum(self.seconds.values()):.1f} s in all"
+
+
 def _run_point(cfg: DictConfig, *, train: bool) -> None:
     """reference -> kernel -> parity -> microbench (-> bench-train) -> receipt, in this process."""
     from posttrainllm.measure import calibrate
@@ -147,6 +172,7 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
     from posttrainllm.lab import stages
     from posttrainllm.measure import device as devices
 
+    times = _StageTimes()
     lab = _point(cfg, "train" if train else "bench")
     device = devices.prepare(lab.device.name, lab.bench.threads)
     try:
@@ -160,26 +186,27 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
     out = _fresh_point_dir(lab)
     # read before any user code runs (the kernel stage's compile child, parity's workers): a file they rewrote
     # would decide which speeds are possible (docs/timing.md: what the receipt combines is what was written)
-    calibration = calibrate.load_or_measure(Path(lab.run.out_dir) / "calibration.json", devices.resolve(
-        lab.device.name))
-    stages.run_reference(lab, out)
-    stages.run_kernel(lab, out)
+    calibration = times.run("calibration", calibrate.load_or_measure, Path(lab.run.out_dir) / "calibration.json",
+                            devices.resolve(lab.device.name))
+    times.run("reference", stages.run_reference, lab, out)
+    times.run("kernel", stages.run_kernel, lab, out)
     try:
-        parity = stages.run_parity(lab, out)
+        parity = times.run("parity", stages.run_parity, lab, out)
         if parity["headline"]:  # nothing broke, yet some path cannot run here: named apart
             _cannot_run.append(f"{lab.run.name}: {parity['headline']}")
     except stages.ContractBroken as exc:  # its line counts what broke and, apart, what cannot run here
         _broken.append(f"{lab.run.name}: {exc}")
-    stages.run_microbench(lab, out, calibration)  # paths that broke the contract get no timing
+    times.run("microbench", stages.run_microbench, lab, out, calibration)  # a broken path gets no timing
     if train:
         try:
-            stages.run_bench_train(lab, out)  # Amdahl's check needs the microbench's speedups
+            times.run("bench-train", stages.run_bench_train, lab, out)  # Amdahl needs the microbench's speedups
         except stages.ContractBroken as exc:
             _broken.append(f"{lab.run.name}: {exc}")
-    receipt = _record(lab)
+    receipt = times.run("receipt", _record, lab)
     print(report.point_table(receipt))
     if train:
         print(report.train_table(receipt))
+    print(times.line())
 
 
 def bench_point(cfg: DictConfig) -> None:

@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import re
 import shutil
 
 import pytest
@@ -47,6 +48,12 @@ def test_bench_prints_table_and_logs_a_receipt(trained, mlflow_uri):
 
     folder, out = trained
     assert "parity pass" in out and "interpreted: not speed" in out
+    # where the loop's time went, each part and the total (the start-up: this test process's age, so any figure)
+    times = re.fullmatch(r"times: (.+); (\d+\.\d) s in all",
+                         next(line for line in out.splitlines() if line.startswith("times: ")))
+    parts = {name: float(s) for name, s in (part.rsplit(" ", 2)[:2] for part in times[1].split(", "))}
+    assert list(parts)[-7:] == ["calibration", "reference", "kernel", "parity", "microbench", "bench-train", "receipt"]
+    assert abs(sum(parts.values()) - float(times[2])) < 0.1 * len(parts) and parts["kernel"] > 0
     receipt = json.loads((folder / "receipt.json").read_text())
     assert receipt["kernel"]["paths"]["triton"]["geometry"]["grid"] == [2, 4]  # ceil(S=128 / BLOCK_Q=64) x B*H
     assert receipt["microbench"]["paths"]["triton"]["valid"] is False
