@@ -35,6 +35,27 @@ def test_every_path_passes_on_every_case(tmp_path, shared_reference):
     assert report["paths"]["triton"]["launched"] == {"_rmsnorm_backward_kernel": 6, "_rmsnorm_forward_kernel": 12}
 
 
+def test_our_triton_paths_promises_are_judged_and_one_that_breaks_fails(tmp_path, shared_reference, monkeypatch):
+    """RMSNorm's Triton path promises determinism and batch invariance (its Impl): both judged where it holds;
+    noise far below the contract's tolerance breaks the determinism it promises, and parity fails it."""
+    cfg = shared_reference([*QUICK, "precision=fp32", "op.only=[triton]"], tmp_path / "ok")
+    held = kernel_and_parity(cfg, tmp_path / "ok")["paths"]["triton"]
+    assert held["verdict"] == "pass"
+    judged = {"holds": True, "judged": True, "by": ["promised by the path"], "verdict": "pass"}
+    assert held["properties"] == {"deterministic": judged, "batch_invariant": judged}
+    honest = rmsnorm.IMPLS["triton"]
+
+    def noisy(x, c):
+        out = honest.fn(x, c)["out"]
+        return {"out": out + 1e-7 * out.detach().abs().max() * torch.randn_like(out)}
+
+    monkeypatch.setitem(rmsnorm.IMPLS, "triton", dataclasses.replace(honest, fn=noisy))
+    broken = kernel_and_parity(shared_reference([*QUICK, "precision=fp32", "op.only=[triton]"], tmp_path / "noisy"),
+                               tmp_path / "noisy")["paths"]["triton"]
+    assert broken["verdict"] == "fail"
+    assert broken["failed_cases"][0].startswith("deterministic (promised by the path): out run 2 differs from run 1")
+
+
 PLANTED = {
     "eps outside the root": ("rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)",
                              "rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols) + eps"),

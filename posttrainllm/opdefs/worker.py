@@ -294,6 +294,13 @@ class Worker:
             conn.close()
 
 
+def _lab_env() -> dict[str, str]:
+    """The lab's environment as it is now, this package first on PYTHONPATH: the zygote's, and each worker's."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 class _Zygote:
     """The lab's side of its zygote: a process that imported torch and this module, and forks a worker on request.
 
@@ -302,10 +309,8 @@ class _Zygote:
 
     def __init__(self) -> None:
         lab_end, its_end = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT), *filter(None, [env.get("PYTHONPATH")])])
         self.process = subprocess.Popen([sys.executable, "-m", "posttrainllm.opdefs.worker", "--zygote",
-                                         str(its_end.fileno())], pass_fds=(its_end.fileno(),), env=env,
+                                         str(its_end.fileno())], pass_fds=(its_end.fileno(),), env=_lab_env(),
                                         stdin=subprocess.DEVNULL, cwd=os.getcwd(),
                                         start_new_session=True)  # a terminal's Ctrl-C is the lab's: it closes us
         its_end.close()
@@ -326,9 +331,8 @@ class _Zygote:
 
     def fork(self, read_fd: int, write_fd: int) -> "_Forked":
         """A worker reading `read_fd` and writing `write_fd`, in the lab's environment and working directory."""
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT), *filter(None, [env.get("PYTHONPATH")])])
-        return _Forked(self, self.ask({"op": "fork", "env": env, "cwd": os.getcwd()}, (read_fd, write_fd))["pid"])
+        request = {"op": "fork", "env": _lab_env(), "cwd": os.getcwd()}
+        return _Forked(self, self.ask(request, (read_fd, write_fd))["pid"])
 
     def close(self) -> None:
         self.conn.close()
