@@ -125,6 +125,8 @@ def test_fp8_paths_pass_forward_only_with_the_quantization_reported_apart(precis
     for path in report["paths"].values():
         assert path["backward"] == "none" and {c["output"] for c in path["cases"]} == {"out"}
         assert all(c["sqnr_db"] > 50 for c in path["cases"])  # bf16 output rounding only, against the oracle
+    judged = {"holds": True, "judged": True, "by": ["promised by the path"], "verdict": "pass"}
+    assert report["paths"]["triton"]["properties"]["deterministic"] == judged  # its Impl's promise (no atomics)
     quantization = report["quantization"]
     grads = "float8_e5m2" if scaling == "tensor" else "float8_e4m3fn"  # bench-train's dY: each recipe's, as torchao's
     assert quantization["recipe"] == f"float8_e4m3fn:{scaling}" and quantization["grad_format"] == grads

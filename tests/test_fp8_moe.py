@@ -91,6 +91,8 @@ def test_fp8_moe_paths_pass_forward_only_with_the_quantization_reported_apart(pr
     assert triton["backward"] == "none" and {c["output"] for c in triton["cases"]} == {"out"}
     assert all(c["sqnr_db"] > 50 for c in triton["cases"])  # bf16 output rounding, against the oracle
     assert triton["launched"] == {"_fp8_down_kernel": 4, "_fp8_gate_up_kernel": 4, "_unpermute_kernel": 4}
+    judged = {"holds": True, "judged": True, "by": ["promised by the path"], "verdict": "pass"}
+    assert triton["properties"]["deterministic"] == judged  # its Impl's promise, judged (no atomics)
     quantization = report["quantization"]
     floors = cfg.precision.quantize.op_floors["moe"]  # op=moe's own floors (conf/precision/fp8*.yaml), not matmul's
     assert (quantization["min_sqnr_db"], quantization["min_row_sqnr_db"]) == (floors.min_sqnr_db,

@@ -199,7 +199,8 @@ FP8_IMPLS = {
     "scaled_mm": Impl("scaled_mm", "peer", _scaled_mm, backward=NO_BACKWARD,
                       backend="torch._scaled_mm (B column-major; dims zero-padded to multiples of 16)"),
     "triton": Impl("triton", "triton", _triton_fp8, geometry=_triton_fp8_geometry, backward=NO_BACKWARD,
-                   backend="posttrainllm.ops.fp8_matmul.fp8_matmul", kernels={"forward": ("_fp8_matmul_kernel",)}),
+                   backend="posttrainllm.ops.fp8_matmul.fp8_matmul", kernels={"forward": ("_fp8_matmul_kernel",)},
+                   promises=("deterministic",)),  # no atomics (batch invariance is not measured under fp8: its scales)
 }
 
 

@@ -184,7 +184,8 @@ FP8_IMPLS = {
                     backend="posttrainllm.ops.reference.fp8_moe (dequantize, then moe_dense with h quantized)"),
     "triton": Impl("triton", "triton", _fp8_triton, geometry=_fp8_triton_geometry, backward=NO_BACKWARD,
                    backend="posttrainllm.ops.fp8_moe.fp8_moe",
-                   kernels={"forward": ("_fp8_gate_up_kernel", "_fp8_down_kernel", "_unpermute_kernel")}),
+                   kernels={"forward": ("_fp8_gate_up_kernel", "_fp8_down_kernel", "_unpermute_kernel")},
+                   promises=("deterministic",)),  # no atomics (batch invariance is not measured under fp8: its scales)
 }
 
 SCALED_GROUPED_MM = getattr(torch, "_scaled_grouped_mm", None)
