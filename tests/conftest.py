@@ -11,9 +11,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from posttrainllm.ops import fast_nested_calls_in_interpreter
+    from posttrainllm.ops import fast_language_patching_in_interpreter
 
-    fast_nested_calls_in_interpreter()  # as every stage's `prepare` does (measure/device.py)
+    fast_language_patching_in_interpreter()  # as every stage's `prepare` does (measure/device.py)
 
 # The longest modules first, longest first (pytest-xdist keeps the collection order: pyproject.toml), so the two
 # workers start on the two ~200 s DVC-pipeline modules at once and the short ones fill in at the end instead of a

@@ -51,9 +51,9 @@ def prepare(name: str, threads: int = 0) -> str:
     device = resolve(name)
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        from posttrainllm.ops import fast_nested_calls_in_interpreter
+        from posttrainllm.ops import fast_language_patching_in_interpreter
 
-        fast_nested_calls_in_interpreter()  # the interpreter's nested calls without its re-patching (ops/__init__.py)
+        fast_language_patching_in_interpreter()  # its patching of triton.language made cheaper (ops/__init__.py)
     if threads:
         torch.set_num_threads(threads)
     return device

@@ -71,7 +71,7 @@ import torch
 
 from posttrainllm.files import USER_SOURCES
 from posttrainllm.track.failures import first_line, locate, traceback_text
-from posttrainllm.ops import emulate_bf16_in_interpreter, fast_nested_calls_in_interpreter
+from posttrainllm.ops import emulate_bf16_in_interpreter, fast_language_patching_in_interpreter
 
 _clock = time.perf_counter  # bound before any user code runs in a worker: a patched time.perf_counter is not ours
 _TIMERS = {name: getattr(time, name) for name in ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
@@ -571,11 +571,11 @@ def _counting() -> Any:
 
 def _emulate_bf16() -> None:
     """Once the user's code has Triton loaded: under the interpreter, its bf16 dots and casts computed as the GPU
-    computes them, as the lab's own kernels do there (ops/__init__.py USER_BF16_INTERPRETER_REASON), and its nested
-    @triton.jit calls without the interpreter's re-patching (NESTED_CALLS_REASON), as the lab's own are."""
+    computes them, as the lab's own kernels do there (ops/__init__.py USER_BF16_INTERPRETER_REASON), and with the interpreter's
+    patching of triton.language made cheaper (LANGUAGE_PATCHING_REASON), as the lab's own are."""
     if "triton" in sys.modules:
         emulate_bf16_in_interpreter()
-        fast_nested_calls_in_interpreter()
+        fast_language_patching_in_interpreter()
 
 
 def _sync(tensors: list[torch.Tensor]) -> None:

@@ -69,27 +69,32 @@ def use_bf16_emulation(dtype: torch.dtype, emulate_bf16: bool | None) -> bool:
     return emulate_bf16 and dtype == torch.bfloat16
 
 
-_NESTED_FAST: bool | None = None  # decided once, as _BF16_PATCHED
+_FAST_PATCHING: bool | None = None  # decided once, as _BF16_PATCHED
 
-NESTED_CALLS_REASON = (
-    "Triton's interpreter (3.9) patches triton.language again at every call of a nested @triton.jit function "
-    "(inspect.getmembers over the module, ~1.4 ms a call), though the launch around it has already patched it; "
-    "a nested call whose modules are patched already skips that (the same functions stay in place, so the "
-    "kernels compute the same bits): interpreted attention forward + backward ran ~1.4x faster")
+LANGUAGE_PATCHING_REASON = (
+    "Triton's interpreter (3.9) patches triton.language at every launch and again at every call of a nested "
+    "@triton.jit function, listing each module's members with inspect.getmembers every time (~1.4 ms a patch); "
+    "here a nested call whose modules the launch has patched skips that, and a launch patches from each module's "
+    "builtins listed once: the same functions are put in place, so the kernels compute the same bits")
 
 
-def fast_nested_calls_in_interpreter() -> bool:
-    """Under Triton's interpreter, skip the re-patching of triton.language that it does at every nested @triton.jit
-    call (NESTED_CALLS_REASON): a launch patches the modules its kernel sees and restores them when it ends; a
-    nested function whose modules that launch already patched calls straight through, and one that sees another
-    module (tl.core, for triton.language's own helpers) patches it as the interpreter does. Every process that
-    interprets Triton calls it once it has decided to (measure/device.py `prepare`, a user path's worker, the
-    tests). Idempotent; False where Triton is not interpreted or its interpreter lacks what this relies on."""
-    global _NESTED_FAST
-    if _NESTED_FAST is not None:
-        return _NESTED_FAST
+def fast_language_patching_in_interpreter() -> bool:
+    """Under Triton's interpreter, its patching of triton.language made cheaper (LANGUAGE_PATCHING_REASON):
+
+    - a launch patches the modules its kernel sees and restores them when it ends; a nested @triton.jit function
+      whose modules that launch already patched calls straight through, and one that sees another module (tl.core,
+      for triton.language's own helpers) patches it as the interpreter does;
+    - each module's builtins are listed once, not with inspect.getmembers at every patch (a module's members do
+      not change; a name already patched when listed, by a patch the interpreter never restores, stays patched).
+
+    Every process that interprets Triton calls it once it has decided to (measure/device.py `prepare`, a user path's
+    worker, the tests). Idempotent; False where Triton is not interpreted or its interpreter lacks what this
+    relies on."""
+    global _FAST_PATCHING
+    if _FAST_PATCHING is not None:
+        return _FAST_PATCHING
     if not is_interpreted():
-        _NESTED_FAST = False
+        _FAST_PATCHING = False
         return False
     import inspect
 
@@ -97,10 +102,12 @@ def fast_nested_calls_in_interpreter() -> bool:
     from triton.runtime import interpreter
 
     patch_lang, scope_type = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "_LangPatchScope", None)
-    if patch_lang is None or scope_type is None or not hasattr(scope_type, "restore"):
-        _NESTED_FAST = False
+    patch_builtin, patch_attr = getattr(interpreter, "_patch_builtin", None), getattr(interpreter, "_patch_attr", None)
+    if None in (patch_lang, scope_type, patch_builtin, patch_attr) or not hasattr(scope_type, "restore"):
+        _FAST_PATCHING = False
         return False
     patched: list[set[int]] = []  # per running launch: the language modules patched while it runs
+    builtins: dict[int, list[tuple[str, Any]]] = {}  # per module: its builtin members, listed once
 
     def fast_patch_lang(fn: Any) -> Any:
         langs = {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
@@ -122,9 +129,18 @@ def fast_nested_calls_in_interpreter() -> bool:
         scope.restore = restore_and_forget
         return scope
 
+    def listed_patch_builtin(pkg: Any, builder: Any, scope: Any) -> None:
+        members = builtins.get(id(pkg))
+        if members is None:
+            members = builtins[id(pkg)] = [(name, member) for name, member in inspect.getmembers(pkg)
+                                           if tl.core.is_builtin(member)]
+        for name, member in members:
+            patch_attr(pkg, name, member, builder, scope)
+
     fast_patch_lang.__wrapped__ = patch_lang  # the interpreter's own, for the tests' comparison
-    interpreter._patch_lang = fast_patch_lang
-    _NESTED_FAST = True
+    listed_patch_builtin.__wrapped__ = patch_builtin
+    interpreter._patch_lang, interpreter._patch_builtin = fast_patch_lang, listed_patch_builtin
+    _FAST_PATCHING = True
     return True
 
 

@@ -1,4 +1,4 @@
-"""The interpreter's nested calls without its re-patching (ops/__init__.py `fast_nested_calls_in_interpreter`):
+"""The interpreter's nested calls without its re-patching (ops/__init__.py `fast_language_patching_in_interpreter`):
 the same bits as the interpreter's own way, one patch per launch, and triton.language restored after a launch that
 raised."""
 
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from posttrainllm.ops import fast_nested_calls_in_interpreter, is_interpreted
+from posttrainllm.ops import fast_language_patching_in_interpreter, is_interpreted
 from posttrainllm.ops.attention import flash_attention_with_lse
 
 pytestmark = pytest.mark.skipif(not is_interpreted(), reason="the fast path is for Triton's interpreter only")
@@ -48,12 +48,12 @@ def _run(x: torch.Tensor, fail: bool = False) -> torch.Tensor:
 def _interpreters_own_patching():
     from triton.runtime import interpreter
 
-    fast = interpreter._patch_lang
-    interpreter._patch_lang = fast.__wrapped__
+    fast = interpreter._patch_lang, interpreter._patch_builtin
+    interpreter._patch_lang, interpreter._patch_builtin = (function.__wrapped__ for function in fast)
     try:
         yield
     finally:
-        interpreter._patch_lang = fast
+        interpreter._patch_lang, interpreter._patch_builtin = fast
 
 
 def _attention(q, k, v):
@@ -64,7 +64,7 @@ def _attention(q, k, v):
 
 
 def test_the_fast_path_is_installed_and_computes_the_same_bits_as_the_interpreters_own():
-    assert fast_nested_calls_in_interpreter() is True
+    assert fast_language_patching_in_interpreter() is True
     x = torch.randn(60)
     q, k, v = torch.randn(3, 1, 2, 40, 16).unbind(0)
     fast = [_run(x), *_attention(q, k, v)]
@@ -93,6 +93,25 @@ def test_a_launch_patches_the_language_once_not_at_every_nested_call(monkeypatch
     # interpreter's own way patches again at every nested call of each of the 4 programs
     assert fast[0] == "triton.language" and "triton.language.core" in fast and len(fast) <= 3, fast
     assert len(patched) > 4 * 5, patched
+
+
+def test_each_modules_members_are_listed_once_not_at_every_launch(monkeypatch):
+    import inspect
+
+    _run(torch.randn(60))  # lists the modules' builtins, if no launch of this process has yet
+    listed, own = [], inspect.getmembers
+
+    def counting(obj, *args):
+        listed.append(getattr(obj, "__name__", obj))
+        return own(obj, *args)
+
+    monkeypatch.setattr(inspect, "getmembers", counting)
+    for _ in range(3):
+        _run(torch.randn(60))
+    assert listed == [], listed
+    with _interpreters_own_patching():
+        _run(torch.randn(60))
+    assert len(listed) >= 4, listed  # the interpreter's own way lists tl, tl.tensor, tl.math, ... at every patch
 
 
 def test_a_launch_that_raises_leaves_triton_language_as_it_was():
