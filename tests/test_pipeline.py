@@ -62,6 +62,12 @@ def test_every_stage_of_every_point_ran(project):
         inputs = json.loads((root / "runs" / "inputs" / point / "microbench.json").read_text())
         assert inputs["reads"] == {"runs/calibration.json": calibration}
         assert receipt["microbench"]["calibration"] == {"sha256": calibration, "problem": None}
+        # the raising paths' tracebacks are the kernel stage's DVC out (restored with its other outs) and the
+        # receipt's dep: a folder, empty here, since no path raised
+        lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+        kernel_outs = {out["path"]: out for out in lock[f"kernel@{point}"]["outs"]}
+        assert kernel_outs[f"runs/{point}/tracebacks"]["nfiles"] == 0
+        assert f"runs/{point}/tracebacks" in {dep["path"] for dep in lock[f"receipt@{point}"]["deps"]}
 
 
 def test_the_kernel_stage_compiled_the_triton_kernels_for_sm90(project):

@@ -33,7 +33,9 @@ INPUTS = Path(RUNS) / "inputs"  # runs/inputs/<point>/<stage>.json: what DVC rer
 POINT_STAGES = ("reference", "kernel", "parity", "microbench", "bench_train", "receipt")  # a point's, in DVC's order
 # The files each point stage writes in runs/<point>/ (dvc.yaml's outs less stamps and plots; tests/test_dvc_deps.py
 # checks): their sha256 goes into the stage's stamp, and the receipt refuses a file changed since (stamp.check_outputs)
-STAGE_OUTPUTS = {"reference": ("reference.pt",), "kernel": ("kernel.pt", "kernel.json"), "parity": ("parity.json",),
+STAGE_OUTPUTS = {"reference": ("reference.pt",), "kernel": ("kernel.pt", "kernel.json", "tracebacks"),  # a folder:
+                 # not hashed (only files are), so a traceback's text is evidence to read, not a figure the receipt uses
+                 "parity": ("parity.json",),
                  "microbench": ("microbench.json", "timings.csv", "curve.csv"), "bench_train": ("bench_train.json",)}
 TIMED_STAGES = ("microbench", "bench_train")  # they run timing loops: approval on a GPU (lab/approval.py)
 

@@ -192,6 +192,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     op = get_op(cfg.op.name)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     shutil.rmtree(out / failures.TRACEBACKS, ignore_errors=True)  # an earlier run's: none of them describe this one
+    (out / failures.TRACEBACKS).mkdir(parents=True)  # a DVC out of this stage: there even when no path raised
     ref = _load_reference(out)
     main_case = Case(**ref["records"][0]["case"])
     outputs: dict[str, list[Tensors] | None] = {}
