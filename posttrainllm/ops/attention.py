@@ -33,8 +33,9 @@ Shapes: q (B, H, S, D), k and v (B, Hkv, S, D) -> o (B, H, S, D), lse (B, H, S).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import triton
@@ -653,6 +654,29 @@ def device_smem_bytes(device: torch.device) -> int:
         return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
 
 
+_COMPILE_TARGET_SMEM: list[int | None] = [None]  # set by `autotune_for_target` while lab/compile.py records
+
+
+@contextlib.contextmanager
+def autotune_for_target(shared_per_block: int) -> Iterator[None]:
+    """While lab/compile.py records launches for a compile target (no GPU here): the launchers take their
+    autotuned branch on CPU tensors too, their candidates pruned by the target's per-block shared memory as the
+    device's reported limit prunes them on a GPU of that target. The autotuner itself never times anything then:
+    the recorder compiles each candidate instead (lab/compile.py `recording`)."""
+    _COMPILE_TARGET_SMEM[0] = shared_per_block
+    try:
+        yield
+    finally:
+        _COMPILE_TARGET_SMEM[0] = None
+
+
+def autotune_smem(t: torch.Tensor) -> int | None:
+    """The shared memory per block the autotuner prunes its candidates by, for a launch on `t`'s device: the
+    device's own on CUDA, the compile target's while lab/compile.py records; None: no autotuner here (elsewhere
+    the fixed configuration runs, AUTO_CPU_NOTE)."""
+    return device_smem_bytes(t.device) if t.is_cuda else _COMPILE_TARGET_SMEM[0]
+
+
 def attention_smem_bytes(block_q: int, block_kv: int, block_d: int, num_stages: int, itemsize: int) -> int:
     """Shared memory per program, estimated: the resident block plus a pipelined (K, V) pair per stage,
     (block_q + 2·block_kv·num_stages)·block_d·itemsize."""
@@ -687,8 +711,12 @@ def _tuner(kernel, space, smem: int, block_d: int, itemsize: int, stages=STAGES)
     return _TUNERS[key]
 
 
-def _chosen(tuner) -> dict:
-    config = tuner.best_config
+def chosen_config(tuner) -> dict | None:
+    """The configuration `tuner` chose at its last run (blocks lowercased, warps, stages); None when it chose none
+    (lab/compile.py records its candidates instead of running it)."""
+    config = getattr(tuner, "best_config", None)
+    if config is None:
+        return None
     return {**{k.lower(): v for k, v in config.kwargs.items()}, "num_warps": config.num_warps,
             "num_stages": config.num_stages}
 
@@ -739,11 +767,12 @@ def triton_attention(
     args = (q, k, v, o, lse, scale, *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, S, B * H)
     meta = dict(HEAD_DIM=D, KV_GROUP=H // Hkv, BLOCK_D=launch["block_d"], CAUSAL=bool(causal),
                 INPUT_PRECISION=input_precision, UPCAST_DOT=upcast)
-    if autotune and q.is_cuda:
+    smem = autotune_smem(q) if autotune else None
+    if smem is not None:
         tuner = _tuner(_attn_fwd_kernel, _space((block_q, block_kv, num_warps), autotune == "tile", FWD_SPACE),
-                       device_smem_bytes(q.device), launch["block_d"], q.element_size())
+                       smem, launch["block_d"], q.element_size())
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_Q"]), B * H))](*args, **meta)
-        LAST_AUTOTUNE["forward"] = _chosen(tuner)
+        LAST_AUTOTUNE["forward"] = chosen_config(tuner)
     else:
         _attn_fwd_kernel[tuple(launch["grid"])](*args, **meta, BLOCK_Q=block_q, BLOCK_KV=block_kv,
                                                 num_warps=num_warps, num_stages=num_stages)
@@ -792,8 +821,8 @@ def triton_attention_backward(
     upcast = use_bf16_emulation(q.dtype, emulate_bf16)
     grad_dtype = torch.float32 if upcast else q.dtype
     lse = lse.contiguous()  # the kernels index L and D as (B * H, S) rows
-    tuned = bool(autotune) and q.is_cuda
-    smem = device_smem_bytes(q.device) if tuned else 0
+    smem = autotune_smem(q) if autotune else None
+    tuned = smem is not None
     common = dict(HEAD_DIM=D, KV_GROUP=launch["kv_group"], BLOCK_D=launch["block_d"], CAUSAL=bool(causal),
                   INPUT_PRECISION=input_precision, UPCAST_DOT=upcast)
 
@@ -817,7 +846,7 @@ def triton_attention_backward(
         tuner = _tuner(_attn_bwd_dkdv, _space(fixed, autotune == "tile", DKDV_SPACE), smem, launch["block_d"],
                        q.element_size())
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_KV"]), B * Hkv))](*args, **common)
-        LAST_AUTOTUNE["dkdv"] = _chosen(tuner)
+        LAST_AUTOTUNE["dkdv"] = chosen_config(tuner)
     else:
         _attn_bwd_dkdv[tuple(launch["dkdv_grid"])](*args, **common, BLOCK_Q=launch["dkdv_block_q"],
                                                    BLOCK_KV=launch["dkdv_block_kv"], num_warps=num_warps,
@@ -832,7 +861,7 @@ def triton_attention_backward(
         tuner = _tuner(_attn_bwd_dq, _space(fixed, autotune == "tile", DQ_SPACE), smem, launch["block_d"],
                        q.element_size())
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_Q"]), B * H))](*args, **common)
-        LAST_AUTOTUNE["dq"] = _chosen(tuner)
+        LAST_AUTOTUNE["dq"] = chosen_config(tuner)
     else:
         _attn_bwd_dq[tuple(launch["dq_grid"])](*args, **common, BLOCK_Q=launch["dq_block_q"],
                                                BLOCK_KV=launch["dq_block_kv"], num_warps=num_warps,
