@@ -243,9 +243,11 @@ def triton_matmul(
     upcast = use_bf16_emulation(a.dtype, emulate_bf16)
     c = torch.empty((M, N), device=a.device, dtype=torch.float32 if upcast else a.dtype)
     args = kernel_args(a, b, c)
-    from posttrainllm.ops.attention import autotune_smem, chosen_config
+    smem = None
+    if autotune:  # its shared-memory limit and choice from ops/attention.py, imported only by a tuned run
+        from posttrainllm.ops.attention import autotune_smem, chosen_config
 
-    smem = autotune_smem(a) if autotune else None
+        smem = autotune_smem(a)
     if smem is not None:
         tile = (block_m, block_n, block_k, group_m, num_warps, num_stages)
         tuner = _tuner(_space(tile, autotune == "tile"), smem, a.element_size())
