@@ -10,10 +10,9 @@ shape); an autotuned kernel records one launch per configuration of its space (i
 pruning), each row marked with the tuned launch it belongs to: such a kernel launches on a target if one of its
 candidates fits there (`not_fitting`). Under tile/workgroup=auto our launchers take their autotuned branch here too
 (ops/attention.py `autotune_for_target`), once per target, their candidates pruned by that target's shared memory as
-a GPU of it prunes them. Each launch is compiled with
-`triton.compile` for every target in `compile.targets` (ptxas and cuobjdump from Triton's wheel; sm100 with its
-ptxas-blackwell) and its cubin read (measure/sass.py). Compiles are cached by Triton's cache, keyed by the kernel's
-source, its specialization, the options and the target.
+a GPU of it prunes them. Each launch is compiled with `triton.compile` for every target in `compile.targets` (ptxas
+and cuobjdump from Triton's wheel; sm100 with its ptxas-blackwell) and its cubin read (measure/sass.py). Compiles
+are cached by Triton's cache, keyed by the kernel's source, its specialization, the options and the target.
 
 What a launch on CPU tensors cannot tell: the tile an autotuner would pick on the GPU (each candidate is
 compiled, none timed), and a launcher that takes another branch on a CUDA tensor. Launchers run with Triton's
@@ -88,7 +87,7 @@ def recording() -> Iterator[list[Launch]]:
             configs = self.configs
         finally:
             self.nargs = None
-        tuned = {"launch": 1 + max((l.autotune["launch"] for l in launches if l.autotune), default=0),
+        tuned = {"launch": 1 + max((seen.autotune["launch"] for seen in launches if seen.autotune), default=0),
                  "candidates": len(configs)}
         for config in configs:
             first = len(launches)
