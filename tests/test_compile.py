@@ -161,3 +161,104 @@ def test_a_block_over_the_limits_does_not_fit():
     assert sass.fit(255, 227 * 1024, 8, hopper) is None
     assert "allows 232448 B" in sass.fit(128, 228 * 1024, 4, hopper)
     assert "registers" in sass.fit(255, 0, 16, hopper)  # 16 warps x 8192 > 65536
+
+
+# A user's autotuned GEMM: its first candidate fits sm90, its second stages 8 slabs of (64x128 + 128x64) fp16,
+# 256 KB of shared memory, past sm90's 227 KB per block. Written to a test folder, not tests/exploits (a corpus
+# test_exploits runs).
+AUTOTUNED_USER_GEMM = '''
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK_K": 32}, num_warps=4, num_stages=2),
+                          triton.Config({"BLOCK_K": 128}, num_warps=4, num_stages=8)], key=["K"])
+@triton.jit
+def _gemm(a, b, c, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ks = k + rk
+        x = tl.load(a + rm[:, None] * K + ks[None, :], mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0)
+        y = tl.load(b + ks[:, None] * N + rn[None, :], mask=(ks[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc = tl.dot(x, y, acc)
+    tl.store(c + rm[:, None] * N + rn[None, :], acc.to(c.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def matmul(a, b):
+    a, b = a.contiguous(), b.contiguous()
+    (M, K), N = a.shape, b.shape[1]
+    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    _gemm[lambda meta: (triton.cdiv(M, 64), triton.cdiv(N, 64))](a, b, c, M, N, K, BLOCK_M=64, BLOCK_N=64)
+    return c
+'''
+
+
+def test_an_autotuned_kernel_launches_if_one_candidate_fits_and_is_refused_when_none_does(tmp_path):
+    """Each candidate of an autotuned launch is compiled and judged on its own (`fits: false` with the bytes and the
+    limit); the kernel launches on the target while one candidate fits (the autotuner scores the others as never
+    finishing), and the planner's `not_fitting` names it, with each candidate's reason, once none does."""
+    (tmp_path / "gemm.py").write_text(AUTOTUNED_USER_GEMM)
+    lab = _lab("op=matmul", "precision=fp16", f'op.user_impls=["mine={tmp_path / "gemm.py"}:matmul"]',
+               "op.only=[mine]")
+    report = compiling.compile_point(lab, ["sm90"])
+    small, large = sorted(_rows(report, path="mine"), key=lambda r: r["constexprs"]["BLOCK_K"])
+    assert small["autotune"] == large["autotune"] == {"launch": 1, "candidates": 2}
+    assert small["fits"] and small["tensor_cores"] == "wgmma", small
+    assert not large["fits"] and large["shared_bytes"] > sass.TARGETS["sm90"].shared_per_block, large
+    assert large["reason"] == (f"needs {large['shared_bytes']} B of shared memory per block; sm90 allows 232448 B "
+                               "(227 KB)")
+    assert compiling.not_fitting(report) == []  # the small candidate launches
+    (summary,) = report["autotune"]
+    assert (summary["candidates"], summary["fit"], summary["not_fitting"]) == (2, 1, {"64x64x128 w4s8":
+                                                                                      large["reason"]})
+    assert "1 of 2 autotune candidates launch" in compiling.table(report)
+    # without the candidate that fits, the launch has none: refused, each candidate's bytes against the limit
+    alone = {**report, "rows": [large]}
+    assert compiling.not_fitting(alone, "sm90") == [
+        f"mine: _gemm (forward, sm90): none of its 2 autotune candidates launches: 64x64x128 w4s8: {large['reason']}"]
+
+
+def test_under_auto_our_launchers_offer_the_candidates_a_gpu_of_each_target_would_time():
+    """tile=auto on CPU tensors, recorded for a target (as the compile child does, nothing compiled): the launcher's
+    own space, pruned by that target's shared memory (fp32 128x256x32 at 4 stages, 192 KB, fits sm90's 227 KB, not
+    sm80's 163 KB); outside a compile, the fixed configuration alone, as before."""
+    import os
+    import subprocess
+    import sys
+
+    from posttrainllm.ops.matmul import MATMUL_SPACE, matmul_smem_bytes
+
+    code = """
+import json, torch
+from posttrainllm.lab.compile import recording
+from posttrainllm.measure.sass import TARGETS
+from posttrainllm.ops.attention import autotune_for_target
+from posttrainllm.ops.matmul import triton_matmul
+a, b = torch.empty(128, 128), torch.empty(128, 128)
+seen = {}
+for name in ("sm80", "sm90", None):
+    with recording() as launches:
+        if name:
+            with autotune_for_target(TARGETS[name].shared_per_block):
+                triton_matmul(a, b, autotune="tile")
+        else:
+            triton_matmul(a, b, autotune="tile")
+    seen[str(name)] = [[*(l.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")),
+                        l.autotune] for l in launches]
+print(json.dumps(seen))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("sm80", "sm90"):
+        space = [[bm, bn, bk, w, st] for bm, bn, bk, w, st in MATMUL_SPACE
+                 if matmul_smem_bytes(bm, bn, bk, st, 4) <= sass.TARGETS[name].shared_per_block]
+        assert [c[:5] for c in seen[name]] == space, name
+        assert all(c[5] == {"launch": 1, "candidates": len(space)} for c in seen[name]), seen[name]
+    assert len(seen["sm90"]) == len(seen["sm80"]) + 1 and [128, 256, 32, 8, 4] in [c[:5] for c in seen["sm90"]]
+    assert seen["None"] == [[64, 64, 32, 4, 2, None]]  # no autotuner here: the launcher's fixed configuration

@@ -6,13 +6,16 @@ replaced by a recorder: each launch's arguments reach Triton's own binder (`crea
 function `JITFunction.run` builds), which gives the specialization a GPU launch of those arguments gets: the
 signature (i32 or i64 by value, pointers by dtype), the constexprs, the unit strides made constants and the
 pointers and integers found divisible by 16. The kernel body never runs (no GPU, and no interpreter at a GPU
-shape); an autotuned kernel records one launch per configuration of its space. Each launch is compiled with
-`triton.compile` for every target in `compile.targets` (ptxas and cuobjdump from Triton's wheel; sm100 with its
-ptxas-blackwell) and its cubin read (measure/sass.py). Compiles are cached by Triton's cache, keyed by the kernel's
-source, its specialization, the options and the target.
+shape); an autotuned kernel records one launch per configuration of its space (its candidates, after its own
+pruning), each row marked with the tuned launch it belongs to: such a kernel launches on a target if one of its
+candidates fits there (`not_fitting`). Under tile/workgroup=auto our launchers take their autotuned branch here too
+(ops/attention.py `autotune_for_target`), once per target, their candidates pruned by that target's shared memory as
+a GPU of it prunes them. Each launch is compiled with `triton.compile` for every target in `compile.targets` (ptxas
+and cuobjdump from Triton's wheel; sm100 with its ptxas-blackwell) and its cubin read (measure/sass.py). Compiles
+are cached by Triton's cache, keyed by the kernel's source, its specialization, the options and the target.
 
-What a launch on CPU tensors cannot tell: the tile an autotuner would pick on the GPU (each is compiled), and a
-launcher that takes another branch on a CUDA tensor (ours only autotune there). Launchers run with Triton's
+What a launch on CPU tensors cannot tell: the tile an autotuner would pick on the GPU (each candidate is
+compiled, none timed), and a launcher that takes another branch on a CUDA tensor. Launchers run with Triton's
 interpreter mode off, so the bf16 emulation the interpreter needs (ops/__init__.py) is off, as on a GPU.
 """
 
@@ -40,8 +43,10 @@ RULE = ("each Triton launch of the point's main case (forward, then backward) ca
         + sass.RULE)
 NOT_TRITON = "launches no Triton kernel here"
 INDUCTOR = "a torch.compile peer: its Triton kernels are Inductor's, generated on the device at run time"
-AUTOTUNE_NOTE = ("tile/workgroup=auto: our launchers autotune on CUDA tensors only, so what is compiled here is the "
-                 "launcher's fixed configuration, not the space the autotuner would choose from on the GPU")
+AUTOTUNE_NOTE = ("tile/workgroup=auto: every candidate configuration the launchers' autotuner would time on a GPU "
+                 "of each target (pruned by the launcher's shared-memory estimate against the target's per-block "
+                 "limit, as the device's reported limit prunes it there) is compiled, none timed; a tuned kernel "
+                 "launches if one of its candidates fits")
 TIMEOUT_S = 900
 
 
@@ -54,6 +59,7 @@ class Launch:
     kwargs: dict[str, Any]
     grid: Any
     direction: str
+    autotune: dict[str, int] | None = None  # a candidate of an autotuned launch: {"launch": its number, "candidates"}
 
 
 _direction = ["forward"]
@@ -62,7 +68,8 @@ _direction = ["forward"]
 @contextlib.contextmanager
 def recording() -> Iterator[list[Launch]]:
     """Triton launches recorded instead of run: JITFunction.run (the launch) and Autotuner.run (one launch per
-    configuration of its space, as its benchmark would make them)."""
+    configuration its benchmark would time: its configs after its own pruning, `prune_configs`; all of them where
+    that pruning needs a GPU, a perf_model reading the device)."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
@@ -73,8 +80,20 @@ def recording() -> Iterator[list[Launch]]:
         launches.append(Launch(self, args, kwargs, grid, _direction[0]))
 
     def each_config(self: Any, *args: Any, **kwargs: Any) -> None:
-        for config in self.configs:
+        self.nargs = dict(zip(self.arg_names, args))
+        try:
+            configs = self.prune_configs(kwargs)
+        except Exception:  # a perf_model or early_config_prune that asks the device
+            configs = self.configs
+        finally:
+            self.nargs = None
+        tuned = {"launch": 1 + max((seen.autotune["launch"] for seen in launches if seen.autotune), default=0),
+                 "candidates": len(configs)}
+        for config in configs:
+            first = len(launches)
             self.fn.run(*args, **{**kwargs, **config.all_kwargs()})
+            for launch in launches[first:]:
+                launch.autotune = tuned
 
     JITFunction.run, Autotuner.run = record, each_config
     try:
@@ -178,19 +197,20 @@ def compile_launches(path: str, launches: list[Launch], targets: list[str],
         target = sass.TARGETS[target_name]
         for launch in launches:
             base = {"path": path, **_kernel_identity(launch.kernel), "direction": launch.direction,
-                    "target": target_name}
+                    "target": target_name, **({"autotune": launch.autotune} if launch.autotune else {})}
+            tuned = launch.autotune["launch"] if launch.autotune else None
             try:
                 gpu, signature, constexprs, attrs, options, grid = specialize(launch, target.capability)
                 if not specialized:
                     signature, constexprs, attrs = unspecialized(launch.kernel, signature, constexprs, attrs)
             except Exception as exc:
-                key = (target_name, base["kernel"], launch.direction, "bind", _one_line(exc))
+                key = (target_name, base["kernel"], launch.direction, tuned, "bind", _one_line(exc))
                 rows.setdefault(key, {**base, "launches": 0, "fits": False,
                                       "reason": f"could not be bound: {_one_line(exc)}"})["launches"] += 1
                 continue
             key = (target_name, base["kernel"], base["file"], launch.direction, repr(signature),
                    repr(sorted(constexprs.items())), repr(sorted(attrs.items())), options.num_warps,
-                   options.num_stages)
+                   options.num_stages, tuned)
             if key in rows:
                 rows[key]["launches"] += 1
                 continue
@@ -215,8 +235,10 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
 
 
-def _capture(op: Any, cfg: Any, impl: Any, fn: Any) -> tuple[list[Launch], str | None]:
-    """The launches of one path's forward and (when it has one) backward at the point's main case."""
+def _capture(op: Any, cfg: Any, impl: Any, fn: Any, shared_per_block: int | None = None
+             ) -> tuple[list[Launch], str | None]:
+    """The launches of one path's forward and (when it has one) backward at the point's main case; with
+    `shared_per_block`, our launchers' autotuned branch, its candidates pruned by that many bytes (a target's)."""
     import torch
 
     from posttrainllm.lab.oracle import upstream_gradient
@@ -228,7 +250,12 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any) -> tuple[list[Launch], str |
     inputs = op.make_inputs(case, point_dtype(cfg), "cpu")
     leaves = leaves_of(inputs)
     note = None
-    with recording() as launches:
+    tuning = contextlib.nullcontext()
+    if shared_per_block:  # imported only then: a matmul point's kernel stage reads ops/attention.py only under auto
+        from posttrainllm.ops.attention import autotune_for_target
+
+        tuning = autotune_for_target(shared_per_block)
+    with recording() as launches, tuning:
         _direction[0] = "forward"
         with torch.enable_grad():
             out = fn(leaves, call_cfg)["out"]
@@ -251,28 +278,37 @@ def compile_in_process(config: dict[str, Any], targets: list[str], specialized: 
     cfg = validate_schema(config)
     op = get_op(cfg.op.name)
     report: dict[str, Any] = {"op": op.name, "targets": targets, "rule": RULE, "paths": {}, "rows": []}
-    if "auto" in (cfg.tile.name, cfg.workgroup.name):
+    tuned = cfg.tile.autotune or cfg.workgroup.autotune
+    if tuned:
         report["note"] = AUTOTUNE_NOTE
+    # the autotuned branch prunes by the target's shared memory: one capture per target (none compiled: one capture)
+    captures = [([t], sass.TARGETS[t].shared_per_block) for t in targets] if tuned and targets else [(targets, None)]
     for impl in op.optimized(cfg):
         if impl.user is None and impl.kind != "triton":
             report["paths"][impl.name] = {"note": INDUCTOR if impl.kind == "compiled" else NOT_TRITON}
             continue
         started = time.perf_counter()
+        rows, captured, note = [], [], None
         try:
             fn = op.adapt(impl.fn.user_path.load()) if impl.user is not None else impl.fn
-            launches, note = _capture(op, cfg, impl, fn)
+            for some_targets, shared in captures:
+                launches, note = _capture(op, cfg, impl, fn, shared)
+                captured.append(launches)
+                rows += compile_launches(impl.name, launches, some_targets, specialized)
         except Exception as exc:
             report["paths"][impl.name] = {"error": f"its call failed while launches were recorded: {_one_line(exc)}"}
             continue
-        rows = compile_launches(impl.name, launches, targets, specialized)
-        entry: dict[str, Any] = {"launches": len(launches), "kernels": launched_kernels(launches),
+        entry: dict[str, Any] = {"launches": len(captured[0]),  # the first target's (the candidates: per target)
+                                 "kernels": launched_kernels([launch for some in captured for launch in some]),
                                  "seconds": round(time.perf_counter() - started, 2)}
-        if not launches:
+        if not captured[0]:
             entry["note"] = NOT_TRITON
         if note:
             entry["backward_note"] = note
         report["paths"][impl.name] = entry
         report["rows"] += rows
+    if autotune_summary(report):  # ours under tile/workgroup=auto, a user's @triton.autotune
+        report["autotune"] = autotune_summary(report)
     return report
 
 
@@ -338,13 +374,54 @@ def finish(child: subprocess.Popen, result: Path, targets: list[str], started: f
     return report
 
 
+def _tuned_launches(report: dict[str, Any], target: str | None = None) -> dict[tuple, list[dict[str, Any]]]:
+    """The candidate rows of each autotuned launch, by (path, target, launch), on `target` (default: every one)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in report.get("rows", []):
+        if row.get("autotune") and target in (None, row["target"]):
+            groups.setdefault((row["path"], row["target"], row["autotune"]["launch"]), []).append(row)
+    return groups
+
+
 def not_fitting(report: dict[str, Any], target: str | None = None) -> list[str]:
-    """One line per kernel that would not launch on `target` (default: every target): kernel, bytes, limit."""
-    return [f"{row['path']}: {row['kernel']} ({row['direction']}, {row['target']}): {row['reason']}"
-            for row in report.get("rows", []) if not row.get("fits", True) and target in (None, row["target"])]
+    """One line per kernel that would not launch on `target` (default: every target): kernel, bytes, limit. An
+    autotuned launch fails only when none of its candidates fits (the autotuner scores the others as never
+    finishing, and picks among the rest)."""
+    lines = [f"{row['path']}: {row['kernel']} ({row['direction']}, {row['target']}): {row['reason']}"
+             for row in report.get("rows", []) if not row.get("autotune") and not row.get("fits", True)
+             and target in (None, row["target"])]
+    for (path, name, _), rows in _tuned_launches(report, target).items():
+        if not any(row.get("fits", True) for row in rows):
+            reasons = "; ".join(dict.fromkeys(f"{_blocks(row)}: {row['reason']}" for row in rows))
+            lines.append(f"{path}: {rows[0]['kernel']} ({rows[0]['direction']}, {name}): none of its "
+                         f"{rows[0]['autotune']['candidates']} autotune candidates launches: {reasons}")
+    return lines
 
 
-COLUMNS = ("path", "kernel", "direction", "target", "launches", "num_warps", "num_stages", "registers",
+def autotune_summary(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per autotuned launch and target: how many candidates the autotuner would time, how many launch, spill,
+    use tensor cores; the candidates that do not launch, each with why."""
+    summary = []
+    for (path, target, launch), rows in _tuned_launches(report).items():
+        counted = [row for row in rows if "registers" in row]
+        summary.append({
+            "path": path, "kernel": rows[0]["kernel"], "direction": rows[0]["direction"], "target": target,
+            "launch": launch, "candidates": rows[0]["autotune"]["candidates"],
+            "fit": sum(bool(row.get("fits")) for row in rows),
+            "spill": sum(row["spill_bytes"] > 0 for row in counted),
+            "tensor_cores": sum(row["tensor_cores"] != "none" for row in counted),
+            "not_fitting": {_blocks(row): row["reason"] for row in rows if not row.get("fits", True)}})
+    return summary
+
+
+def _blocks(row: dict[str, Any]) -> str:
+    """A row's configuration in one word: its BLOCK_* constexprs, then warps and stages (128x64x128 w8s3)."""
+    blocks = "x".join(str(v) for k, v in row.get("constexprs", {}).items() if k.startswith("BLOCK_"))
+    warps = f"w{row['num_warps']}s{row['num_stages']}" if "num_warps" in row else ""
+    return " ".join(part for part in (blocks, warps) if part) or "-"
+
+
+COLUMNS = ("path", "kernel", "direction", "target", "blocks", "launches", "num_warps", "num_stages", "registers",
            "spill_bytes", "shared_bytes", "ctas_per_sm", "tensor_cores", "async_copy", "fits")
 
 
@@ -355,13 +432,18 @@ def table(report: dict[str, Any]) -> str:
     lines = [report[key] for key in ("error", "note") if report.get(key)]
     rows = report.get("rows", [])
     if rows:
-        frame = pd.DataFrame([{c: row.get(c, "") for c in COLUMNS} for row in rows])
+        frame = pd.DataFrame([{c: row.get(c, "") for c in COLUMNS} | {"blocks": _blocks(row).split(" ")[0]}
+                              for row in rows])
         frame["shared_bytes"] = frame["shared_bytes"].map(lambda b: f"{b / 1024:.0f} KB" if b != "" else "")
         lines.append(frame.to_string(index=False))
     for name, entry in report.get("paths", {}).items():
         for key in ("note", "error", "backward_note"):
             if entry.get(key):
                 lines.append(f"{name}: {entry[key]}")
+    for tuned in autotune_summary(report):
+        lines.append(f"{tuned['path']}: {tuned['kernel']} ({tuned['direction']}, {tuned['target']}): "
+                     f"{tuned['fit']} of {tuned['candidates']} autotune candidates launch, {tuned['spill']} spill, "
+                     f"{tuned['tensor_cores']} use tensor cores")
     lines += not_fitting(report)
     return "\n".join(lines)
 

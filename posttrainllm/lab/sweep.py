@@ -112,7 +112,15 @@ def refuse_unfit(params: dict[str, Any], say: Any = print) -> dict[str, Any]:
         target = cfg.compile.targets[0]
         report = compiling.compile_point(cfg, [target])
         lines = compiling.not_fitting(report, target) + ([report["error"]] if report.get("error") else [])
-        say(f"  {name:<24} {target}: " + ("; ".join(lines) if lines else f"{len(report['rows'])} kernels fit"))
+        rows = report["rows"]
+        fit = sum(bool(row.get("fits")) for row in rows)
+        verdict = (f"{len(rows)} kernels fit" if fit == len(rows) else  # under auto: a row per candidate
+                   f"{fit} of {len(rows)} kernels fit, each autotuned launch with a candidate that does")
+        if not rows:  # e.g. the fp8 paths, absent where no CUDA device is (this machine): nothing was judged
+            verdict = "nothing compiled: " + ("; ".join(
+                f"{path}: {entry.get('note') or entry.get('error') or 'no launch'}"
+                for path, entry in report["paths"].items()) or "no path of the point is present on this machine")
+        say(f"  {name:<24} {target}: " + ("; ".join(lines) if lines else verdict))
         if lines:
             refused[name] = {"changes": point["changes"], "target": target, "reasons": lines}
             del params["points"][name]

@@ -33,8 +33,9 @@ Shapes: q (B, H, S, D), k and v (B, Hkv, S, D) -> o (B, H, S, D), lse (B, H, S).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import triton
@@ -272,20 +273,31 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v, q_base, do_base, L_rows, D_rows, stride_qs, stride_qd, stride_dos, stride_dod,
+    dk, dv, k, v, q_group, do_group, L_group, D_group, stride_qh, stride_qs, stride_qd,
+    stride_doh, stride_dos, stride_dod,
     offs_kv, offs_d, lo, hi, S, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, PAD_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    # -- stream query blocks [lo, hi): recompute Pᵀ from L, then dV, dPᵀ, dSᵀ, dK
-    for start_m in range(lo, hi, BLOCK_Q):
+    # -- stream query blocks [lo, hi) of each query head g of the group (g, then the block, as counters carried
+    #    from step to step): recompute Pᵀ from L, then dV, dPᵀ, dSᵀ, dK. One flat loop, not a loop over g around
+    #    the loop over blocks, and no division per step: at D 128 on sm90 (BLOCK_Q 32, BLOCK_KV 64, 4 warps) the
+    #    nested loops took 255 registers and spilled 312 B at KV_GROUP 4, a flat loop deriving g by division 16 B;
+    #    this one 235 registers, no spill (docs/compile.md)
+    n_blocks = tl.cdiv(hi - lo, BLOCK_Q)
+    g = 0
+    start_m = lo
+    for _ in range(0, KV_GROUP * n_blocks):
         offs_q = start_m + tl.arange(0, BLOCK_Q)
+        q_base = q_group + g.to(tl.int64) * stride_qh
+        do_base = do_group + g.to(tl.int64) * stride_doh
+        rows = g.to(tl.int64) * S  # this head's rows of L and Delta
         qT = _load_tile(q_base + offs_q[None, :] * stride_qs + offs_d[:, None] * stride_qd, offs_d, HEAD_DIM,
                         offs_q, S, PAD_D, MASKED)  # (BLOCK_D, BLOCK_Q)
         if UPCAST_DOT:
             qT = qT.to(tl.float32)
-        m = _load_row(L_rows + offs_q, offs_q, S, MASKED) * LOG2_E  # (BLOCK_Q,) row logsumexp, log2 units
+        m = _load_row(L_group + rows + offs_q, offs_q, S, MASKED) * LOG2_E  # (BLOCK_Q,) row logsumexp, log2 units
 
         qkT = tl.dot(k, qT, input_precision=INPUT_PRECISION)  # (BLOCK_KV, BLOCK_Q) fp32
         pT = tl.math.exp2(qkT * qk_scale - m[None, :])
@@ -303,10 +315,14 @@ def _attn_bwd_dkdv_inner(
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
 
         # dPᵀ = V dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ - D); dK += dSᵀ Q (scale applied once, at the end)
-        Di = _load_row(D_rows + offs_q, offs_q, S, MASKED)  # (BLOCK_Q,)
+        Di = _load_row(D_group + rows + offs_q, offs_q, S, MASKED)  # (BLOCK_Q,)
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (BLOCK_KV, BLOCK_Q) fp32
         dsT = pT * (dpT - Di[None, :])
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=INPUT_PRECISION)
+        start_m += BLOCK_Q
+        wrap = start_m >= hi
+        g += wrap.to(tl.int32)
+        start_m = tl.where(wrap, lo, start_m)
     return dk, dv
 
 
@@ -366,24 +382,25 @@ def _attn_bwd_dkdv(
         diag_end = 0
     full_end = diag_end + (S - diag_end) // BLOCK_Q * BLOCK_Q
 
-    # -- every query head of this kv head's group adds into the same dK, dV
-    for g in range(KV_GROUP):
-        off_h = off_hkv * KV_GROUP + g
-        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-        do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        row_base = (off_b.to(tl.int64) * H + off_h) * S  # into L and Delta, (B, H, S) contiguous
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, L + row_base, Delta + row_base,
-                                      stride_qs, stride_qd, stride_dos, stride_dod, offs_kv, offs_d,
-                                      lo, diag_end, S, qk_scale, HEAD_DIM, BLOCK_Q, PAD_D, True, CAUSAL,
-                                      INPUT_PRECISION, UPCAST_DOT)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, L + row_base, Delta + row_base,
-                                      stride_qs, stride_qd, stride_dos, stride_dod, offs_kv, offs_d,
-                                      diag_end, full_end, S, qk_scale, HEAD_DIM, BLOCK_Q, PAD_D, False, CAUSAL,
-                                      INPUT_PRECISION, UPCAST_DOT)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, L + row_base, Delta + row_base,
-                                      stride_qs, stride_qd, stride_dos, stride_dod, offs_kv, offs_d,
-                                      full_end, S, S, qk_scale, HEAD_DIM, BLOCK_Q, PAD_D, True, CAUSAL,
-                                      INPUT_PRECISION, UPCAST_DOT)
+    # -- every query head of this kv head's group adds into the same dK, dV: heads off_hkv·KV_GROUP + g
+    off_h0 = off_hkv * KV_GROUP
+    q_group = Q + off_b.to(tl.int64) * stride_qb + off_h0.to(tl.int64) * stride_qh
+    do_group = DO + off_b.to(tl.int64) * stride_dob + off_h0.to(tl.int64) * stride_doh
+    row_base = (off_b.to(tl.int64) * H + off_h0) * S  # into L and Delta, (B, H, S) contiguous
+    L_group = L + row_base
+    D_group = Delta + row_base
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_group, do_group, L_group, D_group, stride_qh, stride_qs,
+                                  stride_qd, stride_doh, stride_dos, stride_dod, offs_kv, offs_d,
+                                  lo, diag_end, S, qk_scale, HEAD_DIM, KV_GROUP, BLOCK_Q, PAD_D, True, CAUSAL,
+                                  INPUT_PRECISION, UPCAST_DOT)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_group, do_group, L_group, D_group, stride_qh, stride_qs,
+                                  stride_qd, stride_doh, stride_dos, stride_dod, offs_kv, offs_d,
+                                  diag_end, full_end, S, qk_scale, HEAD_DIM, KV_GROUP, BLOCK_Q, PAD_D, False,
+                                  CAUSAL, INPUT_PRECISION, UPCAST_DOT)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_group, do_group, L_group, D_group, stride_qh, stride_qs,
+                                  stride_qd, stride_doh, stride_dos, stride_dod, offs_kv, offs_d,
+                                  full_end, S, S, qk_scale, HEAD_DIM, KV_GROUP, BLOCK_Q, PAD_D, True, CAUSAL,
+                                  INPUT_PRECISION, UPCAST_DOT)
 
     # -- epilogue: dK picks up the softmax scale; store both in K's dtype (fp32 when emulating bf16)
     dk = dk * sm_scale
@@ -637,6 +654,29 @@ def device_smem_bytes(device: torch.device) -> int:
         return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
 
 
+_COMPILE_TARGET_SMEM: list[int | None] = [None]  # set by `autotune_for_target` while lab/compile.py records
+
+
+@contextlib.contextmanager
+def autotune_for_target(shared_per_block: int) -> Iterator[None]:
+    """While lab/compile.py records launches for a compile target (no GPU here): the launchers take their
+    autotuned branch on CPU tensors too, their candidates pruned by the target's per-block shared memory as the
+    device's reported limit prunes them on a GPU of that target. The autotuner itself never times anything then:
+    the recorder compiles each candidate instead (lab/compile.py `recording`)."""
+    _COMPILE_TARGET_SMEM[0] = shared_per_block
+    try:
+        yield
+    finally:
+        _COMPILE_TARGET_SMEM[0] = None
+
+
+def autotune_smem(t: torch.Tensor) -> int | None:
+    """The shared memory per block the autotuner prunes its candidates by, for a launch on `t`'s device: the
+    device's own on CUDA, the compile target's while lab/compile.py records; None: no autotuner here (elsewhere
+    the fixed configuration runs, AUTO_CPU_NOTE)."""
+    return device_smem_bytes(t.device) if t.is_cuda else _COMPILE_TARGET_SMEM[0]
+
+
 def attention_smem_bytes(block_q: int, block_kv: int, block_d: int, num_stages: int, itemsize: int) -> int:
     """Shared memory per program, estimated: the resident block plus a pipelined (K, V) pair per stage,
     (block_q + 2·block_kv·num_stages)·block_d·itemsize."""
@@ -671,8 +711,12 @@ def _tuner(kernel, space, smem: int, block_d: int, itemsize: int, stages=STAGES)
     return _TUNERS[key]
 
 
-def _chosen(tuner) -> dict:
-    config = tuner.best_config
+def chosen_config(tuner) -> dict | None:
+    """The configuration `tuner` chose at its last run (blocks lowercased, warps, stages); None when it chose none
+    (lab/compile.py records its candidates instead of running it)."""
+    config = getattr(tuner, "best_config", None)
+    if config is None:
+        return None
     return {**{k.lower(): v for k, v in config.kwargs.items()}, "num_warps": config.num_warps,
             "num_stages": config.num_stages}
 
@@ -723,11 +767,12 @@ def triton_attention(
     args = (q, k, v, o, lse, scale, *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, S, B * H)
     meta = dict(HEAD_DIM=D, KV_GROUP=H // Hkv, BLOCK_D=launch["block_d"], CAUSAL=bool(causal),
                 INPUT_PRECISION=input_precision, UPCAST_DOT=upcast)
-    if autotune and q.is_cuda:
+    smem = autotune_smem(q) if autotune else None
+    if smem is not None:
         tuner = _tuner(_attn_fwd_kernel, _space((block_q, block_kv, num_warps), autotune == "tile", FWD_SPACE),
-                       device_smem_bytes(q.device), launch["block_d"], q.element_size())
+                       smem, launch["block_d"], q.element_size())
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_Q"]), B * H))](*args, **meta)
-        LAST_AUTOTUNE["forward"] = _chosen(tuner)
+        LAST_AUTOTUNE["forward"] = chosen_config(tuner)
     else:
         _attn_fwd_kernel[tuple(launch["grid"])](*args, **meta, BLOCK_Q=block_q, BLOCK_KV=block_kv,
                                                 num_warps=num_warps, num_stages=num_stages)
@@ -776,8 +821,8 @@ def triton_attention_backward(
     upcast = use_bf16_emulation(q.dtype, emulate_bf16)
     grad_dtype = torch.float32 if upcast else q.dtype
     lse = lse.contiguous()  # the kernels index L and D as (B * H, S) rows
-    tuned = bool(autotune) and q.is_cuda
-    smem = device_smem_bytes(q.device) if tuned else 0
+    smem = autotune_smem(q) if autotune else None
+    tuned = smem is not None
     common = dict(HEAD_DIM=D, KV_GROUP=launch["kv_group"], BLOCK_D=launch["block_d"], CAUSAL=bool(causal),
                   INPUT_PRECISION=input_precision, UPCAST_DOT=upcast)
 
@@ -801,7 +846,7 @@ def triton_attention_backward(
         tuner = _tuner(_attn_bwd_dkdv, _space(fixed, autotune == "tile", DKDV_SPACE), smem, launch["block_d"],
                        q.element_size())
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_KV"]), B * Hkv))](*args, **common)
-        LAST_AUTOTUNE["dkdv"] = _chosen(tuner)
+        LAST_AUTOTUNE["dkdv"] = chosen_config(tuner)
     else:
         _attn_bwd_dkdv[tuple(launch["dkdv_grid"])](*args, **common, BLOCK_Q=launch["dkdv_block_q"],
                                                    BLOCK_KV=launch["dkdv_block_kv"], num_warps=num_warps,
@@ -816,7 +861,7 @@ def triton_attention_backward(
         tuner = _tuner(_attn_bwd_dq, _space(fixed, autotune == "tile", DQ_SPACE), smem, launch["block_d"],
                        q.element_size())
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_Q"]), B * H))](*args, **common)
-        LAST_AUTOTUNE["dq"] = _chosen(tuner)
+        LAST_AUTOTUNE["dq"] = chosen_config(tuner)
     else:
         _attn_bwd_dq[tuple(launch["dq_grid"])](*args, **common, BLOCK_Q=launch["dq_block_q"],
                                                BLOCK_KV=launch["dq_block_kv"], num_warps=num_warps,

@@ -243,16 +243,17 @@ def triton_matmul(
     upcast = use_bf16_emulation(a.dtype, emulate_bf16)
     c = torch.empty((M, N), device=a.device, dtype=torch.float32 if upcast else a.dtype)
     args = kernel_args(a, b, c)
-    if autotune and a.is_cuda:
-        from posttrainllm.ops.attention import device_smem_bytes
+    smem = None
+    if autotune:  # its shared-memory limit and choice from ops/attention.py, imported only by a tuned run
+        from posttrainllm.ops.attention import autotune_smem, chosen_config
 
+        smem = autotune_smem(a)
+    if smem is not None:
         tile = (block_m, block_n, block_k, group_m, num_warps, num_stages)
-        tuner = _tuner(_space(tile, autotune == "tile"), device_smem_bytes(a.device), a.element_size())
+        tuner = _tuner(_space(tile, autotune == "tile"), smem, a.element_size())
         tuner[lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)](
             *args, INPUT_PRECISION=input_precision, UPCAST_DOT=upcast)
-        config = tuner.best_config
-        LAST_AUTOTUNE["matmul"] = {**{k.lower(): v for k, v in config.kwargs.items()},
-                                   "num_warps": config.num_warps, "num_stages": config.num_stages}
+        LAST_AUTOTUNE["matmul"] = chosen_config(tuner)
     else:
         _matmul_kernel[tuple(launch["grid"])](
             *args,
