@@ -262,3 +262,20 @@ print(json.dumps(seen))
         assert all(c[5] == {"launch": 1, "candidates": len(space)} for c in seen[name]), seen[name]
     assert len(seen["sm90"]) == len(seen["sm80"]) + 1 and [128, 256, 32, 8, 4] in [c[:5] for c in seen["sm90"]]
     assert seen["None"] == [[64, 64, 32, 4, 2, None]]  # no autotuner here: the launcher's fixed configuration
+
+
+def test_the_reports_fits_column_counts_a_tuned_launch_as_launching_while_one_candidate_fits():
+    from posttrainllm.track.report import compiled
+
+    def row(fits, launch=None, regs=128, spill=0):
+        return {"path": "triton", "target": "sm90", "kernel": "k", "registers": regs, "spill_bytes": spill,
+                "shared_bytes": 1024, "tensor_cores": "wgmma", "fits": fits,
+                **({"autotune": {"launch": launch, "candidates": 2}} if launch else {})}
+
+    def receipt(*rows):
+        return {"kernel": {"compile": {"targets": ["sm90"], "rows": list(rows)}}}
+
+    one_fits = compiled(receipt(row(True), row(False, 1, regs=255, spill=64), row(True, 1)))
+    assert one_fits["fits"] is True and one_fits["max_regs"] == 255 and one_fits["spill_B"] == 64
+    assert compiled(receipt(row(True), row(False, 1), row(False, 1)))["fits"] is False  # no candidate launches
+    assert compiled(receipt(row(False), row(True, 1)))["fits"] is False  # a fixed kernel that does not fit
