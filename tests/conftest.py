@@ -110,6 +110,16 @@ def project_copy(tmp_path_factory, mlflow_uri):
     return make
 
 
+def short_calibration(root) -> None:
+    """A project copy's calibrate stage within 1 s of measuring instead of 12 (posttrainllm/measure/calibrate.py
+    DEFAULT_BUDGET_S; it measured for ~7 s), as the session's `calibration`: for copies whose tests do not judge the peaks."""
+    calibrate = root / "posttrainllm" / "measure" / "calibrate.py"
+    source = calibrate.read_text()
+    budget = "DEFAULT_BUDGET_S = 12.0"
+    assert source.count(budget) == 1, "the calibration budget's line moved"
+    calibrate.write_text(source.replace(budget, "DEFAULT_BUDGET_S = 1.0"))
+
+
 def kernel_mutant(tmp_path, module: str, original: str, planted: str):
     """posttrainllm/ops/<module>.py with one line replaced, imported from a copy: a planted bug in the real source.
 

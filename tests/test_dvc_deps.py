@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_command as _run
+from conftest import run_command as _run, short_calibration
 import yaml
 
 from posttrainllm.config import PROJECT_ROOT, ConfigError, Contract, TileConfig
@@ -122,19 +122,11 @@ def listed_kernels(plan: dict, point: str, stage: str, root: Path = PROJECT_ROOT
 # --- a copy of the project, two points reproduced ------------------------------------------------
 
 
-# The calibration's budget in the copy: what calibrate loads does not depend on it, and no test here reads the peaks
-# (the stage measured for 7 s of its 12 s budget, twice: `dvc repro`, then again for its imports).
-CALIBRATION_BUDGET = ("DEFAULT_BUDGET_S = 12.0", "DEFAULT_BUDGET_S = 1.0")
-
-
 def _with_points_of_other_ops(root: Path) -> None:
     """The smoke sweep and points of other ops (op-matmul, op-moe: one dimension changed each), a tiny
     draft-heads base: every bench_train depends on it (dvc.yaml), but what the stages load and read does not
     depend on its size (its 600 steps were a third of this module's time), and a short calibration."""
-    calibrate = root / "posttrainllm" / "measure" / "calibrate.py"
-    source = calibrate.read_text()
-    assert source.count(CALIBRATION_BUDGET[0]) == 1, "the calibration budget's line moved"
-    calibrate.write_text(source.replace(*CALIBRATION_BUDGET))
+    short_calibration(root)  # what calibrate loads does not depend on it: run twice here (dvc repro, its imports)
     path = root / "conf" / "sweep" / "smoke.yaml"
     plan = yaml.safe_load(path.read_text())
     plan["vary"]["op"] = ["matmul", "moe"]
