@@ -40,6 +40,11 @@ def project(project_copy):
         config["base"].update(steps=100, threads=1)  # one thread: the other test worker holds the second core
         heads.write_text(yaml.safe_dump(config, sort_keys=False))
         short_calibration(root)  # no test here judges the peaks
+        # attention's cases shorter (S=128 and 100 were half of each kernel stage): the planted bug fails at any length
+        sweep = root / "conf" / "sweep" / "smoke.yaml"
+        plan = yaml.safe_load(sweep.read_text())
+        plan["overrides"] += ["shape.seq_len=64", "shape.edge_seq_lens=[1,37]"]
+        sweep.write_text(yaml.safe_dump(plan, sort_keys=False))
 
     root, env = project_copy("project", sweep="smoke", edit=plant)
     repro = run_command(["dvc", "repro"], root, env)  # exit 0: a broken contract is recorded, not fatal
