@@ -38,7 +38,9 @@ def trained(tmp_path_factory, mlflow_uri, calibration):
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as out:
         patch.chdir(root)
         patch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
-        code = cli.main(["bench-train", *QUICK, "train.steps=3", "train.warmup_steps=1", "run.name=cli-bench"])
+        # the smoke sweep's training size (a quarter of the default's tokens): its Triton steps are interpreted
+        code = cli.main(["bench-train", *QUICK, "train.steps=3", "train.warmup_steps=1", "train.batch_size=2",
+                         "train.seq_len=32", "run.name=cli-bench"])
     assert code == 0, out.getvalue()[-3000:]
     return root / "runs/bench/cli-bench", out.getvalue()
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import run_command
+from conftest import run_command, short_calibration
 
 from posttrainllm.track.stamp import file_sha256
 
@@ -31,13 +31,20 @@ def project(project_copy):
         source = kernel.read_text()
         assert source.count(ORIGINAL) == 1, "the planted bug's target line moved"
         kernel.write_text(source.replace(ORIGINAL, PLANTED))
-        # the draft heads small and the base a third of its steps (600: a third of this module's time): no test
-        # here reads the heads' figures, and the quality-gate test below holds on a 200-step base too
+        # the draft heads small and the base a sixth of its steps (600: a third of this module's time; 200 steps
+        # 40 s of it): no test here reads the heads' figures, and the quality-gate test below holds on a 100-step
+        # base too
         heads = root / "conf" / "heads" / "k3.yaml"
         config = yaml.safe_load(heads.read_text())
-        config.update(steps=20, train_prompts=8, continuation_len=24, eval_prompts=2, new_tokens=16)
-        config["base"].update(steps=200, threads=1)  # one thread: the other test worker holds the second core
+        config.update(steps=20, train_prompts=8, continuation_len=24, eval_prompts=1, new_tokens=16, warmup_prompts=0)
+        config["base"].update(steps=100, threads=1)  # one thread: the other test worker holds the second core
         heads.write_text(yaml.safe_dump(config, sort_keys=False))
+        short_calibration(root)  # no test here judges the peaks
+        # attention's cases shorter (S=128 and 100 were half of each kernel stage): the planted bug fails at any length
+        sweep = root / "conf" / "sweep" / "smoke.yaml"
+        plan = yaml.safe_load(sweep.read_text())
+        plan["overrides"] += ["shape.seq_len=64", "shape.edge_seq_lens=[1,37]"]
+        sweep.write_text(yaml.safe_dump(plan, sort_keys=False))
 
     root, env = project_copy("project", sweep="smoke", edit=plant)
     repro = run_command(["dvc", "repro"], root, env)  # exit 0: a broken contract is recorded, not fatal
@@ -186,8 +193,8 @@ def test_the_failed_path_has_no_speed_anywhere(project):
 
 
 def test_the_quality_gates_greedy_check_catches_a_scale_bug_on_the_trained_base(project):
-    """The base `dvc repro` trained (train_base, 200 steps here): greedy tokens with fp8 linear layers agree with
-    bf16 ones above the gate's floor (conf/precision/fp8.yaml), and far below it with the scale applied twice."""
+    """The base `dvc repro` trained (train_base, 100 steps here): greedy tokens with fp8 linear layers agree with
+    bf16 ones above the gate's floor (conf/precision/fp8.yaml), and below it with the scale applied twice."""
     import torch
     import torch.nn.functional as F
 
@@ -207,8 +214,9 @@ def test_the_quality_gates_greedy_check_catches_a_scale_bug_on_the_trained_base(
     found = quality.greedy_section(base, held, gate.new_tokens, {
         "fp8": fp8(reference.fp8_matmul),
         "scale twice": fp8(lambda a, a_s, b, b_s: reference.fp8_matmul(a, a_s * a_s, b, b_s))}, F.linear)["variants"]
-    assert found["fp8"]["agreement"] >= gate.min_greedy_agreement  # measured 1.00 (tensorwise; 0.80 at 600 steps)
-    assert found["scale twice"]["agreement"] < gate.min_greedy_agreement  # measured 0.28
+    # floor 0.6; at 100 steps measured 1.00 and 0.44 (200 steps: 1.00 and 0.28; 600: 0.80 tensorwise)
+    assert found["fp8"]["agreement"] >= gate.min_greedy_agreement
+    assert found["scale twice"]["agreement"] < gate.min_greedy_agreement
 
 
 POINTS = ("baseline", "precision-fp16")

@@ -13,8 +13,10 @@ import pytest
 from posttrainllm import cli
 from posttrainllm.track import replay
 
+# train.*: the parity case at the shape bench-train trains (opdefs/attention.py train_case) at the smoke sweep's size
 QUICK = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "bench.reps=3", "bench.min_time_s=0",
-         "shape.curve=[64,128]", "bench.curve_backward=true", "run.log_mlflow=false"]
+         "shape.curve=[64,128]", "bench.curve_backward=true", "train.batch_size=2", "train.seq_len=32",
+         "run.log_mlflow=false"]
 
 
 @pytest.fixture(scope="module")
