@@ -279,3 +279,24 @@ def test_the_reports_fits_column_counts_a_tuned_launch_as_launching_while_one_ca
     assert one_fits["fits"] is True and one_fits["max_regs"] == 255 and one_fits["spill_B"] == 64
     assert compiled(receipt(row(True), row(False, 1), row(False, 1)))["fits"] is False  # no candidate launches
     assert compiled(receipt(row(False), row(True, 1)))["fits"] is False  # a fixed kernel that does not fit
+
+
+def test_a_cubin_is_disassembled_once_and_an_unreadable_cache_entry_is_read_again(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(sass, "CACHE", tmp_path)
+    outputs = {"-res-usage": "Function k:\n REG:40 STACK:8 SHARED:0 LOCAL:0", "-sass": "/*0010*/ HMMA.16816.F32 R0"}
+    runs = []
+
+    def cuobjdump(args, **_):
+        runs.append(args[1])
+        return subprocess.CompletedProcess(args, 0, outputs[args[1]], "")
+
+    monkeypatch.setattr(sass.subprocess, "run", cuobjdump)
+    first = sass.disassemble(b"cubin")
+    assert first == ({"REG": 40, "STACK": 8, "SHARED": 0, "LOCAL": 0}, {"HMMA.16816.F32": 1}) and len(runs) == 2
+    assert sass.disassemble(b"cubin") == first and len(runs) == 2  # read from the cache: no tool run
+    assert sass.disassemble(b"another cubin") == first and len(runs) == 4  # its own bytes, its own entry
+    for entry in tmp_path.glob("*.json"):
+        entry.write_text("{not json")
+    assert sass.disassemble(b"cubin") == first and len(runs) == 6  # unreadable: disassembled again

@@ -15,6 +15,10 @@ Programming Guide's table of technical specifications per compute capability).
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import os
 import re
 import subprocess
 import tempfile
@@ -67,16 +71,42 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+# What a cubin's disassembly gave, by the sha256 of the cubin and of the tool: the counters are a function of those
+# bytes alone, so a cubin read once (Triton's cache hands the same one back) is not disassembled again (~0.4 s each)
+CACHE = Path(os.environ.get("POSTTRAINLLM_CACHE_DIR", Path.home() / ".cache" / "posttrainllm")) / "sass"
+
+
+@functools.lru_cache(maxsize=None)
+def _file_sha256(path: str) -> bytes:
+    return hashlib.sha256(Path(path).read_bytes()).digest()
+
+
 def disassemble(cubin: bytes) -> tuple[dict[str, int], Counter]:
     """(resource usage: REG, STACK, SHARED, LOCAL; instruction histogram by opcode with its modifiers)."""
+    tool = _tool("cuobjdump")
+    key = hashlib.sha256(cubin + _file_sha256(tool)).hexdigest()
+    cached = CACHE / f"{key}.json"
+    try:
+        known = json.loads(cached.read_text())
+        return {k: int(v) for k, v in known["resources"].items()}, Counter(known["instructions"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # not read yet, or an entry that cannot be read: disassembled again
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True)
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True)
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True)
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True)
     function = next((line for line in usage.stdout.splitlines() if "REG:" in line), "")
     resources = {key: int(value) for key, value in _RESOURCES.findall(function)}
-    return resources, Counter(_INSTRUCTION.findall(sass.stdout))
+    instructions = Counter(_INSTRUCTION.findall(sass.stdout))
+    try:  # written whole or not at all (another process may read it meanwhile)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=CACHE, suffix=".tmp", delete=False) as f:
+            json.dump({"resources": resources, "instructions": instructions}, f)
+        os.replace(f.name, cached)
+    except OSError:
+        pass  # a cache that cannot be written costs time, never a result
+    return resources, instructions
 
 
 def _any(ops: Counter, names: tuple[str, ...]) -> int:
