@@ -284,14 +284,14 @@ GQA = [*ATTENTION, "architecture=gqa", "architecture.n_heads=2", "architecture.n
 PLANTED_BACKWARD_BUGS = {
     "missing D = rowsum(dO∘O) in dK/dV": ("dsT = pT * (dpT - Di[None, :])", "dsT = pT * dpT", "grad_k"),
     "missing D = rowsum(dO∘O) in dQ": ("ds = p * (dp - Di[:, None])", "ds = p * dp", "grad_q"),
-    "dK/dV accumulated for the wrong query heads": ("off_h = off_hkv * KV_GROUP + g", "off_h = off_hkv * KV_GROUP",
-                                                    "grad_k"),
+    "dK/dV accumulated for the wrong query heads": ("g += wrap.to(tl.int32)", "g += 0 * wrap.to(tl.int32)",
+                                                    "grad_k"),  # the group's first head, KV_GROUP times
     "diagonal causal block skipped in dK/dV": ("lo = start_kv * BLOCK_KV", "lo = (start_kv + 1) * BLOCK_KV", "grad_k"),
     "dK/dV diagonal mask dropped": ("pT = tl.where(seen, pT, 0.0)", "pT = pT", "grad_v"),
     "dQ diagonal mask dropped": ("p = tl.where(_visible(offs_q, offs_kv, S, CAUSAL), p, 0.0)", "p = p", "grad_q"),
-    "dK/dV unmasked phase one query block short": ("full_end, S, qk_scale, HEAD_DIM, BLOCK_Q, PAD_D, False",
-                                                   "full_end - BLOCK_Q, S, qk_scale, HEAD_DIM, BLOCK_Q, PAD_D, False",
-                                                   "grad_k"),
+    "dK/dV unmasked phase one query block short": (
+        "diag_end, full_end, S, qk_scale, HEAD_DIM, KV_GROUP, BLOCK_Q, PAD_D, False",
+        "diag_end, full_end - BLOCK_Q, S, qk_scale, HEAD_DIM, KV_GROUP, BLOCK_Q, PAD_D, False", "grad_k"),
 }
 
 
