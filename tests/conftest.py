@@ -16,13 +16,12 @@ if not torch.cuda.is_available():
     fast_language_patching_in_interpreter()  # as every stage's `prepare` does (measure/device.py)
 
 # The longest modules first, longest first (pytest-xdist keeps the collection order: pyproject.toml), so the two
-# workers start on the two ~150-175 s DVC-pipeline modules at once and the short ones fill in at the end instead of a
-# long one running on alone. Their test time in a full run on 2 cores, 2026-12-02 12:45 (seconds); test_dvc_deps,
-# test_pipeline, test_cli and test_replay: that figure less what shrinking their work saved, measured per stage and
-# per fixture at 14:30 (30, 46, 7 and 5 s). Only an order; a stale figure costs balance, never a test.
-SLOWEST_FIRST = {"test_dvc_deps.py": 175, "test_pipeline.py": 145, "test_gpucheck.py": 71, "test_parity.py": 68,
-                 "test_user_impls.py": 49, "test_replay.py": 47, "test_moe_op.py": 46, "test_cli.py": 45,
-                 "test_compile.py": 45, "test_cross_entropy_op.py": 44, "test_exploits.py": 44}
+# workers start on the two ~150 s DVC-pipeline modules at once and the short ones fill in at the end instead of a
+# long one running on alone. Their test time in a full run on 2 cores, 2026-12-02 15:25 (seconds): only an order;
+# a stale figure costs balance, never a test.
+SLOWEST_FIRST = {"test_dvc_deps.py": 154, "test_pipeline.py": 151, "test_gpucheck.py": 49, "test_parity.py": 46,
+                 "test_user_impls.py": 40, "test_compile.py": 40, "test_exploits.py": 38, "test_cli.py": 32,
+                 "test_replay.py": 32, "test_moe_op.py": 29, "test_library_contracts.py": 29}
 
 
 def pytest_collection_modifyitems(items):
