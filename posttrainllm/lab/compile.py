@@ -307,8 +307,9 @@ def compile_in_process(config: dict[str, Any], targets: list[str], specialized: 
             entry["backward_note"] = note
         report["paths"][impl.name] = entry
         report["rows"] += rows
-    if autotune_summary(report):  # ours under tile/workgroup=auto, a user's @triton.autotune
-        report["autotune"] = autotune_summary(report)
+    tuned_launches = autotune_summary(report)
+    if tuned_launches:  # ours under tile/workgroup=auto, a user's @triton.autotune
+        report["autotune"] = tuned_launches
     return report
 
 

@@ -569,7 +569,7 @@ def _counting() -> Any:
     return count_triton_launches()
 
 
-def _emulate_bf16() -> None:
+def _patch_interpreter() -> None:
     """Once the user's code has Triton loaded: under the interpreter, its bf16 dots and casts computed as the GPU
     computes them, as the lab's own kernels do there (ops/__init__.py USER_BF16_INTERPRETER_REASON), and with the interpreter's
     patching of triton.language made cheaper (LANGUAGE_PATCHING_REASON), as the lab's own are."""
@@ -678,7 +678,7 @@ class _Server:
         if not callable(target):
             raise TypeError(f"{user.attr} in {user.identity['file']} is a {type(target).__name__}, not a callable")
         self.fn = target
-        _emulate_bf16()
+        _patch_interpreter()
         code = getattr(target, "__code__", None)
         self.user_file = str(u["file"]) if u["file"] else (code.co_filename if code else None)
         return {"pid": os.getpid(), "threads": torch.get_num_threads(), "promises": _promises(target),
@@ -688,7 +688,7 @@ class _Server:
         tensors = [t.requires_grad_() if f and t.is_floating_point() else t for t, f in zip(m["tensors"], m["flags"])]
         args, kwargs = _join(m["args"], m["kwargs"], tensors)
         before = [t.detach().clone() for t in tensors]
-        _emulate_bf16()  # a module that imports Triton only when called
+        _patch_interpreter()  # a module that imports Triton only when called
         with _counting() as launches, torch.set_grad_enabled(m["grad"]):
             result = self.fn(*args, **kwargs)
         outputs: list[torch.Tensor] = []
@@ -733,7 +733,7 @@ class _Server:
         With "null": the same loop and checksums over the last batch's results, calling nothing: the overhead
         the lab subtracts from its span."""
         null = m.get("null", False)
-        _emulate_bf16()  # before the clock
+        _patch_interpreter()  # before the clock
         batch = None if null else self.batches.pop(m["key"])
         backward = (batch["grad_outs"] is not None) if batch else self.last_backward
         sets = batch["sets"] if batch else [(t, (), {}) for t in self.last_tensors]
@@ -793,7 +793,7 @@ class _Server:
             _sync(tensors)
             return results[-1]
 
-        _emulate_bf16()
+        _patch_interpreter()
         tracemalloc.start()
         try:
             torch_peak = peak_bytes(call, m["device"], warmup=0)
