@@ -268,8 +268,9 @@ def test_the_reports_fits_column_counts_a_tuned_launch_as_launching_while_one_ca
     from posttrainllm.track.report import compiled
 
     def row(fits, launch=None, regs=128, spill=0):
-        return {"path": "triton", "target": "sm90", "kernel": "k", "registers": regs, "spill_bytes": spill,
-                "shared_bytes": 1024, "tensor_cores": "wgmma", "fits": fits,
+        return {"path": "triton", "target": "sm90", "kernel": "k", "direction": "forward", "registers": regs,
+                "spill_bytes": spill, "shared_bytes": 1024, "tensor_cores": "wgmma", "fits": fits,
+                "reason": "" if fits else "needs more",
                 **({"autotune": {"launch": launch, "candidates": 2}} if launch else {})}
 
     def receipt(*rows):
@@ -279,6 +280,9 @@ def test_the_reports_fits_column_counts_a_tuned_launch_as_launching_while_one_ca
     assert one_fits["fits"] is True and one_fits["max_regs"] == 255 and one_fits["spill_B"] == 64
     assert compiled(receipt(row(True), row(False, 1), row(False, 1)))["fits"] is False  # no candidate launches
     assert compiled(receipt(row(False), row(True, 1)))["fits"] is False  # a fixed kernel that does not fit
+    for rows in ([row(True), row(False, 1), row(True, 1)], [row(True), row(False, 1), row(False, 1)],
+                 [row(False), row(True, 1)]):  # the planner refuses exactly what the report marks as not launching
+        assert bool(compiling.not_fitting({"rows": rows})) is not compiled(receipt(*rows))["fits"]
 
 
 def test_a_cubin_is_disassembled_once_and_an_unreadable_cache_entry_is_read_again(tmp_path, monkeypatch):

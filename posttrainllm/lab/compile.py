@@ -375,15 +375,6 @@ def finish(child: subprocess.Popen, result: Path, targets: list[str], started: f
     return report
 
 
-def _tuned_launches(report: dict[str, Any], target: str | None = None) -> dict[tuple, list[dict[str, Any]]]:
-    """The candidate rows of each autotuned launch, by (path, target, launch), on `target` (default: every one)."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for row in report.get("rows", []):
-        if row.get("autotune") and target in (None, row["target"]):
-            groups.setdefault((row["path"], row["target"], row["autotune"]["launch"]), []).append(row)
-    return groups
-
-
 def not_fitting(report: dict[str, Any], target: str | None = None) -> list[str]:
     """One line per kernel that would not launch on `target` (default: every target): kernel, bytes, limit. An
     autotuned launch fails only when none of its candidates fits (the autotuner scores the others as never
@@ -391,7 +382,7 @@ def not_fitting(report: dict[str, Any], target: str | None = None) -> list[str]:
     lines = [f"{row['path']}: {row['kernel']} ({row['direction']}, {row['target']}): {row['reason']}"
              for row in report.get("rows", []) if not row.get("autotune") and not row.get("fits", True)
              and target in (None, row["target"])]
-    for (path, name, _), rows in _tuned_launches(report, target).items():
+    for (path, name, _), rows in sass.tuned_launches(report.get("rows", []), target).items():
         if not any(row.get("fits", True) for row in rows):
             reasons = "; ".join(dict.fromkeys(f"{_blocks(row)}: {row['reason']}" for row in rows))
             lines.append(f"{path}: {rows[0]['kernel']} ({rows[0]['direction']}, {name}): none of its "
@@ -403,7 +394,7 @@ def autotune_summary(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Per autotuned launch and target: how many candidates the autotuner would time, how many launch, spill,
     use tensor cores; the candidates that do not launch, each with why."""
     summary = []
-    for (path, target, launch), rows in _tuned_launches(report).items():
+    for (path, target, launch), rows in sass.tuned_launches(report.get("rows", [])).items():
         counted = [row for row in rows if "registers" in row]
         summary.append({
             "path": path, "kernel": rows[0]["kernel"], "direction": rows[0]["direction"], "target": target,

@@ -177,3 +177,23 @@ def counters(cubin: bytes, dynamic_shared: int, num_warps: int, target: Target) 
             "warps_per_sm": (ctas * num_warps) if why is None else 0,
             "tensor_cores": tensor_cores(ops), "async_copy": async_copy(ops), "global_loads": global_loads(ops),
             "instructions": sum(ops.values()), "fits": why is None, "reason": why or ""}
+
+
+def tuned_launches(rows: list[dict[str, Any]], target: str | None = None) -> dict[tuple, list[dict[str, Any]]]:
+    """compile.json's candidate rows of each autotuned launch, by (path, target, launch), on `target` (default:
+    every target)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("autotune") and target in (None, row["target"]):
+            groups.setdefault((row["path"], row["target"], row["autotune"]["launch"]), []).append(row)
+    return groups
+
+
+def every_launch_fits(rows: list[dict[str, Any]], target: str | None = None) -> bool:
+    """Whether every launch among compile.json's `rows` would start on `target`: a plain launch when its kernel
+    fits, an autotuned one when one of its candidates does (the autotuner scores the others as never finishing and
+    picks among the rest). lab/compile.py `not_fitting` names the ones that would not."""
+    plain = all(row.get("fits", True) for row in rows
+                if not row.get("autotune") and target in (None, row["target"]))
+    return plain and all(any(row.get("fits", True) for row in candidates)
+                         for candidates in tuned_launches(rows, target).values())

@@ -8,6 +8,7 @@ from typing import Any
 import pandas as pd
 
 from posttrainllm.model import amdahl as band_rule
+from posttrainllm.measure import sass
 from posttrainllm.track import derived
 
 TERMINAL_WIDTH = 160  # the widest line of a default table (the bench's and the report's), whatever the names
@@ -211,19 +212,14 @@ def compiled(receipt: dict[str, Any], path: str = "triton") -> dict[str, Any]:
     """`path`'s kernels on the first compile target (kernel.json's `compile`, lab/compile.py): the most registers,
     the spill bytes, the most shared memory, the tensor-core instructions and whether every kernel launches. Under
     an autotuner every candidate counts in the registers, spills and shared memory (any may be the one it picks),
-    while a tuned launch launches when one of its candidates fits (lab/compile.py `not_fitting`)."""
+    while a tuned launch launches when one of its candidates fits (measure/sass.py `every_launch_fits`)."""
     section = (receipt.get("kernel") or {}).get("compile") or {}
     target = (section.get("targets") or [None])[0]
     rows = [r for r in section.get("rows", []) if r.get("path") == path and r.get("target") == target]
     counted = [r for r in rows if "registers" in r]
     if not rows:
         return {}
-    tuned: dict[int, list[dict[str, Any]]] = {}
-    for row in rows:
-        if row.get("autotune"):
-            tuned.setdefault(row["autotune"]["launch"], []).append(row)
-    fits = (all(r.get("fits") for r in rows if not r.get("autotune"))
-            and all(any(r.get("fits") for r in candidates) for candidates in tuned.values()))
+    fits = sass.every_launch_fits(rows)
     return {"target": target, "kernels": len(rows),
             "max_regs": max((r["registers"] for r in counted), default=None),
             "spill_B": sum(r["spill_bytes"] for r in counted) if counted else None,
