@@ -7,6 +7,7 @@ below share them across tests.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,26 @@ def test_an_autotuned_kernel_launches_if_one_candidate_fits_and_is_refused_when_
     alone = {**report, "rows": [large]}
     assert compiling.not_fitting(alone, "sm90") == [
         f"mine: _gemm (forward, sm90): none of its 2 autotune candidates launches: 64x64x128 w4s8: {large['reason']}"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: the candidates compile one after another")
+def test_candidates_compiled_side_by_side_give_the_rows_one_process_gives(tmp_path):
+    """The child compiles a launch's kernels in one forked process per CPU it may use (`compile_workers`): each
+    row must get its own kernel's counters, in the order one process gives them (the child inherits the affinity)."""
+    (tmp_path / "gemm.py").write_text(AUTOTUNED_USER_GEMM)
+    lab = _lab("op=matmul", "precision=fp16", f'op.user_impls=["mine={tmp_path / "gemm.py"}:matmul"]',
+               "op.only=[mine]", 'compile.targets=[sm80,sm90]')
+    everywhere = os.sched_getaffinity(0)
+    side_by_side = compiling.compile_point(lab)
+    os.sched_setaffinity(0, {min(everywhere)})
+    try:
+        one_process = compiling.compile_point(lab)
+    finally:
+        os.sched_setaffinity(0, everywhere)
+    timeless = lambda report: [{k: v for k, v in row.items() if k != "compile_s"} for row in report["rows"]]  # noqa
+    assert len(side_by_side["rows"]) == 4 and timeless(side_by_side) == timeless(one_process)
+    assert [(r["target"], r["constexprs"]["BLOCK_K"], r["fits"]) for r in side_by_side["rows"]] == [
+        ("sm80", 32, True), ("sm80", 128, False), ("sm90", 32, True), ("sm90", 128, False)]
 
 
 def test_under_auto_our_launchers_offer_the_candidates_a_gpu_of_each_target_would_time():
