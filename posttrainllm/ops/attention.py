@@ -504,6 +504,65 @@ def _attn_bwd_dq(
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
+# --- registers: what a program's tiles hold per thread --------------------------------------
+# Through one step of its loop each kernel holds, per thread: its fp32 accumulators (forward: O; dK/dV: dK and dV;
+# dQ: dQ) and the step's fp32 score tiles (forward: S; dK/dV: Sᵀ and dPᵀ; dQ: S and dP); at the operand width, the
+# tiles it feeds a dot from registers (forward: P; dK/dV: Pᵀ and dSᵀ; dQ: dS) and the ones it loads once and keeps
+# (forward: Q; dK/dV: K and V; dQ: Q and dO). tile_words counts them in 32-bit words. Against the counters
+# (`posttrainllm compile`, sm90, 2026-12-02; the table in docs/compile.md):
+# - tensor cores (wgmma): every tile of at most 256 words compiled without spilling at bf16 (D 32 and 128) and at
+#   tf32 D 32 but one (the forward 128x64 on 4 warps at tf32, D 32: 192 words, 32 B); every one of 288 and more
+#   at bf16 spilled (the forward 128x64 on 4 warps at D 128: 288 words, 232 B; dK/dV 64x64 on 4 warps: 288, 128 B);
+# - fp32 `ieee` dots (FMA code, D 32): at most 96 words spilled at most 24 B (dQ 64x32 on 4 warps and 128x32 on 8,
+#   none; the forward 64x64 on 4 warps, 24 B), 128 and more up to 7.8 KB (every dK/dV candidate).
+REGISTER_BUDGET = {"tensor_cores": 256, "fma": 96}  # 32-bit words of tiles per thread
+FIT_MAX_WARPS = 8  # a fixed configuration's warps are raised up to this (two warpgroups), never lowered
+WGMMA_ROWS = 64  # wgmma's M: a warpgroup (4 warps) takes 64 rows; below that, more warps split the columns only
+# (measured: dK/dV 32x64 at tf32, D 128, 4 warps 224 B of spill, 8 warps 352 B; dQ 64x64 at tf32: 4 warps none,
+# 8 warps 32 B), so a tile's warps are raised only while every warpgroup keeps 64 rows
+
+
+def uses_tensor_cores(dtype: torch.dtype, input_precision: str) -> bool:
+    """Whether the kernels' dots run on tensor cores: 16-bit operands, or fp32 ones at tf32 (`ieee` fp32 is FMA)."""
+    return dtype in (torch.float16, torch.bfloat16) or input_precision == "tf32"
+
+
+def tile_words(kernel: str, block_q: int, block_kv: int, block_d: int, num_warps: int, operand_bytes: int) -> int:
+    """32-bit words per thread of the tiles `kernel` ("forward", "dkdv", "dq") holds through a step (above)."""
+    q, kv, d = block_q, block_kv, block_d
+    fp32, operands = {"forward": (q * d + q * kv, q * kv + q * d), "dkdv": (2 * kv * d + 2 * kv * q,
+                                                                             2 * kv * q + 2 * kv * d),
+                      "dq": (q * d + 2 * q * kv, q * kv + 2 * q * d)}[kernel]
+    return (fp32 + operands * operand_bytes // 4) // (32 * num_warps)
+
+
+def register_budget(tensor_cores: bool) -> int:
+    return REGISTER_BUDGET["tensor_cores" if tensor_cores else "fma"]
+
+
+def fitting_warps(kernel: str, block_q: int, block_kv: int, block_d: int, num_warps: int, operand_bytes: int,
+                  tensor_cores: bool) -> tuple[int, str | None]:
+    """(warps, why): a fixed configuration's warps for `kernel`. Where its dots run on tensor cores and its tiles
+    exceed the register budget at `num_warps`, the fewest warps that fit, doubling while every warpgroup keeps
+    WGMMA_ROWS rows and up to FIT_MAX_WARPS; the blocks are never changed. Otherwise `num_warps`. `why` says what
+    was raised, None when nothing was. FMA code is left as given (no warp count of the default tiles meets its
+    budget: docs/compile.md)."""
+    words = tile_words(kernel, block_q, block_kv, block_d, num_warps, operand_bytes)
+    budget = register_budget(tensor_cores)
+    if not tensor_cores or words <= budget:
+        return num_warps, None
+    rows = block_kv if kernel == "dkdv" else block_q
+    most = min(FIT_MAX_WARPS, 4 * max(1, rows // WGMMA_ROWS))
+    warps = num_warps
+    while warps < most and tile_words(kernel, block_q, block_kv, block_d, warps, operand_bytes) > budget:
+        warps *= 2
+    if warps == num_warps:
+        return num_warps, None
+    return warps, (f"{num_warps} -> {warps} warps: {block_q}x{block_kv} at D {block_d} holds {words} 32-bit words "
+                   f"of tiles per thread on {num_warps} warps, over the {budget} that compiled without spilling "
+                   f"(ops/attention.py REGISTER_BUDGET)")
+
+
 def _check_block(name: str, value: int) -> None:
     if value < 16 or value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two >= 16")
@@ -525,9 +584,11 @@ def launch_grid(blocks: int, bh: int) -> list[int]:
 
 def attention_launch(
     B: int, H: int, S: int, D: int, *, block_q: int, block_kv: int, num_warps: int, num_stages: int,
+    operand_bytes: int = 4, tensor_cores: bool = False,
 ) -> dict:
     """Dispatch geometry: one program per (query block, batch * head); causal blocks run heaviest first,
-    across every head (_schedule)."""
+    across every head (_schedule). num_warps is the warps the kernel launches with: the given ones, raised where
+    the tile would not fit the registers (fitting_warps; `warps_raised` then says from what and why)."""
     for name, size in (("B", B), ("H", H), ("S", S), ("D", D)):
         if size < 1:
             raise ValueError(f"{name}={size} must be >= 1")
@@ -539,11 +600,12 @@ def attention_launch(
         raise ValueError(f"num_warps={num_warps} must be a power of two")
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be >= 1")
+    block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs K >= 16
+    warps, why = fitting_warps("forward", block_q, block_kv, block_d, num_warps, operand_bytes, tensor_cores)
     return {
         "grid": launch_grid(triton.cdiv(S, block_q), B * H),
-        "block_q": block_q, "block_kv": block_kv,
-        "block_d": max(16, triton.next_power_of_2(D)),  # tl.dot needs K >= 16
-        "num_warps": num_warps, "num_stages": num_stages,
+        "block_q": block_q, "block_kv": block_kv, "block_d": block_d,
+        "num_warps": warps, "num_stages": num_stages, **({"warps_raised": why} if why else {}),
     }
 
 
@@ -558,9 +620,12 @@ def attention_backward_launch(
     B: int, H: int, Hkv: int, S: int, D: int, *, block_q: int, block_kv: int, num_warps: int, num_stages: int,
     dkdv_block_q: int | None = None, dkdv_block_kv: int | None = None,
     dq_block_q: int | None = None, dq_block_kv: int | None = None,
+    operand_bytes: int = 4, tensor_cores: bool = False,
 ) -> dict:
     """Backward dispatch geometry: three launches, no atomics; each kernel with its own blocks
-    (the forward's block_q, block_kv where not given).
+    (the forward's block_q, block_kv where not given) and its own warps (dkdv_num_warps, dq_num_warps: the given
+    num_warps, raised where the kernel's tiles would not fit the registers, fitting_warps; `warps_raised` says
+    which and why; the preprocess keeps num_warps).
 
     preprocess: one program per (dq query block, batch * head) computes D = rowsum(dO ∘ O);
     dkdv: one per (KV block, batch * kv head), sweeping the H // Hkv query heads of its group;
@@ -574,6 +639,12 @@ def attention_backward_launch(
         _check_block(name, block)
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"H={H} query heads is not a multiple of Hkv={Hkv} kv heads")
+    warps, raised = {}, {}
+    for kernel in ("dkdv", "dq"):
+        warps[kernel], why = fitting_warps(kernel, blocks[f"{kernel}_block_q"], blocks[f"{kernel}_block_kv"],
+                                           fwd["block_d"], num_warps, operand_bytes, tensor_cores)
+        if why:
+            raised[kernel] = why
     return {
         "preprocess_grid": launch_grid(triton.cdiv(S, blocks["dq_block_q"]), B * H),
         "dkdv_grid": launch_grid(triton.cdiv(S, blocks["dkdv_block_kv"]), B * Hkv),
@@ -581,6 +652,7 @@ def attention_backward_launch(
         "kv_group": H // Hkv,
         **blocks, "block_d": fwd["block_d"],
         "num_warps": num_warps, "num_stages": num_stages,
+        "dkdv_num_warps": warps["dkdv"], "dq_num_warps": warps["dq"], **({"warps_raised": raised} if raised else {}),
     }
 
 
@@ -683,10 +755,24 @@ def attention_smem_bytes(block_q: int, block_kv: int, block_d: int, num_stages: 
     return (block_q + 2 * block_kv * num_stages) * block_d * itemsize
 
 
-def _configs(space, stages, smem: int, block_d: int, itemsize: int):
-    """triton.Config per (block_q, block_kv, warps) × stages that fits `smem` bytes."""
+def fitting_space(kernel: str, space, block_d: int, itemsize: int, tensor_cores: bool):
+    """The (block_q, block_kv, warps) of `space` whose tiles fit the register budget (tile_words, REGISTER_BUDGET),
+    in the space's order. Where fewer than two fit, the cheapest ones (every entry of the lowest word count, then
+    the next) until two are kept: the autotuner keeps a choice, and the compile report shows what they spill."""
+    words = {(bq, bkv, w): tile_words(kernel, bq, bkv, block_d, w, itemsize) for bq, bkv, w in space}
+    kept = {entry for entry, w in words.items() if w <= register_budget(tensor_cores)}
+    for w in sorted(set(words.values())):
+        if len(kept) >= 2:
+            break
+        kept |= {entry for entry in space if words[entry] == w}
+    return [entry for entry in space if entry in kept]
+
+
+def _configs(kernel: str, space, stages, smem: int, block_d: int, itemsize: int, tensor_cores: bool):
+    """triton.Config per (block_q, block_kv, warps) of the space that fits the registers (fitting_space) × stages,
+    where it fits `smem` bytes."""
     out = []
-    for bq, bkv, warps in space:
+    for bq, bkv, warps in fitting_space(kernel, space, block_d, itemsize, tensor_cores):
         for st in stages:
             if attention_smem_bytes(bq, bkv, block_d, st, itemsize) <= smem:
                 out.append(triton.Config({"BLOCK_Q": bq, "BLOCK_KV": bkv}, num_warps=warps, num_stages=st))
@@ -699,12 +785,15 @@ _TUNERS: dict = {}
 TUNE_KEY = ["S", "BH", "HEAD_DIM", "CAUSAL", "KV_GROUP"]
 
 
-def _tuner(kernel, space, smem: int, block_d: int, itemsize: int, stages=STAGES):
-    """An autotuned wrapper of `kernel` over `space`, built once per (kernel, device limits, dtype size)."""
-    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else repr(kernel), tuple(space), smem, block_d, itemsize,
-           tuple(stages))
+TUNED = {"_attn_fwd_kernel": "forward", "_attn_bwd_dkdv": "dkdv", "_attn_bwd_dq": "dq"}  # kernel -> tile_words'
+
+
+def _tuner(kernel, space, smem: int, block_d: int, itemsize: int, tensor_cores: bool, stages=STAGES):
+    """An autotuned wrapper of `kernel` over `space`, built once per (kernel, device limits, dtype size, dot)."""
+    name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+    key = (name, tuple(space), smem, block_d, itemsize, tensor_cores, tuple(stages))
     if key not in _TUNERS:
-        configs = _configs(space, stages, smem, block_d, itemsize)
+        configs = _configs(TUNED[name], space, stages, smem, block_d, itemsize, tensor_cores)
         if not configs:
             raise ValueError(f"no autotune configuration fits {smem} B of shared memory at block_d={block_d}")
         _TUNERS[key] = triton.autotune(configs=configs, key=TUNE_KEY)(kernel)
@@ -757,9 +846,9 @@ def triton_attention(
     """
     _check_inputs(q, k, v, input_precision, sm_scale)
     (B, H, S, D), Hkv = q.shape, k.shape[1]
-    launch = attention_launch(
-        B, H, S, D, block_q=block_q, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages
-    )
+    tensor_cores = uses_tensor_cores(q.dtype, input_precision)
+    launch = attention_launch(B, H, S, D, block_q=block_q, block_kv=block_kv, num_warps=num_warps,
+                              num_stages=num_stages, operand_bytes=q.element_size(), tensor_cores=tensor_cores)
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     upcast = use_bf16_emulation(q.dtype, emulate_bf16)
     o = torch.empty((B, H, S, D), device=q.device, dtype=torch.float32 if upcast else q.dtype)
@@ -770,12 +859,12 @@ def triton_attention(
     smem = autotune_smem(q) if autotune else None
     if smem is not None:
         tuner = _tuner(_attn_fwd_kernel, _space((block_q, block_kv, num_warps), autotune == "tile", FWD_SPACE),
-                       smem, launch["block_d"], q.element_size())
+                       smem, launch["block_d"], q.element_size(), tensor_cores)
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_Q"]), B * H))](*args, **meta)
         LAST_AUTOTUNE["forward"] = chosen_config(tuner)
     else:
         _attn_fwd_kernel[tuple(launch["grid"])](*args, **meta, BLOCK_Q=block_q, BLOCK_KV=block_kv,
-                                                num_warps=num_warps, num_stages=num_stages)
+                                                num_warps=launch["num_warps"], num_stages=num_stages)
     return o.to(q.dtype), lse
 
 
@@ -814,9 +903,11 @@ def triton_attention_backward(
         raise ValueError(f"lse must be fp32 (B, H, S) = {(B, H, S)}, got {lse.dtype} {tuple(lse.shape)}")
     if input_precision not in INPUT_PRECISIONS:
         raise ValueError(f"input_precision={input_precision!r}; choose one of {INPUT_PRECISIONS}")
+    tensor_cores = uses_tensor_cores(q.dtype, input_precision)
     launch = attention_backward_launch(
         B, H, Hkv, S, D, block_q=block_q, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages,
         dkdv_block_q=dkdv_block_q, dkdv_block_kv=dkdv_block_kv, dq_block_q=dq_block_q, dq_block_kv=dq_block_kv,
+        operand_bytes=q.element_size(), tensor_cores=tensor_cores,
     )
     upcast = use_bf16_emulation(q.dtype, emulate_bf16)
     grad_dtype = torch.float32 if upcast else q.dtype
@@ -844,12 +935,12 @@ def triton_attention_backward(
     if tuned:
         fixed = (launch["dkdv_block_q"], launch["dkdv_block_kv"], num_warps)
         tuner = _tuner(_attn_bwd_dkdv, _space(fixed, autotune == "tile", DKDV_SPACE), smem, launch["block_d"],
-                       q.element_size())
+                       q.element_size(), tensor_cores)
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_KV"]), B * Hkv))](*args, **common)
         LAST_AUTOTUNE["dkdv"] = chosen_config(tuner)
     else:
         _attn_bwd_dkdv[tuple(launch["dkdv_grid"])](*args, **common, BLOCK_Q=launch["dkdv_block_q"],
-                                                   BLOCK_KV=launch["dkdv_block_kv"], num_warps=num_warps,
+                                                   BLOCK_KV=launch["dkdv_block_kv"], num_warps=launch["dkdv_num_warps"],
                                                    num_stages=num_stages)
 
     # -- dQ: (B, H, S, D), one program per query block
@@ -859,12 +950,12 @@ def triton_attention_backward(
     if tuned:
         fixed = (launch["dq_block_q"], launch["dq_block_kv"], num_warps)
         tuner = _tuner(_attn_bwd_dq, _space(fixed, autotune == "tile", DQ_SPACE), smem, launch["block_d"],
-                       q.element_size())
+                       q.element_size(), tensor_cores)
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_Q"]), B * H))](*args, **common)
         LAST_AUTOTUNE["dq"] = chosen_config(tuner)
     else:
         _attn_bwd_dq[tuple(launch["dq_grid"])](*args, **common, BLOCK_Q=launch["dq_block_q"],
-                                               BLOCK_KV=launch["dq_block_kv"], num_warps=num_warps,
+                                               BLOCK_KV=launch["dq_block_kv"], num_warps=launch["dq_num_warps"],
                                                num_stages=num_stages)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
