@@ -517,9 +517,9 @@ def _attn_bwd_dq(
 #   none; the forward 64x64 on 4 warps, 24 B), 128 and more up to 7.8 KB (every dK/dV candidate).
 REGISTER_BUDGET = {"tensor_cores": 256, "fma": 96}  # 32-bit words of tiles per thread
 FIT_MAX_WARPS = 8  # a fixed configuration's warps are raised up to this (two warpgroups), never lowered
-WGMMA_ROWS = 64  # wgmma's M: a warpgroup (4 warps) takes 64 rows; below that, more warps split the columns only
-# (measured: dK/dV 32x64 at tf32, D 128, 4 warps 224 B of spill, 8 warps 352 B; dQ 64x64 at tf32: 4 warps none,
-# 8 warps 32 B), so a tile's warps are raised only while every warpgroup keeps 64 rows
+WGMMA_ROWS = 64  # wgmma's M: a warpgroup (4 warps) takes 64 rows; more warps than 64-row groups split the columns
+# and hold every row's operands again, so tile_words counts only 4 warps per 64 rows (measured at tf32, D 128: dK/dV
+# 32x64 spills 224 B on 4 warps, 352 B on 8; dQ 64x64 none on 4, 32 B on 8)
 
 
 def uses_tensor_cores(dtype: torch.dtype, input_precision: str) -> bool:
@@ -530,10 +530,12 @@ def uses_tensor_cores(dtype: torch.dtype, input_precision: str) -> bool:
 def tile_words(kernel: str, block_q: int, block_kv: int, block_d: int, num_warps: int, operand_bytes: int) -> int:
     """32-bit words per thread of the tiles `kernel` ("forward", "dkdv", "dq") holds through a step (above)."""
     q, kv, d = block_q, block_kv, block_d
+    rows = kv if kernel == "dkdv" else q
+    warps = min(num_warps, 4 * max(1, rows // WGMMA_ROWS))  # more warps than warpgroups of 64 rows share nothing
     fp32, operands = {"forward": (q * d + q * kv, q * kv + q * d), "dkdv": (2 * kv * d + 2 * kv * q,
                                                                              2 * kv * q + 2 * kv * d),
                       "dq": (q * d + 2 * q * kv, q * kv + 2 * q * d)}[kernel]
-    return (fp32 + operands * operand_bytes // 4) // (32 * num_warps)
+    return (fp32 + operands * operand_bytes // 4) // (32 * warps)
 
 
 def register_budget(tensor_cores: bool) -> int:
@@ -543,20 +545,18 @@ def register_budget(tensor_cores: bool) -> int:
 def fitting_warps(kernel: str, block_q: int, block_kv: int, block_d: int, num_warps: int, operand_bytes: int,
                   tensor_cores: bool) -> tuple[int, str | None]:
     """(warps, why): a fixed configuration's warps for `kernel`. Where its dots run on tensor cores and its tiles
-    exceed the register budget at `num_warps`, the fewest warps that fit, doubling while every warpgroup keeps
-    WGMMA_ROWS rows and up to FIT_MAX_WARPS; the blocks are never changed. Otherwise `num_warps`. `why` says what
-    was raised, None when nothing was. FMA code is left as given (no warp count of the default tiles meets its
-    budget: docs/compile.md)."""
+    exceed the register budget at `num_warps`, the fewest warps up to FIT_MAX_WARPS that fit (tile_words counts
+    only warps with rows of their own, WGMMA_ROWS); the blocks are never changed. Otherwise, or where no count
+    fits, `num_warps`. `why` says what was raised, None when nothing was. FMA code is left as given (its budget is
+    met by no warp count of the default tiles: docs/compile.md)."""
     words = tile_words(kernel, block_q, block_kv, block_d, num_warps, operand_bytes)
     budget = register_budget(tensor_cores)
     if not tensor_cores or words <= budget:
         return num_warps, None
-    rows = block_kv if kernel == "dkdv" else block_q
-    most = min(FIT_MAX_WARPS, 4 * max(1, rows // WGMMA_ROWS))
-    warps = num_warps
-    while warps < most and tile_words(kernel, block_q, block_kv, block_d, warps, operand_bytes) > budget:
+    warps = num_warps * 2
+    while warps <= FIT_MAX_WARPS and tile_words(kernel, block_q, block_kv, block_d, warps, operand_bytes) > budget:
         warps *= 2
-    if warps == num_warps:
+    if warps > FIT_MAX_WARPS:
         return num_warps, None
     return warps, (f"{num_warps} -> {warps} warps: {block_q}x{block_kv} at D {block_d} holds {words} 32-bit words "
                    f"of tiles per thread on {num_warps} warps, over the {budget} that compiled without spilling "
@@ -755,24 +755,41 @@ def attention_smem_bytes(block_q: int, block_kv: int, block_d: int, num_stages: 
     return (block_q + 2 * block_kv * num_stages) * block_d * itemsize
 
 
-def fitting_space(kernel: str, space, block_d: int, itemsize: int, tensor_cores: bool):
+STREAMED = {"forward": 1, "dkdv": 0, "dq": 1}  # the block a kernel steps through (its index in an entry)
+
+
+def fitting_space(kernel: str, space, block_d: int, itemsize: int, tensor_cores: bool, shrink: bool):
     """The (block_q, block_kv, warps) of `space` whose tiles fit the register budget (tile_words, REGISTER_BUDGET),
-    in the space's order. Where fewer than two fit, the cheapest ones (every entry of the lowest word count, then
-    the next) until two are kept: the autotuner keeps a choice, and the compile report shows what they spill."""
-    words = {(bq, bkv, w): tile_words(kernel, bq, bkv, block_d, w, itemsize) for bq, bkv, w in space}
-    kept = {entry for entry, w in words.items() if w <= register_budget(tensor_cores)}
-    for w in sorted(set(words.values())):
-        if len(kept) >= 2:
+    in the space's order. Where fewer than two fit (tile=auto, `shrink`), the cheapest of the others are added, each
+    with its streamed block (the one the kernel steps through, never the rows it owns) halved, down to 16, until it
+    fits, or as it is where none fits (the compile report shows what it spills). workgroup=auto (no `shrink`: its
+    blocks are the point's) keeps at least its cheapest warp count. Each entry is a candidate per stage count."""
+    budget = register_budget(tensor_cores)
+
+    def words(entry):
+        return tile_words(kernel, entry[0], entry[1], block_d, entry[2], itemsize)
+
+    kept = [entry for entry in space if words(entry) <= budget]
+    for entry in sorted(space, key=words):  # stable: the space's order among equal counts
+        if len(kept) >= (2 if shrink else 1):
             break
-        kept |= {entry for entry in space if words[entry] == w}
-    return [entry for entry in space if entry in kept]
+        if entry in kept:
+            continue
+        smaller = list(entry)
+        while shrink and words(smaller) > budget and smaller[STREAMED[kernel]] > 16:
+            smaller[STREAMED[kernel]] //= 2
+        smaller = tuple(smaller) if words(smaller) <= budget else entry
+        if smaller not in kept:
+            kept.append(smaller)
+    return kept
 
 
-def _configs(kernel: str, space, stages, smem: int, block_d: int, itemsize: int, tensor_cores: bool):
+def _configs(kernel: str, space, stages, smem: int, block_d: int, itemsize: int, tensor_cores: bool,
+             shrink: bool):
     """triton.Config per (block_q, block_kv, warps) of the space that fits the registers (fitting_space) × stages,
     where it fits `smem` bytes."""
     out = []
-    for bq, bkv, warps in fitting_space(kernel, space, block_d, itemsize, tensor_cores):
+    for bq, bkv, warps in fitting_space(kernel, space, block_d, itemsize, tensor_cores, shrink):
         for st in stages:
             if attention_smem_bytes(bq, bkv, block_d, st, itemsize) <= smem:
                 out.append(triton.Config({"BLOCK_Q": bq, "BLOCK_KV": bkv}, num_warps=warps, num_stages=st))
@@ -788,12 +805,13 @@ TUNE_KEY = ["S", "BH", "HEAD_DIM", "CAUSAL", "KV_GROUP"]
 TUNED = {"_attn_fwd_kernel": "forward", "_attn_bwd_dkdv": "dkdv", "_attn_bwd_dq": "dq"}  # kernel -> tile_words'
 
 
-def _tuner(kernel, space, smem: int, block_d: int, itemsize: int, tensor_cores: bool, stages=STAGES):
-    """An autotuned wrapper of `kernel` over `space`, built once per (kernel, device limits, dtype size, dot)."""
+def _tuner(kernel, space, smem: int, block_d: int, itemsize: int, tensor_cores: bool, tune_tiles: bool,
+           stages=STAGES):
+    """An autotuned wrapper of `kernel` over `space`, built once per (kernel, device limits, dtype size, dot, mode)."""
     name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
-    key = (name, tuple(space), smem, block_d, itemsize, tensor_cores, tuple(stages))
+    key = (name, tuple(space), smem, block_d, itemsize, tensor_cores, tune_tiles, tuple(stages))
     if key not in _TUNERS:
-        configs = _configs(TUNED[name], space, stages, smem, block_d, itemsize, tensor_cores)
+        configs = _configs(TUNED[name], space, stages, smem, block_d, itemsize, tensor_cores, tune_tiles)
         if not configs:
             raise ValueError(f"no autotune configuration fits {smem} B of shared memory at block_d={block_d}")
         _TUNERS[key] = triton.autotune(configs=configs, key=TUNE_KEY)(kernel)
@@ -859,7 +877,8 @@ def triton_attention(
     smem = autotune_smem(q) if autotune else None
     if smem is not None:
         tuner = _tuner(_attn_fwd_kernel, _space((block_q, block_kv, num_warps), autotune == "tile", FWD_SPACE),
-                       smem, launch["block_d"], q.element_size(), tensor_cores)
+                       smem, launch["block_d"], q.element_size(), tensor_cores,
+                       autotune == "tile")
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_Q"]), B * H))](*args, **meta)
         LAST_AUTOTUNE["forward"] = chosen_config(tuner)
     else:
@@ -935,7 +954,8 @@ def triton_attention_backward(
     if tuned:
         fixed = (launch["dkdv_block_q"], launch["dkdv_block_kv"], num_warps)
         tuner = _tuner(_attn_bwd_dkdv, _space(fixed, autotune == "tile", DKDV_SPACE), smem, launch["block_d"],
-                       q.element_size(), tensor_cores)
+                       q.element_size(), tensor_cores,
+                       autotune == "tile")
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_KV"]), B * Hkv))](*args, **common)
         LAST_AUTOTUNE["dkdv"] = chosen_config(tuner)
     else:
@@ -950,7 +970,8 @@ def triton_attention_backward(
     if tuned:
         fixed = (launch["dq_block_q"], launch["dq_block_kv"], num_warps)
         tuner = _tuner(_attn_bwd_dq, _space(fixed, autotune == "tile", DQ_SPACE), smem, launch["block_d"],
-                       q.element_size(), tensor_cores)
+                       q.element_size(), tensor_cores,
+                       autotune == "tile")
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_Q"]), B * H))](*args, **common)
         LAST_AUTOTUNE["dq"] = chosen_config(tuner)
     else:

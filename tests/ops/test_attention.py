@@ -221,6 +221,50 @@ def test_autotune_keys_on_the_problem_size():
     for kernel, space in ((attention._attn_fwd_kernel, attention.FWD_SPACE),
                           (attention._attn_bwd_dkdv, attention.DKDV_SPACE),
                           (attention._attn_bwd_dq, attention.DQ_SPACE)):
-        tuner = attention._tuner(kernel, space, smem=232448, block_d=64, itemsize=2)
+        tuner = attention._tuner(kernel, space, smem=232448, block_d=64, itemsize=2, tensor_cores=True,
+                                 tune_tiles=True)
         assert {"S", "BH"} <= set(tuner.keys), kernel
         assert set(tuner.keys) <= set(kernel.arg_names), kernel
+
+
+SPACES = {"forward": attention.FWD_SPACE, "dkdv": attention.DKDV_SPACE, "dq": attention.DQ_SPACE}
+
+
+def test_the_register_rule_prunes_the_spaces_at_head_dim_128_and_keeps_them_at_32():
+    """tile=auto: at D 128 (bf16, wgmma) the candidates whose tiles spill on sm90 are dropped (128 queries on 4
+    warps; dK/dV's 32x128 on 4 warps and 64-key steps of 64 queries); at D 32 every candidate stays (none spills);
+    fp32 `ieee` dots (FMA) keep the ones that fit, or the cheapest with their streamed block halved until they do."""
+    fit = attention.fitting_space
+    assert fit("forward", attention.FWD_SPACE, 128, 2, True, True) == [(64, 64, 4), (64, 128, 4), (128, 64, 8),
+                                                                        (128, 128, 8)]
+    assert fit("dkdv", attention.DKDV_SPACE, 128, 2, True, True) == [(32, 64, 4), (32, 128, 8)]
+    assert fit("dq", attention.DQ_SPACE, 128, 2, True, True) == [(64, 32, 4), (64, 64, 4), (128, 32, 8),
+                                                                  (128, 64, 8)]
+    for itemsize in (2, 4):  # bf16 and tf32 at D 32: the space as it is
+        assert all(fit(kernel, space, 32, itemsize, True, True) == space for kernel, space in SPACES.items())
+    assert fit("forward", attention.FWD_SPACE, 32, 4, False, True) == [(64, 64, 4), (128, 64, 8)]
+    assert fit("dkdv", attention.DKDV_SPACE, 32, 4, False, True) == [(16, 64, 4), (16, 128, 8)]  # 32-query steps
+    for block_d in (16, 32, 64, 128, 256):  # every space keeps a choice, each candidate's blocks >= 16
+        for tensor_cores, itemsize in ((True, 2), (True, 4), (False, 4)):
+            for kernel, space in SPACES.items():
+                kept = fit(kernel, space, block_d, itemsize, tensor_cores, True)
+                assert len(kept) >= 2 and min(b for entry in kept for b in entry[:2]) >= 16, (kernel, block_d)
+    # workgroup=auto tunes warps and stages at the point's blocks: 128 queries keep their 8 warps, never smaller blocks
+    assert fit("forward", attention._space((128, 64, 4), False, attention.FWD_SPACE), 128, 2, True, False) == [
+        (128, 64, 8)]
+    assert len(attention._configs("forward", [(128, 64, 4), (128, 64, 8)], attention.STAGES, 232448, 128, 2, True,
+                                  False)) == 2  # one per stage count
+
+
+def test_a_fixed_tile_that_would_spill_gets_the_warps_it_needs_and_the_geometry_says_so():
+    """128 queries at D 128 on 4 warps spill 232 B on sm90 (bf16): the forward launches on 8 (190 registers, none),
+    and the launch geometry (the receipt's) records it. FMA code and tiles that fit keep the given warps."""
+    args = dict(block_q=128, block_kv=64, num_warps=4, num_stages=2)
+    launch = attention_launch(1, 2, 1024, 128, **args, operand_bytes=2, tensor_cores=True)
+    assert launch["num_warps"] == 8 and launch["warps_raised"].startswith("4 -> 8 warps: 128x64 at D 128 holds 288")
+    for kwargs in (dict(operand_bytes=4, tensor_cores=False), dict(operand_bytes=2, tensor_cores=True, num_warps=8)):
+        launch = attention_launch(1, 2, 1024, 128, **{**args, **kwargs})
+        assert "warps_raised" not in launch and launch["num_warps"] == kwargs.get("num_warps", 4)
+    assert attention_launch(1, 2, 1024, 128, **{**args, "block_q": 64}, operand_bytes=2, tensor_cores=True)[
+        "num_warps"] == 4
+    assert attention.uses_tensor_cores(torch.float32, "tf32") and not attention.uses_tensor_cores(torch.float32, "ieee")
