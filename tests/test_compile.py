@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,29 @@ def test_bf16_compiles_to_warpgroup_mma_with_cp_async_and_128_bit_loads():
         assert kernels[name]["tensor_cores"] == "wgmma" and kernels[name]["async_copy"] == "cp.async", kernels[name]
     assert all(r["registers"] > 0 and r["ctas_per_sm"] >= 1 and r["source_sha256"] for r in rows)
     assert kernels["_attn_fwd_kernel"]["file"] == "posttrainllm/ops/attention.py"
+
+
+# The forward alone, recorded and compiled in Triton's compiler mode (a child: this process runs the interpreter)
+FORWARD_B128_D128 = """
+import json, torch
+from posttrainllm.lab.compile import compile_launches, recording
+from posttrainllm.ops.attention import triton_attention
+q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
+with recording() as launches:
+    triton_attention(q, q, q, block_q=128, block_kv=64, num_warps=4, num_stages=2, emulate_bf16=False)
+print("ROWS", json.dumps(compile_launches("triton", launches, ["sm90"])))
+"""
+
+
+def test_the_forward_at_128_queries_and_head_dim_128_launches_on_the_warps_that_hold_it_without_spilling():
+    """The GPU sweep's tile-b128 (bf16, D 128, workgroup w4s2): on 4 warps its forward took 255 registers and spilled
+    232 B on sm90; the launcher's register rule launches it on 8 (ops/attention.py fitting_warps): 190, none."""
+    done = subprocess.run([sys.executable, "-c", FORWARD_B128_D128], env={**os.environ, "TRITON_INTERPRET": "0"},
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("ROWS "))[5:])
+    assert (row["kernel"], row["num_warps"], row["constexprs"]["BLOCK_Q"]) == ("_attn_fwd_kernel", 8, 128), row
+    assert row["spill_bytes"] == 0 and row["tensor_cores"] == "wgmma" and row["async_copy"] == "cp.async", row
 
 
 def test_fp8_on_sm80_is_refused_in_one_line():
