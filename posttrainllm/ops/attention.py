@@ -510,9 +510,10 @@ def _attn_bwd_dq(
 # tiles it feeds a dot from registers (forward: P; dK/dV: Pᵀ and dSᵀ; dQ: dS) and the ones it loads once and keeps
 # (forward: Q; dK/dV: K and V; dQ: Q and dO). tile_words counts them in 32-bit words. Against the counters
 # (`posttrainllm compile`, sm90, 2026-12-02; the table in docs/compile.md):
-# - tensor cores (wgmma): every tile of at most 256 words compiled without spilling at bf16 (D 32 and 128) and at
-#   tf32 D 32 but one (the forward 128x64 on 4 warps at tf32, D 32: 192 words, 32 B); every one of 288 and more
-#   at bf16 spilled (the forward 128x64 on 4 warps at D 128: 288 words, 232 B; dK/dV 64x64 on 4 warps: 288, 128 B);
+# - tensor cores (wgmma): every tile of at most 256 words compiled without spilling at 2 stages, at bf16 (D 32 and
+#   128) and at tf32 D 32 but one (the forward 128x64 on 4 warps at tf32, D 32: 192 words, 32 B; at 3 stages dK/dV
+#   32x128 on 8 warps, 240 words, 24 B); every one of 288 and more at bf16 spilled (the forward 128x64 on 4 warps
+#   at D 128: 288 words, 232 B; dK/dV 64x64 on 4 warps: 288, 128 B);
 # - fp32 `ieee` dots (FMA code, D 32): at most 96 words spilled at most 24 B (dQ 64x32 on 4 warps and 128x32 on 8,
 #   none; the forward 64x64 on 4 warps, 24 B), 128 and more up to 7.8 KB (every dK/dV candidate).
 REGISTER_BUDGET = {"tensor_cores": 256, "fma": 96}  # 32-bit words of tiles per thread
@@ -531,7 +532,7 @@ def tile_words(kernel: str, block_q: int, block_kv: int, block_d: int, num_warps
     """32-bit words per thread of the tiles `kernel` ("forward", "dkdv", "dq") holds through a step (above)."""
     q, kv, d = block_q, block_kv, block_d
     rows = kv if kernel == "dkdv" else q
-    warps = min(num_warps, 4 * max(1, rows // WGMMA_ROWS))  # more warps than warpgroups of 64 rows share nothing
+    warps = min(num_warps, 4 * max(1, rows // WGMMA_ROWS))  # past 4 per 64 rows, warps split columns only
     fp32, operands = {"forward": (q * d + q * kv, q * kv + q * d), "dkdv": (2 * kv * d + 2 * kv * q,
                                                                              2 * kv * q + 2 * kv * d),
                       "dq": (q * d + 2 * q * kv, q * kv + 2 * q * d)}[kernel]
@@ -547,8 +548,8 @@ def fitting_warps(kernel: str, block_q: int, block_kv: int, block_d: int, num_wa
     """(warps, why): a fixed configuration's warps for `kernel`. Where its dots run on tensor cores and its tiles
     exceed the register budget at `num_warps`, the fewest warps up to FIT_MAX_WARPS that fit (tile_words counts
     only warps with rows of their own, WGMMA_ROWS); the blocks are never changed. Otherwise, or where no count
-    fits, `num_warps`. `why` says what was raised, None when nothing was. FMA code is left as given (its budget is
-    met by no warp count of the default tiles: docs/compile.md)."""
+    fits, `num_warps`. `why` says what was raised, None when nothing was. FMA code is left as given: what more
+    warps do to it was not measured (its autotune spaces are pruned, fitting_space)."""
     words = tile_words(kernel, block_q, block_kv, block_d, num_warps, operand_bytes)
     budget = register_budget(tensor_cores)
     if not tensor_cores or words <= budget:
