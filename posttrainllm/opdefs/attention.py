@@ -192,17 +192,13 @@ def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
 def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
     """The launch geometry; with tile/workgroup=auto, what the autotuner chose for this case (CUDA), found by
     running the path once on the case's inputs, or that the fixed configuration ran (elsewhere)."""
-    from posttrainllm.ops.attention import (AUTO_CPU_NOTE, LAST_AUTOTUNE, attention_backward_launch, attention_launch,
-                                            uses_tensor_cores)
+    from posttrainllm.ops.attention import AUTO_CPU_NOTE, LAST_AUTOTUNE, attention_backward_launch, attention_launch
 
     d = case.dims
     args = _triton_args(cfg)
     blocks = {k: args[k] for k in ("block_q", "block_kv", "num_warps", "num_stages")}
-    dot = dict(operand_bytes=itemsize(cfg.precision.dtype),  # the launchers' own warps rule (fitting_warps) reads these
-               tensor_cores=uses_tensor_cores(getattr(torch, cfg.precision.dtype), cfg.precision.dot_precision))
-    forward = attention_launch(d["batch"], d["heads"], d["seq_len"], d["head_dim"], **blocks, **dot)
-    backward = attention_backward_launch(d["batch"], d["heads"], d["kv_heads"], d["seq_len"], d["head_dim"], **args,
-                                         **dot)
+    forward = attention_launch(d["batch"], d["heads"], d["seq_len"], d["head_dim"], **blocks)
+    backward = attention_backward_launch(d["batch"], d["heads"], d["kv_heads"], d["seq_len"], d["head_dim"], **args)
     geometry = {**forward, "backward": backward}
     mode = _autotune(cfg)
     if mode is None:

@@ -517,7 +517,6 @@ def _attn_bwd_dq(
 # - fp32 `ieee` dots (FMA code, D 32): at most 96 words spilled at most 24 B (dQ 64x32 on 4 warps and 128x32 on 8,
 #   none; the forward 64x64 on 4 warps, 24 B), 128 and more up to 7.8 KB (every dK/dV candidate).
 REGISTER_BUDGET = {"tensor_cores": 256, "fma": 96}  # 32-bit words of tiles per thread
-FIT_MAX_WARPS = 8  # a fixed configuration's warps are raised up to this (two warpgroups), never lowered
 WGMMA_ROWS = 64  # wgmma's M: a warpgroup (4 warps) takes 64 rows; more warps than 64-row groups split the columns
 # and hold every row's operands again, so tile_words counts only 4 warps per 64 rows (measured at tf32, D 128: dK/dV
 # 32x64 spills 224 B on 4 warps, 352 B on 8; dQ 64x64 none on 4, 32 B on 8)
@@ -543,27 +542,6 @@ def register_budget(tensor_cores: bool) -> int:
     return REGISTER_BUDGET["tensor_cores" if tensor_cores else "fma"]
 
 
-def fitting_warps(kernel: str, block_q: int, block_kv: int, block_d: int, num_warps: int, operand_bytes: int,
-                  tensor_cores: bool) -> tuple[int, str | None]:
-    """(warps, why): a fixed configuration's warps for `kernel`. Where its dots run on tensor cores and its tiles
-    exceed the register budget at `num_warps`, the fewest warps up to FIT_MAX_WARPS that fit (tile_words counts
-    only warps with rows of their own, WGMMA_ROWS); the blocks are never changed. Otherwise, or where no count
-    fits, `num_warps`. `why` says what was raised, None when nothing was. FMA code is left as given: what more
-    warps do to it was not measured (its autotune spaces are pruned, fitting_space)."""
-    words = tile_words(kernel, block_q, block_kv, block_d, num_warps, operand_bytes)
-    budget = register_budget(tensor_cores)
-    if not tensor_cores or words <= budget:
-        return num_warps, None
-    warps = num_warps * 2
-    while warps <= FIT_MAX_WARPS and tile_words(kernel, block_q, block_kv, block_d, warps, operand_bytes) > budget:
-        warps *= 2
-    if warps > FIT_MAX_WARPS:
-        return num_warps, None
-    return warps, (f"{num_warps} -> {warps} warps: {block_q}x{block_kv} at D {block_d} holds {words} 32-bit words "
-                   f"of tiles per thread on {num_warps} warps, over the {budget} that compiled without spilling "
-                   f"(ops/attention.py REGISTER_BUDGET)")
-
-
 def _check_block(name: str, value: int) -> None:
     if value < 16 or value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two >= 16")
@@ -585,11 +563,9 @@ def launch_grid(blocks: int, bh: int) -> list[int]:
 
 def attention_launch(
     B: int, H: int, S: int, D: int, *, block_q: int, block_kv: int, num_warps: int, num_stages: int,
-    operand_bytes: int = 4, tensor_cores: bool = False,
 ) -> dict:
     """Dispatch geometry: one program per (query block, batch * head); causal blocks run heaviest first,
-    across every head (_schedule). num_warps is the warps the kernel launches with: the given ones, raised where
-    the tile would not fit the registers (fitting_warps; `warps_raised` then says from what and why)."""
+    across every head (_schedule)."""
     for name, size in (("B", B), ("H", H), ("S", S), ("D", D)):
         if size < 1:
             raise ValueError(f"{name}={size} must be >= 1")
@@ -601,12 +577,11 @@ def attention_launch(
         raise ValueError(f"num_warps={num_warps} must be a power of two")
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be >= 1")
-    block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs K >= 16
-    warps, why = fitting_warps("forward", block_q, block_kv, block_d, num_warps, operand_bytes, tensor_cores)
     return {
         "grid": launch_grid(triton.cdiv(S, block_q), B * H),
-        "block_q": block_q, "block_kv": block_kv, "block_d": block_d,
-        "num_warps": warps, "num_stages": num_stages, **({"warps_raised": why} if why else {}),
+        "block_q": block_q, "block_kv": block_kv,
+        "block_d": max(16, triton.next_power_of_2(D)),  # tl.dot needs K >= 16
+        "num_warps": num_warps, "num_stages": num_stages,
     }
 
 
@@ -621,12 +596,9 @@ def attention_backward_launch(
     B: int, H: int, Hkv: int, S: int, D: int, *, block_q: int, block_kv: int, num_warps: int, num_stages: int,
     dkdv_block_q: int | None = None, dkdv_block_kv: int | None = None,
     dq_block_q: int | None = None, dq_block_kv: int | None = None,
-    operand_bytes: int = 4, tensor_cores: bool = False,
 ) -> dict:
     """Backward dispatch geometry: three launches, no atomics; each kernel with its own blocks
-    (the forward's block_q, block_kv where not given) and its own warps (dkdv_num_warps, dq_num_warps: the given
-    num_warps, raised where the kernel's tiles would not fit the registers, fitting_warps; `warps_raised` says
-    which and why; the preprocess keeps num_warps).
+    (the forward's block_q, block_kv where not given).
 
     preprocess: one program per (dq query block, batch * head) computes D = rowsum(dO ∘ O);
     dkdv: one per (KV block, batch * kv head), sweeping the H // Hkv query heads of its group;
@@ -640,12 +612,6 @@ def attention_backward_launch(
         _check_block(name, block)
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"H={H} query heads is not a multiple of Hkv={Hkv} kv heads")
-    warps, raised = {}, {}
-    for kernel in ("dkdv", "dq"):
-        warps[kernel], why = fitting_warps(kernel, blocks[f"{kernel}_block_q"], blocks[f"{kernel}_block_kv"],
-                                           fwd["block_d"], num_warps, operand_bytes, tensor_cores)
-        if why:
-            raised[kernel] = why
     return {
         "preprocess_grid": launch_grid(triton.cdiv(S, blocks["dq_block_q"]), B * H),
         "dkdv_grid": launch_grid(triton.cdiv(S, blocks["dkdv_block_kv"]), B * Hkv),
@@ -653,7 +619,6 @@ def attention_backward_launch(
         "kv_group": H // Hkv,
         **blocks, "block_d": fwd["block_d"],
         "num_warps": num_warps, "num_stages": num_stages,
-        "dkdv_num_warps": warps["dkdv"], "dq_num_warps": warps["dq"], **({"warps_raised": raised} if raised else {}),
     }
 
 
@@ -866,8 +831,9 @@ def triton_attention(
     _check_inputs(q, k, v, input_precision, sm_scale)
     (B, H, S, D), Hkv = q.shape, k.shape[1]
     tensor_cores = uses_tensor_cores(q.dtype, input_precision)
-    launch = attention_launch(B, H, S, D, block_q=block_q, block_kv=block_kv, num_warps=num_warps,
-                              num_stages=num_stages, operand_bytes=q.element_size(), tensor_cores=tensor_cores)
+    launch = attention_launch(
+        B, H, S, D, block_q=block_q, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages
+    )
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     upcast = use_bf16_emulation(q.dtype, emulate_bf16)
     o = torch.empty((B, H, S, D), device=q.device, dtype=torch.float32 if upcast else q.dtype)
@@ -878,13 +844,12 @@ def triton_attention(
     smem = autotune_smem(q) if autotune else None
     if smem is not None:
         tuner = _tuner(_attn_fwd_kernel, _space((block_q, block_kv, num_warps), autotune == "tile", FWD_SPACE),
-                       smem, launch["block_d"], q.element_size(), tensor_cores,
-                       autotune == "tile")
+                       smem, launch["block_d"], q.element_size(), tensor_cores, autotune == "tile")
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_Q"]), B * H))](*args, **meta)
         LAST_AUTOTUNE["forward"] = chosen_config(tuner)
     else:
         _attn_fwd_kernel[tuple(launch["grid"])](*args, **meta, BLOCK_Q=block_q, BLOCK_KV=block_kv,
-                                                num_warps=launch["num_warps"], num_stages=num_stages)
+                                                num_warps=num_warps, num_stages=num_stages)
     return o.to(q.dtype), lse
 
 
@@ -927,7 +892,6 @@ def triton_attention_backward(
     launch = attention_backward_launch(
         B, H, Hkv, S, D, block_q=block_q, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages,
         dkdv_block_q=dkdv_block_q, dkdv_block_kv=dkdv_block_kv, dq_block_q=dq_block_q, dq_block_kv=dq_block_kv,
-        operand_bytes=q.element_size(), tensor_cores=tensor_cores,
     )
     upcast = use_bf16_emulation(q.dtype, emulate_bf16)
     grad_dtype = torch.float32 if upcast else q.dtype
@@ -955,13 +919,12 @@ def triton_attention_backward(
     if tuned:
         fixed = (launch["dkdv_block_q"], launch["dkdv_block_kv"], num_warps)
         tuner = _tuner(_attn_bwd_dkdv, _space(fixed, autotune == "tile", DKDV_SPACE), smem, launch["block_d"],
-                       q.element_size(), tensor_cores,
-                       autotune == "tile")
+                       q.element_size(), tensor_cores, autotune == "tile")
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_KV"]), B * Hkv))](*args, **common)
         LAST_AUTOTUNE["dkdv"] = chosen_config(tuner)
     else:
         _attn_bwd_dkdv[tuple(launch["dkdv_grid"])](*args, **common, BLOCK_Q=launch["dkdv_block_q"],
-                                                   BLOCK_KV=launch["dkdv_block_kv"], num_warps=launch["dkdv_num_warps"],
+                                                   BLOCK_KV=launch["dkdv_block_kv"], num_warps=num_warps,
                                                    num_stages=num_stages)
 
     # -- dQ: (B, H, S, D), one program per query block
@@ -971,13 +934,12 @@ def triton_attention_backward(
     if tuned:
         fixed = (launch["dq_block_q"], launch["dq_block_kv"], num_warps)
         tuner = _tuner(_attn_bwd_dq, _space(fixed, autotune == "tile", DQ_SPACE), smem, launch["block_d"],
-                       q.element_size(), tensor_cores,
-                       autotune == "tile")
+                       q.element_size(), tensor_cores, autotune == "tile")
         tuner[lambda m: tuple(launch_grid(triton.cdiv(S, m["BLOCK_Q"]), B * H))](*args, **common)
         LAST_AUTOTUNE["dq"] = chosen_config(tuner)
     else:
         _attn_bwd_dq[tuple(launch["dq_grid"])](*args, **common, BLOCK_Q=launch["dq_block_q"],
-                                               BLOCK_KV=launch["dq_block_kv"], num_warps=launch["dq_num_warps"],
+                                               BLOCK_KV=launch["dq_block_kv"], num_warps=num_warps,
                                                num_stages=num_stages)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

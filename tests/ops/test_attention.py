@@ -254,17 +254,4 @@ def test_the_register_rule_prunes_the_spaces_at_head_dim_128_and_keeps_them_at_3
         (128, 64, 8)]
     assert len(attention._configs("forward", [(128, 64, 4), (128, 64, 8)], attention.STAGES, 232448, 128, 2, True,
                                   False)) == 2  # one per stage count
-
-
-def test_a_fixed_tile_that_would_spill_gets_the_warps_it_needs_and_the_geometry_says_so():
-    """128 queries at D 128 on 4 warps spill 232 B on sm90 (bf16): the forward launches on 8 (190 registers, none),
-    and the launch geometry (the receipt's) records it. FMA code and tiles that fit keep the given warps."""
-    args = dict(block_q=128, block_kv=64, num_warps=4, num_stages=2)
-    launch = attention_launch(1, 2, 1024, 128, **args, operand_bytes=2, tensor_cores=True)
-    assert launch["num_warps"] == 8 and launch["warps_raised"].startswith("4 -> 8 warps: 128x64 at D 128 holds 288")
-    for kwargs in (dict(operand_bytes=4, tensor_cores=False), dict(operand_bytes=2, tensor_cores=True, num_warps=8)):
-        launch = attention_launch(1, 2, 1024, 128, **{**args, **kwargs})
-        assert "warps_raised" not in launch and launch["num_warps"] == kwargs.get("num_warps", 4)
-    assert attention_launch(1, 2, 1024, 128, **{**args, "block_q": 64}, operand_bytes=2, tensor_cores=True)[
-        "num_warps"] == 4
     assert attention.uses_tensor_cores(torch.float32, "tf32") and not attention.uses_tensor_cores(torch.float32, "ieee")

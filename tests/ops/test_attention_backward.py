@@ -124,22 +124,9 @@ def test_backward_launch_geometry():
     assert launch == {
         "preprocess_grid": [4, 8], "dkdv_grid": [7, 4], "dq_grid": [4, 8], "kv_group": 2,
         "dkdv_block_q": 32, "dkdv_block_kv": 16, "dq_block_q": 32, "dq_block_kv": 16,
-        "block_d": 32, "num_warps": 4, "num_stages": 2, "dkdv_num_warps": 4, "dq_num_warps": 4,
+        "block_d": 32, "num_warps": 4, "num_stages": 2,
     }
     json.dumps(launch)
-
-
-def test_backward_warps_are_raised_only_where_more_warps_hold_the_tiles():
-    """dQ stepping 128 queries at D 128 on 4 warps (bf16: 336 words of tiles per thread) launches on 8; dK/dV's 64
-    keys at tf32 stay on 4: a second warpgroup would split 64 rows' columns only (8 warps spilled more, 352 B against
-    224), and the geometry names only what was raised."""
-    launch = attention_backward_launch(1, 2, 2, 1024, 128, block_q=64, block_kv=64, num_warps=4, num_stages=2,
-                                       dkdv_block_q=32, dq_block_q=128, operand_bytes=2, tensor_cores=True)
-    assert (launch["dkdv_num_warps"], launch["dq_num_warps"], launch["num_warps"]) == (4, 8, 4)
-    assert list(launch["warps_raised"]) == ["dq"] and "128x64 at D 128" in launch["warps_raised"]["dq"]
-    tf32 = attention_backward_launch(1, 2, 2, 1024, 128, block_q=64, block_kv=64, num_warps=4, num_stages=2,
-                                     dkdv_block_q=32, operand_bytes=4, tensor_cores=True)
-    assert (tf32["dkdv_num_warps"], tf32["dq_num_warps"]) == (4, 4) and "warps_raised" not in tf32
 
 
 def test_backward_kernels_take_their_own_blocks():
