@@ -277,10 +277,10 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
 
 
-def _capture(op: Any, cfg: Any, impl: Any, fn: Any, shared_per_block: int | None = None
-             ) -> tuple[list[Launch], str | None]:
-    """The launches of one path's forward and (when it has one) backward at the point's main case; with
-    `shared_per_block`, our launchers' autotuned branch, its candidates pruned by that many bytes (a target's)."""
+def call_once(op: Any, cfg: Any, impl: Any, fn: Any, device: str = "cpu") -> str | None:
+    """One path's forward and (when it has one) backward at the point's main case, on `device`: what the compile
+    child records (on CPU tensors, nothing run) and what the GPU check runs under Nsight Compute (lab/gpucheck.py).
+    Returns why the backward did not run, or None."""
     import torch
 
     from posttrainllm.lab.oracle import upstream_gradient
@@ -289,16 +289,9 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any, shared_per_block: int | None
 
     case = next(c for c in op.cases(cfg) if c.main)
     call_cfg = case_config(case, cfg)
-    inputs = op.make_inputs(case, point_dtype(cfg), "cpu")
-    leaves = leaves_of(inputs)
-    note = None
-    tuning = contextlib.nullcontext()
-    if shared_per_block:  # imported only then: a matmul point's kernel stage reads ops/attention.py only under auto
-        from posttrainllm.ops.attention import autotune_for_target
-
-        tuning = autotune_for_target(shared_per_block)
-    with recording() as launches, tuning:
-        _direction[0] = "forward"
+    leaves = leaves_of(op.make_inputs(case, point_dtype(cfg), device))
+    _direction[0] = "forward"
+    try:
         with torch.enable_grad():
             out = fn(leaves, call_cfg)["out"]
         wrt = [x for x in leaves.values() if x.requires_grad]
@@ -307,8 +300,23 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any, shared_per_block: int | None
             try:
                 torch.autograd.grad(out, wrt, upstream_gradient(case, out), allow_unused=True)
             except Exception as exc:
-                note = f"backward not captured: {_one_line(exc)}"
+                return f"backward not captured: {_one_line(exc)}"
+        return None
+    finally:
         _direction[0] = "forward"
+
+
+def _capture(op: Any, cfg: Any, impl: Any, fn: Any, shared_per_block: int | None = None
+             ) -> tuple[list[Launch], str | None]:
+    """The launches of one path's forward and (when it has one) backward at the point's main case (`call_once`);
+    with `shared_per_block`, our launchers' autotuned branch, its candidates pruned by that many bytes (a target's)."""
+    tuning = contextlib.nullcontext()
+    if shared_per_block:  # imported only then: a matmul point's kernel stage reads ops/attention.py only under auto
+        from posttrainllm.ops.attention import autotune_for_target
+
+        tuning = autotune_for_target(shared_per_block)
+    with recording() as launches, tuning:
+        note = call_once(op, cfg, impl, fn)
     return launches, note
 
 

@@ -12,7 +12,9 @@ forward + backward (forward only for fp8), against every peer the device has. Ea
 and evidence land in OUTDIR/<point>/; the big tensors (reference.pt, kernel.pt) are deleted once
 parity has read them. Beside them, counters.json (and summary.json, and the console) puts each Triton kernel's
 compile counters (registers, spills, shared memory, tensor cores, async copies) beside its path's measured
-median (COUNTERS_NOTE). Nsight Compute (`ncu`) is not run: its counters are left for a GPU session.
+median (COUNTERS_NOTE). Where the machine has Nsight Compute (`ncu`), each point's Triton paths then run once more
+under it (`--profile-point`: forward and backward at the main case), and counters.json gets the measured registers,
+achieved occupancy, DRAM throughput and duration of each kernel beside its static counters (measure/ncu.py).
 
 Before anything runs it prints each point's rough device time (lab/approval.py: ROUGH_*, not yet
 measured on a GPU) and starts no point that, by that estimate, would end after `--budget-s`
@@ -36,12 +38,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from posttrainllm.measure import calibrate
+from posttrainllm.measure import calibrate, ncu
 from posttrainllm.track import receipt
 from posttrainllm.lab import approval, heads, stages
 from posttrainllm.lab import sweep
@@ -52,6 +55,9 @@ from posttrainllm.files import point_dir, write_json
 from posttrainllm.lab.pipeline import sweep_id
 
 BIG_FILES = ("reference.pt", "kernel.pt")
+NCU_LAUNCHES = 64  # launches profiled per point (an autotuned point launches each candidate many times)
+NCU_TIMEOUT_S = 90  # the GPU session allows 10 minutes a command: a hung profile must not take the rest
+NCU_ROUGH_S = 30.0  # a point's profiling run, guessed (a process, its kernels from Triton's cache): not measured
 
 
 COUNTERS_NOTE = ("static counters (`posttrainllm compile`: the cubin built for the first compile target from the "
@@ -119,6 +125,53 @@ def run_point(cfg: Any, calibration: dict[str, Any], sweep_info: dict[str, Any],
     return status
 
 
+def measured_counters(out: Path, sweep_name: str, point: str, rows: list[dict[str, Any]]) -> str:
+    """The point's Triton paths run once under Nsight Compute (`--profile-point`), their kernels' measured counters
+    put beside the static ones in counters.json (measure/ncu.py); returns one line on what happened. A failure
+    (no ncu, no permission for the GPU's counters, a timeout) is that line, never the end of the check."""
+    kernels = sorted({row["kernel"] for row in rows if row.get("kernel")})
+    if not kernels:
+        return "ncu: no Triton kernel to profile"
+    tool = ncu.find()
+    if tool is None:
+        return ncu.NOT_FOUND
+    log = out / point / "ncu.csv"
+    argv = [sys.executable, "-m", "posttrainllm.lab.gpucheck", str(out), "--sweep", sweep_name,
+            "--profile-point", point]
+    try:
+        done = subprocess.run(ncu.command(tool, log, kernels, argv, NCU_LAUNCHES), capture_output=True, text=True,
+                              timeout=NCU_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"ncu: ran past {NCU_TIMEOUT_S} s and was stopped"
+    if done.returncode != 0 or not log.exists():
+        tail = (done.stderr or done.stdout or "").strip().splitlines()[-1:] or [""]
+        return f"ncu: exit {done.returncode}: {tail[0]}"
+    measured = ncu.per_kernel(ncu.parse(log.read_text()))
+    counters_file = out / point / "counters.json"
+    write_json(counters_file, {"note": COUNTERS_NOTE, "ncu": {"tool": tool, "metrics": ncu.METRICS},
+                               "rows": ncu.beside(rows, measured)})
+    return f"ncu: {len(set(kernels) & set(measured))} of {len(kernels)} kernels measured"
+
+
+def profile_point(sweep_name: str, point: str) -> int:
+    """The `--profile-point` child (run under ncu): each of the point's Triton paths (ours and user paths) once,
+    forward then backward, at its main case, on the point's device."""
+    from posttrainllm.lab import compile as compiling
+    from posttrainllm.opdefs import get_op
+
+    spec = sweep.plan(load([f"sweep={sweep_name}"]).sweep)["points"][point]
+    cfg = validate({**spec["config"], "run": {"name": point, "log_mlflow": False}})
+    device = devices.prepare(cfg.device.name, cfg.bench.threads)
+    op = get_op(cfg.op.name)
+    for impl in op.optimized(cfg):
+        if impl.user is None and impl.kind != "triton":
+            continue
+        fn = op.adapt(impl.fn.user_path.load()) if impl.user is not None else impl.fn
+        note = compiling.call_once(op, cfg, impl, fn, device)
+        print(f"profiled {impl.name}" + (f" ({note})" if note else ""), flush=True)
+    return 0
+
+
 DRY_RUN_SWEEP = "smoke"
 DRY_RUN_BENCH = {"curve_backward": True}  # as the GPU check's sweep sets it
 # The rehearsed fp8 point's curve (M=N=K) stays small: torch._scaled_mm on a CPU is a scalar loop (measured on a
@@ -138,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="bench-train each point too (off by default: no margin left in the 8-minute budget)")
     parser.add_argument("--approve", action="store_true", help="approve the GPU timing loops (lab/approval.py); "
                         "scripts/gpu-check.sh passes it")
+    parser.add_argument("--profile-point", metavar="POINT", help=argparse.SUPPRESS)  # the child ncu profiles
     args = parser.parse_args(argv)
+    if args.profile_point:
+        return profile_point(DRY_RUN_SWEEP if args.dry_run else args.sweep, args.profile_point)
     started = time.perf_counter()
     name = DRY_RUN_SWEEP if args.dry_run else args.sweep
     try:
@@ -177,11 +233,17 @@ def main(argv: list[str] | None = None) -> int:
         status = run_point(cfg, calibration, {**info, "changes": spec["changes"]}, train=args.train)
         seconds = time.perf_counter() - t0
         found_counters = json_rows(args.out / point / "counters.json")
+        measured = None
+        if device == "cuda":  # Nsight Compute's counters beside the static ones, while the budget allows
+            measured = (measured_counters(args.out, name, point, found_counters)
+                        if time.perf_counter() - started + NCU_ROUGH_S <= args.budget_s else "ncu: skipped (budget)")
+            found_counters = json_rows(args.out / point / "counters.json")
         summary["points"][point] = {"status": status, "seconds": seconds, "estimated_s": rough[point],
-                                    "counters": found_counters}
+                                    "counters": found_counters, **({"ncu": measured} if measured else {})}
         summary["seconds"] = time.perf_counter() - started
         write_json(args.out / "summary.json", {**summary, "complete": False})  # kept if the run is killed later
-        print(f"{point}: {status} ({seconds:.1f} s; estimated {rough[point]:.0f} s)", flush=True)
+        print(f"{point}: {status} ({seconds:.1f} s; estimated {rough[point]:.0f} s)" + (f"; {measured}" if measured
+                                                                                         else ""), flush=True)
         print(_counters_table(found_counters), flush=True)
     summary["seconds"] = time.perf_counter() - started
     write_json(args.out / "summary.json", {**summary, "complete": True})
