@@ -146,11 +146,14 @@ def test_ctrl_c_with_a_user_worker_running_prints_no_traceback(project, calibrat
     assert cli.main(["new-impl", "op=rmsnorm", "k/mine.py"]) == 0
     bench = subprocess.Popen(
         [sys.executable, "-m", "posttrainllm", "bench", "op=rmsnorm", "device=cpu", "parity.seeds=[0]",
-         "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]", "bench.min_time_s=0",
+         "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]", "bench.min_time_s=2",
          "op.user_impls=[k/mine.py:rmsnorm]", "op.only=[rmsnorm]", "run.name=cut", "run.log_mlflow=false"],
         cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    while not _worker_of(bench.pid) and bench.poll() is None:  # the kernel stage started the path's worker
+    # the kernel stage started the path's worker; the timed loops (2 s a size and mode) keep the bench running long
+    # after it, so a test process the machine's load slows down still interrupts it mid-run
+    while not _worker_of(bench.pid) and bench.poll() is None:
         time.sleep(0.05)
+    assert bench.poll() is None, f"the bench ended before its user path's worker was seen: {bench.communicate()}"
     os.killpg(bench.pid, signal.SIGINT)
     out, err = bench.communicate(timeout=120)
     assert bench.returncode == 130, err[-2000:]
