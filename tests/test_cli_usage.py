@@ -138,6 +138,20 @@ def _worker_of(parent: int) -> bool:
     return False
 
 
+def _as_a_shell_starts_it() -> None:
+    """A terminal's command: SIGINT unblocked and at its default, whatever signal state the tests before left this
+    process in (under the full suite a bench started from here ignored the Ctrl-C: exit 0, or still running 120 s
+    later)."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _signal_state() -> str:
+    with open("/proc/self/status") as status_file:
+        status = status_file.read()
+    return " ".join(line for line in status.splitlines() if line.startswith(("SigBlk", "SigIgn")))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker process through /proc")
 def test_ctrl_c_with_a_user_worker_running_prints_no_traceback(project, calibration):
     """A terminal's Ctrl-C reaches the whole process group: the lab, its user path's worker, the compile child."""
@@ -151,7 +165,8 @@ def test_ctrl_c_with_a_user_worker_running_prints_no_traceback(project, calibrat
         [sys.executable, "-m", "posttrainllm", "bench", "op=rmsnorm", "device=cpu", "parity.seeds=[0]",
          "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]", "bench.min_time_s=0",
          "op.user_impls=[k/mine.py:rmsnorm]", "op.only=[rmsnorm]", "run.name=cut", "run.log_mlflow=false"],
-        cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=_as_a_shell_starts_it)
     # the kernel stage started the path's worker, whose first call sleeps: the Ctrl-C comes mid-call however slowly
     # this test process sees it (under the full suite's load a 6 s bench three times ran to its end, exit 0)
     while not _worker_of(bench.pid) and bench.poll() is None:
@@ -159,6 +174,6 @@ def test_ctrl_c_with_a_user_worker_running_prints_no_traceback(project, calibrat
     assert bench.poll() is None, f"the bench ended before its user path's worker was seen: {bench.communicate()}"
     os.killpg(bench.pid, signal.SIGINT)
     out, err = bench.communicate(timeout=120)
-    assert bench.returncode == 130, (err[-2000:], out[-3000:])
+    assert bench.returncode == 130, (err[-2000:], out[-3000:], f"this test process: {_signal_state()}")
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("posttrainllm: interrupted")
     assert not (project / "runs/bench/cut/receipt.json").exists()
