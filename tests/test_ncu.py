@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from posttrainllm.lab import gpucheck
 from posttrainllm.measure import ncu
 
@@ -79,9 +81,11 @@ def test_the_profiled_child_runs_each_triton_path_once_forward_and_backward(tmp_
         return run(self, *args, **kwargs)
 
     InterpretedFunction.run = counting
+    threads = torch.get_num_threads()  # the child sets the point's thread count: this test process keeps its own
     try:
         assert gpucheck.main([str(tmp_path), "--sweep", "smoke", "--profile-point", "baseline"]) == 0
     finally:
         InterpretedFunction.run = run
+        torch.set_num_threads(threads)
     assert capsys.readouterr().out.splitlines() == ["profiled triton"]
     assert launched == ["_attn_fwd_kernel", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"], launched
