@@ -9,7 +9,7 @@ columns). The scales are applied once, in the epilogue: a scale constant along K
 Σ_k (a_mk s_m)(b_kn s_n) = s_m s_n Σ_k a_mk b_kn, so the tile is multiplied by s_a[rows] · s_b[cols] before
 the store, in bf16.
 
-Quantizing stays out of the kernel: Triton's interpreter casts fp32 -> fp8 wrongly (STACK-NOTES 2026-12-01),
+Quantizing stays out of the kernel: Triton's interpreter casts fp32 -> fp8 wrongly (docs/parity.md, Triton on CPU),
 while its fp8 loads and tl.dot on them are exact against the upcast product. Under the interpreter the tile is
 stored in fp32 and PyTorch rounds it to bf16 (its fp32 -> bf16 cast truncates, see ops/matmul.py). On the GPU,
 tl.dot on fp8 takes K in steps of 32 (Triton's min_dot_size for 8-bit operands): BLOCK_K >= 32.

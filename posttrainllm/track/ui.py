@@ -21,8 +21,8 @@ from posttrainllm.track import store
 from posttrainllm.track.receipt import EXPERIMENT, artifact_location
 
 HOST, PORT = "127.0.0.1", 5000  # MLflow's own default port
-# No job runner (a UI over receipts needs none) and one worker: `posttrainllm ui` answered in ~11 s on 2 shared
-# cores (2026-12-01, MLflow 3.17.2); MLflow's default server took ~37 s (STACK-NOTES).
+# No job runner (a UI over receipts needs none) and one worker: the server starts in about a third of the default's
+# time (docs/measured.md)
 SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
