@@ -204,7 +204,7 @@ def _null_s(worker: Any, device: str) -> float:
     return time.perf_counter() - start
 
 
-def _batch(worker: Any, device: str) -> tuple[float, float, float, dict[str, Any]]:
+def _batch(worker: Any, device: str, sets: list[_Set]) -> tuple[float, float, float, dict[str, Any]]:
     """One placed batch computed under the lab's clock: (its span, the path's worker's null span after it, the clean
     twin's null span over the same outputs, the run's answer)."""
     _sync(device)
@@ -214,8 +214,8 @@ def _batch(worker: Any, device: str) -> tuple[float, float, float, dict[str, Any
     own = _null_s(worker, device)
     answer = worker.request({"op": "fetch"})
     twin = workers.twin()
-    twin.request({"op": "twin", "answers": answer["results"], "backward": any(a.get("grads") for a in
-                                                                            answer["results"])})
+    twin.request({"op": "twin", "answers": answer["results"], "inputs": [[t.detach() for t in s.tensors] for s in sets],
+                  "backward": any(a.get("grads") for a in answer["results"])})
     clean = _null_s(twin, device)
     return span, own, clean, {**done, **answer, "run_checksums": done["checksums"]}
 
@@ -281,7 +281,7 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
         for k in range(WARMUPS):  # batches like the timed ones, on the lab's clock, every output checked; the last sizes N
             warm = draw(BATCH_MIN)
             put(warm, "timed")
-            span, own, clean, answer = _batch(worker, device)
+            span, own, clean, answer = _batch(worker, device, warm)
             failed = checked(warm, answer, f"warm-up batch {k + 1}")
             if failed:
                 return refuse(failed, batch_size=BATCH_MIN, batches=0)
@@ -298,7 +298,7 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
                 calls < settings["reps"] or spent < settings["min_time_s"])):
             sets = draw(n)
             put(sets, "timed")
-            span, own, clean, answer = _batch(worker, device)
+            span, own, clean, answer = _batch(worker, device, sets)
             failed = checked(sets, answer, f"timed batch {len(samples) + 1}")
             if failed:
                 return refuse(failed, batch_size=n, batches=len(samples) + 1)
@@ -328,12 +328,11 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
     return UserTiming(timing, None, report)
 
 
-def _strays(worker: Any, since: tuple[list[int], float] | None = None) -> tuple[str | None, tuple[list[int], float]]:
-    """PROCESS_RULE: (why no speed or None, what is running now). Refused: a process the path's worker left orphaned
-    (adopted by the zygote; ended), or, `since` an earlier look, its children's CPU time grown by over
-    IDLE_CPU_S (a pool waiting for work uses none)."""
-    mine = workers.descendants_of(worker.pid)
-    now = (mine, workers.cpu_s(mine))
+def _strays(worker: Any, since: dict[int, float] | None = None) -> tuple[str | None, dict[int, float]]:
+    """PROCESS_RULE: (why no speed or None, each child process's CPU seconds now). Refused: a process the path's
+    worker left orphaned (adopted by the zygote; ended), or, `since` an earlier look, its children's CPU time grown
+    by over IDLE_CPU_S (a pool waiting for work uses none)."""
+    now = {pid: workers.cpu_s([pid]) for pid in workers.descendants_of(worker.pid)}
     adopted = workers.strays()
     if adopted:
         workers.end_strays()
@@ -341,11 +340,9 @@ def _strays(worker: Any, since: tuple[list[int], float] | None = None) -> tuple[
                 "they could compute outside the timed span or take the cores the lab times others on (PROCESS_RULE);"
                 " ended: no speed"), now
     if since is not None:
-        used = now[1] - workers.cpu_s([pid for pid in since[0] if pid in mine])
-        born = [pid for pid in mine if pid not in since[0]]
-        used += workers.cpu_s(born)
+        used = sum(cpu - since.get(pid, 0.0) for pid, cpu in now.items())
         if used > IDLE_CPU_S:
-            return (f"processes beside its worker (pids {', '.join(map(str, mine))}) used {used:.3f} s of CPU while it"
+            return (f"processes beside its worker (pids {', '.join(map(str, now))}) used {used:.3f} s of CPU while it"
                     " was timed (PROCESS_RULE): no speed"), now
     return None, now
 
