@@ -68,7 +68,7 @@ for r in range(rounds):
             ratio = timed.timing.median_ms / inside[peer][mode]
             ratios[(user, mode)].append(ratio)
             rep = timed.report
-            left.append((rep["null_batch_ms"] / rep["batch_size"], rep["worker_over_lab"]))
+            left.append((rep["null_batch_ms"] / rep["batch_size"], rep.get("worker_over_lab")))
             line.append(f"{user}/{peer} {mode} {timed.timing.median_ms:.3f}/{inside[peer][mode]:.3f} ms = {ratio:.2f}x"
                         f" (N {rep['batch_size']})")
     workers.close_all()
@@ -78,4 +78,5 @@ for (user, mode), values in ratios.items():
     if values:
         print(f"  {user} {mode}: {statistics.median(values):.3f}x (rounds {', '.join(f'{v:.2f}' for v in values)})")
 print(f"per call: null / N median {statistics.median(a for a, _ in left) * 1e3:.1f} us (subtracted); "
-      f"worker's own per-call sum / lab's samples median {statistics.median(b for _, b in left):.3f}")
+      f"worker's own per-call sum / lab's samples median "
+      f"{statistics.median([b for _, b in left if b is not None] or [float('nan')]):.3f}")

@@ -3,28 +3,20 @@
 A user path runs in a worker process of its own (opdefs/worker.py); the microbench (stages.run_microbench) and
 the curve (stages._curve) never call `measure()` on it. Instead, per batch:
 
-1. the lab draws N >= 4 distinct input sets (values drawn as the point's inputs are, each from a seed of its
-   own, distinct buffers; forward + backward: each with its upstream gradient) and places them in the worker
+1. the lab draws N >= 4 distinct input sets (values drawn as the point's inputs are, from a base seed it draws at
+   run time: TIMING_SEED_RULE; forward + backward: each with its upstream gradient) and places them in the worker
    before any clock starts;
-2. its own clock (time.perf_counter; on CUDA after a device-wide synchronize) spans one request: "compute
-   them all", answered with the worker's per-call times and a checksum of every output, read before the answer;
-3. it subtracts the span of the same request calling nothing (the worker's loop and checksums over the last
-   results: median of NULLS), so what is left is the path's compute;
-4. after the clock, it fetches every output (and gradient), requires each to match its checksum (a result still
-   being written after the answer does not), and checks each against the float64 oracle of its set
-   (parity.check_output with the reference math on those inputs; forward + backward: the gradients too).
+2. its own clock (time.perf_counter; on CUDA after a device-wide synchronize) spans one request: "compute them
+   all", answered with a checksum of every output, read before the answer;
+3. right after, it times the same request calling nothing, in the path's worker and in a clean twin handed the
+   same outputs (NULL_RULE); the batch's sample is (span - the smaller null) / N, the figure the median over the
+   batches (AGREEMENT_RULE);
+4. after the clock, it asks what the calls changed of the worker (a request of its own), fetches every output (and
+   gradient), requires each to match its checksum and checks each against the float64 oracle of its set.
 
-Fresh sets each batch: a result stored from an earlier call, keyed on anything but the values, is wrong here where
-the allocator hands the set new addresses; where it hands back an earlier set's, the refill after the last batch
-(REFILL_RULE: new values in the same buffers) makes such a result wrong whatever the allocator does. N grows until
-a batch computes for ~BATCH_ROUND_TRIPS empty round trips (at most BATCH_MAX, and at most bench.max_reps over
-BATCHES_MIN batches, never under BATCH_MIN); at least BATCHES_MIN batches. The worker's per-call times are the
-Timing's samples (its distribution), each batch's scaled up to the lab's compute span where they sum to less
-(AGREEMENT_RULE). A path that skips work, detects the timing loop, returns a stored result or one finished later
-loses its speed (a wrong output, a changed checksum); work hidden outside the worker's per-call clock is counted by
-the lab's; a patched clock is named by the worker (opdefs/worker.py `_tampered`).
-A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
-Not covered: no L2 flush between the calls of a batch (distinct sets are what keeps the cache honest).
+N comes from two warm-up batches timed and checked the same way (WARMUP_RULE). Fresh sets each batch, and the
+refill after the last batch (REFILL_RULE), make a stored result wrong. A path's processes are watched
+(PROCESS_RULE). A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
 """
 
 from __future__ import annotations
