@@ -350,9 +350,12 @@ class _Zygote:
         self.socket = lab_end
         self.conn = Connection(os.dup(lab_end.fileno()))
         self.lock = threading.Lock()
+        self.broken = False
 
     def ask(self, request: dict[str, Any], fds: tuple[int, ...] = ()) -> dict[str, Any]:
         with self.lock:
+            if self.broken:  # an exchange cut short (an interrupt): its answer would be read as the next one's
+                raise WorkerDied("the zygote's last exchange was interrupted")
             try:
                 self.conn.send_bytes(json.dumps(request).encode())
                 if fds:
@@ -361,6 +364,9 @@ class _Zygote:
             except (EOFError, OSError) as exc:
                 raise WorkerDied(f"the zygote that starts user paths' workers is gone ({exc or type(exc).__name__})"
                                  ) from None
+            except BaseException:
+                self.broken = True
+                raise
 
     def fork(self, read_fd: int, write_fd: int) -> "_Forked":
         """A worker reading `read_fd` and writing `write_fd`, in the lab's environment and working directory."""
@@ -498,9 +504,15 @@ def closed_after(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def stage(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
-        finally:
-            close_all()
+            result = fn(*args, **kwargs)
+        except BaseException:  # an interrupt, the stage's error: the workers end, the stage's exception stands
+            try:
+                close_all()
+            except Exception:
+                pass
+            raise
+        close_all()
+        return result
 
     return stage
 
