@@ -71,11 +71,13 @@ def test_an_honest_path_runs_in_another_process_passes_and_gets_a_speed_from_out
     micro = stages.run_microbench(cfg, out, CALIBRATION)
     entry = micro["paths"]["matmul"]
     assert entry["valid"], entry.get("reason")
+    pids = [int(line) for line in (tmp_path / "honest.pid").read_text().split()]  # each stage's worker: its own
     assert entry["worker_start_s"] > 0 and entry["outside"]["forward"]["worker_pid"] in pids
+    assert not workers.alive()  # the stage's workers ended with it
     forward = entry["outside"]["forward"]
-    assert forward["batch_size"] >= 4 and forward["batches"] >= 3
-    assert entry["reps"] == forward["batch_size"] * forward["batches"]  # every call of every batch is a sample
-    assert entry["reps"] == cfg.bench.max_reps == 12  # bench.max_reps caps its timed calls: 3 batches of 4
+    assert forward["batch_size"] >= 4 and forward["batches"] >= 5
+    assert entry["reps"] == forward["batches"]  # one sample per batch: (span - null) / N
+    assert forward["calls"] == forward["batch_size"] * forward["batches"] <= max(cfg.bench.max_reps, 5 * 4)
     assert entry["forward_backward"]["median_ms"] > 0
     memory = entry["memory"]  # its worker's, counted inside it and from outside (outside.MEMORY_RULE)
     assert memory["output_bytes"] == 64 * 64 * 4 and memory["peak_bytes"] >= memory["output_bytes"]
@@ -187,7 +189,8 @@ def test_a_memoizing_path_passes_parity_and_gets_no_speed(tmp_path):
     assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"  # one call per shape there
     entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
     assert not entry["valid"]
-    assert entry["reason"].startswith("timed batch 1, set 1 of ") and "a stored or skipped result?" in entry["reason"]
+    # its stage's worker is fresh: the warm-up's first set stores, the second gets the stored answer (checked)
+    assert entry["reason"].startswith("warm-up batch 1, set 2 of ") and "a stored or skipped result?" in entry["reason"]
     assert "median_ms" not in entry
 
 
@@ -329,3 +332,103 @@ def test_each_worker_is_forked_clean_with_the_labs_environment_and_folder_of_its
     assert seen["second"]["cwd"] == str(tmp_path / "elsewhere")
     assert seen["first"]["left"] is None and seen["second"]["left"] is None
     assert seen["first"]["parent"] == seen["second"]["parent"] != os.getpid()  # the zygote's children, both
+
+
+def test_two_runs_draw_and_record_different_timing_seeds_and_parity_stays_reproducible(tmp_path):
+    """The timing's input sets come from a seed the lab draws at run time (outside.TIMING_SEED_RULE), written in
+    the record after the timing; parity's cases stay the configuration's: the same errors in both runs."""
+    cfg, out = _point(tmp_path, "honest.py", HONEST, "matmul", [*MATMUL, MINE])
+    runs = []
+    for _ in range(2):
+        parity = parity_report(cfg, out)["paths"]["matmul"]
+        entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
+        assert entry["valid"], entry.get("reason")
+        runs.append((parity["worst"], {m: entry["outside"][m]["timing_seeds"]["base"] for m in entry["outside"]}))
+    (parity_a, seeds_a), (parity_b, seeds_b) = runs
+    assert parity_a == parity_b
+    assert set(seeds_a) == {"forward", "forward_backward"}
+    assert all(seeds_a[m] != seeds_b[m] for m in seeds_a) and seeds_a["forward"] != seeds_a["forward_backward"]
+
+
+def test_a_worker_and_every_process_it_started_end_with_it(tmp_path):
+    """Its process group and what it left orphaned (double-forked, setsid: adopted by the zygote, a subreaper)."""
+    from posttrainllm.opdefs import get_op
+    from posttrainllm.opdefs.user import resolve
+
+    source = tmp_path / "forks.py"
+    source.write_text(FORKS.replace("PIDS", str(tmp_path / "pids.txt")))
+    worker = workers.worker_for(resolve(f"{source}:matmul", get_op("matmul")))
+    for _ in range(100):  # the grandchildren write their pids
+        pids = [int(p) for p in (tmp_path / "pids.txt").read_text().split()] if (tmp_path / "pids.txt").exists() else []
+        if len(pids) == 3:
+            break
+        time.sleep(0.05)
+    assert len(pids) == 3 and worker.pid not in pids
+    assert set(pids) <= set(workers.alive())  # the count sees them, and the worker
+    assert worker.pid in workers.alive()
+    workers.close_all()
+    assert workers.alive() == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+FORKS = '''
+import os, time
+
+def _child(setsid, double):
+    if os.fork() == 0:
+        if setsid:
+            os.setsid()
+        if double and os.fork() != 0:
+            os._exit(0)
+        with open("PIDS", "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(600)
+        os._exit(0)
+
+_child(False, False)  # in its worker's process group
+_child(True, False)   # a session of its own, its parent the worker
+_child(True, True)    # double-forked into a session of its own: an orphan
+
+
+def matmul(a, b):
+    return a @ b
+'''
+
+
+COMPILE_FORKER = '''
+import os, sys, time
+
+if sys.argv[0].endswith(os.path.join("lab", "compile.py")):  # imported in the kernel stage's compile child
+    if os.fork() == 0:  # in the compile child: a grandchild holding its stdout and stderr for 20 s
+        with open("PIDS", "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(20)
+        with open("PIDS", "a") as f:
+            f.write("slept out\\n")
+        os._exit(0)
+
+
+def matmul(a, b):
+    return a @ b
+'''
+
+
+def test_a_compile_childs_grandchild_holding_its_output_neither_holds_the_stage_nor_outlives_it(tmp_path):
+    """lab/compile.py: the child's output goes to a file and its process group ends with it, so the kernel stage
+    returns when the child ends, not when a process it left lets go of a pipe."""
+    cfg, out = _point(tmp_path, "forker.py", COMPILE_FORKER.replace("PIDS", str(tmp_path / "pids.txt")), "matmul",
+                      MATMUL)  # the built-in Triton paths beside it: the kernel stage starts its compile child
+    stages.run_reference(cfg, out)
+    stages.run_kernel(cfg, out)
+    lines = (tmp_path / "pids.txt").read_text().split() if (tmp_path / "pids.txt").exists() else []
+    assert lines and "slept" not in lines, lines  # it was in the compile child, and did not sleep its 20 s out
+    for _ in range(100):
+        try:
+            os.kill(int(lines[0]), 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the compile child's grandchild {lines[0]} is still running")

@@ -28,6 +28,7 @@ import hashlib
 import inspect
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,7 @@ AUTOTUNE_NOTE = ("tile/workgroup=auto: every candidate configuration the launche
                  "limit, as the device's reported limit prunes it there) is compiled, none timed; a tuned kernel "
                  "launches if one of its candidates fits")
 TIMEOUT_S = 900
+KILL_WAIT_S = 30  # after a kill: a child in uninterruptible sleep is left, named, rather than waited on forever
 
 
 @dataclasses.dataclass
@@ -384,11 +386,23 @@ def start(cfg: Any, targets: list[str], result: Path, *, specialized: bool = Tru
     payload.write_text(json.dumps({"config": _read(cfg), "targets": targets, "result": str(result),
                                    "specialized": specialized}))
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # the compiler mode: JITFunctions, whose launch we record
+    # its output goes to a file, never a pipe: a process it leaves (a user module's grandchild) holding a pipe would
+    # keep a reader waiting after the child's end; it leads a process group of its own, killed whole at its end
+    output = tempfile.TemporaryFile(mode="w+", prefix="compile-output-")
     child = subprocess.Popen([sys.executable, "-m", "posttrainllm.lab.compile", str(payload)],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env)
+                             stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True)
     child.request = payload  # removed by `finish`
+    child.output = output
     return child
+
+
+def _end_group(child: subprocess.Popen) -> None:
+    """SIGKILL to what is left of the child's process group (a process it started and left running)."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _read(cfg: Any) -> dict[str, Any]:
@@ -408,14 +422,22 @@ def _read(cfg: Any) -> dict[str, Any]:
 
 def finish(child: subprocess.Popen, result: Path, targets: list[str], started: float) -> dict[str, Any]:
     """The child's report once it has ended, or why there is none (its last line of output)."""
+    err = None
     try:
-        out, err = child.communicate(timeout=TIMEOUT_S)
+        child.wait(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        child.kill()
-        out, err = child.communicate()
+        _end_group(child)
+        try:
+            child.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
         err = f"it ran past {TIMEOUT_S} s and was stopped"
     finally:
+        _end_group(child)
         child.request.unlink(missing_ok=True)
+        child.output.seek(0)
+        out = child.output.read()
+        child.output.close()
     if not result.exists():
         tail = (err or out or "").strip().splitlines()[-1:] or [f"exit {child.returncode}"]
         return {"targets": targets, "rule": RULE, "error": f"the compile process failed: {tail[0]}",

@@ -3,34 +3,27 @@
 A user path runs in a worker process of its own (opdefs/worker.py); the microbench (stages.run_microbench) and
 the curve (stages._curve) never call `measure()` on it. Instead, per batch:
 
-1. the lab draws N >= 4 distinct input sets (values drawn as the point's inputs are, each from a seed of its
-   own, distinct buffers; forward + backward: each with its upstream gradient) and places them in the worker
+1. the lab draws N >= 4 distinct input sets (values drawn as the point's inputs are, from a base seed it draws at
+   run time: TIMING_SEED_RULE; forward + backward: each with its upstream gradient) and places them in the worker
    before any clock starts;
-2. its own clock (time.perf_counter; on CUDA after a device-wide synchronize) spans one request: "compute
-   them all", answered with the worker's per-call times and a checksum of every output, read before the answer;
-3. it subtracts the span of the same request calling nothing (the worker's loop and checksums over the last
-   results: median of NULLS), so what is left is the path's compute;
-4. after the clock, it fetches every output (and gradient), requires each to match its checksum (a result still
-   being written after the answer does not), and checks each against the float64 oracle of its set
-   (parity.check_output with the reference math on those inputs; forward + backward: the gradients too).
+2. its own clock (time.perf_counter; on CUDA after a device-wide synchronize) spans one request: "compute them
+   all", answered with a checksum of every output, read before the answer;
+3. right after, it times the same request calling nothing, in the path's worker and in a clean twin handed the
+   same outputs (NULL_RULE); the batch's sample is (span - the smaller null) / N, the figure the median over the
+   batches (AGREEMENT_RULE);
+4. after the clock, it asks what the calls changed of the worker (a request of its own), fetches every output (and
+   gradient), requires each to match its checksum and checks each against the float64 oracle of its set.
 
-Fresh sets each batch: a result stored from an earlier call, keyed on anything but the values, is wrong here where
-the allocator hands the set new addresses; where it hands back an earlier set's, the refill after the last batch
-(REFILL_RULE: new values in the same buffers) makes such a result wrong whatever the allocator does. N grows until
-a batch computes for ~BATCH_ROUND_TRIPS empty round trips (at most BATCH_MAX, and at most bench.max_reps over
-BATCHES_MIN batches, never under BATCH_MIN); at least BATCHES_MIN batches. The worker's per-call times are the
-Timing's samples (its distribution), each batch's scaled up to the lab's compute span where they sum to less
-(AGREEMENT_RULE). A path that skips work, detects the timing loop, returns a stored result or one finished later
-loses its speed (a wrong output, a changed checksum); work hidden outside the worker's per-call clock is counted by
-the lab's; a patched clock is named by the worker (opdefs/worker.py `_tampered`).
-A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
-Not covered: no L2 flush between the calls of a batch (distinct sets are what keeps the cache honest).
+N comes from two warm-up batches timed and checked the same way (WARMUP_RULE). Fresh sets each batch, and the
+refill after the last batch (REFILL_RULE), make a stored result wrong. A path's processes are watched
+(PROCESS_RULE). A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -45,17 +38,36 @@ from posttrainllm.opdefs.base import point_dtype
 from posttrainllm.opdefs import worker as workers
 
 BATCH_MIN, BATCH_MAX = 4, 64
-BATCH_ROUND_TRIPS = 20  # a batch computes for at least this many empty round trips, when N <= BATCH_MAX allows
-NULLS, PINGS = 5, 9  # repetitions of the null batch and of the empty call (their median is taken)
-BATCHES_MIN = 3  # timed batches at least: the agreement rule reads the least disturbed one
-SET_SEED = 7_919  # set k of a point's timing draws its inputs from case.seed + SET_SEED * (k + 1) + SEED_OFFSET
-SEED_OFFSET = 2 * 104_729  # away from the parity cases' seeds and the timed-result check's (stages.FRESH_SEED)
+WARMUPS = 2  # warm-up batches (WARMUP_RULE)
+BATCH_OVER_NULL = 20  # a batch computes for at least this many null spans, when N <= BATCH_MAX allows
+PINGS = 9  # repetitions of the empty call (recorded: round_trip_ms; no figure depends on it)
+BATCHES_MIN = 5  # timed batches at least: the figure is the median of one sample per batch
+SET_SEED = 7_919  # set k of a path's timing draws its inputs from a base seed drawn at run time + SET_SEED * (k + 1)
+SEED_OFFSET = 2 * 104_729  # the memory call's set: away from the parity cases' seeds and stages.FRESH_SEED
+IDLE_CPU_S = 0.05  # PROCESS_RULE: CPU seconds a path's child processes may use over its timing (startup, a pool)
 FORWARD, FORWARD_BACKWARD = "forward", "forward_backward"
-AGREEMENT_RULE = ("the samples are the worker's per-call times (its own clock, bound before the user's module is "
-                  "imported), each batch's scaled up to the lab's span (time.perf_counter, after a device synchronize) "
-                  f"less the median span of the same loop calling nothing ({NULLS} runs) where they sum to less: the "
-                  "lab's clock bounds the total, so work hidden outside the worker's per-call clock (a thread, a "
-                  "result finished later) is counted; `cleanest_batch.worker_over_lab` records how far they agreed")
+NULL_RULE = ("after each batch the lab times the same request calling nothing: the batch loop and the checksums over "
+             "that batch's outputs, once in the path's worker and once in a clean twin (a worker forked alike that "
+             "never loaded a path), handed the same outputs; the smaller is the batch's null: a null the path's own "
+             "process slows (a thread or a process that works only while nothing is called) is not subtracted")
+AGREEMENT_RULE = ("one sample per batch: (the lab's span of the request computing all N sets - that batch's null) / "
+                  "N, time.perf_counter after a device synchronize; the figure is the median over the batches; the "
+                  "worker's per-call times are recorded (worker_over_lab), never a sample: a path that front-loads or "
+                  "forges them gains nothing. " + NULL_RULE)
+TIMING_SEED_RULE = ("the timing's input sets are drawn from a base seed the lab draws at run time from the operating "
+                    "system's randomness (secrets), per path and mode, recorded after the timing: no source holds "
+                    "it, so no set can be computed ahead; parity's seeds stay the configuration's")
+WARMUP_RULE = (f"the warm-up is {WARMUPS} batches of {BATCH_MIN} sets like the timed ones, on the lab's clock, every "
+               "output checked: the last one's span less its null gives the per-call time that sizes N; a wrong "
+               "warm-up gets no speed")
+WAKE_RULE = ("every batch request, timed or null, starts with the worker's own 2 ms of small products (opdefs/worker.py "
+             "_wake: no code of the path's): a process woken from a wait runs its first calls cold, which the lab's "
+             "in-process loop never does; the null takes the 2 ms out of the span")
+PROCESS_RULE = ("a path's worker leads a process group of its own; the zygote that forks workers is a subreaper, so "
+                "what a worker leaves orphaned (double-forked, setsid) is adopted there; before and after the timing "
+                "the lab looks: an adopted process, or child processes that used over "
+                f"{IDLE_CPU_S} s of CPU over the timing, get the path no speed; a worker ends with its whole group "
+                "and every adopted process, and every worker ends with its stage")
 REFILL_RULE = ("after the last batch, new values (another seed) are copied in place into its first set's buffers "
                "in the worker and that set computed again: a result stored by the buffers' address or identity "
                "fails the oracle check there and the path gets no speed")
@@ -67,8 +79,9 @@ MEMORY_RULE = ("a user path's peak memory is one forward call's in its worker: t
                "named, and no speed")
 RULE = ("a user path is timed from outside its worker: batches of N >= 4 distinct input sets (fresh each batch) "
         "placed in the worker before the clock, computed in one request the lab's clock spans, every output "
-        "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set; "
-        + REFILL_RULE + "; " + AGREEMENT_RULE)
+        "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set, and "
+        "what its calls changed of the worker asked after the clock; " + WARMUP_RULE + "; " + WAKE_RULE + "; " + REFILL_RULE + "; "
+        + AGREEMENT_RULE + "; " + TIMING_SEED_RULE + "; " + PROCESS_RULE)
 
 
 @dataclass
@@ -163,14 +176,45 @@ def _outputs(op: OpDef, cfg: Any, s: _Set, answer: dict[str, Any]) -> dict[str, 
 def _refill_check(op: OpDef, cfg: Any, impl: Impl, worker: Any, new: _Set, backward: bool) -> str | None:
     """REFILL_RULE: the last batch's first set refilled in place with `new`'s values and computed again in the
     worker; None if its outputs are `new`'s, else why no speed."""
-    done = worker.request({"op": "refill", "tensors": [t.detach() for t in new.tensors],
-                           "grad_out": new.grad_out if backward else None})
-    if done.get("tampered"):
-        return f"new values in its timed buffers: its call changed its worker ({'; '.join(done['tampered'])}): no speed"
+    worker.request({"op": "refill", "tensors": [t.detach() for t in new.tensors],
+                    "grad_out": new.grad_out if backward else None})
+    tampered = worker.request({"op": "scan"})["tampered"]
+    if tampered:
+        return f"new values in its timed buffers: its call changed its worker ({'; '.join(tampered)}): no speed"
     got = worker.request({"op": "fetch"})["results"][0]
     failed = _check(op, cfg, impl, new, _outputs(op, cfg, new, got), backward)
     return (f"new values in its timed buffers (refilled in place after the last batch): {failed} (a result stored "
             "by the buffers' address or identity?): no speed") if failed else None
+
+
+def _null_s(worker: Any, device: str) -> float:
+    """The lab's span of one request that runs the batch loop and its checksums over the last results, calling
+    nothing."""
+    _sync(device)
+    start = time.perf_counter()
+    worker.request({"op": "run", "null": True})
+    return time.perf_counter() - start
+
+
+def _batch(worker: Any, device: str, sets: list[_Set]) -> tuple[float, float, float, dict[str, Any]]:
+    """One placed batch computed under the lab's clock: (its span, the path's worker's null span after it, the clean
+    twin's null span over the same outputs, the run's answer)."""
+    _sync(device)
+    start = time.perf_counter()
+    done = worker.request({"op": "run", "key": "timed"})
+    span = time.perf_counter() - start
+    own = _null_s(worker, device)
+    answer = worker.request({"op": "fetch"})
+    twin = workers.twin()
+    twin.request({"op": "twin", "answers": answer["results"], "inputs": [[t.detach() for t in s.tensors] for s in sets],
+                  "backward": any(a.get("grads") for a in answer["results"])})
+    clean = _null_s(twin, device)
+    return span, own, clean, {**done, **answer, "run_checksums": done["checksums"]}
+
+
+def seeds_drawn() -> list[int]:
+    """TIMING_SEED_RULE: a fresh base seed per user path and mode, from the operating system's randomness."""
+    return [secrets.randbits(48)]
 
 
 def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, device: str,
@@ -187,11 +231,11 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
     report["worker_pid"] = worker.pid
     if worker.tampered:  # no kernel needs to: a timer, the lab's functions or torch's switches replaced at import
         return UserTiming(None, f"its import changed its worker ({'; '.join(worker.tampered)}): no speed", report)
+    base = seeds_drawn()[0]  # drawn now, by the lab: no source holds it; recorded after the timing
     counter = iter(range(1_000_000))
 
     def draw(n: int) -> list[_Set]:
-        return [_draw(op, cfg, case, case.seed + SET_SEED * (next(counter) + 1) + SEED_OFFSET, backward, device)
-                for _ in range(n)]
+        return [_draw(op, cfg, case, base + SET_SEED * (next(counter) + 1), backward, device) for _ in range(n)]
 
     def put(sets: list[_Set], key: str) -> None:
         flags = [[bool(backward and t.is_floating_point() and name not in op.nondiff_inputs)
@@ -201,63 +245,98 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
                                   "flags": f} for s, f in zip(sets, flags)],
                         "grad_outs": [s.grad_out for s in sets] if backward else None})
 
+    def checked(sets: list[_Set], answer: dict[str, Any], what: str) -> str | None:
+        """Why a computed batch earns nothing (its calls changed the worker, an output changed after the answer,
+        one is wrong), else None."""
+        scan = worker.request({"op": "scan"})["tampered"]  # after the clock: the span holds no scan
+        if scan:
+            return f"{what}: its calls changed its worker ({'; '.join(scan)}): no speed"
+        for k, (s, got) in enumerate(zip(sets, answer["results"])):
+            if not _same_checksums(workers.checksums(got), answer["run_checksums"][k]):
+                failed = "its outputs changed after the batch was answered (a result computed later?)"
+            else:
+                failed = _check(op, cfg, impl, s, _outputs(op, cfg, s, got), backward)
+            if failed:
+                return (f"{what}, set {k + 1} of {len(sets)}: {failed} (an output not computed from its inputs: a "
+                        "stored or skipped result?): no speed")
+        return None
+
+    def refuse(why: str, **figures: Any) -> UserTiming:
+        report.update(figures)
+        return UserTiming(None, why, report)
+
     try:
-        round_trip = _round_trip_s(lambda: worker.request({"op": "ping"}), device, PINGS)
-        warm = draw(BATCH_MIN)
-        put(warm, "warmup")
-        per_call = max(statistics.median(worker.request({"op": "run", "key": "warmup"})["samples_s"]), 1e-9)
-        # bench.max_reps caps a user path's timed calls too: the batch shrinks to fit it over BATCHES_MIN batches
+        stray, before = _strays(worker)
+        if stray:
+            return refuse(stray)
+        round_trip = _round_trip_s(lambda: worker.request({"op": "ping"}), device, PINGS)  # recorded, never used
+        for k in range(WARMUPS):  # batches like the timed ones, on the lab's clock, every output checked; the last sizes N
+            warm = draw(BATCH_MIN)
+            put(warm, "timed")
+            span, own, clean, answer = _batch(worker, device, warm)
+            failed = checked(warm, answer, f"warm-up batch {k + 1}")
+            if failed:
+                return refuse(failed, batch_size=BATCH_MIN, batches=0)
+        null = min(own, clean)
+        per_call = max((span - null) / BATCH_MIN, 1e-9)
+        # N: the batch computes for BATCH_OVER_NULL nulls, within [BATCH_MIN, BATCH_MAX] and bench.max_reps's share
         n = min(BATCH_MAX, max(BATCH_MIN, math.ceil(settings["max_reps"] / BATCHES_MIN)),
-                max(BATCH_MIN, math.ceil(BATCH_ROUND_TRIPS * round_trip / per_call)))
+                max(BATCH_MIN, math.ceil(BATCH_OVER_NULL * null / per_call)))
         samples: list[float] = []
-        batches: list[tuple[float, float]] = []  # per batch: (the lab's compute span, the worker's sum)
-        null = None
-        threads = None
-        while len(batches) < BATCHES_MIN or (len(samples) < settings["max_reps"] and (
-                len(samples) < settings["reps"] or sum(b[0] for b in batches) < settings["min_time_s"])):
+        nulls: list[tuple[float, float]] = []
+        worker_s: list[float] = []
+        spent, calls = 0.0, 0
+        while len(samples) < BATCHES_MIN or (calls + n <= settings["max_reps"] and (
+                calls < settings["reps"] or spent < settings["min_time_s"])):
             sets = draw(n)
             put(sets, "timed")
-            _sync(device)
-            start = time.perf_counter()
-            done = worker.request({"op": "run", "key": "timed"})
-            span = time.perf_counter() - start
-            if done.get("tampered"):  # its calls changed the worker's torch switches, clocks or the lab's code
-                report.update(batch_size=n, batches=len(batches) + 1)
-                return UserTiming(None, f"timed batch {len(batches) + 1}: its calls changed its worker "
-                                        f"({'; '.join(done['tampered'])}): no speed", report)
-            if null is None:  # the same loop and checksums calling nothing: what is not the path's compute
-                null = _round_trip_s(lambda: worker.request({"op": "run", "null": True}), device, NULLS)
-            answer = worker.request({"op": "fetch"})  # every output, after the clock
-            threads = answer["threads"]
-            batches.append((span - null, sum(done["samples_s"])))
-            # the lab's clock bounds the batch: where the worker's calls sum to less than the lab saw, they are scaled
-            # up to it (work hidden outside the worker's per-call clock is still counted); its clock gives the shape
-            scale = max(1.0, batches[-1][0] / batches[-1][1]) if batches[-1][1] > 0 else 1.0
-            samples += [x * scale for x in done["samples_s"]]
-            for k, (s, got) in enumerate(zip(sets, answer["results"])):
-                if not _same_checksums(workers.checksums(got), done["checksums"][k]):
-                    failed = "its outputs changed after the batch was answered (a result computed later?)"
-                else:
-                    failed = _check(op, cfg, impl, s, _outputs(op, cfg, s, got), backward)
-                if failed:
-                    report.update(batch_size=n, batches=len(batches))
-                    return UserTiming(None, f"timed batch {len(batches)}, set {k + 1} of {n}: {failed} (an output "
-                                      "not computed from its inputs: a stored or skipped result?): no speed", report)
-        refused = _refill_check(op, cfg, impl, worker, draw(1)[0], backward)
+            span, own, clean, answer = _batch(worker, device, sets)
+            failed = checked(sets, answer, f"timed batch {len(samples) + 1}")
+            if failed:
+                return refuse(failed, batch_size=n, batches=len(samples) + 1)
+            null = min(own, clean)  # NULL_RULE: a null slowed by the path's own process is not subtracted
+            samples.append(max(span - null, 0.0) / n)
+            nulls.append((own, clean))
+            worker_s.append(sum(answer["samples_s"]))
+            spent += span
+            calls += n
+        threads = answer["threads"]
+        refused = _refill_check(op, cfg, impl, worker, draw(1)[0], backward) or _strays(worker, before)[0]
         if refused:
-            report.update(batch_size=n, batches=len(batches))
-            return UserTiming(None, refused, report)
+            return refuse(refused, batch_size=n, batches=len(samples))
     except Exception as exc:
         text = str(exc).strip()
         return UserTiming(None, f"timed batch raised {type(exc).__name__}"
                                 + (f": {text.splitlines()[0]}" if text else ""), report)
-    lab_s, worker_s = min(batches)  # the batch the lab saw least time in: the one least disturbed
-    report.update(batch_size=n, batches=len(batches), round_trip_ms=round_trip * 1e3, null_batch_ms=null * 1e3,
-                  worker_total_ms=sum(w for _, w in batches) * 1e3, lab_total_ms=sum(b for b, _ in batches) * 1e3,
-                  cleanest_batch={"lab_ms": lab_s * 1e3, "worker_ms": worker_s * 1e3,
-                                  "worker_over_lab": worker_s / lab_s if lab_s > 0 else None})
+    lab_s = sum(samples) * n
+    report.update(batch_size=n, batches=len(samples), calls=calls, round_trip_ms=round_trip * 1e3,
+                  null_batch_ms=statistics.median(min(a, b) for a, b in nulls) * 1e3,
+                  own_null_ms=statistics.median(a for a, _ in nulls) * 1e3,
+                  clean_null_ms=statistics.median(b for _, b in nulls) * 1e3,
+                  lab_total_ms=lab_s * 1e3, worker_total_ms=sum(worker_s) * 1e3,
+                  worker_over_lab=sum(worker_s) / lab_s if lab_s > 0 else None,
+                  timing_seeds={"base": base, "rule": TIMING_SEED_RULE})  # after the timing: replay checks them
     timing = summarize([s * 1e3 for s in samples], threads=threads, flushed=False)
     return UserTiming(timing, None, report)
+
+
+def _strays(worker: Any, since: dict[int, float] | None = None) -> tuple[str | None, dict[int, float]]:
+    """PROCESS_RULE: (why no speed or None, each child process's CPU seconds now). Refused: a process the path's
+    worker left orphaned (adopted by the zygote; ended), or, `since` an earlier look, its children's CPU time grown
+    by over IDLE_CPU_S (a pool waiting for work uses none)."""
+    now = {pid: workers.cpu_s([pid]) for pid in workers.descendants_of(worker.pid)}
+    adopted = workers.strays()
+    if adopted:
+        workers.end_strays()
+        return (f"processes it started and left (pids {', '.join(map(str, adopted))}) were running beside its worker: "
+                "they could compute outside the timed span or take the cores the lab times others on (PROCESS_RULE);"
+                " ended: no speed"), now
+    if since is not None:
+        used = sum(cpu - since.get(pid, 0.0) for pid, cpu in now.items())
+        if used > IDLE_CPU_S:
+            return (f"processes beside its worker (pids {', '.join(map(str, now))}) used {used:.3f} s of CPU while it"
+                    " was timed (PROCESS_RULE): no speed"), now
+    return None, now
 
 
 def _resident_bytes(pid: int, key: str) -> int | None:

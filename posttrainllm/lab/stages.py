@@ -43,6 +43,7 @@ from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tens
                                  replaced_library)
 from posttrainllm.lab.oracle import cast_floats, contract_for, gradients, reference_outputs, upstream_gradient
 from posttrainllm.opdefs.base import leaves_of
+from posttrainllm.opdefs.worker import closed_after  # a stage's workers end with it
 from posttrainllm.opdefs.base import point_dtype as _dtype
 from posttrainllm.track import failures
 from posttrainllm.track.provenance import git_revision
@@ -177,6 +178,7 @@ def _load_reference(out: Path) -> dict[str, Any]:
 # --- kernel ------------------------------------------------------------------------------
 
 
+@closed_after
 def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     """Every optimized path on the reference's inputs, guarded; records its dispatch geometry.
 
@@ -345,6 +347,7 @@ def result_backward(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: 
 # --- parity ------------------------------------------------------------------------------
 
 
+@closed_after
 def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
     """Each path against the oracle under the point's contract, and the bitwise properties the kernel stage measured
     (lab/invariance.py), judged where a path promises them or parity.require requires them. Raises ContractBroken
@@ -696,6 +699,7 @@ def _time_path(impl: Impl, cfg: LabConfig, sets: list[Tensors], grad_outs: list[
     return forward, train, memory, first_call_ms, state
 
 
+@closed_after
 def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                    calibration_problem: str | None = None) -> dict[str, Any]:
     """Warmed timing, memory and roofline of every path that passed parity, then the measured curve.
@@ -964,6 +968,7 @@ def quality_base_dir(cfg: LabConfig) -> Path:
     return Path(cfg.heads.out_dir) / "base"
 
 
+@closed_after
 def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = None) -> dict[str, Any]:
     """The model from `architecture`, trained with each implementation of the point's op swapped in.
 

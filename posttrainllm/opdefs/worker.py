@@ -142,7 +142,7 @@ def _send(conn: Connection, message: Any) -> None:
             storage = value.untyped_storage()
             raw = torch.empty(0, dtype=torch.uint8, device=value.device).set_(storage).cpu()
             storages.append(raw)
-            return {"__tensor__": len(storages) - 1, "dtype": str(value.dtype).removeprefix("torch."),
+            return {"__tensor__": len(storages) - 1, "nbytes": raw.numel(), "dtype": str(value.dtype).removeprefix("torch."),
                     "size": list(value.shape), "stride": list(value.stride()), "offset": value.storage_offset(),
                     "device": str(value.device)}
         if isinstance(value, dict):
@@ -161,14 +161,34 @@ def _recv(conn: Connection) -> Any:
     data = conn.recv_bytes()
     count = int.from_bytes(data[:4], "little")
     header = _PlainUnpickler(io.BytesIO(data[4:])).load()
-    storages = [conn.recv_bytes() for _ in range(count)]
+    sizes: dict[int, int] = {}
+
+    def find(value: Any) -> None:
+        if isinstance(value, dict):
+            if "__tensor__" in value:
+                sizes[value["__tensor__"]] = int(value["nbytes"])
+            else:
+                for v in value.values():
+                    find(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                find(v)
+
+    find(header)
+    storages = []
+    for i in range(count):  # each storage read straight into memory torch allocated (aligned as its own tensors)
+        flat = torch.empty(sizes.get(i, 0), dtype=torch.uint8)
+        if flat.numel():
+            if conn.recv_bytes_into(memoryview(flat.numpy())) != flat.numel():
+                raise EOFError("a tensor's bytes were cut short")
+        elif conn.recv_bytes():
+            raise EOFError("a tensor's bytes were longer than its header says")
+        storages.append(flat)
 
     def tensors(value: Any) -> Any:
         if isinstance(value, dict):
             if "__tensor__" in value:
-                raw = storages[value["__tensor__"]]
-                flat = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else
-                        torch.empty(0, dtype=torch.uint8))
+                flat = storages[value["__tensor__"]]
                 storage = flat.untyped_storage()
                 if value["device"] != "cpu":
                     storage = flat.to(value["device"]).untyped_storage()
@@ -212,6 +232,15 @@ def _same_bits(before: torch.Tensor, after: torch.Tensor) -> bool:
 # --- the lab's side ------------------------------------------------------------------------------------------
 
 
+class _Clean:
+    """No user path: a worker that loads nothing (lab/outside.py's clean twin, NULL_RULE)."""
+
+    name = "(the lab's clean twin)"
+
+
+CLEAN = _Clean()
+
+
 class Worker:
     """One user path's worker process, as the lab holds it."""
 
@@ -233,10 +262,11 @@ class Worker:
         self.calls = {"call": 0, "backward": 0}
         try:
             reply = self.request({"op": "load", "threads": threads, "sys_path": list(sys.path),
-                                  "user": {"name": user.name, "module": user.module, "attr": user.attr,
-                                           "file": str(user.file) if user.file else None,
-                                           "identity": {k: v for k, v in user.identity.items()
-                                                        if isinstance(v, (str, type(None)))}}})
+                                  "user": None if user is CLEAN else {
+                                      "name": user.name, "module": user.module, "attr": user.attr,
+                                      "file": str(user.file) if user.file else None,
+                                      "identity": {k: v for k, v in user.identity.items()
+                                                   if isinstance(v, (str, type(None)))}}})
         except UserCodeError:
             self.close()
             raise
@@ -246,7 +276,8 @@ class Worker:
         self.threads = reply["threads"]
         self.tampered: list[str] = reply.get("tampered") or []  # what its import changed (outside.py: no speed)
         self.promises: list[str] = reply.get("promises") or []  # its function's `promises` (lab/invariance.py)
-        USER_SOURCES[user.identity["file"]] = user.identity["sha256"]  # the stage stamps hash what ran
+        if user is not CLEAN:
+            USER_SOURCES[user.identity["file"]] = user.identity["sha256"]  # the stage stamps hash what ran
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
         """Send one message and wait for its answer; an error in the user's code raises its UserCodeError."""
@@ -282,6 +313,8 @@ class Worker:
         self._dropped.append(call_id)
 
     def close(self) -> None:
+        """End the worker and every process it started (its process group; what it left orphaned, adopted by the
+        zygote): nothing of a user path outlives its worker."""
         if self.process.poll() is None:
             try:
                 with self._lock:
@@ -289,7 +322,7 @@ class Worker:
                 self.process.wait(timeout=5)
             except Exception:
                 self.process.kill()
-                self.process.wait(timeout=5)
+        self.process.end()
         for conn in (self._in, self._out):
             conn.close()
 
@@ -317,9 +350,12 @@ class _Zygote:
         self.socket = lab_end
         self.conn = Connection(os.dup(lab_end.fileno()))
         self.lock = threading.Lock()
+        self.broken = False
 
     def ask(self, request: dict[str, Any], fds: tuple[int, ...] = ()) -> dict[str, Any]:
         with self.lock:
+            if self.broken:  # an exchange cut short (an interrupt): its answer would be read as the next one's
+                raise WorkerDied("the zygote's last exchange was interrupted")
             try:
                 self.conn.send_bytes(json.dumps(request).encode())
                 if fds:
@@ -328,6 +364,9 @@ class _Zygote:
             except (EOFError, OSError) as exc:
                 raise WorkerDied(f"the zygote that starts user paths' workers is gone ({exc or type(exc).__name__})"
                                  ) from None
+            except BaseException:
+                self.broken = True
+                raise
 
     def fork(self, read_fd: int, write_fd: int) -> "_Forked":
         """A worker reading `read_fd` and writing `write_fd`, in the lab's environment and working directory."""
@@ -374,6 +413,15 @@ class _Forked:
         except ProcessLookupError:
             pass
 
+    def end(self) -> list[int]:
+        """The worker's process group killed and reaped by the zygote, then every stray it adopted; their pids."""
+        try:
+            answer = self.zygote.ask({"op": "end", "pid": self.pid})
+        except WorkerDied:
+            return []
+        self.code = answer["code"]
+        return answer["strays"]
+
 
 _ZYGOTE: _Zygote | None = None
 
@@ -401,6 +449,9 @@ def worker_for(user: Any) -> Worker:
         raise _FAILED[key]
     worker = _WORKERS.get(key)
     if worker is None:
+        for other in [k for k in _WORKERS if k[:3] == key[:3]]:  # the same path, edited: one worker per path
+            _WORKERS.pop(other).close()
+        _prepare_lab()
         try:
             worker = Worker(user, torch.get_num_threads())
         except (UserCodeError, WorkerDied) as exc:  # its import failed: so does every later call, without a restart
@@ -410,17 +461,120 @@ def worker_for(user: Any) -> Worker:
     return worker
 
 
+def strays() -> list[int]:
+    """The zygote's children that are no worker of this lab: processes a worker left orphaned, adopted there."""
+    if _ZYGOTE is None or _ZYGOTE.process.poll() is not None:
+        return []
+    live = {w.process.pid for w in _WORKERS.values()} | ({_TWIN.process.pid} if _TWIN is not None else set())
+    return [pid for pid in children_of(_ZYGOTE.process.pid) if pid not in live]
+
+
+def end_strays() -> list[int]:
+    """Every process the zygote adopted (a worker's orphans) killed with its group; their pids."""
+    if _ZYGOTE is None or _ZYGOTE.process.poll() is not None:
+        return []
+    try:
+        return _ZYGOTE.ask({"op": "strays"})["strays"]
+    except WorkerDied:
+        return []
+
+
+def cpu_s(pids: list[int]) -> float:
+    """The CPU seconds (user + system) the processes have used, from /proc (a gone one counts nothing)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def alive() -> list[int]:
+    """Every process below this lab's zygote now: its workers and whatever they started (a test counts them)."""
+    return descendants_of(_ZYGOTE.process.pid) if _ZYGOTE is not None and _ZYGOTE.process.poll() is None else []
+
+
+def closed_after(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A stage whose workers end with it (a decorator): none outlives the stage, its bench or its test."""
+    import functools
+
+    @functools.wraps(fn)
+    def stage(*args: Any, **kwargs: Any) -> Any:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:  # an interrupt, the stage's error: the workers end, the stage's exception stands
+            try:
+                close_all()
+            except Exception:
+                pass
+            raise
+        close_all()
+        return result
+
+    return stage
+
+
+_PREPARED = False
+
+
+def _prepare_lab() -> None:
+    """Before this lab process starts its first worker: every module of the judge imported (none is read from a
+    file a path could have written after that, such as a bytecode cache) and a private bytecode prefix for any
+    later import (lab/outside.py BYTECODE_RULE)."""
+    global _PREPARED
+    if _PREPARED:
+        return
+    import pkgutil
+    import tempfile
+
+    import posttrainllm
+
+    for info in pkgutil.walk_packages(posttrainllm.__path__, "posttrainllm."):
+        if info.name.split(".")[1] in JUDGE_PACKAGES and not info.name.endswith("__main__"):
+            try:
+                importlib.import_module(info.name)
+            except ImportError:  # an optional dependency this machine lacks: that module is never used here
+                continue
+    if sys.pycache_prefix is None:
+        sys.pycache_prefix = tempfile.mkdtemp(prefix="posttrainllm-bytecode-")  # 0700: this user's, this process's
+    _PREPARED = True
+
+
+JUDGE_PACKAGES = ("lab", "track", "measure", "opdefs", "ops", "model")
+
+
 def started(user: Any) -> Worker | None:
     """The worker of `user` if this process has started one."""
     return _WORKERS.get(_key(user))
 
 
+_TWIN: Worker | None = None
+
+
+def twin() -> Worker:
+    """This lab process's clean twin: a worker forked like a path's that loads no path (lab/outside.py NULL_RULE)."""
+    global _TWIN
+    if _TWIN is None or _TWIN.died is not None or _TWIN.process.poll() is not None:
+        _prepare_lab()
+        _TWIN = Worker(CLEAN, torch.get_num_threads())
+    return _TWIN
+
+
 def close_all() -> None:
-    """End every worker this process started (at exit, and where a test wants a fresh one)."""
+    """End every worker this process started, each with its whole process group, and whatever they left orphaned
+    (at the end of a stage, at exit, and where a test wants a fresh one)."""
+    global _TWIN
     _FAILED.clear()
     while _WORKERS:
         _, worker = _WORKERS.popitem()
         worker.close()
+    if _TWIN is not None:
+        _TWIN.close()
+        _TWIN = None
+    end_strays()
 
 
 def _at_exit() -> None:
@@ -578,6 +732,42 @@ def _patch_interpreter() -> None:
         fast_language_patching_in_interpreter()
 
 
+_FLUSH: list[Any] = []
+
+
+def _prime(tensors: list[torch.Tensor]) -> None:
+    """A call's cache as the lab's in-process timing (measure/timing.py) gives each call: on CUDA the L2 flushed; on
+    the CPU its inputs just read (the in-process loop rotates over a few sets that stay in the caches, where a
+    batch's N distinct sets would not)."""
+    if any(t.is_cuda for t in tensors):
+        if not _FLUSH:
+            from posttrainllm.measure.timing import l2_flush
+
+            _FLUSH.append(l2_flush("cuda"))
+        _FLUSH[0]()
+        return
+    with torch.no_grad():
+        for t in tensors:
+            if t.numel():
+                try:
+                    t.detach().sum()
+                except RuntimeError:  # a dtype sum does not take (fp8): a copy reads it as well
+                    t.detach().clone()
+
+
+WAKE_S = 0.002  # lab/outside.py WAKE_RULE
+
+
+def _wake() -> None:
+    """WAKE_S of the worker's own work before a batch (small products on its own tensors, no code of the path's):
+    a process woken from a wait runs its first calls cold (measured: +5-15% a call, the first one 2x), where the
+    lab's in-process timing loop never waits; this brings the core up before the batch's clock starts."""
+    a = torch.ones(64, 64)
+    deadline = _clock() + WAKE_S
+    while _clock() < deadline:
+        a = torch.mm(a, a).clamp_(-1.0, 1.0)
+
+
 def _sync(tensors: list[torch.Tensor]) -> None:
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()
@@ -601,6 +791,7 @@ def _process_state() -> dict[str, Any]:
             "default_dtype": str(torch.get_default_dtype()),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "float32_matmul_precision": torch.get_float32_matmul_precision(), "mkldnn.enabled": b.mkldnn.enabled,
+            "switch_interval_s": sys.getswitchinterval(),  # a longer one lets a thread hold the GIL through a span
             "cudnn.enabled": b.cudnn.enabled, "cudnn.benchmark": b.cudnn.benchmark}
 
 
@@ -624,11 +815,20 @@ def _promises(fn: Any) -> list[str]:
     return [str(p) for p in (found if isinstance(found, (tuple, list, set, frozenset)) else [found])]
 
 
-def _tampered(state: dict[str, Any], ours: dict[tuple[str, str], Any], user_file: str | None) -> list[str]:
+def _tampered(state: dict[str, Any], ours: dict[tuple[str, str], Any], user_file: str | None,
+              server: Any = None) -> list[str]:
     """What the user's code changed of this process that no kernel needs to: torch's switches, `time`'s clocks,
-    the lab's own functions (those loaded before it ran, or any of the lab's modules bound to its code)."""
+    the lab's own functions (those loaded before it ran, or any of the lab's modules bound to its code), the
+    server's handlers (on its class, in the dispatch table, or set on the server object itself)."""
     now = _process_state()
     changed = [f"{key} {state[key]} -> {now[key]}" for key in state if now[key] != state[key]]
+    if server is not None:
+        changed += [f"set {name} on the worker's server object (its requests go to the class's own)"
+                    for name in REQUESTS if name in vars(server)]
+        if type(server) is not _Server:
+            changed.append(f"changed the worker's server's class to {type(server).__name__}")
+    changed += [f"replaced the worker's handler of {op!r}" for op in REQUESTS
+                if _HANDLERS.get(op) is not ours.get(("_Server", op))]
     changed += [f"replaced time.{name}" for name, fn in _TIMERS.items() if getattr(time, name) is not fn]
     current = _ours()
     changed += [f"replaced {m}.{a}" for (m, a), v in ours.items() if current.get((m, a)) is not v]
@@ -667,6 +867,7 @@ class _Server:
         self.state: dict[str, Any] = {}
         self.ours: dict[tuple[str, str], Any] = {}
         self.user_file: str | None = None
+        self.found: set[str] = set()  # what a timed run saw changed in a call, until `scan` asks
 
     def load(self, m: dict[str, Any]) -> dict[str, Any]:
         if m["threads"]:
@@ -674,6 +875,8 @@ class _Server:
         sys.path[:] = m["sys_path"]
         u = m["user"]
         self.state, self.ours = _process_state(), _ours()  # as the lab set them, before any of the user's code
+        if u is None:  # the clean twin: no path in this process
+            return {"pid": os.getpid(), "threads": torch.get_num_threads(), "promises": [], "tampered": []}
         target = load_user(u["module"], Path(u["file"]) if u["file"] else None, u["attr"], u["identity"])
         if not callable(target):
             raise TypeError(f"{user.attr} in {user.identity['file']} is a {type(target).__name__}, not a callable")
@@ -682,7 +885,7 @@ class _Server:
         code = getattr(target, "__code__", None)
         self.user_file = str(u["file"]) if u["file"] else (code.co_filename if code else None)
         return {"pid": os.getpid(), "threads": torch.get_num_threads(), "promises": _promises(target),
-                "tampered": _tampered(self.state, self.ours, self.user_file)}
+                "tampered": _tampered(self.state, self.ours, self.user_file, self)}
 
     def call(self, m: dict[str, Any]) -> dict[str, Any]:
         tensors = [t.requires_grad_() if f and t.is_floating_point() else t for t, f in zip(m["tensors"], m["flags"])]
@@ -739,9 +942,11 @@ class _Server:
         sets = batch["sets"] if batch else [(t, (), {}) for t in self.last_tensors]
         samples, results = [], []
         tampered: set[str] = set()
+        _wake()  # null or not: the same, so the lab's null takes it out of the span
         for i, (tensors, args, kwargs) in enumerate(sets):
             for t in tensors if not null else ():
                 t.grad = None
+            _prime(tensors)  # null or not: each call's inputs as the lab's in-process loop leaves its calls' (NULL_RULE)
             with torch.set_grad_enabled(backward and not null):
                 _sync(tensors)
                 start = _clock()
@@ -765,9 +970,29 @@ class _Server:
             self.last_tensors = [tensors for tensors, _, _ in sets]
         answers = [self._answer(r, t, backward) for r, t in zip(results, self.last_tensors)]
         self.last = {"results": answers, "threads": torch.get_num_threads()}
-        if not null:  # after the clock: what its calls changed of this process (outside.py: no speed)
-            tampered.update(_tampered(self.state, self.ours, self.user_file))
-        return {"samples_s": samples, "checksums": [checksums(a) for a in answers], "tampered": sorted(tampered)}
+        if not null:
+            self.found |= tampered  # handed over by `scan`, after the lab's clock (the span holds no scan)
+        return {"samples_s": samples, "checksums": [checksums(a) for a in answers]}
+
+    def scan(self, m: dict[str, Any]) -> dict[str, Any]:
+        """What the path's calls changed of this process (outside.py: no speed), asked after the lab's clock:
+        torch's switches, the clocks, the lab's functions, this server's handlers, threads left running."""
+        found, self.found = self.found, set()
+        found.update(_tampered(self.state, self.ours, self.user_file, self))
+        return {"tampered": sorted(found)}
+
+    def twin(self, m: dict[str, Any]) -> dict[str, Any]:
+        """A clean worker's stand-in for a batch (lab/outside.py NULL_RULE): the last results are the outputs and
+        gradients the lab sends, so a "null" run here costs what the path's worker's null costs, with no code of
+        the path's in this process."""
+        self.last_backward = bool(m["backward"])
+        self.last_results = [_rebuild(a["result"], a["outputs"]) for a in m["answers"]]
+        self.last_tensors = m["inputs"]
+        for tensors, a in zip(self.last_tensors, m["answers"]):
+            for t, g in zip(tensors, a.get("grads") or []):
+                if g is not None:
+                    t.grad = g
+        return {}
 
     def memory(self, m: dict[str, Any]) -> dict[str, Any]:
         """One forward call of the set put under m["key"], its peak counted in this process by torch's allocator
@@ -829,6 +1054,17 @@ class _Server:
         return {}
 
 
+REQUESTS = ("load", "call", "backward", "put", "run", "scan", "twin", "memory", "refill", "fetch", "ping")
+_HANDLERS = {op: vars(_Server)[op] for op in REQUESTS}  # the class's own, taken before any user code runs
+
+
+def _handler(op: Any) -> Callable[..., Any]:
+    """The class's handler of a request (never an attribute of the server object: a path could set one)."""
+    if not isinstance(op, str) or op not in _HANDLERS:
+        raise ValueError(f"unknown request {op!r}: the requests are {', '.join(REQUESTS)}, exit")
+    return _HANDLERS[op]
+
+
 def load_user(module_name: str, file: Path | None, attr: str, identity: dict[str, Any]) -> Callable[..., Any]:
     """A user path's callable (opdefs/user.py UserPath): its module imported once per process, from its file or by
     its dotted name, then `attr` (dotted) read from it; an import error is the path's to report. The file is
@@ -867,7 +1103,7 @@ def serve(read_fd: int, write_fd: int) -> None:
         for call_id in message.get("drop", ()):
             server.kept.pop(call_id, None)
         try:
-            reply = getattr(server, message["op"])(message)
+            reply = _handler(message.get("op"))(server, message)
         except (Exception, SystemExit) as exc:  # the user's error is the path's, reported, never the worker's end
             reply = _error_reply(exc)
         try:
@@ -892,6 +1128,8 @@ def zygote(fd: int) -> None:
     control = socket.socket(fileno=fd)
     conn = Connection(os.dup(fd))
     ended: dict[int, int] = {}
+    _become_subreaper()  # a process a worker forks and leaves (double-forked, setsid) is reparented here, not to init
+    workers: set[int] = set()
     while True:
         try:
             request = json.loads(conn.recv_bytes())
@@ -919,7 +1157,17 @@ def zygote(fd: int) -> None:
                     os._exit(code)
             for f in fds:
                 os.close(f)
+            workers.add(pid)
             answer: dict[str, Any] = {"pid": pid}
+        elif request["op"] == "end":  # a worker and everything it started: its process group, then the strays
+            pid = request["pid"]
+            _kill_group(pid)
+            if pid not in ended:
+                ended[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            workers.discard(pid)
+            answer = {"code": ended[pid], "strays": _end_strays(workers)}
+        elif request["op"] == "strays":  # the processes a worker left here (their worker gone or not), ended
+            answer = {"strays": _end_strays(workers)}
         else:  # "wait": the worker's exit code within the timeout, else None
             pid, deadline = request["pid"], time.monotonic() + request["timeout"]
             while pid not in ended:
@@ -935,6 +1183,71 @@ def zygote(fd: int) -> None:
             conn.send_bytes(json.dumps(answer).encode())
         except OSError:  # the lab is gone (interrupted): nobody to answer
             return
+
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def _become_subreaper() -> bool:
+    """This process adopts its orphaned descendants (Linux >= 3.4): a worker's grandchildren stay in reach."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL to a worker's process group (it leads a session of its own) and to the worker itself."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def children_of(parent: int) -> list[int]:
+    """The processes whose parent is `parent`, read from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry))
+    return found
+
+
+def descendants_of(root: int) -> list[int]:
+    """Every process below `root` (children, theirs, ...), read from /proc."""
+    found, todo = [], [root]
+    while todo:
+        for child in children_of(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _end_strays(workers: set[int]) -> list[int]:
+    """Kill and reap every child of this zygote that is not a live worker (a worker's orphaned descendants, adopted
+    here), their process groups too, until none is left; the pids ended."""
+    ended: list[int] = []
+    for _ in range(100):
+        strays = [pid for pid in children_of(os.getpid()) if pid not in workers]
+        if not strays:
+            break
+        for pid in strays:
+            _kill_group(pid)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+            ended.append(pid)
+    return ended
 
 
 if __name__ == "__main__":  # python -m posttrainllm.opdefs.worker --zygote FD
