@@ -15,8 +15,13 @@ Columns
     valid, reason                     False (with the reason) when unchecked, failed, or raised at this x
     peak_bytes                        memory.peak_bytes of one call [B]
     flops                             the op's FLOPs at this x in this mode (its module writes the formula)
-    minimal_bytes                     inputs read once + outputs written once [B]
-    bytes                             the traffic a roofline uses for this row [B]; today = minimal_bytes
+    minimal_bytes                     inputs read once + outputs written once [B] (the op's floor)
+    bytes                             this path's own traffic at this x in this mode [B] (OpDef.costs_of: its
+                                      kind's model; the floor where it declares none; empty where the
+                                      model has no backward)
+    path_flops                        the FLOPs this path executes at this x in this mode (its model)
+    working_set                       the bytes live at once in its forward [B] (the cache is compared with it)
+    cost_model                        which model gave bytes and path_flops ("floor": none declared)
     device, revision                  where, and which source revision
 """
 
@@ -33,7 +38,8 @@ from posttrainllm.measure.timing import measure
 
 UNIT = "ms"
 COLUMNS = ["op", "impl", "kind", "x_name", "x_value", "mode", "check", "median", "p20", "p80", "unit", "noisy", "reps",
-           "threads", "valid", "reason", "peak_bytes", "flops", "bytes", "minimal_bytes", "device", "revision"]
+           "threads", "valid", "reason", "peak_bytes", "flops", "bytes", "minimal_bytes", "device", "revision",
+           "path_flops", "working_set", "cost_model"]
 BASELINE = "reference"
 FORWARD, FORWARD_BACKWARD = "forward", "forward_backward"
 

@@ -1,0 +1,44 @@
+"""Why, from the receipt alone: a real (shrunk) sweep's receipts carry each path's own traffic, its place on the
+roofline, and the step the op lives in (conftest.py sweep_runs: every stage of two attention points)."""
+
+import json
+
+import pytest
+
+from posttrainllm.track import derived
+
+
+@pytest.fixture(scope="module")
+def baseline(sweep_runs):
+    return json.loads((sweep_runs / "baseline" / "receipt.json").read_text())
+
+
+def test_each_attention_path_is_placed_with_its_own_traffic(baseline):
+    """The reference's (S, S) traffic against the fused paths': more bytes by at least min(S, block_q)/D (the
+    factor the two models give, tests/test_traffic.py), so a lower intensity on the roofline; the floor stays
+    the top-level figure, and a path's costs name their model and formula."""
+    micro = baseline["microbench"]
+    paths = micro["paths"]
+    ref = paths["reference"]["costs"]
+    assert ref["model"] == "materialised" and "P = B*H*S^2" in ref["bytes_formula"]
+    assert ref["bytes"] >= 64 / 32 * micro["bytes"]  # S/D over the floor (shape.seq_len=64, head_dim 32)
+    fused = [name for name, entry in paths.items() if entry.get("valid") and entry["costs"]["model"] == "fused"]
+    assert "sdpa" in fused
+    for name in fused:
+        mine = paths[name]["costs"]
+        assert ref["bytes"] >= min(64, 32) / 32 * mine["bytes"] and ref["bytes"] > mine["bytes"]
+        assert ref["train_bytes"] > mine["train_bytes"]
+        assert paths["reference"]["roofline"]["intensity_flops_per_byte"] < paths[name]["roofline"][
+            "intensity_flops_per_byte"]
+        assert paths[name]["roofline"]["peak_used"]["source"] in ("calibration", "remeasured")
+
+
+def test_the_curve_carries_each_paths_bytes_per_mode(sweep_runs):
+    import pandas as pd
+
+    curve = pd.read_csv(sweep_runs / "baseline" / "curve.csv")
+    ref = curve[(curve["impl"] == "reference") & (curve["mode"] == "forward")].set_index("x_value")
+    sdpa = curve[(curve["impl"] == "sdpa") & (curve["mode"] == "forward")].set_index("x_value")
+    assert (ref["cost_model"] == "materialised").all() and (sdpa["cost_model"] == "fused").all()
+    assert (ref["bytes"] > sdpa["bytes"]).all() and (ref["minimal_bytes"] == sdpa["minimal_bytes"]).all()
+    assert (ref["working_set"] > sdpa["working_set"]).all() and (ref["path_flops"] >= ref["flops"]).all()
