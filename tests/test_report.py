@@ -191,3 +191,27 @@ def test_any_folder_of_points_is_a_report(tmp_path, monkeypatch, capsys):
         line.split() for line in out.splitlines()], out
     page = (tmp_path / "runs/report.html").read_text()
     assert "<h2>Draft heads</h2>" in page and 'href="heads/k2/receipt.json"' in page
+
+
+def test_peer_vs_baseline_compares_only_the_same_op_at_the_same_problem():
+    """decode_attention has a peer named `sdpa` too: a name is no reason to divide another op's time (another
+    shape) by the baseline's. Planted bug: matching on the peer's name alone gives the decode point 4.00."""
+    def point(name, op, problem, ms):
+        receipt = _receipt(name)
+        receipt["config"]["op"]["name"] = op
+        receipt["microbench"]["problem"] = problem
+        receipt["microbench"]["paths"]["sdpa"]["median_ms"] = ms
+        return receipt
+
+    attention = "B=1 H=4 Hkv=4 S=128 D=32"
+    frame = report.sweep_frame({"baseline": point("baseline", "attention", attention, 1.0),
+                                "precision-fp16": point("precision-fp16", "attention", attention, 0.5),
+                                "architecture-gqa": point("architecture-gqa", "attention", "B=1 H=4 Hkv=2 S=128 D=32",
+                                                          0.8),
+                                "op-decode_attention": point("op-decode_attention", "decode_attention",
+                                                             "B=1 H=4 Hkv=4 Sq=1 Sk=1024 D=32", 0.25)})
+    ratio = dict(zip(frame["point"], frame["peer_vs_baseline"]))
+    assert ratio["baseline"] == 1.0 and ratio["precision-fp16"] == 2.0
+    assert ratio["architecture-gqa"] != ratio["architecture-gqa"]  # NaN: another shape
+    assert ratio["op-decode_attention"] != ratio["op-decode_attention"]  # NaN: another op
+    assert "-" == report.formatted(frame).set_index("point").loc["op-decode_attention", "peer_vs_baseline"]

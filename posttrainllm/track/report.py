@@ -284,9 +284,20 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
     frame = _failures_first(pd.DataFrame(rows))
     baseline = frame[frame["point"] == "baseline"]
     if not baseline.empty and baseline["peer_ms"].notna().all():
-        same_op = frame["peer"] == baseline["peer"].iloc[0]
-        frame["peer_vs_baseline"] = (baseline["peer_ms"].iloc[0] / frame["peer_ms"]).where(same_op)
+        # the same op at the same problem, timed through the same peer: a peer's name alone (decode_attention has
+        # an `sdpa` too) is no reason to divide one op's time by another's
+        kept = {name: comparable(receipts[name], receipts["baseline"]) for name in receipts}
+        same = (frame["peer"] == baseline["peer"].iloc[0]) & frame["point"].map(kept).astype(bool)
+        frame["peer_vs_baseline"] = (baseline["peer_ms"].iloc[0] / frame["peer_ms"]).where(same)
     return frame
+
+
+def comparable(receipt: dict[str, Any], baseline: dict[str, Any]) -> bool:
+    """Whether a figure may divide `receipt`'s time by `baseline`'s: the same op at the same problem (shape)."""
+    def key(r: dict[str, Any]) -> tuple[Any, Any]:
+        return (((r.get("config") or {}).get("op") or {}).get("name"), (r.get("microbench") or {}).get("problem"))
+
+    return key(receipt) == key(baseline) and None not in key(receipt)
 
 
 SUMMARY_NUMBERS = ("peer_x", "peer_fb_x", "ours_x", "ours_fb_x", "e2e_pred", "e2e_meas")  # summary_frame's numbers
@@ -413,7 +424,8 @@ def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
         "`peer_speedup`: reference forward time / peer forward time; `peer_fb_speedup`: the same for forward + "
         "backward (what Amdahl uses); `peer_vs_ref`: faster/slower only when the p20-p80 bands do not overlap.",
         "Speedups are ratios of medians. `peer_vs_baseline`: the baseline point's peer time / this "
-        "point's (same op only). `peer_bound`: roofline class against the calibrated peaks.",
+        "point's (the same op, problem and peer only; '-' elsewhere). `peer_bound`: roofline class against the "
+        "calibrated peaks.",
         "`crossover`: the smallest size of the curve from which the peer stays measurably faster (bands apart) "
         "than the reference at every larger size; `crossover_fb`: the same for forward + backward (curves timed "
         "with bench.curve_backward). Other curve axes (MoE: experts) are in microbench.json's `crossovers`.",
