@@ -60,7 +60,7 @@ def test_the_default_table_fits_a_terminal_whatever_the_names():
     assert max(len(line) for line in table.splitlines()) <= report.TERMINAL_WIDTH, table
     header, failing, passing = table.splitlines()[:3]
     assert header.split() == ["point", "verdict", "first_failure", "parity", "best_peer", "peer_x", "peer_fb_x",
-                              "ours_x", "ours_fb_x", "e2e_path", "e2e_pred", "e2e_meas", "flags"]
+                              "ours_x", "ours_fb_x", "e2e_path", "share", "e2e_pred", "e2e_meas", "flags"]
     assert failing.startswith("x" * 17 + "... FAIL") and "triton: S4231" in failing
     assert " triton:fail,sdpa_... " in failing  # ours first, then the other paths that failed, clipped
     # the numbers are never clipped: the text gives way
@@ -141,8 +141,9 @@ def test_the_train_table_lists_every_path_and_shows_no_nan():
              "precision": "fp32", "device": "cpu", "tokens_per_step": 256, "drift_limit": 1e-4}
     table = report.train_table({"point": "p", "config": {"architecture": {"name": "mha"}}, "bench_train": train})
     assert "NaN" not in table and "None" not in table, table
-    rows = {line.split()[0]: line for line in table.splitlines()[2:]}
+    rows = {line.split()[0]: line for line in table.splitlines()[2:-1]}
     assert list(rows) == ["reference", "triton", "mine", "sdpa"]
+    assert table.splitlines()[-1].startswith("step: the op's share of the step was not profiled; no trained path")
     assert table.splitlines()[1].split()[:7] == ["variant", "warm_ms/step", "tokens/s", "peak_MB", "steps", "loss[0]",
                                                  "loss[last]"]
     assert rows["reference"].split()[4:6] == ["8", "5.5000"] and "2.0000" in rows["reference"]

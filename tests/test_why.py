@@ -42,3 +42,24 @@ def test_the_curve_carries_each_paths_bytes_per_mode(sweep_runs):
     assert (ref["cost_model"] == "materialised").all() and (sdpa["cost_model"] == "fused").all()
     assert (ref["bytes"] > sdpa["bytes"]).all() and (ref["minimal_bytes"] == sdpa["minimal_bytes"]).all()
     assert (ref["working_set"] > sdpa["working_set"]).all() and (ref["path_flops"] >= ref["flops"]).all()
+
+
+def test_every_point_says_what_its_op_does_to_the_training_step(sweep_runs):
+    """Each point's receipt gives the op's share of the measured step, Amdahl's prediction, the measurement and
+    the sentence, agreeing or not; the console (bench, report) and report.html print it."""
+    from posttrainllm.track import report, report_page
+
+    receipts = {name: json.loads((sweep_runs / name / "receipt.json").read_text())
+                for name in ("baseline", "precision-fp16")}
+    for name, receipt in receipts.items():
+        fields = derived.point_fields(receipt)
+        assert 0 < fields["e2e_share"] < 1, name
+        sentence = fields["e2e_sentence"]
+        assert f"attention is {fields['e2e_share']:.0%} of the measured training step" in sentence, name
+        assert "Amdahl 1/((1-f) + f/s) predicts" in sentence and "measured" in sentence, name
+        assert ": they agree" in sentence or "measured below predicted" in sentence or \
+            "measured above predicted" in sentence, name
+        assert report.point_table(receipt).splitlines()[-1] == f"step: {sentence}"
+    summary = report.summary_table(receipts)
+    assert all(f"step: {name}: sdpa: attention is" in summary for name in receipts), summary
+    assert "<h3>The training step</h3><p>sdpa: attention is" in report_page.sweep_page(receipts, sweep_runs)
