@@ -63,3 +63,18 @@ def test_every_point_says_what_its_op_does_to_the_training_step(sweep_runs):
     summary = report.summary_table(receipts)
     assert all(f"step: {name}: sdpa: attention is" in summary for name in receipts), summary
     assert "<h3>The training step</h3><p>sdpa: attention is" in report_page.sweep_page(receipts, sweep_runs)
+
+
+def test_the_receipt_reads_each_paths_regime_from_its_curve(baseline):
+    """curve.regimes: per path and segment, the time slope beside the FLOPs' and bytes' (from its own model),
+    measured and predicted regimes; the reference's bytes grow as S² (its (S, S) tensors), the fused ones' slower."""
+    curve = baseline["microbench"]["curve"]
+    read = {(e["impl"], e["mode"]): e for e in curve["regimes"]}
+    assert "slope = d log(time) / d log(x)" in curve["regime_rule"]
+    ref, sdpa = read[("reference", "forward")], read[("sdpa", "forward")]
+    assert ref["cost_model"] == "materialised" and sdpa["cost_model"] == "fused"
+    for entry in (ref, sdpa):
+        [segment] = entry["segments"]  # shape.curve=[32, 64]
+        assert segment["x_from"] == 32 and segment["x_to"] == 64 and segment["time_slope"] is not None
+        assert segment["measured"] is not None and segment["predicted"] is not None
+    assert ref["segments"][0]["bytes_slope"] > sdpa["segments"][0]["bytes_slope"]

@@ -876,7 +876,9 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     timed = list(timings)
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
         report["describe"] = op.describe(case, inputs, cfg)
-    report["curve"] = _curve(cfg, op, out, device, timed, calibration, floor_flops)
+    ridge = max(peak_flops, floor_flops or 0.0) / peak_bandwidth if peak_flops else None  # FLOP/B
+    report["curve"] = _curve(cfg, op, out, device, timed, calibration, floor_flops, cache_bytes=cache_bytes,
+                             ridge=ridge)
     for name, impl in op.paths(cfg).items():  # after every timed call and curve size (compiled: per signature)
         if impl.evidence is not None and name in report["paths"]:
             report["paths"][name]["evidence"] = impl.evidence()
@@ -902,7 +904,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
 
 
 def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], calibration: dict[str, Any],
-           floor_flops: float | None) -> dict[str, Any]:
+           floor_flops: float | None, *, cache_bytes: int | None = None, ridge: float | None = None) -> dict[str, Any]:
     """The timed paths over every curve axis of the op (shape.curve; its extra_curves), forward and, with
     bench.curve_backward, forward + backward; each size parity-checked before it is timed: curve.csv + plots,
     and each path's crossover with the reference per axis and mode. Each size's timing rotates over the point's
@@ -970,7 +972,9 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                 del sets, grad_outs
     frame = curves.frame(rows)
     frame.to_csv(out / "curve.csv", index=False)
-    plots.time_vs_size(frame, out / "time_vs_size.png")
+    read = curves.regimes(frame, cache_bytes=cache_bytes, ridge=ridge,  # each path's regime per segment
+                          caches=curves.cache_levels(device))
+    plots.time_vs_size(frame, out / "time_vs_size.png", regimes=read)
     plots.memory_vs_size(frame, out / "memory_vs_size.png")
     why_not = refusals(out)
     skipped = {name: (INTERPRETER_NOT_SPEED if _interpreted(impl) else why_not.get(name, FAILED_PARITY))
@@ -981,6 +985,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
             "band_rule": BAND_RULE, "check": CURVE_CHECK,
             "crossover_vs_reference": headline["vs_reference"],  # x_name, forward: what the report shows
             "crossovers": found,  # every axis and mode
+            "regimes": read, "regime_rule": curves.REGIME_RULE,
             "unchecked_or_failed": sorted({f"{r['impl']}@{r['x_name']}={r['x_value']}" for r in rows
                                            if r["check"] != "pass"})}
 
