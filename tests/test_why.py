@@ -78,3 +78,24 @@ def test_the_receipt_reads_each_paths_regime_from_its_curve(baseline):
         assert segment["x_from"] == 32 and segment["x_to"] == 64 and segment["time_slope"] is not None
         assert segment["measured"] is not None and segment["predicted"] is not None
     assert ref["segments"][0]["bytes_slope"] > sdpa["segments"][0]["bytes_slope"]
+
+
+def test_explain_answers_the_three_questions_from_the_receipt_alone(sweep_runs, tmp_path, capsys):
+    """`posttrainllm explain POINT` on the baseline's folder copied away from everything else (no params.yaml, no
+    runs/, no store: the receipt alone): the contract with its tolerances and where they come from, each path's
+    traffic with its model and formula, and the step sentence."""
+    import shutil
+
+    from posttrainllm import cli
+
+    alone = tmp_path / "copied"
+    alone.mkdir()
+    shutil.copy(sweep_runs / "baseline" / "receipt.json", alone / "receipt.json")
+    assert cli.main(["explain", str(alone)]) == 0
+    out = capsys.readouterr().out
+    assert "1. The numerical contract" in out and "conf/precision/fp32.yaml" in out and "error_multiple=" in out
+    assert "2. Memory traffic per path" in out and "reference (materialised model): forward" in out
+    assert "sdpa (fused model): forward" in out and "the reference moves" in out and "regime: reference" in out
+    assert "3. Why a microbenchmark may not move training" in out and "of the measured training step" in out
+    assert cli.main(["explain", str(tmp_path / "nowhere")]) == 2
+    assert "no receipt at" in capsys.readouterr().err
