@@ -113,3 +113,22 @@ def test_a_path_without_a_model_is_placed_with_the_floor_and_says_so():
     assert costs.bytes == attention.OP.costs(case, cfg).bytes
     with pytest.raises(ValueError, match="valid choices are materialised"):
         attention.OP.costs_of(dataclasses.replace(user, cost_model="magic"), case, cfg)
+
+
+@pytest.mark.parametrize("heads,kv_heads,q_len,kv_len", [(4, 4, 1, 100), (4, 2, 1, 100), (4, 2, 4, 100)])
+def test_decode_reference_model_is_the_counted_traffic(heads, kv_heads, q_len, kv_len):
+    """The decode reference copies the cache to H heads and reads it again: its forward bytes are the count's,
+    and at Sq = 1 several times the split kernel's (which reads each K/V piece once per row block)."""
+    from posttrainllm.opdefs import decode_attention
+
+    cfg = _cfg("float32", True)
+    case = Case("t", 0, dict(batch=2, heads=heads, kv_heads=kv_heads, head_dim=16, q_len=q_len, kv_len=kv_len), True)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, q_len, 16, generator=gen)
+    k, v = (torch.randn(2, kv_heads, kv_len, 16, generator=gen) for _ in range(2))
+    with counted() as forward:
+        reference.chunk_attention(q, k, v)
+    costs = decode_attention.OP.costs_of(decode_attention.IMPLS["reference"], case, cfg)
+    assert costs.model == "materialised" and costs.bytes == forward.total
+    split = decode_attention.OP.costs_of(decode_attention.IMPLS["triton"], case, cfg)
+    assert split.model == "split" and costs.bytes > 2 * split.bytes

@@ -395,8 +395,8 @@ def _math(case: Case, cfg: LabConfig) -> Costs:
                  train_bytes=forward + backward,
                  train_bytes_formula="forward + c*(7*P + 12*N) + " + ("c*(2*N + 2*Nkv)" if gqa else "2*s*N"),
                  working_set=c * (2 * p + 4 * n), working_set_formula="c*(2*P + 4*N)", model="math",
-                 note=f"ATen's math backend: the (S, S) scores and probabilities in {'float32' if upcast else cfg.precision.dtype}"
-                      ", forward and backward")
+                 note="ATen's math backend: the (S, S) scores and probabilities in "
+                      f"{'float32' if upcast else cfg.precision.dtype}, forward and backward")
 
 
 def _tile_keys(sl: int, block_q: int, causal: bool) -> tuple[int, int]:
