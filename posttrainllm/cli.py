@@ -21,6 +21,8 @@
     posttrainllm new-impl op=OP FILE.py [--name NAME]
                                                       a kernel of your own to start from (the op's signature, contract
                                                       and readable math) and the command for its receipt
+    posttrainllm explain POINT                        one point's contract, memory traffic per path and end-to-end
+                                                      effect, from its receipt alone (a folder, receipt.json, a name)
 
 Every subcommand keeps Hydra's full override syntax (`--cfg job`, `--help`, `-m`).
 Overrides are checked before anything runs or is written: a bad one prints one
@@ -305,7 +307,7 @@ COMMANDS: dict[str, Callable[[DictConfig], None]] = {
 }
 # every command `main` dispatches (the Hydra apps above and the plain ones), as typed
 COMMAND_NAMES = ("bench", "bench-train", "sweep", "compile", "report", "progress", "ui", "receipt", "experimental",
-                 "replay", "compare", "new-impl")
+                 "replay", "compare", "new-impl", "explain")
 
 # `COMMAND --help`: what the command does, its common overrides ({op} etc.: the config group's options) and an
 # example, printed before Hydra's own help (the config groups and the whole config)
@@ -721,6 +723,41 @@ def _check_before_running(args: list[str], grid: bool) -> list[LabConfig]:
     return composed
 
 
+EXPLAIN_USAGE = ("usage: posttrainllm explain POINT   (a point's folder, its receipt.json, or a point's name under "
+                 "runs/: the contract, the memory traffic per path and the end-to-end effect, read from the receipt)")
+
+
+def explain_point(args: list[str]) -> int:
+    """Print track/explain.py's three answers for one point's receipt; nothing is run."""
+    from posttrainllm.files import read_json
+    from posttrainllm.track.explain import explain
+
+    if args in (["-h"], ["--help"]):
+        print(EXPLAIN_USAGE)
+        return 0
+    if len(args) != 1:
+        print(EXPLAIN_USAGE, file=sys.stderr)
+        return EXIT_CONFIG
+    given = Path(args[0])
+    looked = [given, given / "receipt.json", Path("runs") / args[0] / "receipt.json"]
+    found = next((path for path in looked if path.is_file()), None)
+    if found is None:
+        print(f"posttrainllm: explain: no receipt at {', '.join(map(str, looked))}: give a point's folder, its "
+              "receipt.json, or the name of a point under runs/", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        receipt = read_json(found)
+    except (OSError, ValueError) as exc:
+        print(f"posttrainllm: explain: unreadable receipt {found} ({str(exc).splitlines()[0] if str(exc) else exc!r})",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    if not isinstance(receipt, dict) or "point" not in receipt:
+        print(f"posttrainllm: explain: {found} is not a point's receipt (no 'point')", file=sys.stderr)
+        return EXIT_CONFIG
+    print(explain(receipt))
+    return 0
+
+
 NEW_IMPL_USAGE = ("usage: posttrainllm new-impl op=OP FILE.py [--name NAME]   (writes FILE.py, never over an existing "
                   "file: a function NAME, by default the op's name, in the op's natural signature)")
 
@@ -901,12 +938,14 @@ def _main(args: list[str]) -> int:
     if args and not args[0].startswith("-") and args[0] not in COMMAND_NAMES:
         return _unknown_command(args[0])
     inspect = any(a.split("=")[0] in _INSPECT_FLAGS for a in args[1:])
-    if args[:1] not in ([], ["new-impl"]) and not args[0].startswith("-") and not inspect:
+    if args[:1] not in ([], ["new-impl"], ["explain"]) and not args[0].startswith("-") and not inspect:
         refused = _refuse_subfolder(" ".join(args[:2]) if args[0] == "experimental" else args[0])
         if refused is not None:
             return refused
     if args[:1] == ["new-impl"]:
         return new_impl(args[1:])
+    if args[:1] == ["explain"]:
+        return explain_point(args[1:])
     if args and args[0] == "report":
         return report_sweep(args[1:])
     if args[:1] == ["ui"]:

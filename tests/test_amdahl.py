@@ -108,3 +108,48 @@ def test_the_report_prints_no_speedup_inside_the_band():
     assert derived.point_fields(receipt)["e2e_meas"] == "n.c."
     assert derived.point_fields({**receipt, "bench_train": {**train, "noise": {"band": 1.01}}})["e2e_meas"] == \
         pytest.approx(10.0 / 9.5)
+
+
+def test_every_valid_variant_gets_the_step_sentence_when_they_agree():
+    """Agreeing figures still get their sentence (it was a reading only past 15%): share, prediction, measurement."""
+    entry = amdahl.check(_train(10.0, 7.5), MICRO, profiled_range="attention",
+                         model_problem=MICRO["problem"])["variants"]["sdpa"]
+    text = entry["sentence"]
+    assert text.startswith("attention is 50% of the measured training step")
+    assert "the op 2.00x faster (forward+backward microbench)" in text and "predicts 1.33x" in text
+    assert "measured 1.33x" in text and text.endswith("they agree (within 15%)")
+
+
+def test_inside_the_band_the_sentence_says_the_share_explains_it():
+    train = {**_train(10.0, 9.9, fraction=0.05), "noise": {"band": 1.05}}
+    text = amdahl.check(train, MICRO, profiled_range="attention", model_problem=MICRO["problem"])["variants"][
+        "sdpa"]["sentence"]
+    assert "measured: no measurable change (run-to-run band +-5.0%)" in text
+    assert "they agree: at 5% of the step even a 2.00x op moves the step less than its own run-to-run band" in text
+
+
+def test_a_difference_is_explained_by_the_backward_and_a_copy_the_swap_adds():
+    """Forward 5x but forward+backward 2x (MICRO); inside the model the op's own time per call fell only 1.25x
+    (its profile): both are named. Planted bug: a sentence built only from f and s names neither."""
+    train = _train(10.0, 10.0)
+    train["impls"]["sdpa"]["profile"] = {"attention": {"calls": 2, "forward_us": 80.0, "backward_us": 80.0,
+                                                       "fraction": 0.4}}
+    entry = amdahl.check(train, MICRO, profiled_range="attention", model_problem=MICRO["problem"])["variants"]["sdpa"]
+    assert entry["in_model_op_speedup"] == pytest.approx(1.25)
+    text = entry["sentence"]
+    assert "measured below predicted" in text
+    assert "a backward the forward speed does not carry: forward 5.00x, forward+backward 2.00x" in text
+    assert "inside the model the op ran 1.25x faster, not 2.00x: a copy or cast the swap adds" in text
+    assert "the op's share" not in text  # 50%: not the reason
+
+
+def test_a_small_share_is_the_reason_it_does_not_show():
+    """50x on an op of 10% of the step predicts 1.11x, within 15% of an unchanged step: they agree, and the
+    sentence says the share is why nothing shows."""
+    train = {**_train(10.0, 10.0, fraction=0.1), "noise": {"band": 1.02}}
+    text = amdahl.check(train, {**MICRO, "paths": {**MICRO["paths"], "sdpa": {
+        "valid": True, "speedup_vs_reference": 50.0, "forward_backward": {"speedup_vs_reference": 50.0}}}},
+        profiled_range="attention", model_problem=MICRO["problem"])["variants"]["sdpa"]["sentence"]
+    assert "predicts 1.11x" in text and "measured: no measurable change" in text
+    assert text.endswith("they agree within 15%, yet the step shows no measurable change: at 10% of the step no "
+                         "speedup of the op gives more than 1.11x")

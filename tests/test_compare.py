@@ -64,12 +64,18 @@ def edited_copy(point, folder, edit):
             stored.update(again.summary())
             stored["gflops_per_s"] = flops / (stored["median_ms"] / 1e3) / 1e9
         seconds = entry["median_ms"] / 1e3
-        entry["gbytes_per_s"] = bench["bytes"] / seconds / 1e9
-        if entry.get("roofline"):
-            entry["roofline"] = roofline.roofline(bench["flops"], bench["bytes"], seconds,
-                                                  peak_flops=bench["peaks"]["gemm_flops_per_s"],
-                                                  peak_bytes_per_s=bench["peaks"]["copy_bytes_per_s"],
-                                                  cache_bytes=bench.get("last_level_cache_bytes"))
+        costs = entry["costs"]  # the path's own cost model (lab/stages.py places each path at its own traffic)
+        entry["gbytes_per_s"] = costs["bytes"] / seconds / 1e9
+        for place, flops, nbytes, timed in ((entry, costs["flops"], costs["bytes"], entry),
+                                            (entry["forward_backward"], costs["train_flops"], costs["train_bytes"],
+                                             entry["forward_backward"])):
+            if place.get("roofline"):
+                peak_used = place["roofline"]["peak_used"]
+                place["roofline"] = {**roofline.roofline(
+                    flops, nbytes, timed["median_ms"] / 1e3, peak_flops=bench["peaks"]["gemm_flops_per_s"],
+                    peak_bytes_per_s=bench["peaks"]["copy_bytes_per_s"], widest_flops=peak_used["flops_per_s"],
+                    cache_bytes=bench.get("last_level_cache_bytes"), working_set_bytes=costs["working_set_bytes"]),
+                    "peak_used": peak_used}
     reference = valid["reference"]
     for name, entry in valid.items():
         if name == "reference":

@@ -107,3 +107,98 @@ def test_a_path_that_raises_at_one_size_is_recorded():
 
     row = measure_row(broken, device="cpu", settings=QUICK, check="pass", labels=LABELS)
     assert not row["valid"] and "no kernel for this shape" in row["reason"]
+
+
+# --- the regime reader on synthetic curves whose regimes and knee are known ---------------------------------
+
+
+def test_a_cache_knee_is_found_where_the_working_set_passes_the_cache():
+    """A streaming path (bytes = working set = 4·x², FLOPs = x²): 100 GB/s while its set fits a 4 MB cache, 10
+    GB/s beyond. The segment that crosses x = 1000 (4·1000² B = the cache) grows as x^(2 + log 10 / log 2) and
+    reads 'leaves the cache'; the others follow the bytes' slope. Planted bug: a reader blind to the cache calls
+    the knee 'beyond the model' and finds no crossing."""
+    from posttrainllm.measure import curves
+
+    cache = 4 * 1000**2
+    x = [250, 500, 1000, 2000, 4000]
+    nbytes = [4 * v**2 for v in x]
+    seconds = [b / (100e9 if b <= cache else 10e9) for b in nbytes]
+    read = curves.read_regime(x, seconds, [v**2 for v in x], nbytes, nbytes, cache_bytes=cache, ridge=10.0)
+    assert read["cache_crossing_x"] == pytest.approx(1000)
+    measured = [s["measured"] for s in read["segments"]]
+    assert measured == [curves.EITHER, curves.EITHER, curves.CACHE, curves.EITHER]
+    knee = read["segments"][2]
+    assert knee["leaves_cache"] and knee["time_slope"] == pytest.approx(2 + math.log2(10))
+    assert [s["predicted"] for s in read["segments"]] == [curves.COMPUTE, curves.COMPUTE, curves.MEMORY,
+                                                          curves.MEMORY]
+    assert knee["agree"] is False and read["segments"][3]["agree"] is True
+
+
+def test_a_fixed_cost_then_the_flops_reads_overhead_then_compute():
+    """t = 1 ms + 2·x³ / 1 TFLOP/s: flat (a fixed cost) up to x ~ 500, then x³. FLOPs grow as x³, bytes as x²: the
+    two slopes are told apart, and the time follows the FLOPs'."""
+    from posttrainllm.measure import curves
+
+    x = [16, 32, 64, 1024, 2048, 4096]
+    flops = [2 * v**3 for v in x]
+    nbytes = [12 * v**2 for v in x]
+    seconds = [1e-3 + f / 1e12 for f in flops]
+    read = curves.read_regime(x, seconds, flops, nbytes, [1e12] * len(x), cache_bytes=None, ridge=1.0)
+    measured = [s["measured"] for s in read["segments"]]
+    assert measured[:2] == [curves.OVERHEAD, curves.OVERHEAD] and measured[-2:] == [curves.COMPUTE, curves.COMPUTE]
+    assert read["segments"][-1]["time_slope"] == pytest.approx(3, abs=0.1)
+    assert read["segments"][-1]["flops_slope"] == pytest.approx(3) and read["segments"][-1]["bytes_slope"] == 2
+    assert read["segments"][-1]["agree"] and read["segments"][0]["agree"] is False
+    assert read["cache_crossing_x"] is None  # the cache unknown: no crossing claimed
+
+
+def test_a_memory_bound_path_follows_its_bytes_not_its_flops():
+    from posttrainllm.measure import curves
+
+    x = [1024, 2048, 4096, 8192]
+    flops = [v for v in x]  # decode-like: FLOPs and bytes both ∝ x here would be 'either'; bytes ∝ x², FLOPs ∝ x
+    nbytes = [v**2 for v in x]
+    read = curves.read_regime(x, [b / 1e10 for b in nbytes], flops, nbytes, nbytes, ridge=100.0)
+    assert {s["measured"] for s in read["segments"]} == {curves.MEMORY}
+    assert all(s["agree"] for s in read["segments"])  # intensity 1/x < ridge: memory predicted
+
+
+def test_regimes_reads_every_path_of_a_curve_frame():
+    from posttrainllm.measure import curves
+
+    rows = []
+    for impl, scale in (("reference", 4.0), ("sdpa", 1.0)):
+        for x in (64, 128, 256):
+            rows.append(dict(op="attention", impl=impl, kind="peer", x_name="seq_len", x_value=x, mode="forward",
+                             check="pass", median=scale * x**2 / 1e4, p20=0.0, p80=0.0, unit="ms", noisy=False,
+                             reps=5, threads=1, valid=True, reason="", peak_bytes=0, flops=x**2, bytes=scale * x**2,
+                             minimal_bytes=x, device="cpu", revision="r", path_flops=x**2, working_set=x,
+                             cost_model="m"))
+    found = curves.regimes(curves.frame(rows), cache_bytes=None, ridge=1.0)
+    assert [(f["impl"], len(f["segments"])) for f in found] == [("reference", 2), ("sdpa", 2)]
+    assert "64-128: time slope 2.00 against FLOPs 2.00, bytes 2.00: compute or memory" in curves.regime_text(found[0])
+
+
+def test_every_cache_level_a_segment_passes_is_named():
+    """With L2 and L3 given, the segment where a set of 4·x² bytes passes 1 MiB names L2, the one past 32 MiB L3,
+    each crossing at the size its working set equals that level (x = 512 and ~2896)."""
+    from posttrainllm.measure import curves
+
+    x = [256, 1024, 4096]
+    nbytes = [4 * v**2 for v in x]
+    read = curves.read_regime(x, [b / 1e10 for b in nbytes], nbytes, nbytes, nbytes, cache_bytes=32 * 2**20,
+                              caches={"L2": 2**20, "L3": 32 * 2**20})
+    assert [s["passes"] for s in read["segments"]] == [["L2"], ["L3"]]
+    assert read["cache_crossings"]["L2"] == pytest.approx(512)
+    assert read["cache_crossings"]["L3"] == pytest.approx(math.sqrt(8 * 2**20))
+    assert "(working set passes L2)" in curves.regime_text({**read, "impl": "p", "mode": "forward", "x_name": "x"})
+
+
+def test_the_cache_levels_are_read_from_this_machine():
+    from posttrainllm.measure import curves
+    from posttrainllm.measure import device as devices
+
+    levels = curves.cache_levels("cpu")
+    if not levels:
+        pytest.skip("no cache sizes in /sys/devices/system/cpu/cpu0/cache on this machine")
+    assert max(levels.values()) == devices.last_level_cache_bytes("cpu") and "L1" in levels

@@ -60,7 +60,7 @@ def test_the_default_table_fits_a_terminal_whatever_the_names():
     assert max(len(line) for line in table.splitlines()) <= report.TERMINAL_WIDTH, table
     header, failing, passing = table.splitlines()[:3]
     assert header.split() == ["point", "verdict", "first_failure", "parity", "best_peer", "peer_x", "peer_fb_x",
-                              "ours_x", "ours_fb_x", "e2e_path", "e2e_pred", "e2e_meas", "flags"]
+                              "ours_x", "ours_fb_x", "e2e_path", "share", "e2e_pred", "e2e_meas", "flags"]
     assert failing.startswith("x" * 17 + "... FAIL") and "triton: S4231" in failing
     assert " triton:fail,sdpa_... " in failing  # ours first, then the other paths that failed, clipped
     # the numbers are never clipped: the text gives way
@@ -141,8 +141,9 @@ def test_the_train_table_lists_every_path_and_shows_no_nan():
              "precision": "fp32", "device": "cpu", "tokens_per_step": 256, "drift_limit": 1e-4}
     table = report.train_table({"point": "p", "config": {"architecture": {"name": "mha"}}, "bench_train": train})
     assert "NaN" not in table and "None" not in table, table
-    rows = {line.split()[0]: line for line in table.splitlines()[2:]}
+    rows = {line.split()[0]: line for line in table.splitlines()[2:-1]}
     assert list(rows) == ["reference", "triton", "mine", "sdpa"]
+    assert table.splitlines()[-1].startswith("step: the op's share of the step was not profiled; no trained path")
     assert table.splitlines()[1].split()[:7] == ["variant", "warm_ms/step", "tokens/s", "peak_MB", "steps", "loss[0]",
                                                  "loss[last]"]
     assert rows["reference"].split()[4:6] == ["8", "5.5000"] and "2.0000" in rows["reference"]
@@ -191,3 +192,27 @@ def test_any_folder_of_points_is_a_report(tmp_path, monkeypatch, capsys):
         line.split() for line in out.splitlines()], out
     page = (tmp_path / "runs/report.html").read_text()
     assert "<h2>Draft heads</h2>" in page and 'href="heads/k2/receipt.json"' in page
+
+
+def test_peer_vs_baseline_compares_only_the_same_op_at_the_same_problem():
+    """decode_attention has a peer named `sdpa` too: a name is no reason to divide another op's time (another
+    shape) by the baseline's. Planted bug: matching on the peer's name alone gives the decode point 4.00."""
+    def point(name, op, problem, ms):
+        receipt = _receipt(name)
+        receipt["config"]["op"]["name"] = op
+        receipt["microbench"]["problem"] = problem
+        receipt["microbench"]["paths"]["sdpa"]["median_ms"] = ms
+        return receipt
+
+    attention = "B=1 H=4 Hkv=4 S=128 D=32"
+    frame = report.sweep_frame({"baseline": point("baseline", "attention", attention, 1.0),
+                                "precision-fp16": point("precision-fp16", "attention", attention, 0.5),
+                                "architecture-gqa": point("architecture-gqa", "attention", "B=1 H=4 Hkv=2 S=128 D=32",
+                                                          0.8),
+                                "op-decode_attention": point("op-decode_attention", "decode_attention",
+                                                             "B=1 H=4 Hkv=4 Sq=1 Sk=1024 D=32", 0.25)})
+    ratio = dict(zip(frame["point"], frame["peer_vs_baseline"]))
+    assert ratio["baseline"] == 1.0 and ratio["precision-fp16"] == 2.0
+    assert ratio["architecture-gqa"] != ratio["architecture-gqa"]  # NaN: another shape
+    assert ratio["op-decode_attention"] != ratio["op-decode_attention"]  # NaN: another op
+    assert "-" == report.formatted(frame).set_index("point").loc["op-decode_attention", "peer_vs_baseline"]

@@ -104,3 +104,14 @@ def test_a_call_that_computed_wider_is_measured_against_the_wider_formats_roof()
     assert wide["ceiling_flops_per_s"] == 1e12 and wide["peak_flops_per_s"] == 1e11
     past = roofline(2e10, 1e6, 1e-2, peak_flops=1e11, peak_bytes_per_s=1e12, cache_bytes=2**25, widest_flops=1e12)
     assert "2.00x the calibrated FLOP peak" in past["above_roof"] and past["fraction_of_attainable"] > 1
+
+
+def test_the_cache_is_compared_with_the_working_set_not_the_traffic():
+    """A call that re-reads a small set moves more bytes than the cache holds, yet its set stays resident: no DRAM
+    roof. Planted bug: comparing the traffic (nbytes) with the cache makes it memory-capped."""
+    common = dict(peak_flops=100e9, peak_bytes_per_s=10e9, cache_bytes=1_000_000)
+    rereads = roofline(1e8, 50e6, 0.05, working_set_bytes=500_000, **common)  # I = 2 FLOP/B over a 0.5 MB set
+    assert rereads["cache_resident"] and rereads["working_set_bytes"] == 500_000
+    assert rereads["attainable_flops_per_s"] == 100e9
+    streaming = roofline(1e8, 50e6, 0.05, **common)
+    assert not streaming["cache_resident"] and streaming["attainable_flops_per_s"] == pytest.approx(10e9 * 2)

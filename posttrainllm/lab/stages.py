@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import math
 import shutil
 import time
@@ -699,6 +700,49 @@ def _time_path(impl: Impl, cfg: LabConfig, sets: list[Tensors], grad_outs: list[
     return forward, train, memory, first_call_ms, state
 
 
+COST_MODEL_RULE = ("each path is placed on the roofline with its own FLOPs and bytes, from the model the op declares "
+                   "for its kind of path (paths.<name>.costs: the formula beside each figure; the reference's "
+                   "materialised (S, S) traffic, a fused kernel's re-reads per tile); a path that declares none is "
+                   "placed with the op's floor, and its costs say so (model 'floor'). The top-level flops and bytes "
+                   "are the floor; gflops_per_s is the floor's FLOPs per second, gbytes_per_s the path's own bytes")
+
+
+def _placed(flops: float, nbytes: float, seconds: float, working_set: int, *, calibration: dict[str, Any],
+            peak_flops: float | None, peak_bandwidth: float, cache_bytes: int | None, floor_flops: float | None,
+            precision: tuple, device: str, local: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """One timed call on the roofline at its own FLOPs, bytes and working set (the last-level cache is compared
+    with the working set). Above the calibrated FLOP peak, the peak is doubted first (calibrate.LOCAL_RULE):
+    remeasured at the path's own size in the point's dtype, and the call placed against the larger; `peak_used`
+    says which peak and why. None where the point's dtype has no calibrated peak."""
+    if not peak_flops:
+        return None
+    common = dict(peak_flops=peak_flops, peak_bytes_per_s=peak_bandwidth, cache_bytes=cache_bytes,
+                  working_set_bytes=working_set)
+    roof = roofline.roofline(flops, nbytes, seconds, widest_flops=floor_flops, **common)
+    calibrated = {"source": "calibration", "flops_per_s": roof["ceiling_flops_per_s"],
+                  "n": (calibration.get("method") or {}).get("gemm_sizes"),
+                  "why": "the calibrated GEMM peak (the fastest of the formats at least as precise as the point's)"}
+    if roof["achieved_flops_per_s"] <= roof["ceiling_flops_per_s"]:
+        return {**roof, "peak_used": calibrated}
+    dtype = "tf32" if precision[1] else precision[0]
+    n = max(16, round((flops / 2) ** (1 / 3)))
+    if n not in local:
+        local[n] = calibrate.local_peak(flops, dtype, device)
+    remeasured = local[n]
+    if not remeasured.get("best_flops_per_s"):
+        return {**roof, "peak_used": {**calibrated, "remeasured": remeasured}}
+    widest = max(floor_flops or 0.0, remeasured["best_flops_per_s"])
+    again = roofline.roofline(flops, nbytes, seconds, widest_flops=widest, **common)
+    return {**again, "peak_used": {
+        "source": "remeasured" if widest > roof["ceiling_flops_per_s"] else "calibration",
+        "flops_per_s": again["ceiling_flops_per_s"], "n": remeasured["n"], "dtype": dtype,
+        "why": (f"the path ran at {roof['achieved_flops_per_s'] / 1e9:.3g} GFLOP/s, above the calibrated "
+                f"{roof['ceiling_flops_per_s'] / 1e9:.3g}: the peak was remeasured at its own size (a {remeasured['n']}"
+                f"^3 {dtype} GEMM, fastest of {remeasured['reps']} calls: {remeasured['best_flops_per_s'] / 1e9:.3g} "
+                "GFLOP/s)" + ("" if again["above_roof"] is None else "; still above it: no speed")),
+        "calibrated_flops_per_s": roof["ceiling_flops_per_s"], "remeasured": remeasured}}
+
+
 @closed_after
 def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                    calibration_problem: str | None = None) -> dict[str, Any]:
@@ -749,6 +793,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     report["above_roof_rule"] = roofline.ABOVE_ROOF_RULE
     cache_bytes = devices.last_level_cache_bytes(device)
     report["last_level_cache_bytes"] = cache_bytes
+    report["cost_models"] = COST_MODEL_RULE
+    local_peaks: dict[int, dict[str, Any]] = {}  # calibrate.local_peak per GEMM size, measured at most once here
     rows, timings = [], {}
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for name, impl in parity_paths(op, cfg, out).items():
@@ -790,19 +836,23 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                 continue
             timings[name] = (forward, train)
             seconds = forward.median_ms / 1e3
+            mine_costs = op.costs_of(impl, case, cfg)  # this path's own FLOPs and bytes (Impl.cost_model)
+            place = functools.partial(_placed, calibration=calibration, peak_flops=peak_flops,
+                                      peak_bandwidth=peak_bandwidth, cache_bytes=cache_bytes, floor_flops=floor_flops,
+                                      precision=precision, device=device, local=local_peaks)
             report["paths"][name] = {
                 "first_call_ms": first_call_ms,
                 "valid": True, **forward.summary(),
-                "gflops_per_s": costs.flops / seconds / 1e9, "gbytes_per_s": costs.bytes / seconds / 1e9,
+                "gflops_per_s": costs.flops / seconds / 1e9, "gbytes_per_s": mine_costs.bytes / seconds / 1e9,
                 "memory": memory,
-                "roofline": roofline.roofline(costs.flops, costs.bytes, seconds, peak_flops=peak_flops,
-                                              peak_bytes_per_s=peak_bandwidth,
-                                              cache_bytes=cache_bytes, widest_flops=floor_flops)
-                if peak_flops else None,
+                "costs": mine_costs.record(),
+                "roofline": place(mine_costs.flops, mine_costs.bytes, seconds, mine_costs.live_bytes),
                 "backward": impl.backward, **(user.entry if user else {}),
                 "forward_backward": (
                     {"valid": False, "reason": backward_note(impl)} if train is None else
-                    {**train.summary(), "gflops_per_s": costs.train_flops / (train.median_ms / 1e3) / 1e9}),
+                    {**train.summary(), "gflops_per_s": costs.train_flops / (train.median_ms / 1e3) / 1e9,
+                     "roofline": place(mine_costs.train_flops, mine_costs.train_bytes, train.median_ms / 1e3,
+                                       mine_costs.live_bytes) if mine_costs.train_bytes else None}),
             }
             above = (report["paths"][name]["roofline"] or {}).get("above_roof")
             if above and name != REFERENCE:  # a fraction above 1 is not a result (roofline.ABOVE_ROOF_RULE)
@@ -830,7 +880,9 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     timed = list(timings)
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
         report["describe"] = op.describe(case, inputs, cfg)
-    report["curve"] = _curve(cfg, op, out, device, timed, calibration, floor_flops)
+    ridge = max(peak_flops, floor_flops or 0.0) / peak_bandwidth if peak_flops else None  # FLOP/B
+    report["curve"] = _curve(cfg, op, out, device, timed, calibration, floor_flops, cache_bytes=cache_bytes,
+                             ridge=ridge)
     for name, impl in op.paths(cfg).items():  # after every timed call and curve size (compiled: per signature)
         if impl.evidence is not None and name in report["paths"]:
             report["paths"][name]["evidence"] = impl.evidence()
@@ -843,8 +895,9 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                              "problem": report["problem"]})
     # every timed path at its intensity and achieved rate, against each calibrated dtype's roof; drawn even where
     # the point's own dtype has no calibrated peak (an fp8 point on a CPU: its paths then have no roofline entry)
-    lines = [{"label": name, "intensity_flops_per_byte": entry["gflops_per_s"] / entry["gbytes_per_s"],
-              "achieved_flops_per_s": entry["gflops_per_s"] * 1e9}
+    lines = [{"label": name, "intensity_flops_per_byte": entry["costs"]["flops_per_byte"],
+              "achieved_flops_per_s": entry["costs"]["flops"] / (entry["median_ms"] / 1e3),
+              "model": entry["costs"]["model"]}
              for name in timed if (entry := report["paths"][name]).get("gflops_per_s")]
     title = f"{op.name} {report['problem']}"
     if not peak_flops:
@@ -855,7 +908,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
 
 
 def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], calibration: dict[str, Any],
-           floor_flops: float | None) -> dict[str, Any]:
+           floor_flops: float | None, *, cache_bytes: int | None = None, ridge: float | None = None) -> dict[str, Any]:
     """The timed paths over every curve axis of the op (shape.curve; its extra_curves), forward and, with
     bench.curve_backward, forward + backward; each size parity-checked before it is timed: curve.csv + plots,
     and each path's crossover with the reference per axis and mode. Each size's timing rotates over the point's
@@ -885,8 +938,10 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                                  if curves.FORWARD_BACKWARD in modes else [])
                 for name in timed:
                     impl = paths[name]
+                    mine_costs = op.costs_of(impl, case, cfg)  # the path's own traffic at this size
                     labels = dict(op=op.name, impl=name, kind=impl.kind, x_name=axis.x_name, x_value=x,
-                                  bytes=costs.bytes, minimal_bytes=costs.bytes, device=device, revision=revision)
+                                  minimal_bytes=costs.bytes, working_set=mine_costs.live_bytes,
+                                  cost_model=mine_costs.model, device=device, revision=revision)
                     mine = [rooms.fresh(s, device) for _, s in sets]  # this path's own buffers
                     dos = [g.clone() for g in grad_outs]
                     for mode in modes:
@@ -894,16 +949,19 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                             continue  # a forward-only path has no forward + backward to time
                         if mode == curves.FORWARD:
                             calls, flops = [lambda s=s: impl.fn(s, cfg) for s in mine], costs.flops
+                            modelled = dict(path_flops=mine_costs.flops, bytes=mine_costs.bytes)
                         else:
                             calls = [_forward_backward(impl, s, g, cfg) for s, g in zip(mine, dos)]
                             flops = costs.train_flops
+                            modelled = dict(path_flops=mine_costs.train_flops, bytes=mine_costs.train_bytes)
                         if impl.user is not None:  # timed from outside its worker process (lab/outside.py)
                             rows.append(outside.curve_row(op, cfg, case, impl, mode, device, settings, checks[name],
-                                                          dict(labels, mode=mode, flops=flops)))
+                                                          dict(labels, mode=mode, flops=flops, **modelled)))
                             continue
                         with torch.set_grad_enabled(mode != curves.FORWARD), rooms.StateGuard() as guard:
                             row = curves.measure_row(rooms.rotating(calls), device=device, settings=settings,
-                                                     check=checks[name], labels=dict(labels, mode=mode, flops=flops))
+                                                     check=checks[name],
+                                                     labels=dict(labels, mode=mode, flops=flops, **modelled))
                         if row["valid"] and name != REFERENCE:  # what was timed was this function, possibly
                             refused = (
                                 guard.reason
@@ -918,7 +976,9 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                 del sets, grad_outs
     frame = curves.frame(rows)
     frame.to_csv(out / "curve.csv", index=False)
-    plots.time_vs_size(frame, out / "time_vs_size.png")
+    read = curves.regimes(frame, cache_bytes=cache_bytes, ridge=ridge,  # each path's regime per segment
+                          caches=curves.cache_levels(device))
+    plots.time_vs_size(frame, out / "time_vs_size.png", regimes=read)
     plots.memory_vs_size(frame, out / "memory_vs_size.png")
     why_not = refusals(out)
     skipped = {name: (INTERPRETER_NOT_SPEED if _interpreted(impl) else why_not.get(name, FAILED_PARITY))
@@ -929,6 +989,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
             "band_rule": BAND_RULE, "check": CURVE_CHECK,
             "crossover_vs_reference": headline["vs_reference"],  # x_name, forward: what the report shows
             "crossovers": found,  # every axis and mode
+            "regimes": read, "regime_rule": curves.REGIME_RULE,
             "unchecked_or_failed": sorted({f"{r['impl']}@{r['x_name']}={r['x_value']}" for r in rows
                                            if r["check"] != "pass"})}
 

@@ -61,11 +61,12 @@ def _seconds(value: float) -> str:
 
 def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, peak_bytes_per_s: float,
              overhead_s: float = DEFAULT_OVERHEAD_S, cache_bytes: int | None = None,
-             widest_flops: float | None = None) -> dict[str, Any]:
+             widest_flops: float | None = None, working_set_bytes: int | None = None) -> dict[str, Any]:
     """One measured call against the roofline; every rate in base units (FLOP/s, B/s). cache_bytes: the
     device's last-level cache (None: unknown, the copy roof always applies). widest_flops: the fastest peak among
     formats at least as precise as the point's (calibrate.floor_peak): a call that computed wider may reach it, so
-    only a rate above it too is above the FLOP roof."""
+    only a rate above it too is above the FLOP roof. working_set_bytes: what is live at once (the path's cost
+    model), compared with the cache; None: nbytes (a call's traffic is then taken as its working set)."""
     for name, value in (("flops", flops), ("nbytes", nbytes), ("seconds", seconds), ("peak_flops", peak_flops),
                         ("peak_bytes_per_s", peak_bytes_per_s)):
         if not value > 0:
@@ -77,7 +78,8 @@ def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, 
     # format's peak, so the fastest of the formats at least as precise bounds it, not the point's own format alone
     ceiling = max(peak_flops, widest_flops or 0.0)
     ridge = ceiling / peak_bytes_per_s  # FLOP/B
-    resident = cache_bytes is not None and nbytes <= cache_bytes  # the DRAM roof does not bind a cached set
+    live = nbytes if working_set_bytes is None else working_set_bytes  # [B]
+    resident = cache_bytes is not None and live <= cache_bytes  # the DRAM roof does not bind a cached set
     memory_roof = float("inf") if resident else peak_bytes_per_s * intensity  # FLOP/s
     attainable = min(ceiling, memory_roof)  # FLOP/s
     achieved = flops / seconds  # FLOP/s
@@ -88,7 +90,7 @@ def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, 
                  f"{_si(ceiling, 'FLOP/s')}: the calibration or the timing is wrong")
     elif achieved > memory_roof:
         above = (f"achieved {_si(nbytes / seconds, 'B/s')} is {fraction:.2f}x the DRAM copy roof "
-                 f"{_si(peak_bytes_per_s, 'B/s')} with a working set of {_si(nbytes, 'B')}"
+                 f"{_si(peak_bytes_per_s, 'B/s')} with a working set of {_si(live, 'B')}"
                  + (f" over the {_si(cache_bytes, 'B')} last-level cache" if cache_bytes else
                     " (last-level cache unknown)") + ": the byte model or the calibration is wrong")
     roof = COMPUTE if intensity >= ridge else MEMORY
@@ -106,12 +108,13 @@ def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, 
         classification = roof
         why = f"{side}; {rate}"
     if resident:
-        why += f"; working set {_si(nbytes, 'B')} fits the {_si(cache_bytes, 'B')} last-level cache: no DRAM roof"
+        why += f"; working set {_si(live, 'B')} fits the {_si(cache_bytes, 'B')} last-level cache: no DRAM roof"
     return {
         "classification": classification,
         "why": why,
         "above_roof": above,  # None, or why this fraction above 1 cannot be a result (ABOVE_ROOF_RULE)
         "cache_resident": resident,
+        "working_set_bytes": live,
         "roof": roof,  # which roof applies by intensity alone, whatever the classification
         "intensity_flops_per_byte": intensity,
         "ridge_flops_per_byte": ridge,

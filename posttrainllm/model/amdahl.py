@@ -6,7 +6,9 @@ the step can at best become
     predicted = 1 / ((1 - f) + f / s)
 
 times faster. bench-train measures the real end-to-end speedup; when the two disagree
-by more than DISAGREEMENT, `reading` names the likely reasons from the numbers at hand.
+by more than DISAGREEMENT, `reading` names the likely reasons from the numbers at hand, and
+`sentence` always says, in one line, the op's share, the prediction, the measurement and why
+they agree or differ.
 
 A measured speedup is only a change when it lies outside the run-to-run band of the
 baseline's own step time (`noise_band`: the baseline against itself, its warm steps' two
@@ -94,6 +96,68 @@ def reading(*, fraction: float, speedup: float, predicted: float, measured: floa
             + ("; ".join(reasons) if reasons else "no reason found in the profile; rerun to rule out noise"))
 
 
+BACKWARD_GAP = 1.25  # forward speedup over forward+backward speedup above which the backward is named
+IN_MODEL_GAP = 0.8  # the op's own speedup inside the model under this fraction of the microbench's: a copy or shape
+
+
+def sentence(*, op: str, fraction: float, speedup: float, forward_speedup: float | None, predicted: float,
+             measured: float, band: float | None, in_model_speedup: float | None = None,
+             microbench_problem: str = "", model_problem: str = "") -> str:
+    """The end-to-end answer in one plain sentence, always (agree or not): the op's share of the measured step, the
+    op speedup Amdahl is given, its prediction, the measurement with its band, and why the two agree or differ.
+
+    Reasons a difference is given, each from the numbers at hand: noise (the measurement inside the baseline's own
+    band, or the band wider than the gap), the op's share (under 20%: no op speedup gives more than 1/(1 − f)), a
+    backward the forward speed does not carry (forward speedup > BACKWARD_GAP × forward+backward's), a copy the
+    swap adds or the model's other shape (the op inside the model sped up < IN_MODEL_GAP × the microbench's)."""
+    share = f"{op} is {fraction:.0%} of the measured training step"
+    given = f"the op {speedup:.2f}x faster (forward+backward microbench)"
+    pred = f"Amdahl 1/((1-f) + f/s) predicts {predicted:.2f}x"
+    band_text = f" (run-to-run band +-{(band - 1) * 100:.1f}%)" if band else ""
+    meas = (f"measured: {NO_CHANGE}{band_text}" if within_band(measured, band)
+            else f"measured {measured:.2f}x{band_text}")
+    head = f"{share}; with {given}, {pred}; {meas}"
+    if not disagrees(predicted, measured, band):
+        if within_band(predicted, band):
+            why = (f"they agree: at {fraction:.0%} of the step even a {speedup:.2f}x op moves the step less than "
+                   "its own run-to-run band")
+        elif within_band(measured, band):
+            why = (f"they agree within {DISAGREEMENT:.0%}, yet the step shows no measurable change: at {fraction:.0%} "
+                   f"of the step no speedup of the op gives more than {1 / (1 - fraction):.2f}x")
+        else:
+            why = f"they agree (within {DISAGREEMENT:.0%})"
+        return f"{head}: {why}"
+    reasons = []
+    if within_band(measured, band):
+        reasons.append("noise: the measured change is inside the baseline's own band")
+    elif band and abs(measured - predicted) <= band - 1:
+        reasons.append(f"noise: the gap is within the +-{(band - 1) * 100:.1f}% band")
+    if fraction < 0.2:
+        reasons.append(f"the op's share: at {fraction:.0%} no speedup of it gives more than {1 / (1 - fraction):.2f}x")
+    if forward_speedup is not None and forward_speedup > BACKWARD_GAP * speedup:
+        reasons.append(f"a backward the forward speed does not carry: forward {forward_speedup:.2f}x, forward+"
+                       f"backward {speedup:.2f}x")
+    if in_model_speedup is not None and in_model_speedup < IN_MODEL_GAP * speedup:
+        reasons.append(f"inside the model the op ran {in_model_speedup:.2f}x faster, not {speedup:.2f}x: a copy or "
+                       "cast the swap adds" + (f", or the model's shape ({model_problem}, microbench "
+                                               f"{microbench_problem})" if model_problem != microbench_problem
+                                               else ""))
+    elif microbench_problem and model_problem and microbench_problem != model_problem:
+        reasons.append(f"the model's shape ({model_problem}) is not the microbench's ({microbench_problem})")
+    if measured > predicted and not within_band(measured, band):
+        reasons.append("the step sped up more than the op can explain: something else changed (rerun)")
+    direction = "below" if measured < predicted else "above"
+    return f"{head}: measured {direction} predicted, " + ("; ".join(reasons) if reasons else
+                                                          "no reason found in the numbers; rerun to rule out noise")
+
+
+def _op_us_per_call(profile: dict[str, Any] | None, op: str) -> float | None:
+    entry = (profile or {}).get(op)
+    if not entry or not entry.get("calls"):
+        return None
+    return (entry["forward_us"] + entry["backward_us"]) / entry["calls"]
+
+
 def check(train: dict[str, Any], microbench: dict[str, Any], *, profiled_range: str,
           model_problem: str) -> dict[str, Any]:
     """Predicted vs measured end-to-end speedup for every trained variant but the baseline.
@@ -132,6 +196,9 @@ def check(train: dict[str, Any], microbench: dict[str, Any], *, profiled_range: 
         s = s_impl / s_base
         predicted = predicted_speedup(fraction, s)
         measured = base_run["warm_ms_per_step"] / run["warm_ms_per_step"]
+        forward = (micro.get(name) or {}).get("speedup_vs_reference")
+        base_us, own_us = _op_us_per_call(profile, profiled_range), _op_us_per_call(run.get("profile"), profiled_range)
+        in_model = base_us / own_us if base_us and own_us else None
         out["variants"][name] = {
             "valid": True, "microbench_speedup": s, "predicted_speedup": predicted, "measured_speedup": measured,
             "measured_change": (None if band is None else NO_CHANGE if within_band(measured, band)
@@ -139,5 +206,9 @@ def check(train: dict[str, Any], microbench: dict[str, Any], *, profiled_range: 
             "reading": reading(fraction=fraction, speedup=s, predicted=predicted, measured=measured,
                                op_profile=op_profile, microbench_problem=microbench["problem"],
                                model_problem=model_problem, band=band),
+            "forward_speedup": forward, "in_model_op_speedup": in_model,
+            "sentence": sentence(op=profiled_range, fraction=fraction, speedup=s, forward_speedup=forward,
+                                 predicted=predicted, measured=measured, band=band, in_model_speedup=in_model,
+                                 microbench_problem=microbench["problem"], model_problem=model_problem),
         }
     return out

@@ -158,7 +158,8 @@ def _impls_for(cfg: LabConfig) -> dict[str, Impl]:
         if name == "triton":
             for peer in SDPA_BACKENDS:
                 if peer not in absent:
-                    paths[peer] = Impl(peer, "peer", _pinned_sdpa(peer), train=False, backend=(
+                    paths[peer] = Impl(peer, "peer", _pinned_sdpa(peer), train=False,
+                                       cost_model=_SDPA_COST_MODEL[peer], backend=(
                         "torch.nn.functional.scaled_dot_product_attention under "
                         f"sdpa_kernel(SDPBackend.{SDPA_BACKENDS[peer]}){note}"))
         paths[name] = impl
@@ -223,13 +224,16 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 
 
 IMPLS = {
-    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.attention"),
-    "sdpa": Impl("sdpa", "peer", _sdpa, backend="torch.nn.functional.scaled_dot_product_attention"),
+    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.attention",
+                    cost_model="materialised"),
+    "sdpa": Impl("sdpa", "peer", _sdpa, backend="torch.nn.functional.scaled_dot_product_attention",
+                 cost_model="sdpa"),
     "triton": Impl("triton", "triton", _triton, outputs=("out", "lse"), geometry=_triton_geometry,
                    backend="posttrainllm.ops.attention.flash_attention",
                    kernels={"forward": ("_attn_fwd_kernel",),
                             "backward": ("_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")},
-                   promises=("deterministic",)),  # no atomics: every sum in one order (lab/invariance.py checks)
+                   promises=("deterministic",),  # no atomics: every sum in one order (lab/invariance.py checks)
+                   cost_model="fused"),
 }
 
 
@@ -320,6 +324,176 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
     nbytes = (2 * d["batch"] * d["heads"] + 2 * d["batch"] * d["kv_heads"]) * d["seq_len"] * d["head_dim"] * size
     return Costs(flops, nbytes, 2.5, "4*B*H*S^2*D (x0.5 causal)", "(2*B*H + 2*B*Hkv)*S*D*itemsize",
                  "backward = 2.5 x forward (FlashAttention: 5 vs 2 S^2*D matmuls)")
+
+
+# --- each kind of path's own traffic (OpDef.path_costs; Impl.cost_model names one) --------------------------
+#
+# N = B·H·S·D and Nkv = B·Hkv·S·D elements (Q or O; K or V), P = B·H·S² (one (S, S) tensor per query head), s the
+# point's itemsize; the causal mask's (S, S) bools are 1 byte each.
+
+
+def _sizes(case: Case) -> tuple[int, int, int, int, int, int, int, int]:
+    d = case.dims
+    b, h, hkv, sl, hd = d["batch"], d["heads"], d["kv_heads"], d["seq_len"], d["head_dim"]
+    return b, h, hkv, sl, hd, b * h * sl * hd, b * hkv * sl * hd, b * h * sl * sl
+
+
+def _materialised(case: Case, cfg: LabConfig) -> Costs:
+    """The readable reference (ops/reference.attention) as eager PyTorch runs it: each op reads its inputs and
+    writes its outputs, in the point's dtype (measure/traffic.py counts the same, tests/test_traffic.py).
+
+    forward: repeat K, V (read 2·Nkv, write 2·N); Q Kᵀ (2·N, P); · scale (P, P); causal: the mask (ones, triu:
+    3·S² bools) and masked_fill (P + S², P); softmax (P, P); P V (P + N, N).
+    backward: dP = dO Vᵀ (2·N, P); dV = Pᵀ dO (P + N, N); softmax's (2·P, P); causal: masked_fill's (P + S², P);
+    · scale (P, P); dQ = dS K and dK = dSᵀ Q (2·(P + N), 2·N); GQA: the repeats' sums (2·N, 2·Nkv), else one
+    copy (N, N).
+    FLOPs: Q Kᵀ and P V over the whole (S, S), the masked half too: 4·B·H·S²·D.
+    Working set: the inputs, the repeated K and V, O, and two (S, S) tensors alive at once (scores and the next)."""
+    b, h, hkv, sl, hd, n, nkv, p = _sizes(case)
+    size, causal = itemsize(cfg.precision.dtype), cfg.op.causal
+    forward = size * ((8 if causal else 6) * p + 6 * n + 2 * nkv) + (4 * sl * sl if causal else 0)
+    gqa = hkv != h
+    backward = size * ((11 if causal else 9) * p + 10 * n + (2 * nkv if gqa else 0)) + (sl * sl if causal else 0)
+    mask = "causal" if causal else "no mask"
+    return Costs(4 * b * h * sl * sl * hd, forward, 2.5, "4*B*H*S^2*D (the whole (S, S): the masked half is computed "
+                 "too)", f"s*({8 if causal else 6}*P + 6*N + 2*Nkv)" + (" + 4*S^2" if causal else "") +
+                 f" ({mask}; P = B*H*S^2, N = B*H*S*D, Nkv = B*Hkv*S*D, s = itemsize)",
+                 "backward = 2.5 x forward (five S^2*D matmuls against two)",
+                 train_bytes=forward + backward,
+                 train_bytes_formula=f"forward + s*({11 if causal else 9}*P + 10*N" + (" + 2*Nkv)" if gqa else ")")
+                 + (" + S^2" if causal else ""),
+                 working_set=size * (2 * p + 4 * n + 2 * nkv), working_set_formula="s*(2*P + 4*N + 2*Nkv)",
+                 model="materialised",
+                 note=f"the (S, S) scores and probabilities written and read in {cfg.precision.dtype}, forward and "
+                      "backward, one eager op at a time (no cache between them)")
+
+
+def _math(case: Case, cfg: LabConfig) -> Costs:
+    """SDPA's MATH backend (ATen's _scaled_dot_product_attention_math), eager: it scales Q and K by √scale
+    (2·N, 2·N), forms Q Kᵀ (3·N + P read with P V, P + N written), adds a causal bias it builds as an (S, S)
+    tensor (ones, tril, where: S²·(4 + c) bytes; add: P + S²·c, P), softmax (P, P); GQA repeats K and V first
+    (2·Nkv, 2·N). Backward: the four matmuls (5·N + 3·P, P + 3·N), softmax's (2·P, P), the scales' (2·N, 2·N) and
+    the gradients of K and V (GQA: their sums, 2·N, 2·Nkv; else one copy in s, N, N). c: its compute itemsize, fp32
+    for 16-bit inputs on the CPU, which then adds the casts of Q, K, V, O, dO, the gradients and one (S, S)."""
+    b, h, hkv, sl, hd, n, nkv, p = _sizes(case)
+    size, causal = itemsize(cfg.precision.dtype), cfg.op.causal
+    upcast = _point_device(cfg) == "cpu" and size == 2
+    c = 4 if upcast else size
+    gqa = hkv != h
+    forward = (c * ((6 if causal else 4) * p + 8 * n + (2 * nkv + 2 * n if gqa else 0))
+               + (sl * sl * (2 * c + 4) + 16 if causal else 0))
+    backward = c * (7 * p + 12 * n + (2 * n + 2 * nkv if gqa else 0)) + (0 if gqa else 2 * size * n)
+    casts = ""
+    if upcast:
+        forward += (n + 2 * nkv) * (size + 4) + n * (4 + size) + p * (4 + size)
+        backward += n * (size + 4) + (n + 2 * nkv) * (4 + size)
+        casts = " + the fp32 casts: (2*N + 2*Nkv + P)*(s + 4) forward, (2*N + 2*Nkv)*(s + 4) backward"
+    return Costs(4 * b * h * sl * sl * hd, forward, 2.5, "4*B*H*S^2*D (the whole (S, S))",
+                 f"c*({6 if causal else 4}*P + 8*N" + (" + 2*Nkv + 2*N" if gqa else "") + ")"
+                 + (" + S^2*(2*c + 4) + 16" if causal else "") + f"{casts} (c = {c})",
+                 "backward = 2.5 x forward (five S^2*D matmuls against two)",
+                 train_bytes=forward + backward,
+                 train_bytes_formula="forward + c*(7*P + 12*N) + " + ("c*(2*N + 2*Nkv)" if gqa else "2*s*N"),
+                 working_set=c * (2 * p + 4 * n), working_set_formula="c*(2*P + 4*N)", model="math",
+                 note="ATen's math backend: the (S, S) scores and probabilities in "
+                      f"{'float32' if upcast else cfg.precision.dtype}, forward and backward")
+
+
+def _tile_keys(sl: int, block_q: int, causal: bool) -> tuple[int, int]:
+    """(Σ over query tiles of the keys each reads, Σ of rows × keys it computes): tile i of block_q rows reads the
+    keys up to its last row under the causal mask (its diagonal block in full), all S otherwise."""
+    tiles = -(-sl // block_q)
+    keys = [min((i + 1) * block_q, sl) if causal else sl for i in range(tiles)]
+    rows = [min(block_q, sl - i * block_q) for i in range(tiles)]
+    return sum(keys), sum(r * k for r, k in zip(rows, keys))
+
+
+def _tile_rows(sl: int, block_kv: int, causal: bool) -> int:
+    """Σ over key tiles of the query rows each reads (the dK/dV pass): rows from the tile's first key on, causal."""
+    tiles = -(-sl // block_kv)
+    return sum(sl - j * block_kv if causal else sl for j in range(tiles))
+
+
+def _fused(case: Case, cfg: LabConfig, tile: dict[str, int], assumed: str) -> Costs:
+    """A FlashAttention-2 kernel with these tiles: nothing (S, S) leaves the chip; each query tile re-reads K and V.
+
+    forward: Q read and O written once (2·N), K and V per query tile of block_q rows, Σ_i k_i keys per head
+    (k_i = min((i+1)·block_q, S) causal, S otherwise): 2·B·H·D·Σk_i; the logsumexp written (4·B·H·S).
+    backward: delta = rowsum(dO∘O) (2·N read, 4·B·H·S written); dK/dV: K, V read and dK, dV written once
+    (4·Nkv) while each key tile of dkdv_block_kv re-reads its query rows' Q, dO (2·D each) and lse, delta
+    (8 B): B·H·Σr_j·(2·D·s + 8); dQ: Q, dO, lse, delta read and dQ written once, K and V per query tile of
+    dq_block_q, as the forward.
+    FLOPs: what the tiles compute, the diagonal tiles in full: 4·B·H·D·Σ_i rows_i·k_i."""
+    b, h, hkv, sl, hd, n, nkv, _ = _sizes(case)
+    size, causal = itemsize(cfg.precision.dtype), cfg.op.causal
+    keys, pairs = _tile_keys(sl, tile["block_q"], causal)
+    forward = size * (2 * n + 2 * b * h * hd * keys) + 4 * b * h * sl
+    dq_keys, _ = _tile_keys(sl, tile["dq_block_q"], causal)
+    rows = _tile_rows(sl, tile["dkdv_block_kv"], causal)
+    backward = (size * 2 * n + 4 * b * h * sl  # delta
+                + size * 4 * nkv + b * h * rows * (2 * hd * size + 8)  # dK/dV
+                + size * 3 * n + 8 * b * h * sl + size * 2 * b * h * hd * dq_keys)  # dQ
+    blocks = ", ".join(f"{k}={v}" for k, v in tile.items())
+    return Costs(4 * b * h * hd * pairs, forward, 2.5, f"4*B*H*D*sum_i rows_i*k_i (tiles of block_q={tile['block_q']}"
+                 ", the diagonal tile in full)",
+                 "s*(2*N + 2*B*H*D*sum_i k_i) + 4*B*H*S (k_i = min((i+1)*block_q, S) causal, else S)",
+                 "backward = 2.5 x forward (five S^2*D matmuls against two)",
+                 train_bytes=forward + backward,
+                 train_bytes_formula="forward + s*(5*N + 4*Nkv) + 12*B*H*S + B*H*sum_j r_j*(2*D*s + 8) "
+                                     "+ s*2*B*H*D*sum_i k_i(dq_block_q) (r_j: query rows key tile j re-reads)",
+                 working_set=size * (2 * n + 2 * nkv) + 4 * b * h * sl,
+                 working_set_formula="s*(2*N + 2*Nkv) + 4*B*H*S (Q, K, V, O, lse)", model="fused",
+                 note=f"tiles {blocks} ({assumed}); K/V re-read per query tile, no (S, S) in memory")
+
+
+def _triton_tile(cfg: LabConfig) -> dict[str, int]:
+    t = cfg.tile
+    return {"block_q": t.block_q, "block_kv": t.block_kv, "dkdv_block_q": t.dkdv_block_q or t.block_q,
+            "dkdv_block_kv": t.dkdv_block_kv or t.block_kv, "dq_block_q": t.dq_block_q or t.block_q,
+            "dq_block_kv": t.dq_block_kv or t.block_kv}
+
+
+def _triton_costs(case: Case, cfg: LabConfig) -> Costs:
+    return _fused(case, cfg, _triton_tile(cfg), "tile." + cfg.tile.name + (", before autotune: the chosen tiles are "
+                  "in the kernel's geometry" if cfg.tile.autotune else ""))
+
+
+# ATen's CPU flash kernel splits the queries by S (32 below 192, 64 below 768, else 256) and the keys by 512;
+# on CUDA the flash and memory-efficient kernels are taken at 128 x 64 (FlashAttention-2's forward at D <= 128)
+def _sdpa_tile(case: Case, cfg: LabConfig) -> tuple[dict[str, int], str]:
+    sl = case.dims["seq_len"]
+    if _point_device(cfg) == "cpu":
+        q_split = 32 if sl < 192 else 64 if sl < 768 else 256
+        tile, assumed = (q_split, 512), "ATen's CPU flash kernel's query and key splits at this S"
+    else:
+        tile, assumed = (128, 64), "assumed: FlashAttention-2's 128 x 64 forward tile; the library's own choice"
+    return ({"block_q": tile[0], "block_kv": tile[1], "dkdv_block_q": tile[0], "dkdv_block_kv": tile[1],
+             "dq_block_q": tile[0], "dq_block_kv": tile[1]}, assumed)
+
+
+def _sdpa_costs(case: Case, cfg: LabConfig, repeats: str = "fp32") -> Costs:
+    """A fused SDPA backend at its tiles; where the path repeats K and V to H heads first (GQA; `repeats`: "fp32",
+    the generic call's rule (_sdpa), "always" (the efficient and cuDNN backends), "never" (flash: enable_gqa)), a
+    copy the fused kernel does not need: read 2·Nkv, write 2·N forward, summed back (2·N, 2·Nkv) in the backward."""
+    tile, assumed = _sdpa_tile(case, cfg)
+    costs = _fused(case, cfg, tile, assumed)
+    b, h, hkv, sl, hd, n, nkv, _ = _sizes(case)
+    if hkv == h or repeats == "never" or (repeats == "fp32" and cfg.precision.dtype in ("float16", "bfloat16")):
+        return costs
+    copy = itemsize(cfg.precision.dtype) * (2 * nkv + 2 * n)
+    return dataclasses.replace(costs, bytes=costs.bytes + copy, bytes_formula=costs.bytes_formula
+                               + " + s*(2*Nkv + 2*N) (K, V repeated to H heads first)",
+                               train_bytes=costs.train_bytes + 2 * copy,
+                               train_bytes_formula=costs.train_bytes_formula + " + 2*s*(2*Nkv + 2*N) (the repeats)",
+                               working_set=costs.working_set + itemsize(cfg.precision.dtype) * 2 * n,
+                               note=costs.note + "; K, V repeated to H heads first (fp32 GQA)")
+
+
+PATH_COSTS = {"materialised": _materialised, "math": _math, "fused": _triton_costs, "sdpa": _sdpa_costs,
+              "sdpa_native_gqa": lambda case, cfg: _sdpa_costs(case, cfg, "never"),
+              "sdpa_repeated_kv": lambda case, cfg: _sdpa_costs(case, cfg, "always")}
+_SDPA_COST_MODEL = {"sdpa_flash": "sdpa_native_gqa", "sdpa_efficient": "sdpa_repeated_kv",
+                    "sdpa_cudnn": "sdpa_repeated_kv", "sdpa_math": "math"}
 
 
 def _curve_case(cfg: LabConfig, x: int) -> Case:
@@ -484,7 +658,7 @@ OP = OpDef(
     # both miss the per-row bound there in bf16/fp16 while the readable math (exact softmax backward) does not.
     forward_only_inputs=("near_one_hot",),
     gradient_baselines=(("exp(S - lse)", _reference_from_lse),),
-    oracle_chunks=_oracle_chunks, reference_bytes=_reference_bytes,
+    oracle_chunks=_oracle_chunks, reference_bytes=_reference_bytes, path_costs=PATH_COSTS,
     output_follows={"out": "q", "lse": "q", "grad_q": "q", "grad_k": "k", "grad_v": "v"},
     point_impls=_impls_for,
     optional_peers={"compiled": compiled(

@@ -21,6 +21,7 @@ microbench, curves, bench-train, receipt and report never test an op's name.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -135,6 +136,9 @@ class Impl:
     # the bitwise properties this path promises (config.PROPERTIES: deterministic, batch_invariant): parity fails it
     # where one does not hold (lab/invariance.py); a user path declares them as its function's `promises`
     promises: tuple[str, ...] = ()
+    # the op's cost model of this kind of path (a key of OpDef.path_costs: attention's "materialised", "fused"...);
+    # None: none declared, the path is placed with the op's floor and its receipt says so (OpDef.costs_of)
+    cost_model: str | None = None
 
     @property
     def checks_gradients(self) -> bool:
@@ -163,9 +167,20 @@ class BatchAxis:
     note: str = ""
 
 
+FLOOR = "floor"  # Costs.model of an op's `costs`: inputs read once, outputs written once
+FLOOR_NOTE = ("the op's floor (inputs read once, outputs written once), not a model of this path: it declares "
+              "none (Impl.cost_model)")
+
+
 @dataclass(frozen=True)
 class Costs:
-    """Forward FLOPs and the minimal bytes one call moves; the backward is `backward_multiple` × forward."""
+    """Forward FLOPs and the bytes one call moves; the backward is `backward_multiple` × forward in FLOPs.
+
+    An op's `costs` is its floor (model FLOOR): the FLOPs of the math and the minimal bytes. A path's own model
+    (OpDef.path_costs, named by Impl.cost_model) gives what that path executes and moves: the reference's
+    materialised (S, S) scores, a fused kernel's K/V re-read per query tile. train_bytes: forward + backward
+    traffic [B] (None: not modelled; the roofline then reads the forward only); working_set: the bytes live at
+    once in the forward [B], what the last-level cache is compared with (None: `bytes`)."""
 
     flops: int
     bytes: int
@@ -173,11 +188,32 @@ class Costs:
     flops_formula: str
     bytes_formula: str
     backward_formula: str
+    train_bytes: int | None = None
+    train_bytes_formula: str = ""
+    working_set: int | None = None
+    working_set_formula: str = ""
+    model: str = FLOOR
+    note: str = ""  # what the model assumes (a tile it does not know), or why it is the floor
 
     @property
     def train_flops(self) -> float:
         """Forward + backward FLOPs."""
         return self.flops * (1.0 + self.backward_multiple)
+
+    @property
+    def live_bytes(self) -> int:
+        """The working set, or the forward's bytes where none is modelled."""
+        return self.working_set if self.working_set is not None else self.bytes
+
+    def record(self) -> dict[str, Any]:
+        """The model as a receipt keeps it: every figure beside its formula."""
+        return {"model": self.model, "note": self.note, "flops": self.flops, "flops_formula": self.flops_formula,
+                "bytes": self.bytes, "bytes_formula": self.bytes_formula, "train_flops": self.train_flops,
+                "backward_formula": self.backward_formula, "train_bytes": self.train_bytes,
+                "train_bytes_formula": self.train_bytes_formula, "working_set_bytes": self.live_bytes,
+                "working_set_formula": self.working_set_formula or ("= bytes" if self.working_set is None else ""),
+                "flops_per_byte": self.flops / self.bytes if self.bytes else None,
+                "train_flops_per_byte": self.train_flops / self.train_bytes if self.train_bytes else None}
 
 
 @dataclass(frozen=True)
@@ -269,6 +305,9 @@ class OpDef:
     trains_quantized: bool = False
     # What a row is and its batch axis (BatchAxis): the batch-invariance check; None: not measured for this op
     batch_axis: BatchAxis | None = None
+    # Cost models per kind of path, {name: (case, cfg) -> Costs}: what each kind executes and moves (Impl.cost_model
+    # names one); `costs` stays the op's floor, what a path that declares none is placed with
+    path_costs: dict[str, Callable[[Case, LabConfig], Costs]] = field(default_factory=dict)
 
     @property
     def reference(self) -> Impl:
@@ -319,6 +358,16 @@ class OpDef:
     def optimized(self, cfg: LabConfig) -> list[Impl]:
         """The paths checked against the reference (everything but the reference itself)."""
         return [impl for name, impl in self.paths(cfg).items() if name != REFERENCE]
+
+    def costs_of(self, impl: Impl, case: Case, cfg: LabConfig) -> Costs:
+        """`impl`'s own cost model at `case` (Impl.cost_model in path_costs); the floor, saying so, where it declares
+        none. A name the op does not model is refused with the valid ones."""
+        if impl.cost_model is None:
+            return dataclasses.replace(self.costs(case, cfg), model=FLOOR, note=FLOOR_NOTE)
+        if impl.cost_model not in self.path_costs:
+            raise ValueError(f"{self.name} path {impl.name!r}: cost model {impl.cost_model!r} is not one of the "
+                             f"op's: valid choices are {', '.join(self.path_costs) or 'none (the floor)'}")
+        return self.path_costs[impl.cost_model](case, cfg)
 
     def gradient_names(self) -> list[str]:
         """grad_<input> for every input a gradient is asked for."""

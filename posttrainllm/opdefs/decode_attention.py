@@ -23,6 +23,8 @@ bandwidth (the roofline), over the context length Sk (`shape.curve` as Sk, Sq = 
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import torch
@@ -88,14 +90,16 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 
 
 IMPLS = {
-    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.chunk_attention"),
+    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.chunk_attention",
+                    cost_model="materialised"),
     "sdpa": Impl("sdpa", "peer", _sdpa,
                  backend="torch.nn.functional.scaled_dot_product_attention (explicit bottom-right mask when Sq != Sk)"),
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry,
                    backend="posttrainllm.ops.decode_attention.decode_attention (forward; backward: reference math)",
                    backward=REFERENCE,  # the kernel recomputes the readable math's backward: not its own
                    kernels={"forward": ("_chunk_attn_split_kernel", "_chunk_attn_combine_kernel")},
-                   promises=("deterministic",)),  # no atomics: every sum in one order (lab/invariance.py checks)
+                   promises=("deterministic",),  # no atomics: every sum in one order (lab/invariance.py checks)
+                   cost_model="split"),
 }
 
 
@@ -169,6 +173,60 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
     return Costs(flops, nbytes, 2.5, "4*B*H*D*(Sq*Sk - Sq*(Sq-1)/2)",
                  "2*B*Hkv*Sk*D*itemsize (KV cache) + 2*B*H*Sq*D*itemsize (Q, O)",
                  "backward = 2.5 x forward (FlashAttention's convention; decoding runs no backward)")
+
+
+def _sizes(case: Case) -> tuple[int, int, int, int, int]:
+    """(Nq = B·H·Sq·D, Nk = B·H·Sk·D (the cache repeated to H heads), Nkv = B·Hkv·Sk·D, P = B·H·Sq·Sk, Sq·Sk)."""
+    d = case.dims
+    b, h, hkv, sq, sk, hd = d["batch"], d["heads"], d["kv_heads"], d["q_len"], d["kv_len"], d["head_dim"]
+    return b * h * sq * hd, b * h * sk * hd, b * hkv * sk * hd, b * h * sq * sk, sq * sk
+
+
+def _materialised(case: Case, cfg: LabConfig) -> Costs:
+    """The readable reference (ops/reference.chunk_attention) as eager PyTorch runs it, forward (measure/traffic.py
+    counts the same, tests/test_traffic.py): the cache repeated to H heads (read 2·Nkv, write 2·Nk: G = H/Hkv times
+    the cache, again in MHA, a copy), Q Kᵀ (Nq + Nk, P), · scale (P, P), the mask (ones, triu, read by
+    masked_fill: 4·Sq·Sk bools) and masked_fill (P, P), softmax (P, P), P V (P + Nk, Nq):
+    s·(8·P + 2·Nq + 4·Nk + 2·Nkv) + 4·Sq·Sk. At Sq = 1 the cache's 2·Nkv bytes become 2·Nkv + 4·Nk."""
+    floor = _costs(case, cfg)
+    nq, nk, nkv, p, sqsk = _sizes(case)
+    size = itemsize(cfg.precision.dtype)
+    return dataclasses.replace(
+        floor, bytes=size * (8 * p + 2 * nq + 4 * nk + 2 * nkv) + 4 * sqsk,
+        bytes_formula="s*(8*P + 2*Nq + 4*Nk + 2*Nkv) + 4*Sq*Sk (P = B*H*Sq*Sk, Nq = B*H*Sq*D, Nk = B*H*Sk*D, "
+                      "Nkv = B*Hkv*Sk*D)",
+        working_set=size * (2 * nkv + 2 * nk + 2 * p + 2 * nq),
+        working_set_formula="s*(2*Nkv + 2*Nk + 2*P + 2*Nq) (the cache, its repeat, scores, Q, O)",
+        model="materialised", note="the cache copied to H heads and read again, the scores written and read, one "
+                                   "eager op at a time; forward only (decoding trains nothing)")
+
+
+def _split(case: Case, cfg: LabConfig) -> Costs:
+    """Our split-KV kernel (ops/decode_attention.py): grid (row blocks, B·Hkv, splits); each program reads its
+    piece of K and V once for every query row block of its head group, and writes its partial state (row max,
+    sum, the (D,) accumulator in fp32), which the combine kernel reads back:
+    s·(2·Nq + 2·Nkv·row_blocks) + 2·B·H·Sq·splits·(D + 2)·4."""
+    from posttrainllm.ops.decode_attention import decode_attention_launch
+
+    floor = _costs(case, cfg)
+    d, size = case.dims, itemsize(cfg.precision.dtype)
+    nq, _, nkv, _, _ = _sizes(case)
+    options = _triton_options(cfg)
+    launch = decode_attention_launch(d["batch"], d["heads"], d["kv_heads"], d["q_len"], d["kv_len"], d["head_dim"],
+                                     **{k: options[k] for k in ("block_q", "block_kv", "split_blocks", "num_warps",
+                                                                "num_stages")})
+    row_blocks, splits = launch["grid"][0], launch["num_splits"]
+    partial = 2 * d["batch"] * d["heads"] * d["q_len"] * splits * (d["head_dim"] + 2) * 4
+    return dataclasses.replace(
+        floor, bytes=size * (2 * nq + 2 * nkv * row_blocks) + partial,
+        bytes_formula=f"s*(2*Nq + 2*Nkv*row_blocks) + 2*B*H*Sq*splits*(D + 2)*4 (row_blocks={row_blocks}, "
+                      f"splits={splits})",
+        working_set=size * (2 * nq + 2 * nkv) + partial // 2, working_set_formula="s*(2*Nq + 2*Nkv) + the partials",
+        model="split", note=f"{splits} cache pieces ({launch['split_rule']}): their fp32 partial states written and "
+                            "read back by the combine kernel")
+
+
+PATH_COSTS = {"materialised": _materialised, "split": _split}
 
 
 def _curve_case(cfg: LabConfig, x: int) -> Case:
@@ -249,7 +307,8 @@ def _adapt(fn: Any) -> Any:
 
 OP = OpDef(
     name="decode_attention", x_name="kv_len", input_names=("q", "k", "v"), impls=IMPLS, cases=_cases,
-    make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
+    make_inputs=_make_inputs, problem=_problem, costs=_costs, path_costs=PATH_COSTS, curve_case=_curve_case,
+    model_hooks=_model_hooks,
     model_problem=_model_problem, profiled_range="attention", check_config=_check_config,
     reference_bytes=_reference_bytes, gradient_baselines=(("exp(S - lse)", _reference_from_lse),),
     optional_peers={"compiled": compiled("decode_attention", _reference, _make_inputs,

@@ -85,11 +85,13 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 
 
 IMPLS = {
-    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.matmul"),
-    "torch": Impl("torch", "peer", _torch, backend="torch.matmul"),
+    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.reference.matmul",
+                    cost_model="blas"),
+    "torch": Impl("torch", "peer", _torch, backend="torch.matmul", cost_model="blas"),
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry, backend="posttrainllm.ops.matmul.matmul",
                    kernels={"forward": ("_matmul_kernel",), "backward": ("_matmul_kernel",)},
-                   promises=("deterministic",)),  # no atomics: every sum in one order (lab/invariance.py checks)
+                   promises=("deterministic",),  # no atomics: every sum in one order (lab/invariance.py checks)
+                   cost_model="tiled"),
 }
 
 
@@ -284,6 +286,50 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
                  "2*M*N*K", "(M*K + K*N + M*N)*itemsize", "backward = 2 x forward (dA and dB, 2*M*N*K each)")
 
 
+def _tiled_gemm_bytes(m: int, n: int, k: int, block_m: int, block_n: int, size: int) -> int:
+    """One (M, K) @ (K, N) by output tiles of block_m x block_n: each tile streams its rows of A and its columns
+    of B, so A is read ceil(N/block_n) times, B ceil(M/block_m) times, C written once:
+    (M·K·⌈N/BN⌉ + K·N·⌈M/BM⌉ + M·N)·itemsize."""
+    return (m * k * -(-n // block_n) + k * n * -(-m // block_m) + m * n) * size
+
+
+def _tiled(case: Case, cfg: LabConfig) -> Costs:
+    """Our Triton GEMM: the floor's FLOPs, its bytes per tile (_tiled_gemm_bytes); the backward runs the same
+    kernel on dA = dC Bᵀ ((M, N) @ (N, K)) and dB = Aᵀ dC ((K, M) @ (M, N)) at the same tiles."""
+    floor, d, t = _costs(case, cfg), case.dims, cfg.tile
+    if case.quantize:  # the fp8 kernel: forward-only; its 1-byte operands are not modelled per tile here
+        return dataclasses.replace(floor, model="floor", note="fp8: the floor (1-byte operands, scales), not tiled")
+    size = itemsize(cfg.precision.dtype)
+    m, n, k, bm, bn = d["m"], d["n"], d["k"], t.block_m, t.block_n
+    forward = _tiled_gemm_bytes(m, n, k, bm, bn, size)
+    backward = _tiled_gemm_bytes(m, k, n, bm, bn, size) + _tiled_gemm_bytes(k, n, m, bm, bn, size)
+    return dataclasses.replace(
+        floor, bytes=forward, bytes_formula="(M*K*ceil(N/BN) + K*N*ceil(M/BM) + M*N)*itemsize",
+        train_bytes=forward + backward, train_bytes_formula="forward + the same per tile of dA (M, K) = dC (M, N) "
+        "@ Bt (N, K) and dB (K, N) = At (K, M) @ dC (M, N)",
+        working_set=floor.bytes, working_set_formula="(M*K + K*N + M*N)*itemsize (A, B, C)", model="tiled",
+        note=f"output tiles BM={bm} x BN={bn} (tile.{t.name}): A re-read per column of tiles, B per row")
+
+
+def _blas(case: Case, cfg: LabConfig) -> Costs:
+    """torch.matmul (the reference's a @ b too): a BLAS kernel that blocks for the caches on its own terms, so no
+    per-tile count of ours applies: the floor, said as such, with A, B and C as its working set; backward: the
+    two GEMMs of the gradients at their floors."""
+    floor, d = _costs(case, cfg), case.dims
+    if case.quantize:
+        return dataclasses.replace(floor, model="floor", note="fp8: the floor")
+    size = itemsize(cfg.precision.dtype)
+    backward = (d["m"] * d["n"] + d["n"] * d["k"] + d["m"] * d["k"]) * size * 2
+    return dataclasses.replace(floor, train_bytes=floor.bytes + backward,
+                               train_bytes_formula="forward + 2*(M*N + N*K + M*K)*itemsize (dA, dB at their floor)",
+                               working_set=floor.bytes, working_set_formula="(M*K + K*N + M*N)*itemsize",
+                               model="blas", note="BLAS blocks for the caches itself: its re-reads are not modelled; "
+                                                  "the floor (A, B read once, C written once)")
+
+
+PATH_COSTS = {"tiled": _tiled, "blas": _blas}
+
+
 def _curve_case(cfg: LabConfig, x: int) -> Case:
     seed = cfg.parity.seeds[0]
     return Case(f"{x}x{x}x{x}-seed{seed}", seed, dict(m=x, n=x, k=x), True, quantize=_recipe(cfg))
@@ -411,7 +457,8 @@ def _adapt(fn: Any) -> Any:
 
 OP = OpDef(
     name="matmul", x_name="size", input_names=("a", "b"), impls=IMPLS, cases=_cases, make_inputs=_make_inputs,
-    problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks, model_problem=_model_problem,
+    problem=_problem, costs=_costs, path_costs=PATH_COSTS, curve_case=_curve_case, model_hooks=_model_hooks,
+    model_problem=_model_problem,
     profiled_range="matmul", check_config=_check_config, reference_bytes=_reference_bytes,
     curve_sizes=lambda cfg: list(cfg.shape.matmul_curve or cfg.shape.curve),
     optional_peers={"compiled": compiled("matmul", _reference, _make_inputs, "posttrainllm.ops.reference.matmul")},

@@ -200,12 +200,15 @@ def _e2e(receipt: dict[str, Any], peer: str | None) -> dict[str, Any]:
     predicted and measured end-to-end speedup, whether the measurement is inside the baseline's own band
     ("n.c."), and the flag when the measurement misses the prediction beyond the stated band."""
     train = receipt.get("bench_train") or {}
-    variants = (train.get("amdahl") or {}).get("variants") or {}
+    checked = train.get("amdahl") or {}
+    variants = checked.get("variants") or {}
     band = (train.get("noise") or {}).get("band")
     order = ["triton", peer, *variants]
     name = next((n for n in order if n and (variants.get(n) or {}).get("valid")), None)
+    share = checked.get("fraction")
     if name is None:
-        return {"e2e_path": None, "e2e_pred": None, "e2e_meas": None, "e2e_flag": None}
+        return {"e2e_path": None, "e2e_pred": None, "e2e_meas": None, "e2e_flag": None, "e2e_share": share,
+                "e2e_sentence": _no_step(receipt, checked)}
     check = variants[name]
     pred, meas = check.get("predicted_speedup"), check.get("measured_speedup")
     flag = None
@@ -213,8 +216,27 @@ def _e2e(receipt: dict[str, Any], peer: str | None) -> dict[str, Any]:
         flag = (f"end-to-end {name}: measured {meas:.2f}x misses the predicted {pred:.2f}x by more than "
                 f"{amdahl.DISAGREEMENT:.0%}" + (f" and the baseline's +-{(band - 1) * 100:.1f}% band" if band else "")
                 + (f" ({check['reading']})" if check.get("reading") else ""))
+    sentence = check.get("sentence") or (  # a receipt from before bench-train wrote its sentence: made from it
+        amdahl.sentence(op=checked.get("op", "the op"), fraction=share, speedup=check["microbench_speedup"],
+                        forward_speedup=check.get("forward_speedup"), predicted=pred, measured=meas, band=band)
+        if share is not None and pred and meas is not None else None)
     return {"e2e_path": name, "e2e_pred": pred,
-            "e2e_meas": "n.c." if meas is not None and amdahl.within_band(meas, band) else meas, "e2e_flag": flag}
+            "e2e_meas": "n.c." if meas is not None and amdahl.within_band(meas, band) else meas, "e2e_flag": flag,
+            "e2e_share": share, "e2e_sentence": f"{name}: {sentence}" if sentence else None}
+
+
+def _no_step(receipt: dict[str, Any], checked: dict[str, Any]) -> str:
+    """Why a point has no end-to-end figure: no bench-train ran, or no trained path had a valid speed."""
+    train = receipt.get("bench_train")
+    if not train:
+        return ("the training step was not measured for this point: no bench-train ran (`posttrainllm bench-train` "
+                "with the same overrides, or the sweep's bench_train stage)")
+    fraction = checked.get("fraction")
+    share = (f"{checked.get('op', 'the op')} is {fraction:.0%} of the measured training step; " if fraction is not None
+             else "the op's share of the step was not profiled; ")
+    why = sorted({v.get("reason", "") for v in (checked.get("variants") or {}).values() if not v.get("valid")})
+    return share + "no trained path has a valid speed here, so Amdahl predicts nothing" + (
+        f" ({'; '.join(w for w in why if w)})" if any(why) else "")
 
 
 def quality_failures(receipt: dict[str, Any]) -> dict[str, str]:

@@ -54,11 +54,18 @@ def _log2_x(ax: Any, rows: pd.DataFrame, x_name: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
-def time_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = None) -> Path:
+REGIME_MARK = {"compute-bound": "compute", "memory-bound": "memory", "compute or memory": "c|m",
+               "overhead-bound": "overhead", "leaves the cache": "leaves LLC", "beyond the model": "?"}
+
+
+def time_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = None,
+                 regimes: list[dict[str, Any]] | None = None) -> Path:
     """Median time against x on log-log axes, one line per impl and mode (forward solid, forward + backward
     dashed, one colour per impl), the p20-p80 band shaded; one panel per curve axis (x_name).
 
-    Only valid rows are drawn; noisy points (timing.NOISY_RULE) are hollow markers.
+    Only valid rows are drawn; noisy points (timing.NOISY_RULE) are hollow markers. With `regimes`
+    (measure/curves.py regimes), each forward segment is labelled with its measured regime (REGIME_MARK) and a
+    dotted vertical line marks where a path's working set passes the last-level cache.
     """
     valid = df[df["valid"].astype(bool)] if "valid" in df else df
     if valid.empty:
@@ -80,6 +87,21 @@ def time_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = None
                 noisy = line_rows["noisy"].astype(bool).to_numpy()
                 ax.plot(x[noisy], median[noisy], linestyle="none", marker="o", markersize=9,
                         markerfacecolor="white", color=line.get_color())
+        for entry in regimes or []:
+            if entry["x_name"] != x_name or entry["mode"] != "forward":
+                continue
+            colour = colours.get(entry["impl"])
+            line_rows = rows[(rows["impl"] == entry["impl"]) & (rows["mode"] == "forward")].set_index("x_value")
+            for seg in entry["segments"]:
+                if seg["measured"] and seg["x_from"] in line_rows.index and seg["x_to"] in line_rows.index:
+                    mid_x = (seg["x_from"] * seg["x_to"]) ** 0.5
+                    mid_y = (float(line_rows.loc[seg["x_from"], "median"]) * float(line_rows.loc[seg["x_to"],
+                                                                                                "median"])) ** 0.5
+                    ax.annotate(REGIME_MARK.get(seg["measured"], seg["measured"]), (mid_x, mid_y), fontsize=6,
+                                color=colour, textcoords="offset points", xytext=(0, 4), ha="center")
+            if entry.get("cache_crossing_x"):
+                ax.axvline(entry["cache_crossing_x"], color=colour, linestyle=":", linewidth=1,
+                           label=f"{entry['impl']}: working set = LLC ({entry['cache_bytes'] / 2**20:.3g} MiB)")
         _log2_x(ax, rows, x_name)
         ax.set_ylabel(f"median time [{unit}] (band: p20-p80; hollow: noisy)")
         ax.set_title(title or f"{op} on {device}".strip())

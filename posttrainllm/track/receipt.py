@@ -253,7 +253,8 @@ def headline_metrics(receipt: dict[str, Any]) -> dict[str, float]:
             flat[f"train.{name}.tokens_per_s"] = entry["tokens_per_s"]
     for key, value in (("best_peer.speedup", fields["peer_x"]), ("best_peer.fwd_bwd_speedup", fields["peer_fb_x"]),
                        ("triton.vs_best_peer", fields["ours_x"]), ("triton.fwd_bwd_vs_best_peer", fields["ours_fb_x"]),
-                       ("e2e.predicted", fields["e2e_pred"]), ("e2e.measured", fields["e2e_meas"])):
+                       ("e2e.predicted", fields["e2e_pred"]), ("e2e.measured", fields["e2e_meas"]),
+                       ("e2e.op_share", fields["e2e_share"])):
         if isinstance(value, (int, float)):
             flat[key] = value
     return flat

@@ -114,6 +114,7 @@ def point_table(receipt: dict[str, Any], width: int = TERMINAL_WIDTH) -> str:
         table = _aligned(frame, PATH_NUMBERS)
     lines = [head, table, PATH_LEGEND, *clipped]
     lines += path_lines(receipt)  # one line each, unwrapped: a file:line in it stays whole
+    lines.append(step_line(receipt))
     quantization = (receipt.get("parity") or {}).get("quantization")
     if quantization:  # a quantized precision: the quantization's own error, apart from the paths'
         lines.append(f"quantization {quantization['recipe']}: SQNR {_fmt(quantization['sqnr_db'], '.1f')} dB, worst "
@@ -123,6 +124,13 @@ def point_table(receipt: dict[str, Any], width: int = TERMINAL_WIDTH) -> str:
     if summary:  # the op's own line about the point (fp8 matmul: the bf16 GEMM beside it)
         lines.append(summary)
     return "\n".join(lines)
+
+
+def step_line(receipt: dict[str, Any]) -> str:
+    """The point's end-to-end answer in one line (derived.point_fields e2e_sentence, model/amdahl.py sentence): the
+    op's share of the measured step, Amdahl's prediction, the measured effect with its band, why they agree or
+    differ; or why the step was not measured."""
+    return f"step: {derived.point_fields(receipt)['e2e_sentence']}"
 
 
 def raised_note(path: dict[str, Any]) -> str:
@@ -148,7 +156,10 @@ def train_table(receipt: dict[str, Any]) -> str:
     """train_head, then train_frame as text (the bench-train console; "-" where nothing applies)."""
     if not receipt.get("bench_train"):
         return f"point {receipt['point']}: no bench-train result"
-    return train_head(receipt) + "\n" + train_frame(receipt).to_string(index=False)
+    variants = ((receipt["bench_train"].get("amdahl") or {}).get("variants") or {})
+    steps = [f"step ({name}): {check['sentence']}" for name, check in variants.items() if check.get("sentence")]
+    return "\n".join([train_head(receipt), train_frame(receipt).to_string(index=False),
+                      *(steps or [step_line(receipt)])])
 
 
 def train_frame(receipt: dict[str, Any]) -> pd.DataFrame:
@@ -276,6 +287,7 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "train_ms": train["impls"].get(train.get("baseline"), {}).get("warm_ms_per_step"),
             "max_drift": max(train["drift"].values()) if train["drift"] else None,
             "e2e_path": fields["e2e_path"],
+            "op_share": fields["e2e_share"],
             "amdahl_pred": fields["e2e_pred"],
             "amdahl_meas": fields["e2e_meas"],
             "flags": flag_names(fields),
@@ -284,16 +296,27 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
     frame = _failures_first(pd.DataFrame(rows))
     baseline = frame[frame["point"] == "baseline"]
     if not baseline.empty and baseline["peer_ms"].notna().all():
-        same_op = frame["peer"] == baseline["peer"].iloc[0]
-        frame["peer_vs_baseline"] = (baseline["peer_ms"].iloc[0] / frame["peer_ms"]).where(same_op)
+        # the same op at the same problem, timed through the same peer: a peer's name alone (decode_attention has
+        # an `sdpa` too) is no reason to divide one op's time by another's
+        kept = {name: comparable(receipts[name], receipts["baseline"]) for name in receipts}
+        same = (frame["peer"] == baseline["peer"].iloc[0]) & frame["point"].map(kept).astype(bool)
+        frame["peer_vs_baseline"] = (baseline["peer_ms"].iloc[0] / frame["peer_ms"]).where(same)
     return frame
 
 
-SUMMARY_NUMBERS = ("peer_x", "peer_fb_x", "ours_x", "ours_fb_x", "e2e_pred", "e2e_meas")  # summary_frame's numbers
+def comparable(receipt: dict[str, Any], baseline: dict[str, Any]) -> bool:
+    """Whether a figure may divide `receipt`'s time by `baseline`'s: the same op at the same problem (shape)."""
+    def key(r: dict[str, Any]) -> tuple[Any, Any]:
+        return (((r.get("config") or {}).get("op") or {}).get("name"), (r.get("microbench") or {}).get("problem"))
+
+    return key(receipt) == key(baseline) and None not in key(receipt)
+
+
+SUMMARY_NUMBERS = ("peer_x", "peer_fb_x", "ours_x", "ours_fb_x", "share", "e2e_pred", "e2e_meas")  # summary's numbers
 FORMATS = {"triton_err/allowed": ".3f", "ref_ms": ".3f", "peer_ms": ".3f", "peer_speedup": ".2f", "peer_fb_speedup": ".2f",
            "peer_vs_baseline": ".2f", "train_ms": ".1f", "max_drift": ".1e", "amdahl_pred": ".2f",
            "amdahl_meas": ".2f", "triton_vs_best": ".2f", "triton_fb_vs_best": ".2f", "triton_of_peak": ".2f",
-           "triton_smem_KB": ".0f",
+           "triton_smem_KB": ".0f", "share": ".0%", "op_share": ".0%",
            **dict.fromkeys(SUMMARY_NUMBERS, ".2f")}
 
 
@@ -318,8 +341,8 @@ SUMMARY_LEGEND = (
     "(forward; forward+backward).",
     "  ours_x, ours_fb_x: best_peer's time / our Triton kernel's, >= 1 when ours is as fast ('-' where Triton is "
     "interpreted: never speed).",
-    "  e2e_pred, e2e_meas: the training step's speedup with e2e_path, predicted by Amdahl from the microbench and "
-    "measured ('n.c.': inside",
+    "  share: the op's share of the measured training step. e2e_pred, e2e_meas: the step's speedup with e2e_path, "
+    "predicted by Amdahl and measured ('n.c.': inside",
     "  the baseline's own run-to-run band, no measurable change). Speedups are ratios of medians. flags: figures "
     "not to read as results,",
     "  each with its reason below (a noisy band, a measurement missing its prediction, a roofline above 100%).",
@@ -354,11 +377,18 @@ def summary_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "best_peer": fields["best_peer"] or "-",
             **{key: fields[key] for key in ("peer_x", "peer_fb_x", "ours_x", "ours_fb_x")},
             "e2e_path": fields["e2e_path"] or "-",
+            "share": fields["e2e_share"],
             "e2e_pred": fields["e2e_pred"],
             "e2e_meas": fields["e2e_meas"],
             "flags": flag_names(fields),
         })
     return _failures_first(pd.DataFrame(rows))
+
+
+def step_lines(receipts: dict[str, dict[str, Any]]) -> list[str]:
+    """Every point's end-to-end sentence (step_line) as `step: point: ...`, in the summary's order."""
+    return [f"step: {name}: {derived.point_fields(receipts[name])['e2e_sentence']}"
+            for name in summary_frame(receipts)["point"]]
 
 
 def flag_names(fields: dict[str, Any]) -> str:
@@ -392,7 +422,7 @@ def summary_table(receipts: dict[str, dict[str, Any]], width: int = TERMINAL_WID
         table = _aligned(shown, SUMMARY_NUMBERS)
         excess = max(map(len, table.splitlines())) - width
         if excess <= 0 or clipped["first_failure"] <= len("first_failure"):
-            return table + "\n" + "\n".join(SUMMARY_LEGEND)
+            return "\n".join([table, *SUMMARY_LEGEND, *(fill(line, width) for line in step_lines(receipts))])
         clipped["first_failure"] = max(len("first_failure"), clipped["first_failure"] - excess)
 
 
@@ -413,7 +443,8 @@ def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
         "`peer_speedup`: reference forward time / peer forward time; `peer_fb_speedup`: the same for forward + "
         "backward (what Amdahl uses); `peer_vs_ref`: faster/slower only when the p20-p80 bands do not overlap.",
         "Speedups are ratios of medians. `peer_vs_baseline`: the baseline point's peer time / this "
-        "point's (same op only). `peer_bound`: roofline class against the calibrated peaks.",
+        "point's (the same op, problem and peer only; '-' elsewhere). `peer_bound`: roofline class against the "
+        "calibrated peaks.",
         "`crossover`: the smallest size of the curve from which the peer stays measurably faster (bands apart) "
         "than the reference at every larger size; `crossover_fb`: the same for forward + backward (curves timed "
         "with bench.curve_backward). Other curve axes (MoE: experts) are in microbench.json's `crossovers`.",
@@ -423,7 +454,9 @@ def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
         f"`peer`: {derived.BEST_PEER_RULE}. `flags`: the figures not to read as results (`posttrainllm report` "
         "prints each with its reason).",
         "`amdahl_pred`/`amdahl_meas`: `e2e_path`'s end-to-end step speedup predicted from the microbench and the "
-        "op's share of the step, and the measured one.",
+        "op's share of the step (`op_share`), and the measured one.",
+        "", "The step, per point (the op's share, Amdahl's prediction, the measured effect, and why):", "",
+        *(f"- {line}" for line in step_lines(receipts)),
     ]
     timing = stage_times_text(receipts)
     return "\n".join(lines + legend + (["", f"Time: {timing}"] if timing else [])) + "\n"

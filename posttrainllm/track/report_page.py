@@ -124,6 +124,7 @@ def _point_section(name: str, receipt: dict[str, Any], runs: Path) -> str:
         facts.insert(1, f"first failure: <code>{_e(parity['first_failure'])}</code>")
     plots = [plot for plot in PLOTS if (runs / name / plot).is_file()]
     lines = report.path_lines(receipt)  # why each failing rule failed, and every flag with its reason
+    step = derived.point_fields(receipt)["e2e_sentence"]
     images = "".join(f'<a href="{_href(name, plot)}"><img src="{_href(name, plot)}" alt="{_e(name)}: {_e(plot)}">'
                      f"</a>" for plot in plots)
     return (f'<section id="{_e(_anchor(name))}"><h2>{_e(name)}</h2><p>{" · ".join(facts)}</p>'
@@ -131,6 +132,7 @@ def _point_section(name: str, receipt: dict[str, Any], runs: Path) -> str:
                if receipt.get("parity") or receipt.get("microbench") else "")
             + (f"<h3>Failures and flags</h3><ul>{''.join(f'<li>{_e(line)}</li>' for line in lines)}</ul>"
                if lines else "")
+            + f"<h3>The training step</h3><p>{_e(step)}</p>"
             + f"<h3>Parity per path</h3>{_table(parity_rows(receipt).astype(str))}"
             + _train_section(receipt)
             + (f"<h3>Plots</h3><p>{images}</p>" if plots else "<p>No plots in this point's folder.</p>")
