@@ -530,9 +530,8 @@ def _prepare_lab() -> None:
     import pkgutil
     import tempfile
 
-    import posttrainllm
-
-    for info in pkgutil.walk_packages(posttrainllm.__path__, "posttrainllm."):
+    package = str(Path(__file__).resolve().parents[1])  # posttrainllm/: walked by path (the layers point downward)
+    for info in pkgutil.walk_packages([package], "posttrainllm."):
         if info.name.split(".")[1] in JUDGE_PACKAGES and not info.name.endswith("__main__"):
             try:
                 importlib.import_module(info.name)
