@@ -68,7 +68,8 @@ def _bad(file: str, what: str) -> ConfigError:
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    line = text[0].removesuffix(", but expected one of:") if text else ""
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
 # --- the file, read and loaded ---------------------------------------------------------------------------------
@@ -101,6 +102,7 @@ class Problem:
     module: Any
     tree: ast.Module
     written: dict[str, Any]  # every size constant (int, or a tuple of ints) as the file writes it
+    read: list[str]  # the module-level names get_inputs and get_init_inputs read
     used: dict[str, Any] = field(default_factory=dict)  # ... as this point runs it
     how: str = ""  # how `used` came about, in words
 
@@ -114,21 +116,34 @@ class Problem:
 
     def evaluate(self, sizes: dict[str, Any], seed: int, device: str | None = None) -> tuple[list, Any, list]:
         """(init inputs, Model built from them, get_inputs()) at `sizes`, torch's global RNG seeded with `seed`
-        (and put back as it was after): the file draws with torch.rand and nn's own init."""
+        (and put back as it was after): the file draws with torch.rand and nn's own init. A step that raises is
+        a ConfigError naming the file and the step (FileBroken)."""
+        import contextlib
+
         self.set_sizes(sizes)
-        with torch.random.fork_rng(devices=[]):
+        where = torch.device(device) if device else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=[]), where:
             torch.manual_seed(seed)
-            where = torch.device(device) if device else None
-            if where is not None:
-                with where:
-                    init = list(self.module.get_init_inputs())
-                    model = self.model(*init)
-                    inputs = list(self.module.get_inputs())
-            else:
-                init = list(self.module.get_init_inputs())
-                model = self.model(*init)
-                inputs = list(self.module.get_inputs())
+            init = self._step("get_init_inputs()", lambda: list(self.module.get_init_inputs()))
+            model = self._step("Model(*get_init_inputs())", lambda: self.model(*init))
+            inputs = self._step("get_inputs()", lambda: list(self.module.get_inputs()))
         return init, model, inputs
+
+    def _step(self, what: str, run: Callable[[], Any]) -> Any:
+        try:
+            return run()
+        except Exception as exc:
+            floats = [f"{n} = {v!r}" for n, v in vars(self.module).items() if n in self.read and isinstance(v, float)
+                      and what.startswith("get_inputs")]
+            hint = f" (a size it reads is not an int: {', '.join(floats)})" if floats else ""
+            raise FileBroken(_bad(self.shown, f"{what} raised {_first_line(exc)}{hint}")) from None
+
+
+class FileBroken(ConfigError):
+    """The problem file's own code raised at one step (Problem.evaluate)."""
+
+    def __init__(self, error: ConfigError) -> None:
+        super().__init__(str(error))
 
 
 def load_file(file: str) -> Problem:
@@ -163,7 +178,7 @@ def load_file(file: str) -> Problem:
     written = {n: getattr(module, n) for n in read if n in vars(module) and _int_like(getattr(module, n))}
     from posttrainllm.opdefs.user import shown
 
-    return Problem(path.resolve(), shown(path), sha, module, tree, written)
+    return Problem(path.resolve(), shown(path), sha, module, tree, written, read)
 
 
 # --- sizes -------------------------------------------------------------------------------------------------------
@@ -182,15 +197,21 @@ def _tensor_bytes(values: Any) -> int:
     return 0
 
 
+def _no_grad(model: torch.nn.Module, inputs: list) -> Any:
+    with torch.no_grad():
+        return model(*inputs)
+
+
 def _footprint(problem: Problem, sizes: dict[str, Any], device: str | None) -> int:
     """Bytes of one call in float32: inputs + parameters and buffers + output."""
     init, model, inputs = problem.evaluate(sizes, 0, device)
-    with torch.no_grad():
-        out = model(*inputs)
+    out = problem._step("Model's forward on get_inputs()", lambda: _no_grad(model, inputs))
+    if not isinstance(out, torch.Tensor):
+        return _tensor_bytes(inputs)  # the one-tensor rule is checked (and named) at the point's sizes
     state = list(model.state_dict().values())
     as_fp32 = lambda ts: sum(t.numel() * (4 if t.is_floating_point() else t.element_size())  # noqa: E731
                              for t in ts if isinstance(t, torch.Tensor))
-    return as_fp32(inputs) + as_fp32(state) + as_fp32([out] if isinstance(out, torch.Tensor) else list(out))
+    return as_fp32(inputs) + as_fp32(state) + as_fp32([out])
 
 
 def choose_sizes(problem: Problem, cfg: LabConfig, on_cpu: bool) -> None:
@@ -225,7 +246,8 @@ def choose_sizes(problem: Problem, cfg: LabConfig, on_cpu: bool) -> None:
         try:
             size = _footprint(problem, sizes, "meta")
         except Exception:  # a file whose draws or math meta tensors cannot run: measured for real, from small up
-            return _shrink_for_real(problem, budget, largest)
+            _shrink_for_real(problem, budget, largest)
+            return
         if size <= budget or factor > largest:
             break
         factor *= 2
@@ -313,18 +335,7 @@ class ProblemOp:
 
     def _checked_main(self) -> tuple[list, Any, list]:
         p = self.problem
-        try:
-            init = list(p.evaluate(self.sizes, 0)[0])
-        except Exception as exc:
-            raise _bad(p.shown, f"get_init_inputs() or Model(*get_init_inputs()) raised {_first_line(exc)}") from None
-        p.set_sizes(self.sizes)
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                model = p.model(*init)
-                inputs = list(p.module.get_inputs())
-        except Exception as exc:
-            raise _bad(p.shown, f"get_inputs() raised {_first_line(exc)}") from None
+        init, model, inputs = p.evaluate(self.sizes, 0)
         bad = [f"#{i} is a {type(x).__name__}" for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)]
         if bad:
             raise _bad(p.shown, f"get_inputs() must return tensors: {', '.join(bad)}")
@@ -332,11 +343,7 @@ class ProblemOp:
             if isinstance(value, torch.Tensor):
                 raise _bad(p.shown, "get_init_inputs() returns a tensor: the lab hands init inputs to a worker "
                                     "as plain values (ints, floats, strings, tuples)")
-        try:
-            with torch.no_grad():
-                out = model(*inputs)
-        except Exception as exc:
-            raise _bad(p.shown, f"Model(*get_init_inputs())(*get_inputs()) raised {_first_line(exc)}") from None
+        out = p._step("Model's forward on get_inputs()", lambda: _no_grad(model, inputs))
         if not isinstance(out, torch.Tensor):
             what = (f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else
                     f"a {type(out).__name__}")
@@ -403,8 +410,14 @@ class ProblemOp:
         state = {k: x[n] for n, k in self._state_keys.items()}
         return torch.func.functional_call(model, state, tuple(x[n] for n in self.arg_names))
 
-    def reference(self, x: Tensors, cfg: LabConfig) -> Tensors:
-        return {"out": self.call(self.model_for(x), x)}
+    def reference_fn(self) -> Callable[[Tensors, LabConfig], Tensors]:
+        """The reference as a plain function (the compiled peer copies its code object: no bound method)."""
+        made = self
+
+        def reference(x: Tensors, cfg: Any) -> Tensors:
+            return {"out": made.call(made.model_for(x), x)}
+
+        return reference
 
     # -- cases, costs -----------------------------------------------------------------------------------------------
 
@@ -488,8 +501,8 @@ class ProblemOp:
     def check_user(self, user: Any) -> None:
         """A user path of this op is a class (ModelNew) whose __init__ takes what get_init_inputs gives and
         whose forward takes what get_inputs gives: read from its file, never run (opdefs/user.py)."""
-        file = user.file
-        tree = ast.parse(Path(file).read_text(), filename=str(file))
+        file = user.identity.get("file") or user.file
+        tree = ast.parse(Path(user.file).read_text(), filename=str(user.file))
         attr = user.attr.split(".")[-1]
         found = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == attr), None)
         spec = user.identity["spec"]
@@ -511,7 +524,7 @@ class ProblemOp:
                 want = list(inspect.signature(getattr(self.problem.model, method)).parameters)
                 raise ConfigError(f"op.user_impls: {spec!r}: {attr}.{method}({', '.join(positional)}) in {file} "
                                   f"does not take the {given} argument(s) {what} gives (Model.{method} takes "
-                                  f"{', '.join(n for n in want if n != 'self')})")
+                                  f"{', '.join(n for n in want if n != 'self') or 'none'})")
 
 
 _FOOTPRINTS: dict[tuple, int] = {}
@@ -531,7 +544,7 @@ def template(problem: Problem) -> str:
     """A ModelNew to start from: the file's imports and helpers, and its Model's class renamed ModelNew (the
     readable math, correct as it is: the lab's parity passes it)."""
     source = problem.path.read_text()
-    parts = []
+    imports, defs = [], []
     for node in problem.tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) and \
                 getattr(node, "name", None) not in ("get_inputs", "get_init_inputs"):
@@ -539,8 +552,8 @@ def template(problem: Problem) -> str:
             if getattr(node, "name", None) == "Model":
                 text = text.replace("class Model(", "class {name}(", 1).replace("super(Model, self)",
                                                                                    "super({name}, self)")
-            parts.append(text)
-    return "\n\n" + "\n\n\n".join(parts) + "\n"
+            (imports if isinstance(node, (ast.Import, ast.ImportFrom)) else defs).append(text)
+    return "\n" + "\n".join(imports) + "\n\n\n" + "\n\n\n".join(defs) + "\n"
 
 
 _BUILT: dict[tuple, "OpDef"] = {}
@@ -567,7 +580,8 @@ def problem_op(cfg: LabConfig) -> OpDef:
     choose_sizes(problem, cfg, _on_cpu(cfg))
     made = ProblemOp(problem, cfg)
     backward = "own" if made.floating_out and len(made.nondiff) < len(made.input_names) else "none"
-    reference = Impl(REFERENCE, "reference", made.reference, backward=backward, train_refusal=NO_MODEL,
+    reference_fn = made.reference_fn()
+    reference = Impl(REFERENCE, "reference", reference_fn, backward=backward, train_refusal=NO_MODEL,
                      backend=f"Model of {problem.shown} (torch.func.functional_call; float64: the oracle)")
     sizes_line = " ".join(f"{k}={v}" for k, v in made.sizes.items())
 
@@ -581,7 +595,7 @@ def problem_op(cfg: LabConfig) -> OpDef:
         model_problem=lambda cfg: "none: " + NO_MODEL, profiled_range=NAME, check_config=lambda cfg: None,
         row_ndim={"out": 1}, reference_bytes=made.reference_bytes, nondiff_inputs=made.nondiff,
         curve_sizes=made.curve_sizes,
-        optional_peers={"compiled": compiled(f"{NAME}-{problem.sha256[:12]}-{sizes_line}", made.reference,
+        optional_peers={"compiled": compiled(f"{NAME}-{problem.sha256[:12]}-{sizes_line}", reference_fn,
                                              made.make_inputs, f"Model of {problem.shown}")},
         signature=(f"class ModelNew(nn.Module): __init__(*get_init_inputs()), forward(*get_inputs()) -> one tensor, "
                    f"as Model of {problem.shown}; given Model's parameters and buffers where the names match"),
