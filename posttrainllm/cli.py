@@ -971,7 +971,8 @@ def _main(args: list[str]) -> int:
         _say_where(command, labs)
     app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(COMMANDS[command])
     saved_argv = sys.argv
-    sys.argv = [f"posttrainllm {command}", *rest]
+    # op.sizes.NAME=VALUE names a problem file's constant, a key conf/ cannot list: Hydra adds it (config.compose)
+    sys.argv = [f"posttrainllm {command}", *(f"++{a}" if a.startswith("op.sizes.") else a for a in rest)]
     started = time.time()
     try:
         app()

@@ -228,3 +228,16 @@ def test_an_honest_model_new_gets_a_speed(tmp_path):
     assert entry["valid"] and entry["median_ms"] > 0 and entry["forward_backward"]["median_ms"] > 0
     assert micro["describe"]["file"] == "tests/problems/gemm_swish_clamp.py"
     assert {row["x_value"] for row in __import__("csv").DictReader(open(tmp_path / "curve.csv"))} == {"8", "16", "32"}
+
+
+def test_the_cli_takes_op_sizes_and_the_receipt_records_them(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "posttrainllm", "bench", "op=problem", "device=cpu",
+                           "op.file=tests/problems/relu.py", "op.sizes.batch_size=8", "op.sizes.dim=24",
+                           "parity.seeds=[0]", "bench.reps=3", "bench.min_time_s=0", "bench.max_reps=6",
+                           f"run.out_dir={tmp_path / 'runs'}", "run.log_mlflow=false"],
+                          capture_output=True, text=True, cwd=PROJECT_ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    receipt = json.loads(next((tmp_path / "runs").glob("*/receipt.json")).read_text())
+    record = receipt["microbench"]["describe"]
+    assert record["sizes_used"] == {"batch_size": 8, "dim": 24} and record["sizes_written"]["dim"] == 393216
+    assert "batch_size=8 dim=24" in done.stdout

@@ -16,5 +16,7 @@ class ModelNew(nn.Module):
         self.dims = tuple(range(-len(self.ln.normalized_shape), 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var, mean = torch.var_mean(x, dim=self.dims, correction=0, keepdim=True)
-        return (x - mean) * torch.rsqrt(var + self.ln.eps) * self.ln.weight + self.ln.bias
+        x32 = x.float()  # the statistics in fp32 whatever x's dtype (in bf16 they would miss the contract)
+        var, mean = torch.var_mean(x32, dim=self.dims, correction=0, keepdim=True)
+        y = (x32 - mean) * torch.rsqrt(var + self.ln.eps) * self.ln.weight.float() + self.ln.bias.float()
+        return y.to(x.dtype)
