@@ -646,6 +646,9 @@ class SweepConfig:
     # Compile every point's Triton kernels for its first compile target when planning, and refuse (leave out of
     # the plan, with the kernel, the bytes and the limit) a point with a kernel that would not launch there
     check_fit: bool = False
+    # A folder of problem files (KernelBench's format, op=problem): each *.py in it is one more point,
+    # problem-<stem>, the baseline's choices with op=problem op.file=<it>; null: none
+    problems: str | None = None
 
 
 @dataclass

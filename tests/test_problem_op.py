@@ -241,3 +241,18 @@ def test_the_cli_takes_op_sizes_and_the_receipt_records_them(tmp_path):
     record = receipt["microbench"]["describe"]
     assert record["sizes_used"] == {"batch_size": 8, "dim": 24} and record["sizes_written"]["dim"] == 393216
     assert "batch_size=8 dim=24" in done.stdout
+
+
+def test_a_folder_of_problem_files_is_a_sweep_with_a_point_each():
+    from posttrainllm.lab import sweep
+
+    params = sweep.plan(load(["sweep=problems"]).sweep)
+    names = [f"problem-{name}" for name in sorted(FILES)]
+    assert list(params["points"]) == ["baseline", *names]
+    point = params["points"]["problem-relu"]
+    assert point["config"]["op"]["name"] == "problem" and point["config"]["op"]["file"] == "tests/problems/relu.py"
+    for stage in ("reference", "kernel", "parity", "microbench"):  # an edit to the file reruns what reads it
+        assert "tests/problems/relu.py" in sweep.stage_deps(stage, point)["sources"]
+    assert "tests/problems/relu.py" not in sweep.stage_deps("reference", params["points"]["baseline"])["sources"]
+    with pytest.raises(ConfigError, match="sweep.problems=nowhere: no such folder"):
+        sweep.plan(load(["sweep=problems", "sweep.problems=nowhere"]).sweep)
