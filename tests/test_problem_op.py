@@ -254,5 +254,6 @@ def test_a_folder_of_problem_files_is_a_sweep_with_a_point_each():
     for stage in ("reference", "kernel", "parity", "microbench"):  # an edit to the file reruns what reads it
         assert "tests/problems/relu.py" in sweep.stage_deps(stage, point)["sources"]
     assert "tests/problems/relu.py" not in sweep.stage_deps("reference", params["points"]["baseline"])["sources"]
+    assert "config.parity.seeds" in sweep.stage_deps("kernel", point)["params"]  # the cases it is made with
     with pytest.raises(ConfigError, match="sweep.problems=nowhere: no such folder"):
         sweep.plan(load(["sweep=problems", "sweep.problems=nowhere"]).sweep)

@@ -371,6 +371,8 @@ def op_params(stage: str, config: dict[str, Any]) -> list[str]:
     them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (opdefs/moe.py). The ops in
     TRAIN_CASE_OPS have a parity case at bench-train's shape: the stages that list the cases read train's.
     """
+    if config["op"]["name"] == "problem":  # its OpDef is made per point from its seeds and device (ops/problem)
+        return [k for k in ("config.parity.seeds", "config.device.name") if k not in STAGE_PARAMS[stage]]
     if config["op"]["name"] == "moe" and stage in ("parity", "bench_train"):  # the kernel stage lists config.shape
         return ["config.shape.moe_d_model", "config.shape.moe_ffn"]
     if config["op"]["name"] in TRAIN_CASE_OPS and stage in ("reference", "microbench"):  # their cases (op.cases)
