@@ -276,10 +276,6 @@ def _on_cpu(cfg: LabConfig) -> bool:
     return cfg.device.name == "cpu" or (cfg.device.name == "auto" and not torch.cuda.is_available())
 
 
-def _device(cfg: LabConfig) -> str:
-    return "cpu" if _on_cpu(cfg) else "cuda"
-
-
 def _fresh(init: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """A parameter drawn afresh at its init's scale: N(mean, std) of the init; a constant init c (weights 1,
     biases 0) becomes c + N(0, (0.5·max(|c|, 1))²), so that a path ignoring it differs."""
