@@ -18,7 +18,7 @@
     posttrainllm replay TARGET [--out DIR]            a stored receipt's tables and plots again, checked; runs nothing
     posttrainllm compare BASE NEW [--across-devices] [--out FILE] [compare.KEY=VALUE ...]
                                                       timings and verdicts of two revisions; exit 1 on a regression
-    posttrainllm new-impl op=OP FILE.py [--name NAME]
+    posttrainllm new-impl op=OP FILE.py [--name NAME] [op.KEY=VALUE ...]
                                                       a kernel of your own to start from (the op's signature, contract
                                                       and readable math) and the command for its receipt
     posttrainllm explain POINT                        one point's contract, memory traffic per path and end-to-end
@@ -758,8 +758,9 @@ def explain_point(args: list[str]) -> int:
     return 0
 
 
-NEW_IMPL_USAGE = ("usage: posttrainllm new-impl op=OP FILE.py [--name NAME]   (writes FILE.py, never over an existing "
-                  "file: a function NAME, by default the op's name, in the op's natural signature)")
+NEW_IMPL_USAGE = ("usage: posttrainllm new-impl op=OP FILE.py [--name NAME] [op.KEY=VALUE ...]   (writes FILE.py, never "
+                  "over an existing file: a function NAME, by default the op's name, in the op's natural signature; "
+                  "op=problem op.file=PROBLEM.py: a class ModelNew)")
 
 
 def new_impl(args: list[str]) -> int:
@@ -776,7 +777,7 @@ def new_impl(args: list[str]) -> int:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    from posttrainllm.opdefs import get_op
+    from posttrainllm.opdefs import op_for
 
     def refuse(line: str) -> int:
         print(f"posttrainllm: new-impl: {line}", file=sys.stderr)
@@ -794,16 +795,18 @@ def new_impl(args: list[str]) -> int:
         name = args.pop(at + 1)
         args.pop(at)
     choices = [a for a in args if a.startswith("op=")]
-    files = [a for a in args if not a.startswith("op=")]
+    # the op's own keys (op=problem op.file=PATH op.sizes.N=V): passed to the config as the command's overrides
+    overrides = [a for a in args if re.match(r"^op\.[A-Za-z_][\w.]*=", a)]
+    files = [a for a in args if not a.startswith("op=") and a not in overrides]
     if len(choices) != 1 or len(files) != 1 or files[0].startswith("-"):
         print(NEW_IMPL_USAGE, file=sys.stderr)
         return EXIT_CONFIG
     choice, target = choices[0].partition("=")[2], Path(files[0])
     try:
-        op = get_op(load([f"op={choice}"]).op.name)  # op=attention_noncausal is the attention op, causal=false
+        op = op_for(load([f"op={choice}", *overrides]))  # op=attention_noncausal: the attention op, causal=false
     except ConfigError as exc:
         return refuse(f"config error: {exc}")
-    name = name or op.name
+    name = name or op.template_name or op.name
     taken = sorted({*op.impls, *op.optional_peers, *op.reserved_names})
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name) or keyword.iskeyword(name):
         return refuse(f"--name {name!r}: the function's name must be a Python identifier starting with a letter")
@@ -824,7 +827,7 @@ def new_impl(args: list[str]) -> int:
     if parsed != [spec] or "=" in target.as_posix():
         return refuse(f"{target}: a path a Hydra override can hold unquoted, please (letters, digits, '_', '-', "
                       "'.', '/')")
-    command = f"posttrainllm bench op={choice} '{override}' 'op.only=[{name}]'"
+    command = " ".join(["posttrainllm bench", f"op={choice}", *overrides, f"'{override}'", f"'op.only=[{name}]'"])
     docstring = "\n".join([
         f"A kernel of your own for op {op.name}: `{name}`, in the op's natural signature",
         "", textwrap.fill(op.signature, width=100, initial_indent="    ", subsequent_indent="    "), "",
@@ -1007,7 +1010,8 @@ def _main(args: list[str]) -> int:
         _say_where(command, labs)
     app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(COMMANDS[command])
     saved_argv = sys.argv
-    sys.argv = [f"posttrainllm {command}", *rest]
+    # op.sizes.NAME=VALUE names a problem file's constant, a key conf/ cannot list: Hydra adds it (config.compose)
+    sys.argv = [f"posttrainllm {command}", *(f"++{a}" if a.startswith("op.sizes.") else a for a in rest)]
     started = time.time()
     try:
         app()

@@ -114,6 +114,14 @@ class OpConfig:
     # it from the shape (shape.ce_chunk_size), so that a GPU shape gets a GPU-sized chunk
     chunk_size: int = 16
     block_v: int = 256  # the fused kernel's vocabulary block (a power of two >= 16)
+    # --- op=problem (a problem file in KernelBench's format: opdefs/problem.py, docs/bring-your-own-op.md) ---
+    file: str | None = None  # the problem file: Model, get_inputs, get_init_inputs, module-level int sizes
+    # its size constants set before get_inputs/get_init_inputs run (op.sizes.batch_size=64); {}: the file's,
+    # shrunk on a CPU point until one call fits budget_mib
+    sizes: dict[str, Any] = field(default_factory=dict)
+    x_name: str | None = None  # the size constant the curve runs over; null: batch_size, else the largest
+    input_kinds: list[str] = field(default_factory=lambda: ["signed", "large", "tiny", "zero_row"])  # lab cases
+    budget_mib: float = 8.0  # one call's inputs, parameters and output (fp32) when the lab shrinks the sizes
 
     def __post_init__(self) -> None:
         valid = group_options("op")
@@ -127,6 +135,7 @@ class OpConfig:
                 f"op.kv_split_blocks={self.kv_split_blocks}: must be >= 1 KV block a piece, or null (fill the device)")
         require(_power_of_two(self.block_v) and 16 <= self.block_v <= 65536,
                  f"op.block_v={self.block_v}: must be a power of two in [16, 65536]")
+        require(self.budget_mib > 0, f"op.budget_mib={self.budget_mib}: must be > 0")
 
 
 @dataclass
@@ -637,6 +646,9 @@ class SweepConfig:
     # Compile every point's Triton kernels for its first compile target when planning, and refuse (leave out of
     # the plan, with the kernel, the bytes and the limit) a point with a kernel that would not launch there
     check_fit: bool = False
+    # A folder of problem files (KernelBench's format, op=problem): each *.py in it is one more point,
+    # problem-<stem>, the baseline's choices with op=problem op.file=<it>; null: none
+    problems: str | None = None
 
 
 @dataclass
@@ -738,7 +750,8 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
-    overrides = list(overrides)
+    # op.sizes.NAME=VALUE names a constant of the problem file, a key conf/ cannot list: added, not overridden
+    overrides = [f"++{o}" if o.startswith("op.sizes.") else o for o in overrides]
     check_group_choices(overrides)
     try:
         if GlobalHydra.instance().is_initialized():  # inside a @hydra.main app: same conf/ search path

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from posttrainllm.config import LabConfig
 from posttrainllm.measure import device as devices
-from posttrainllm.opdefs import NO_BACKWARD, get_op
+from posttrainllm.opdefs import NO_BACKWARD, op_for
 
 ENV = "POSTTRAINLLM_APPROVE"
 NOMINAL_CALL_S = 1e-3
@@ -93,19 +93,19 @@ def _call_s(flops: float) -> float:
 def _timed_paths(lab: LabConfig) -> tuple[int, int, int]:
     """The point's paths timed forward, those timed forward + backward too (not a forward-only path), and the
     extra loops of its own (a quantized point's bf16 GEMM beside its paths)."""
-    impls = get_op(lab.op.name).paths(lab).values()  # every path passes parity at best; Triton included on a GPU
+    impls = op_for(lab).paths(lab).values()  # every path passes parity at best; Triton included on a GPU
     return len(impls), sum(impl.backward != NO_BACKWARD for impl in impls), int(lab.precision.quantize is not None)
 
 
 def _trained(lab: LabConfig) -> int:
     """The models bench-train trains: one per path it takes, plus a quantized point's bf16 baseline."""
-    return len(get_op(lab.op.name).train_impls(lab)) + int(lab.precision.quantize is not None)
+    return len(op_for(lab).train_impls(lab)) + int(lab.precision.quantize is not None)
 
 
 def rough_seconds(lab: LabConfig, *, train: bool) -> float:
     """The rough expectation of one point on a GPU (module docstring): fixed costs, then every timing loop
     with its call time from the op's FLOPs at that size and mode."""
-    op = get_op(lab.op.name)
+    op = op_for(lab)
     forward, backward, extra = _timed_paths(lab)
     seconds = ROUGH_POINT_S + (ROUGH_AUTOTUNE_S if lab.tile.autotune or lab.workgroup.autotune else 0.0)
     main = op.costs(next(c for c in op.cases(lab) if c.main), lab)
@@ -139,7 +139,7 @@ def estimate(labs: list[LabConfig], *, train: bool, microbench: bool = True, hea
             seconds += (h.base.steps + h.steps) * NOMINAL_STEP_S
             seconds += 2 * (h.eval_prompts + h.warmup_prompts) * h.new_tokens * NOMINAL_CALL_S
             continue
-        op = get_op(lab.op.name)
+        op = op_for(lab)
         forward, backward, extra = _timed_paths(lab)
         n = s = 0
         floor = 0.0

@@ -325,10 +325,10 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any, shared_per_block: int | None
 def compile_in_process(config: dict[str, Any], targets: list[str], specialized: bool = True) -> dict[str, Any]:
     """The child's work (Triton in compiler mode): every path's launches, compiled for `targets`."""
     from posttrainllm.config import validate_schema
-    from posttrainllm.opdefs import get_op
+    from posttrainllm.opdefs import op_for
 
     cfg = validate_schema(config)
-    op = get_op(cfg.op.name)
+    op = op_for(cfg)
     report: dict[str, Any] = {"op": op.name, "targets": targets, "rule": RULE, "paths": {}, "rows": []}
     tuned = cfg.tile.autotune or cfg.workgroup.autotune
     if tuned:

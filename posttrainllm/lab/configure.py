@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from posttrainllm.config import LabConfig, compose, require, validate_schema
-from posttrainllm.opdefs import OPS, get_op
+from posttrainllm.opdefs import OPS, get_op, op_for
 
 
 def validate(cfg: DictConfig | dict[str, Any]) -> LabConfig:
@@ -45,7 +45,7 @@ def check_precision_rules(cfg: LabConfig) -> None:
     if cfg.precision.quantize is None:
         return
     supported = [name for name, op in OPS.items() if op.quantizes]
-    require(get_op(cfg.op.name).quantizes,
+    require(op_for(cfg).quantizes,
             f"precision {cfg.precision.name} is supported by {', '.join(f'op={name}' for name in supported)} only: "
             f"op={cfg.op.name} has no {cfg.precision.quantize.format} inputs or paths")
 
@@ -57,7 +57,7 @@ def check_train_rules(cfg: LabConfig) -> None:
     if cfg.precision.quantize is None:
         return
     trained = " and ".join(f"op={name}" for name, op in OPS.items() if op.trains_quantized)
-    require(get_op(cfg.op.name).trains_quantized,
+    require(op_for(cfg).trains_quantized,
             f"bench-train under precision {cfg.precision.name}: op={cfg.op.name}'s fp8 paths are forward-only (the fp8 "
             f"training recipe covers {trained}'s linear layers only); `posttrainllm bench` checks and times them")
 
@@ -65,7 +65,7 @@ def check_train_rules(cfg: LabConfig) -> None:
 def check_op_rules(cfg: LabConfig) -> None:
     """The op's own rules: its check_config, the paths this point has (built-in, optional peers and user
     paths, each loaded here so a bad spec fails now), and the outputs and paths other keys name."""
-    op = get_op(cfg.op.name)
+    op = op_for(cfg)
     check_precision_rules(cfg)
     op.check_config(cfg)
     paths = op.paths(cfg)

@@ -43,6 +43,7 @@ from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
 from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
                                  replaced_library)
 from posttrainllm.lab.oracle import cast_floats, contract_for, gradients, reference_outputs, upstream_gradient
+from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.opdefs.base import leaves_of
 from posttrainllm.opdefs.worker import closed_after  # a stage's workers end with it
 from posttrainllm.opdefs.base import point_dtype as _dtype
@@ -97,7 +98,7 @@ def check_memory(cfg: LabConfig, device: str) -> dict[str, Any]:
     The op estimates the peak of its float64 oracle (one chunk at a time) plus its tensors; the point
     may use parity.memory_fraction of the memory available now. ConfigError names both numbers.
     """
-    op = get_op(cfg.op.name)
+    op = op_for(cfg)
     need = max(op.reference_bytes(case, cfg) for case in op.cases(cfg))
     available = devices.available_memory_bytes(device)
     budget = None if available is None else int(available * cfg.parity.memory_fraction)
@@ -121,7 +122,7 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
     unquantized inputs (the same case without its recipe), which parity measures the quantization against.
     A forward-only point reference (the fp8 paths) gets no gradient oracle.
     """
-    op = get_op(cfg.op.name)
+    op = op_for(cfg)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     check_memory(cfg, device)
     point_cfg = cfg
@@ -192,7 +193,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     """
     from posttrainllm.lab import invariance  # the kernel and parity stages' alone (lab/sweep.py STAGE_SOURCES)
 
-    op = get_op(cfg.op.name)
+    op = op_for(cfg)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     shutil.rmtree(out / failures.TRACEBACKS, ignore_errors=True)  # an earlier run's: none of them describe this one
     (out / failures.TRACEBACKS).mkdir(parents=True)  # a DVC out of this stage: there even when no path raised
@@ -355,7 +356,7 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
     after writing."""
     from posttrainllm.lab import invariance
 
-    op = get_op(cfg.op.name)
+    op = op_for(cfg)
     ref = _load_reference(out)
     kernel_outputs = torch.load(out / "kernel.pt", weights_only=True)
     kernel_report = read_json(out / "kernel.json")
@@ -761,7 +762,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     """
     from posttrainllm.track import plots  # matplotlib: imported by the one stage that draws
 
-    op = get_op(cfg.op.name)
+    op = op_for(cfg)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     passed = passed_parity(out)
     refused_by_parity = refusals(out)
@@ -1045,7 +1046,12 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
     from posttrainllm.model.train import Variant, bench_train
     from posttrainllm.model.transformer import ModelConfig
 
-    op = get_op(cfg.op.name)
+    op = op_for(cfg)
+    if op.no_model is not None:  # no model hook (a problem file's op): nothing is trained, and the record says why
+        result = {"impls": {}, "drift": {}, "drift_verdict": {}, "not_trained": op.no_model,
+                  "skipped": {name: op.no_model for name in op.train_impls(cfg)}}
+        write_json(out / "bench_train.json", result)
+        return result
     quantized = cfg.precision.quantize
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     arch, train = cfg.architecture, cfg.train
@@ -1135,9 +1141,9 @@ def _train_quantized(cfg: LabConfig, model_cfg: Any, common: dict[str, Any], dev
                           "trained_on": f"the corpus's first {1 - gate.heldout_frac:.0%} ({head.n_bytes} bytes); "
                                         f"held-out loss over {gate.heldout_batches} batches of the rest"}
     base = base.to(device)
-    paths = get_op(cfg.op.name).paths(cfg)
+    paths = op_for(cfg).paths(cfg)
     names = [v.name for v in common["variants"][1:]]
-    linears = {name: get_op(cfg.op.name).model_hooks(paths[name], cfg).linear for name in names}
+    linears = {name: op_for(cfg).model_hooks(paths[name], cfg).linear for name in names}
     interpreted = {name for name in names if _interpreted(paths[name])}
     greedy = quality.greedy_section(base, held_prompts, gate.new_tokens, linears, torch.nn.functional.linear)
     greedy["base"] = identity

@@ -82,15 +82,34 @@ def _differing(a: dict[str, str], b: dict[str, str], baseline: dict[str, str]) -
 def plan(sweep: SweepConfig) -> dict[str, Any]:
     """The params.yaml content: every point's overrides and its fully resolved config."""
     points = {name: plan_point(sweep, name, changes) for name, changes in point_changes(sweep).items()}
+    for file in problem_files(sweep):  # a folder of problem files: a point each (op=problem op.file=<it>)
+        name = f"problem-{file.stem}"
+        if name in points:
+            raise ConfigError(f"sweep.problems: {file}: the point name {name!r} is taken")
+        points[name] = plan_point(sweep, name, {"op": "problem"}, [f"op.file={file.as_posix()}"])
     return {"sweep": {"name": sweep.name, "grid": sweep.grid}, "points": points}
 
 
-def plan_point(sweep: SweepConfig, name: str, changes: dict[str, str]) -> dict[str, Any]:
-    """One point: the sweep's baseline with `changes`, its overrides and its fully resolved config."""
+def problem_files(sweep: SweepConfig) -> list[Path]:
+    """The problem files of sweep.problems (a folder; its *.py, sorted), or none."""
+    if not sweep.problems:
+        return []
+    folder = Path(sweep.problems)
+    if not folder.is_dir():
+        raise ConfigError(f"sweep.problems={sweep.problems}: no such folder (from {Path.cwd()})")
+    files = sorted(folder.glob("*.py"))
+    if not files:
+        raise ConfigError(f"sweep.problems={sweep.problems}: no problem file (*.py) in it")
+    return files
+
+
+def plan_point(sweep: SweepConfig, name: str, changes: dict[str, str], extra: list[str] = ()) -> dict[str, Any]:
+    """One point: the sweep's baseline with `changes` (and `extra` key overrides), its overrides and its fully
+    resolved config."""
     from posttrainllm.lab.configure import load  # the ops' rules: not for the inputs stage, which only hashes
 
     choices = {**sweep.baseline, **changes}
-    overrides = [f"{d}={choices[d]}" for d in DIMENSIONS if d in choices] + list(sweep.overrides)
+    overrides = [f"{d}={choices[d]}" for d in DIMENSIONS if d in choices] + list(sweep.overrides) + list(extra)
     if name == "baseline":
         overrides += list(sweep.baseline_overrides)
     try:
@@ -309,6 +328,8 @@ def op_sources(stage: str, config: dict[str, Any]) -> list[str]:
     quantized precision the op's fp8 kernels run (ops/fp8_<op>.py), moe's with ops/moe.py's plan.
     """
     files = user_sources(config) if stage in USER_STAGES else []
+    if config["op"]["name"] == "problem":  # the op is its file, read by every stage (opdefs/problem.py: its code)
+        return [config["op"]["file"], "posttrainllm/opdefs/problem.py", *files]
     if stage not in KERNEL_STAGES:
         return files
     op = config["op"]["name"]
@@ -333,10 +354,13 @@ def user_sources(config: dict[str, Any]) -> list[str]:
     specs = config["op"].get("user_impls") or []  # a point planned by `posttrainllm sweep` always has the key
     if not specs:
         return []
-    from posttrainllm.opdefs import get_op
+    from types import SimpleNamespace
+
+    from posttrainllm.opdefs import OPS
     from posttrainllm.opdefs.user import resolve
 
-    op = get_op(config["op"]["name"])
+    # resolving a spec reads the op's name only: a problem op (made from its file) is not loaded to hash a spec
+    op = OPS.get(config["op"]["name"]) or SimpleNamespace(name=config["op"]["name"])
     return [resolve(spec, op).identity["file"] for spec in specs]
 
 
@@ -347,6 +371,8 @@ def op_params(stage: str, config: dict[str, Any]) -> list[str]:
     them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (opdefs/moe.py). The ops in
     TRAIN_CASE_OPS have a parity case at bench-train's shape: the stages that list the cases read train's.
     """
+    if config["op"]["name"] == "problem":  # its OpDef is made per point from its seeds and device (opdefs/problem.py)
+        return [k for k in ("config.parity.seeds", "config.device.name") if k not in STAGE_PARAMS[stage]]
     if config["op"]["name"] == "moe" and stage in ("parity", "bench_train"):  # the kernel stage lists config.shape
         return ["config.shape.moe_d_model", "config.shape.moe_ffn"]
     if config["op"]["name"] in TRAIN_CASE_OPS and stage in ("reference", "microbench"):  # their cases (op.cases)

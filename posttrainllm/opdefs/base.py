@@ -308,6 +308,16 @@ class OpDef:
     # Cost models per kind of path, {name: (case, cfg) -> Costs}: what each kind executes and moves (Impl.cost_model
     # names one); `costs` stays the op's floor, what a path that declares none is placed with
     path_costs: dict[str, Callable[[Case, LabConfig], Costs]] = field(default_factory=dict)
+    # How a user path is called in its worker (opdefs/worker.py): "function" (the natural signature), or "module"
+    # (a problem file's ModelNew: an nn.Module class built there with the call's init inputs, then called with
+    # its inputs and the reference's parameters and buffers by name: opdefs/problem.py)
+    user_call: str = "function"
+    # The op's own check of a user path's target, read from its file, never run (a ModelNew's signatures)
+    check_user: Callable[[Any], None] | None = None
+    # Why bench-train trains none of this op's paths (no model hook: a problem file's op); None: it trains them
+    no_model: str | None = None
+    # The name `posttrainllm new-impl` gives the template's callable (default: the op's name)
+    template_name: str = ""
 
     @property
     def reference(self) -> Impl:
@@ -341,18 +351,25 @@ class OpDef:
 
     def _user_paths(self, specs: list[str], taken: set[str]) -> dict[str, Impl]:
         """The paths of `op.user_impls` (opdefs/user.py), adapted to the registry; a name already taken is refused."""
+        import dataclasses
+
         from posttrainllm.opdefs.user import USER_KIND, registry_fn, resolve
 
         paths: dict[str, Impl] = {}
         for spec in specs:
             user = resolve(spec, self)
+            if self.user_call != user.call:
+                user = dataclasses.replace(user, call=self.user_call)
+            if self.check_user is not None:
+                self.check_user(user)
             if user.name in taken or user.name in paths:
                 where = "a built-in path" if user.name in taken else "another user path"
                 raise ConfigError(f"op.user_impls: {spec!r}: the name {user.name!r} is taken by {where} of "
                                   f"{self.name} (taken: {', '.join(sorted(taken | set(paths)))}); name it, "
                                   f"<name>={spec}")
             paths[user.name] = Impl(user.name, USER_KIND, registry_fn(user, self), backend=f"{user.identity['spec']} "
-                                    f"({user.identity['file']})", user=user.identity)
+                                    f"({user.identity['file']})", user=user.identity,
+                                    train_refusal=self.no_model)
         return paths
 
     def optimized(self, cfg: LabConfig) -> list[Impl]:

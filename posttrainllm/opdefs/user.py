@@ -65,6 +65,8 @@ class UserPath:
     file: Path | None  # the source file (for a file spec, the one loaded)
     attr: str
     identity: dict[str, Any]
+    # how its worker calls it: "function", or "module" (an nn.Module class built there: OpDef.user_call)
+    call: str = "function"
 
     def load(self) -> Callable[..., Any]:
         """Import the module (once per process) and return the callable; an import error is the path's to report."""

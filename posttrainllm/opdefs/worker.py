@@ -264,6 +264,7 @@ class Worker:
             reply = self.request({"op": "load", "threads": threads, "sys_path": list(sys.path),
                                   "user": None if user is CLEAN else {
                                       "name": user.name, "module": user.module, "attr": user.attr,
+                                      "call": getattr(user, "call", "function"),
                                       "file": str(user.file) if user.file else None,
                                       "identity": {k: v for k, v in user.identity.items()
                                                    if isinstance(v, (str, type(None)))}}})
@@ -439,7 +440,8 @@ _FAILED: dict[tuple, Exception] = {}  # user paths whose worker could not load t
 
 
 def _key(user: Any) -> tuple:
-    return user.module, user.attr, user.identity.get("file"), user.identity.get("sha256")
+    return (user.module, user.attr, user.identity.get("file"), user.identity.get("sha256"),
+            getattr(user, "call", "function"))
 
 
 def worker_for(user: Any) -> Worker:
@@ -878,7 +880,9 @@ class _Server:
             return {"pid": os.getpid(), "threads": torch.get_num_threads(), "promises": [], "tampered": []}
         target = load_user(u["module"], Path(u["file"]) if u["file"] else None, u["attr"], u["identity"])
         if not callable(target):
-            raise TypeError(f"{user.attr} in {user.identity['file']} is a {type(target).__name__}, not a callable")
+            raise TypeError(f"{u['attr']} in {u['identity'].get('file')} is a {type(target).__name__}, not a callable")
+        if u.get("call") == "module":
+            target = module_path(target, u["attr"])
         self.fn = target
         _patch_interpreter()
         code = getattr(target, "__code__", None)
@@ -1086,6 +1090,30 @@ def load_user(module_name: str, file: Path | None, attr: str, identity: dict[str
     for part in attr.split("."):
         fn = getattr(fn, part)
     return fn
+
+
+def module_path(cls: Any, attr: str) -> Callable[..., Any]:
+    """A "module" user path (OpDef.user_call; a problem file's ModelNew): `cls` built once per init inputs, in
+    this worker, and called with the forward's tensors followed by the reference's parameters and buffers, named
+    by `state_names`; those its own state has are what it runs with (torch.func.functional_call), the others it
+    never sees. Its `promises` are the class's."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise TypeError(f"{attr} is a {type(cls).__name__}, not a torch.nn.Module class")
+    built: dict[str, torch.nn.Module] = {}
+
+    def call(*tensors: torch.Tensor, init_inputs: list[Any], state_names: list[str]) -> Any:
+        key = repr(init_inputs)
+        if key not in built:
+            built[key] = cls(*init_inputs)
+        module = built[key]
+        own = {*dict(module.named_parameters()), *dict(module.named_buffers())}
+        n = len(tensors) - len(state_names)
+        state = {name: t for name, t in zip(state_names, tensors[n:]) if name in own}
+        return torch.func.functional_call(module, state, tuple(tensors[:n]))
+
+    call.promises = getattr(cls, "promises", ())
+    call.__name__ = attr
+    return call
 
 
 def serve(read_fd: int, write_fd: int) -> None:

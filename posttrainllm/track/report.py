@@ -156,6 +156,10 @@ def train_table(receipt: dict[str, Any]) -> str:
     """train_head, then train_frame as text (the bench-train console; "-" where nothing applies)."""
     if not receipt.get("bench_train"):
         return f"point {receipt['point']}: no bench-train result"
+    if receipt["bench_train"].get("not_trained"):  # an op with no model hook (op=problem): skipped, and why
+        skipped = receipt["bench_train"].get("skipped") or {}
+        return (f"point {receipt['point']}: bench-train trained nothing: {receipt['bench_train']['not_trained']} "
+                f"(skipped: {', '.join(skipped) or 'none'})")
     variants = ((receipt["bench_train"].get("amdahl") or {}).get("variants") or {})
     steps = [f"step ({name}): {check['sentence']}" for name, check in variants.items() if check.get("sentence")]
     return "\n".join([train_head(receipt), train_frame(receipt).to_string(index=False),

@@ -1,0 +1,28 @@
+# Follows KernelBench level1/95_CrossEntropyLoss.py: the mean cross-entropy of logits, in KernelBench's format.
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    """
+    The mean cross-entropy loss of (batch_size, num_classes) logits against integer targets.
+    """
+    def __init__(self):
+        super(Model, self).__init__()
+
+    def forward(self, predictions, targets):
+        return torch.nn.functional.cross_entropy(predictions, targets)
+
+
+batch_size = 32768
+num_classes = 4096
+input_shape = (num_classes,)
+dim = 1
+
+
+def get_inputs():
+    return [torch.rand(batch_size, *input_shape), torch.randint(0, num_classes, (batch_size,))]
+
+
+def get_init_inputs():
+    return []
