@@ -22,6 +22,7 @@ SMALL = {
     "rmsnorm": ["shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
     "rope": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],
     "swiglu": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],
+    "softmax": ["tile=b16", "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
     "cross_entropy": ["shape.ce_tokens=8", "shape.ce_d_model=16", "shape.ce_vocab=300", "shape.ce_edge=[]",
                       "shape.ce_curve=[4,8]", "shape.ce_vocab_curve=[100,300]"],
 }
