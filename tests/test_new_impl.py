@@ -83,7 +83,7 @@ def test_an_existing_file_is_never_overwritten(workdir, capsys):
 
 @pytest.mark.parametrize("args, says", [
     (["op=nope", "k.py"], "unknown op 'nope': valid choices are attention, attention_noncausal, cross_entropy, "
-                          "decode_attention, matmul, moe, problem, rmsnorm, rope, swiglu"),
+                          "decode_attention, matmul, moe, problem, rmsnorm, rope, softmax, swiglu"),
     (["op=matmul"], "usage: posttrainllm new-impl op=OP FILE.py"),
     (["k.py"], "usage: posttrainllm new-impl op=OP FILE.py"),
     (["op=matmul", "k.py", "--name"], "--name needs a value"),
