@@ -25,7 +25,7 @@ overrides = [a for a in sys.argv[1:] if not a.isdigit()]
 
 import torch  # noqa: E402
 
-from posttrainllm.lab import outside, rooms, stages  # noqa: E402
+from posttrainllm.lab import outside, rooms, runner, stages  # noqa: E402
 from posttrainllm.lab.configure import load  # noqa: E402
 from posttrainllm.lab.oracle import upstream_gradient  # noqa: E402
 from posttrainllm.measure import device as devices  # noqa: E402
@@ -42,7 +42,7 @@ cfg = load(["op=attention", "precision=fp32", "device=cpu", "run.log_mlflow=fals
 op = get_op(cfg.op.name)
 device = devices.prepare(cfg.device.name, cfg.bench.threads)
 case = next(c for c in op.cases(cfg) if c.main)
-paths = op.paths(cfg)
+paths = runner.paths(op, cfg)
 bench = cfg.bench
 settings = dict(warmup=bench.warmup, reps=bench.reps, min_time_s=bench.min_time_s, max_reps=bench.max_reps)
 sets = rooms.input_sets(op, case, torch.float32, device, bench.input_sets)

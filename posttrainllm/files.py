@@ -7,12 +7,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-from posttrainllm.config import LabConfig
+from posttrainllm.config import PROJECT_ROOT, LabConfig
 
 
 # Files of user paths loaded in this process ({shown path: sha256}; opdefs/user.py fills it): the stage
 # stamps hash them beside the package's own modules (track/stamp.py)
 USER_SOURCES: dict[str, str] = {}
+
+
+def shown(path: Path) -> str:
+    """A path as a receipt shows it: relative to the project when inside it, else absolute."""
+    path = path.resolve()
+    return path.relative_to(PROJECT_ROOT).as_posix() if path.is_relative_to(PROJECT_ROOT) else str(path)
 
 
 def point_dir(cfg: LabConfig) -> Path:

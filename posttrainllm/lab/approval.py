@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from posttrainllm.config import LabConfig
 from posttrainllm.measure import device as devices
 from posttrainllm.opdefs import NO_BACKWARD, op_for
+from posttrainllm.opdefs.user import user_paths  # the paths from outside: a spec read, nothing run
 
 ENV = "POSTTRAINLLM_APPROVE"
 NOMINAL_CALL_S = 1e-3
@@ -93,13 +94,13 @@ def _call_s(flops: float) -> float:
 def _timed_paths(lab: LabConfig) -> tuple[int, int, int]:
     """The point's paths timed forward, those timed forward + backward too (not a forward-only path), and the
     extra loops of its own (a quantized point's bf16 GEMM beside its paths)."""
-    impls = op_for(lab).paths(lab).values()  # every path passes parity at best; Triton included on a GPU
+    impls = op_for(lab).paths(lab, user_paths).values()  # every path passes parity at best; Triton included on a GPU
     return len(impls), sum(impl.backward != NO_BACKWARD for impl in impls), int(lab.precision.quantize is not None)
 
 
 def _trained(lab: LabConfig) -> int:
     """The models bench-train trains: one per path it takes, plus a quantized point's bf16 baseline."""
-    return len(op_for(lab).train_impls(lab)) + int(lab.precision.quantize is not None)
+    return len(op_for(lab).train_impls(lab, user_paths)) + int(lab.precision.quantize is not None)
 
 
 def rough_seconds(lab: LabConfig, *, train: bool) -> float:

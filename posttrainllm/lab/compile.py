@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from posttrainllm.measure import sass
-from posttrainllm.opdefs.user import distribution_of, shown
+from posttrainllm.files import shown
+from posttrainllm.opdefs.user import distribution_of
 
 RULE = ("each Triton launch of the point's main case (forward, then backward) captured where Triton binds it and "
         "specialized by Triton's own binder as a GPU launch of the same arguments is (unit strides constant, "
@@ -325,6 +326,7 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any, shared_per_block: int | None
 def compile_in_process(config: dict[str, Any], targets: list[str], specialized: bool = True) -> dict[str, Any]:
     """The child's work (Triton in compiler mode): every path's launches, compiled for `targets`."""
     from posttrainllm.config import validate_schema
+    from posttrainllm.lab import runner
     from posttrainllm.opdefs import op_for
 
     cfg = validate_schema(config)
@@ -335,7 +337,7 @@ def compile_in_process(config: dict[str, Any], targets: list[str], specialized: 
         report["note"] = AUTOTUNE_NOTE
     # the autotuned branch prunes by the target's shared memory: one capture per target (none compiled: one capture)
     captures = [([t], sass.TARGETS[t].shared_per_block) for t in targets] if tuned and targets else [(targets, None)]
-    for impl in op.optimized(cfg):
+    for impl in runner.optimized(op, cfg):
         if impl.user is None and impl.kind != "triton":
             report["paths"][impl.name] = {"note": INDUCTOR if impl.kind == "compiled" else NOT_TRITON}
             continue

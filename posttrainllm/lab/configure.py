@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from posttrainllm.config import LabConfig, compose, require, validate_schema
 from posttrainllm.opdefs import OPS, get_op, op_for
+from posttrainllm.opdefs.user import user_paths  # the paths from outside: a spec read, nothing run
 
 
 def validate(cfg: DictConfig | dict[str, Any]) -> LabConfig:
@@ -68,7 +69,7 @@ def check_op_rules(cfg: LabConfig) -> None:
     op = op_for(cfg)
     check_precision_rules(cfg)
     op.check_config(cfg)
-    paths = op.paths(cfg)
+    paths = op.paths(cfg, user_paths)
     outputs = list(dict.fromkeys(name for impl in op.impls.values() for name in op.expected_outputs(impl)))
     for name in cfg.op.max_error_only.outputs:
         require(name in outputs, f"op.max_error_only.outputs: unknown {cfg.op.name} output {name!r}: valid choices "

@@ -157,13 +157,14 @@ def profile_point(sweep_name: str, point: str) -> int:
     """The `--profile-point` child (run under ncu): each of the point's Triton paths (ours and user paths) once,
     forward then backward, at its main case, on the point's device."""
     from posttrainllm.lab import compile as compiling
+    from posttrainllm.lab import runner
     from posttrainllm.opdefs import op_for
 
     spec = sweep.plan(load([f"sweep={sweep_name}"]).sweep)["points"][point]
     cfg = validate({**spec["config"], "run": {"name": point, "log_mlflow": False}})
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     op = op_for(cfg)
-    for impl in op.optimized(cfg):
+    for impl in runner.optimized(op, cfg):
         if impl.user is None and impl.kind != "triton":
             continue
         fn = op.adapt(impl.fn.user_path.load()) if impl.user is not None else impl.fn

@@ -35,7 +35,7 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
-from posttrainllm.lab import guards, outside, parity, rooms
+from posttrainllm.lab import guards, outside, parity, rooms, runner
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
@@ -126,7 +126,7 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     check_memory(cfg, device)
     point_cfg = cfg
-    with_gradients = op.paths(cfg)[REFERENCE].backward != NO_BACKWARD
+    with_gradients = runner.paths(op, cfg)[REFERENCE].backward != NO_BACKWARD
     records = []
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for case in op.cases(cfg):
@@ -203,9 +203,9 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     report: dict[str, Any] = {"device": device, "triton_interpreted": devices.triton_interpreted(), "paths": {}}
     # in a child process, beside this stage's own work, where one of ours is Triton; for user paths alone, only
     # once their calls here showed Triton launches (a PyTorch path's loop starts no compiler)
-    compiling = _start_compile(op, cfg, out) if any(i.kind == "triton" for i in op.optimized(cfg)) else None
+    compiling = _start_compile(op, cfg, out) if any(i.kind == "triton" for i in runner.optimized(op, cfg)) else None
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
-        for impl in op.optimized(cfg):
+        for impl in runner.optimized(op, cfg):
             try:  # tile=auto runs the autotuner here: a failure is this path's, recorded, not the point's
                 geometry = op.geometry(impl, main_case, cfg)
             except Exception as exc:
@@ -256,7 +256,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
 
         report["compile"] = compile_lab.finish(*compiling)
         compile_lab.register_kernel_files(report["compile"])  # the stamp hashes the user paths' kernel files
-    elif any(impl.user is not None for impl in op.optimized(cfg)):
+    elif any(impl.user is not None for impl in runner.optimized(op, cfg)):
         from posttrainllm.lab import compile as compile_lab
 
         report["compile"] = {"targets": list(cfg.compile.targets), "rule": compile_lab.RULE, "paths": {},
@@ -278,7 +278,7 @@ def _start_compile(op: OpDef, cfg: LabConfig, out: Path) -> tuple[Any, Path, lis
     Imported here: only the kernel stage depends on it (lab/sweep.py STAGE_SOURCES)."""
     from posttrainllm.lab import compile as compile_lab
 
-    if not any(impl.kind == "triton" or impl.user is not None for impl in op.optimized(cfg)):
+    if not any(impl.kind == "triton" or impl.user is not None for impl in runner.optimized(op, cfg)):
         return None
     result = out / "compile.json"
     result.unlink(missing_ok=True)
@@ -383,7 +383,7 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
         report["invariance"]["note"] = invariance.INTERPRETED_NOTE
     if cfg.precision.allow_tf32 and kernel_report["device"] != "cuda":
         report["notes"].append("tf32 requested, but CPU torch and Triton's interpreter compute true fp32 here")
-    for impl in op.optimized(cfg):
+    for impl in runner.optimized(op, cfg):
         outputs = kernel_outputs.get(impl.name)
         entry = kernel_report["paths"].get(impl.name, {"error": "not run by the kernel stage"})
         impl = dataclasses.replace(impl, backward=entry.get("backward", impl.backward))  # as its result declared
@@ -592,7 +592,7 @@ def parity_paths(op: OpDef, cfg: LabConfig, out: Path) -> dict[str, Impl]:
     it forward-only) and, for a path that launched Triton kernels (a user's), kind "triton" when interpreted."""
     recorded = read_json(out / "parity.json")["paths"] if (out / "parity.json").exists() else {}
     paths = {}
-    for name, impl in op.paths(cfg).items():
+    for name, impl in runner.paths(op, cfg).items():
         entry = recorded.get(name, {})
         impl = dataclasses.replace(impl, backward=entry.get("backward", impl.backward))
         if impl.kind != "triton" and entry.get("launched"):
@@ -884,7 +884,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     ridge = max(peak_flops, floor_flops or 0.0) / peak_bandwidth if peak_flops else None  # FLOP/B
     report["curve"] = _curve(cfg, op, out, device, timed, calibration, floor_flops, cache_bytes=cache_bytes,
                              ridge=ridge)
-    for name, impl in op.paths(cfg).items():  # after every timed call and curve size (compiled: per signature)
+    for name, impl in runner.paths(op, cfg).items():  # after every timed call and curve size (compiled: per signature)
         if impl.evidence is not None and name in report["paths"]:
             report["paths"][name]["evidence"] = impl.evidence()
     write_json(out / "microbench.json", report)
@@ -1010,7 +1010,7 @@ def _check_at(op: OpDef, cfg: LabConfig, case: Case, inputs: Tensors, names: lis
             verdicts[name] = "pass"  # the in-precision baseline the contract is relative to
             continue
         try:
-            got = op.paths(cfg)[name].fn(inputs, cfg)["out"]
+            got = runner.paths(op, cfg)[name].fn(inputs, cfg)["out"]
             check = parity.check_output(got.cpu(), oracle, baseline, cfg.precision.contract)
             verdicts[name] = "pass" if check["verdict"] == "pass" else f"failed parity: {check['reason']}"
         except Exception as exc:
@@ -1049,7 +1049,7 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
     op = op_for(cfg)
     if op.no_model is not None:  # no model hook (a problem file's op): nothing is trained, and the record says why
         result = {"impls": {}, "drift": {}, "drift_verdict": {}, "not_trained": op.no_model,
-                  "skipped": {name: op.no_model for name in op.train_impls(cfg)}}
+                  "skipped": {name: op.no_model for name in runner.train_impls(op, cfg)}}
         write_json(out / "bench_train.json", result)
         return result
     quantized = cfg.precision.quantize
@@ -1066,7 +1066,7 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
     variants, skipped = [], {}
     if quantized is not None:  # the baseline: the same model with F.linear in bf16 (what the fp8 recipe is against)
         variants.append(Variant(QUANTIZED_BASELINE))
-    for name in op.train_impls(cfg):
+    for name in runner.train_impls(op, cfg):
         if not passed.get(name, False):
             skipped[name] = refused.get(name, FAILED_PARITY)
             continue
@@ -1141,7 +1141,7 @@ def _train_quantized(cfg: LabConfig, model_cfg: Any, common: dict[str, Any], dev
                           "trained_on": f"the corpus's first {1 - gate.heldout_frac:.0%} ({head.n_bytes} bytes); "
                                         f"held-out loss over {gate.heldout_batches} batches of the rest"}
     base = base.to(device)
-    paths = op_for(cfg).paths(cfg)
+    paths = runner.paths(op_for(cfg), cfg)
     names = [v.name for v in common["variants"][1:]]
     linears = {name: op_for(cfg).model_hooks(paths[name], cfg).linear for name in names}
     interpreted = {name for name in names if _interpreted(paths[name])}

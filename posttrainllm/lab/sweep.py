@@ -269,6 +269,7 @@ CORE_SOURCES = (
     "posttrainllm/lab/parity.py",
     "posttrainllm/lab/outside.py",  # user paths timed from outside their worker (opdefs/worker.py)
     "posttrainllm/lab/rooms.py",
+    "posttrainllm/lab/runner.py",  # the one way a stage calls a path
     "posttrainllm/measure/__init__.py",
     "posttrainllm/measure/device.py",
     "posttrainllm/measure/calibrate.py",

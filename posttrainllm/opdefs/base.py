@@ -328,10 +328,12 @@ class OpDef:
         """Every axis the microbench measures a curve over: x_name (curve_sizes, curve_case) first."""
         return [CurveAxis(self.x_name, self.curve_sizes, self.curve_case), *self.extra_curves]
 
-    def paths(self, cfg: LabConfig) -> dict[str, Impl]:
+    def paths(self, cfg: LabConfig,
+              outside: Callable[[OpDef, LabConfig, set[str]], dict[str, Impl]] | None = None) -> dict[str, Impl]:
         """The registry as it stands for this point: `impls` (or what `point_impls` makes of it), then the optional
-        peers `op.peers` names, then the user paths of `op.user_impls` (opdefs/user.py); with `op.only`, those it
-        names and the reference (the speed baseline)."""
+        peers `op.peers` names, then the paths from outside (`op.user_impls`), which `outside(op, cfg, taken)`
+        makes: the lab's (lab/runner.py `paths`), since such a path runs in a worker the lab starts; with
+        `op.only`, those it names and the reference (the speed baseline)."""
         paths = dict(self.point_impls(cfg) if self.point_impls is not None else self.impls)
         for name in cfg.op.peers:
             if name not in self.optional_peers:
@@ -339,8 +341,11 @@ class OpDef:
                                   f"{', '.join(self.optional_peers) or 'none'}")
             paths[name] = self.optional_peers[name](cfg)
         if cfg.op.user_impls:
-            paths.update(self._user_paths(list(cfg.op.user_impls), set(paths) | set(self.impls)
-                                          | set(self.optional_peers) | set(self.reserved_names)))
+            if outside is None:
+                raise ConfigError(f"op.user_impls={list(cfg.op.user_impls)}: a path from outside runs in a worker "
+                                  "the lab starts: take the point's paths from posttrainllm.lab.runner.paths")
+            paths.update(outside(self, cfg, set(paths) | set(self.impls) | set(self.optional_peers)
+                                 | set(self.reserved_names)))
         for name in cfg.op.only:
             if name not in paths:
                 raise ConfigError(f"op.only: {name!r} is not a path of this {self.name} point: valid choices are "
@@ -349,32 +354,10 @@ class OpDef:
             paths = {name: impl for name, impl in paths.items() if name == REFERENCE or name in cfg.op.only}
         return paths
 
-    def _user_paths(self, specs: list[str], taken: set[str]) -> dict[str, Impl]:
-        """The paths of `op.user_impls` (opdefs/user.py), adapted to the registry; a name already taken is refused."""
-        import dataclasses
-
-        from posttrainllm.opdefs.user import USER_KIND, registry_fn, resolve
-
-        paths: dict[str, Impl] = {}
-        for spec in specs:
-            user = resolve(spec, self)
-            if self.user_call != user.call:
-                user = dataclasses.replace(user, call=self.user_call)
-            if self.check_user is not None:
-                self.check_user(user)
-            if user.name in taken or user.name in paths:
-                where = "a built-in path" if user.name in taken else "another user path"
-                raise ConfigError(f"op.user_impls: {spec!r}: the name {user.name!r} is taken by {where} of "
-                                  f"{self.name} (taken: {', '.join(sorted(taken | set(paths)))}); name it, "
-                                  f"<name>={spec}")
-            paths[user.name] = Impl(user.name, USER_KIND, registry_fn(user, self), backend=f"{user.identity['spec']} "
-                                    f"({user.identity['file']})", user=user.identity,
-                                    train_refusal=self.no_model)
-        return paths
-
-    def optimized(self, cfg: LabConfig) -> list[Impl]:
+    def optimized(self, cfg: LabConfig,
+                  outside: Callable[[OpDef, LabConfig, set[str]], dict[str, Impl]] | None = None) -> list[Impl]:
         """The paths checked against the reference (everything but the reference itself)."""
-        return [impl for name, impl in self.paths(cfg).items() if name != REFERENCE]
+        return [impl for name, impl in self.paths(cfg, outside).items() if name != REFERENCE]
 
     def costs_of(self, impl: Impl, case: Case, cfg: LabConfig) -> Costs:
         """`impl`'s own cost model at `case` (Impl.cost_model in path_costs); the floor, saying so, where it declares
@@ -395,9 +378,10 @@ class OpDef:
         gradient per input (a borrowed backward's gradients are another path's; a forward-only path has none)."""
         return [*impl.outputs, *(self.gradient_names() if impl.checks_gradients else [])]
 
-    def train_impls(self, cfg: LabConfig) -> list[str]:
+    def train_impls(self, cfg: LabConfig,
+                    outside: Callable[[OpDef, LabConfig, set[str]], dict[str, Impl]] | None = None) -> list[str]:
         """The implementations bench-train runs (train.impls, or all): the reference first, the drift baseline."""
-        return list(cfg.train.impls) or [name for name, impl in self.paths(cfg).items() if impl.train]
+        return list(cfg.train.impls) or [name for name, impl in self.paths(cfg, outside).items() if impl.train]
 
     def geometry(self, impl: Impl, case: Case, cfg: LabConfig) -> dict[str, Any]:
         return impl.geometry(case, cfg) if impl.geometry else {"backend": impl.backend}

@@ -176,7 +176,7 @@ def load_file(file: str) -> Problem:
         raise _bad(file, f"Model is a {type(module.Model).__name__}, not a torch.nn.Module class")
     read = _globals_read(tree, ("get_inputs", "get_init_inputs"))
     written = {n: getattr(module, n) for n in read if n in vars(module) and _int_like(getattr(module, n))}
-    from posttrainllm.opdefs.user import shown
+    from posttrainllm.files import shown
 
     return Problem(path.resolve(), shown(path), sha, module, tree, written, read)
 

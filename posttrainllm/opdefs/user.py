@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from posttrainllm.config import PROJECT_ROOT, ConfigError, LabConfig
+from posttrainllm.config import ConfigError, LabConfig
+from posttrainllm.files import shown
 
 if TYPE_CHECKING:  # names for annotations only: base.py (OpDef.paths) imports this module, never the reverse
     from posttrainllm.opdefs.base import OpDef, Tensors
@@ -92,12 +93,6 @@ def parse_spec(spec: str) -> tuple[str | None, str]:
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def shown(path: Path) -> str:
-    """A path as a receipt shows it: relative to the project when inside it, else absolute."""
-    path = path.resolve()
-    return path.relative_to(PROJECT_ROOT).as_posix() if path.is_relative_to(PROJECT_ROOT) else str(path)
 
 
 def _defined_names(path: Path, spec: str) -> set[str]:
@@ -244,3 +239,27 @@ def registry_fn(user: UserPath, op: OpDef) -> Callable[[Tensors, LabConfig], Ten
     fn.user_path = user  # the lab's timing from outside (lab/outside.py) reaches the worker through it
     fn.natural = natural
     return fn
+
+
+def user_paths(op: OpDef, cfg: LabConfig, taken: set[str]) -> dict[str, Any]:
+    """The paths of `op.user_impls`, adapted to the registry (OpDef.paths' `outside`); a name already taken is
+    refused."""
+    import dataclasses
+
+    from posttrainllm.opdefs.base import Impl
+
+    paths: dict[str, Impl] = {}
+    for spec in list(cfg.op.user_impls):
+        user = resolve(spec, op)
+        if op.user_call != user.call:
+            user = dataclasses.replace(user, call=op.user_call)
+        if op.check_user is not None:
+            op.check_user(user)
+        if user.name in taken or user.name in paths:
+            where = "a built-in path" if user.name in taken else "another user path"
+            raise ConfigError(f"op.user_impls: {spec!r}: the name {user.name!r} is taken by {where} of "
+                              f"{op.name} (taken: {', '.join(sorted(taken | set(paths)))}); name it, "
+                              f"<name>={spec}")
+        paths[user.name] = Impl(user.name, USER_KIND, registry_fn(user, op), backend=f"{user.identity['spec']} "
+                                f"({user.identity['file']})", user=user.identity, train_refusal=op.no_model)
+    return paths
