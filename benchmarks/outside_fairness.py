@@ -25,12 +25,13 @@ overrides = [a for a in sys.argv[1:] if not a.isdigit()]
 
 import torch  # noqa: E402
 
-from posttrainllm.lab import outside, rooms, runner, stages  # noqa: E402
+from posttrainllm.lab import runner, stages  # noqa: E402
+from posttrainllm.lab.isolation import outside, rooms  # noqa: E402
 from posttrainllm.lab.configure import load  # noqa: E402
 from posttrainllm.lab.oracle import upstream_gradient  # noqa: E402
 from posttrainllm.measure import device as devices  # noqa: E402
 from posttrainllm.opdefs import get_op  # noqa: E402
-from posttrainllm.opdefs import worker as workers  # noqa: E402
+from posttrainllm.lab.isolation import worker as workers  # noqa: E402
 
 folder = Path(tempfile.mkdtemp(prefix="outside-fairness-"))
 subprocess.run([sys.executable, "-m", "posttrainllm", "new-impl", "op=attention", str(folder / "template.py")],

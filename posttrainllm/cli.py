@@ -764,7 +764,7 @@ NEW_IMPL_USAGE = ("usage: posttrainllm new-impl op=OP FILE.py [--name NAME] [op.
 
 
 def new_impl(args: list[str]) -> int:
-    """`posttrainllm new-impl op=OP FILE.py [--name NAME]`: a user path to start from (opdefs/user.py).
+    """`posttrainllm new-impl op=OP FILE.py [--name NAME]`: a user path to start from (lab/isolation/user.py).
 
     The file holds `OpDef.template` (the op's readable math, correct as it is, in its natural signature) under a
     module docstring that states `OpDef.signature` and the command that gives its receipt. The function (and so

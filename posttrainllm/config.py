@@ -91,7 +91,7 @@ class OpConfig:
     # Built-in peers beyond the registry's (`compiled`: the reference under torch.compile; attention's `flex`):
     # opt-in, as each compiles (seconds per shape on a CPU)
     peers: list[str] = field(default_factory=list)
-    # Kernels from outside, `[name=]file.py:attr`, `[name=]module:attr` or `[name=]entry:<name>` (opdefs/user.py)
+    # Kernels from outside, `[name=]file.py:attr`, `[name=]module:attr` or `[name=]entry:<name>` (lab/isolation/user.py)
     user_impls: list[str] = field(default_factory=list)
     # Run only these paths (built-in, peer or user, by name) and the reference, the speed baseline; []: every path
     # (opdefs/base.py OpDef.paths, the one place paths are listed)
@@ -482,7 +482,7 @@ class BenchConfig:
     # A median under this fraction of the roofline's minimum time (FLOPs at the best calibrated GEMM peak)
     # is refused as impossible (conf/config.yaml: why not 1, and why not the bytes roof)
     impossible_below: float = 0.5
-    # Distinct input sets the timed repetitions rotate over (lab/rooms.py): a stored result is never the answer
+    # Distinct input sets the timed repetitions rotate over (lab/isolation/rooms.py): a stored result is never the answer
     input_sets: int = 4
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from posttrainllm.config import PROJECT_ROOT, LabConfig
 
 
-# Files of user paths loaded in this process ({shown path: sha256}; opdefs/user.py fills it): the stage
+# Files of user paths loaded in this process ({shown path: sha256}; lab/isolation/user.py fills it): the stage
 # stamps hash them beside the package's own modules (track/stamp.py)
 USER_SOURCES: dict[str, str] = {}
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import parity_report
 
 from posttrainllm.lab.configure import load
-from posttrainllm.lab.guards import run_guarded
+from posttrainllm.lab.isolation.guards import run_guarded
 from posttrainllm.opdefs import attention, decode_attention, matmul
 from posttrainllm.track.report import point_table
 

@@ -130,7 +130,7 @@ def _worker_of(parent: int) -> bool:
 
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if (b"posttrainllm.opdefs.worker" in (proc / "cmdline").read_bytes()
+            if (b"posttrainllm.lab.isolation.worker" in (proc / "cmdline").read_bytes()
                     and int((proc / "stat").read_text().rpartition(")")[2].split()[1]) == parent):
                 return True
         except (OSError, ValueError, IndexError):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from posttrainllm.lab.guards import count_triton_launches, run_guarded
+from posttrainllm.lab.isolation.guards import count_triton_launches, run_guarded
 
 
 @pytest.fixture

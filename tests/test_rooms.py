@@ -1,4 +1,4 @@
-"""Every path in its own room (lab/rooms.py): a path's writes reach no other path, its timing rotates over distinct
+"""Every path in its own room (lab/isolation/rooms.py): a path's writes reach no other path, its timing rotates over distinct
 inputs, what it does to torch's state is named and put back, and a stored backward loses its speed.
 
 The order test writes paths as users have (unsloth's RMSNorm backward writes its result into the incoming
@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import parity_report
 
-from posttrainllm.lab import rooms, stages
+from posttrainllm.lab import stages
+from posttrainllm.lab.isolation import rooms
 from posttrainllm.lab.configure import load
 from posttrainllm.opdefs import Impl, get_op
 

@@ -222,7 +222,7 @@ def test_a_path_that_raises_is_located_in_its_own_file_and_the_point_goes_on(tmp
     assert error["traceback"] == "tracebacks/matmul.txt"
     text = (tmp_path / error["traceback"]).read_text()
     assert f"located: {spec}:5: if None < 1: (in _scale)" in text
-    assert 'in _scale\n    if None < 1:' in text and "posttrainllm/opdefs/worker.py" in text  # the worker's traceback
+    assert 'in _scale\n    if None < 1:' in text and "posttrainllm/lab/isolation/worker.py" in text  # the worker's traceback
     kernel = json.loads((tmp_path / "kernel.json").read_text())["paths"]["matmul"]
     assert kernel["failure"] == error and kernel["error"] == path["failed_cases"][0].removeprefix("did not run: ")
     assert report["paths"]["triton"]["verdict"] == "pass" and "error" not in report["paths"]["triton"]
@@ -416,7 +416,7 @@ def test_flex_attention_is_forward_only_on_the_cpu():
 
 
 def test_a_spec_resolves_again_when_its_file_changes_or_the_directory_does(tmp_path, monkeypatch):
-    from posttrainllm.opdefs.user import resolve
+    from posttrainllm.lab.isolation.user import resolve
 
     op = get_op("matmul")
     for folder in ("a", "b"):

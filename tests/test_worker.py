@@ -1,4 +1,4 @@
-"""A user path runs in a worker process of its own (opdefs/worker.py) and is timed from outside it (lab/outside.py).
+"""A user path runs in a worker process of its own (lab/isolation/worker.py) and is timed from outside it (lab/isolation/outside.py).
 
 Each user file here is written as a user would write it, honest or not; the stages run on tiny problems on the CPU.
 """
@@ -15,7 +15,7 @@ from conftest import parity_report
 
 from posttrainllm.lab import stages
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import worker as workers
+from posttrainllm.lab.isolation import worker as workers
 
 MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]", "shape.m=64", "shape.n=64",
           "shape.k=64", "shape.curve=[16,32]", "shape.matmul_curve=[16,32]", "bench.reps=3", "bench.min_time_s=0",
@@ -275,7 +275,7 @@ def test_writes_into_an_input_and_returning_an_input_are_caught_and_named(tmp_pa
 
 def test_a_write_into_the_upstream_gradient_reaches_the_labs_buffer():
     from posttrainllm.opdefs import get_op
-    from posttrainllm.opdefs.user import resolve
+    from posttrainllm.lab.isolation.user import resolve
 
     source = Path(__file__).parent / "_grad_writer.py"
     source.write_text("import torch\n\n\nclass _F(torch.autograd.Function):\n    @staticmethod\n"
@@ -316,7 +316,7 @@ def test_each_worker_is_forked_clean_with_the_labs_environment_and_folder_of_its
     """The zygote has imported torch and nothing of any user's: the second path's worker does not see what the
     first one's import did, and takes the environment and working directory the lab has when it starts."""
     from posttrainllm.opdefs import get_op
-    from posttrainllm.opdefs.user import resolve
+    from posttrainllm.lab.isolation.user import resolve
 
     seen = {}
     for name in ("first", "second"):
@@ -353,7 +353,7 @@ def test_two_runs_draw_and_record_different_timing_seeds_and_parity_stays_reprod
 def test_a_worker_and_every_process_it_started_end_with_it(tmp_path):
     """Its process group and what it left orphaned (double-forked, setsid: adopted by the zygote, a subreaper)."""
     from posttrainllm.opdefs import get_op
-    from posttrainllm.opdefs.user import resolve
+    from posttrainllm.lab.isolation.user import resolve
 
     source = tmp_path / "forks.py"
     source.write_text(FORKS.replace("PIDS", str(tmp_path / "pids.txt")))

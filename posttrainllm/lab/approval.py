@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from posttrainllm.config import LabConfig
 from posttrainllm.measure import device as devices
 from posttrainllm.opdefs import NO_BACKWARD, op_for
-from posttrainllm.opdefs.user import user_paths  # the paths from outside: a spec read, nothing run
+from posttrainllm.lab.isolation.user import user_paths  # the paths from outside: a spec read, nothing run
 
 ENV = "POSTTRAINLLM_APPROVE"
 NOMINAL_CALL_S = 1e-3

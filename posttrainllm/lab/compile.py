@@ -38,7 +38,7 @@ from typing import Any, Iterator
 
 from posttrainllm.measure import sass
 from posttrainllm.files import shown
-from posttrainllm.opdefs.user import distribution_of
+from posttrainllm.lab.isolation.user import distribution_of
 
 RULE = ("each Triton launch of the point's main case (forward, then backward) captured where Triton binds it and "
         "specialized by Triton's own binder as a GPU launch of the same arguments is (unit strides constant, "

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from posttrainllm.config import LabConfig, compose, require, validate_schema
 from posttrainllm.opdefs import OPS, get_op, op_for
-from posttrainllm.opdefs.user import user_paths  # the paths from outside: a spec read, nothing run
+from posttrainllm.lab.isolation.user import user_paths  # the paths from outside: a spec read, nothing run
 
 
 def validate(cfg: DictConfig | dict[str, Any]) -> LabConfig:

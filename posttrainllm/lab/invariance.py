@@ -24,7 +24,7 @@ Declared and required (PROPERTIES_RULE)
 
 Run at the parity cases' sizes (the main case), not the curve's. On a CPU these are properties of the code as it
 runs there: Triton's interpreter and PyTorch's CPU kernels (INTERPRETED_NOTE); a GPU runs the same checks.
-User paths are called through their worker (opdefs/worker.py): their code never runs in the lab's process.
+User paths are called through their worker (lab/isolation/worker.py): their code never runs in the lab's process.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from posttrainllm.config import PROPERTIES, LabConfig
-from posttrainllm.lab import rooms
+from posttrainllm.lab.isolation import rooms
 from posttrainllm.opdefs import Case, Impl, OpDef, Tensors
 
 DETERMINISTIC, BATCH_INVARIANT = PROPERTIES

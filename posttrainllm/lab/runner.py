@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from posttrainllm.config import LabConfig
 from posttrainllm.opdefs import REFERENCE, Impl, OpDef
-from posttrainllm.opdefs.user import user_paths
+from posttrainllm.lab.isolation.user import user_paths
 
 
 def paths(op: OpDef, cfg: LabConfig) -> dict[str, Impl]:

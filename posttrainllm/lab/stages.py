@@ -35,7 +35,8 @@ import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
-from posttrainllm.lab import guards, outside, parity, rooms, runner
+from posttrainllm.lab import parity, runner
+from posttrainllm.lab.isolation import guards, outside, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
@@ -45,7 +46,7 @@ from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tens
 from posttrainllm.lab.oracle import cast_floats, contract_for, gradients, reference_outputs, upstream_gradient
 from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.opdefs.base import leaves_of
-from posttrainllm.opdefs.worker import closed_after  # a stage's workers end with it
+from posttrainllm.lab.isolation.worker import closed_after  # a stage's workers end with it
 from posttrainllm.opdefs.base import point_dtype as _dtype
 from posttrainllm.track import failures
 from posttrainllm.track.provenance import git_revision
@@ -687,7 +688,7 @@ def _time_path(impl: Impl, cfg: LabConfig, sets: list[Tensors], grad_outs: list[
                settings: dict[str, Any]) -> tuple[Timing, Timing | None, dict[str, Any], float, str | None]:
     """One path at the point's shape, in its own buffers: (forward, forward + backward or None, peak memory of one
     forward, the first call's ms, what it changed of torch's state or None). The timed repetitions rotate over
-    `sets` (lab/rooms.py); the first call and the memory use the first set."""
+    `sets` (lab/isolation/rooms.py); the first call and the memory use the first set."""
     with rooms.StateGuard() as guard:  # from the first call on: a path may change torch's state in any call
         with torch.no_grad():
             first_call_ms = _first_call_ms(lambda: impl.fn(sets[0], cfg), device)
@@ -809,7 +810,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
             dos = [g.clone() for g in grad_outs]
             user = None
             try:  # a compiled peer that would run eagerly at this shape raises (opdefs/peers.py NotCompiled)
-                if impl.user is not None:  # timed from outside its worker process (lab/outside.py)
+                if impl.user is not None:  # timed from outside its worker process (lab/isolation/outside.py)
                     user = outside.microbench_times(op, cfg, case, impl, device, settings,
                                                     impl.backward != NO_BACKWARD)
                     with torch.no_grad():
@@ -955,7 +956,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                             calls = [_forward_backward(impl, s, g, cfg) for s, g in zip(mine, dos)]
                             flops = costs.train_flops
                             modelled = dict(path_flops=mine_costs.train_flops, bytes=mine_costs.train_bytes)
-                        if impl.user is not None:  # timed from outside its worker process (lab/outside.py)
+                        if impl.user is not None:  # timed from outside its worker process (lab/isolation/outside.py)
                             rows.append(outside.curve_row(op, cfg, case, impl, mode, device, settings, checks[name],
                                                           dict(labels, mode=mode, flops=flops, **modelled)))
                             continue

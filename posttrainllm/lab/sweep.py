@@ -264,11 +264,9 @@ CORE_SOURCES = (
     "posttrainllm/lab/pipeline.py",
     "posttrainllm/lab/stages.py",
     "posttrainllm/lab/oracle.py",  # the reference's answers (stages.py, outside.py)
-    "posttrainllm/lab/guards.py",
+    "posttrainllm/lab/isolation",  # worker, user paths, outside timing, rooms, guards
     "posttrainllm/track/failures.py",  # a failed path located, and whether it cannot run here
     "posttrainllm/lab/parity.py",
-    "posttrainllm/lab/outside.py",  # user paths timed from outside their worker (opdefs/worker.py)
-    "posttrainllm/lab/rooms.py",
     "posttrainllm/lab/runner.py",  # the one way a stage calls a path
     "posttrainllm/measure/__init__.py",
     "posttrainllm/measure/device.py",
@@ -358,7 +356,7 @@ def user_sources(config: dict[str, Any]) -> list[str]:
     from types import SimpleNamespace
 
     from posttrainllm.opdefs import OPS
-    from posttrainllm.opdefs.user import resolve
+    from posttrainllm.lab.isolation.user import resolve
 
     # resolving a spec reads the op's name only: a problem op (made from its file) is not loaded to hash a spec
     op = OPS.get(config["op"]["name"]) or SimpleNamespace(name=config["op"]["name"])

@@ -1,8 +1,8 @@
 """Counting the Triton kernel launches made while a block is open: the guards' evidence that a path ran its kernels.
 
 Here, beneath the lab (ops: Triton kernels and their launchers), because both sides of a user path's process
-boundary count with it: the lab's guards (lab/guards.py) around every call, and a user path's worker process
-(opdefs/worker.py) around the calls it makes, whose counts the lab then adds with `record_launches`.
+boundary count with it: the lab's guards (lab/isolation/guards.py) around every call, and a user path's worker process
+(lab/isolation/worker.py) around the calls it makes, whose counts the lab then adds with `record_launches`.
 
 Counting Triton launches (`count_triton_launches`), two mechanisms, each firing in one mode:
 - Compiled (GPU): Triton's launch hook, `triton.knobs.runtime.launch_enter_hook`. Every compiled

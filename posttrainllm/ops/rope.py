@@ -17,7 +17,7 @@ Backward: a rotation is orthogonal, so dx = Rᵀ dy is the rotation by −angle:
 negated (INVERSE). cos and sin are constants (the model's buffers): no gradient flows to them.
 
 Not in place: the model's q and k are fresh projections, so y could overwrite x there and save the output
-buffer, but the lab's kernel-stage guard refuses a path that writes into its inputs (lab/guards.py), and the
+buffer, but the lab's kernel-stage guard refuses a path that writes into its inputs (lab/isolation/guards.py), and the
 lab checks the function the model trains. Every call here writes a new y.
 
 bf16 under Triton's interpreter: loads of bf16 and `.to(tl.float32)` are exact, but fp32 -> bf16 casts

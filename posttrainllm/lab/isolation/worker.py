@@ -5,7 +5,7 @@ receipt); the worker holds the user's module and nothing of those. One worker pe
 the lab (one per DVC stage, one per `posttrainllm bench` point), started at the path's first call with the
 lab's environment (TRITON_INTERPRET), its thread count (torch.get_num_threads(), which the stage set from
 bench.threads), its working directory and sys.path. It is forked from the lab's zygote
-(`python -m posttrainllm.opdefs.worker --zygote`, one per lab process, started at the first user path): a
+(`python -m posttrainllm.lab.isolation.worker --zygote`, one per lab process, started at the first user path): a
 process that has imported torch and this module and nothing else, and never calls any path, so a worker
 starts in milliseconds instead of the ~1.5 s of importing torch, from the same clean state every time.
 Whatever the user's code does to torch's functions, flags, thread count, Tensor methods, `time` or the GIL
@@ -22,7 +22,7 @@ type's name only).
               arguments; the worker keeps the autograd graph under a call id when an output has history
     backward  the output gradients of a kept call -> the input gradients (None where unused)
     drop      forget kept graphs the lab no longer holds
-    put/run   the timing protocol (lab/outside.py): a batch of input sets placed before the clock, then
+    put/run   the timing protocol (lab/isolation/outside.py): a batch of input sets placed before the clock, then
               computed in one request, answered with the per-call times on the worker's clock and a checksum
               of every output; a "null" run repeats the loop and checksums calling nothing (what the lab
               subtracts); `fetch` then hands over every output, after the lab's clock has stopped
@@ -30,7 +30,7 @@ type's name only).
 
 The guards see what the worker's copies saw: after each call the worker compares every tensor it was handed
 (inputs; in backward, the output gradients) bitwise with its value before the call and sends back the ones
-that changed, which the lab writes into its own buffers, so the lab's guard (lab/guards.py run_guarded)
+that changed, which the lab writes into its own buffers, so the lab's guard (lab/isolation/guards.py run_guarded)
 finds and names the change; an output that shares storage with an input comes back as that very view of
 the lab's buffer, so the aliasing guard names it; the worker counts Triton launches per call with
 ops/launches.py and the lab adds them to its open counters (`record_launches`). These reports are the
@@ -76,7 +76,7 @@ from posttrainllm.ops import emulate_bf16_in_interpreter, fast_language_patching
 _clock = time.perf_counter  # bound before any user code runs in a worker: a patched time.perf_counter is not ours
 _TIMERS = {name: getattr(time, name) for name in ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
                                                   "time", "time_ns", "process_time", "process_time_ns")}
-PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder holding posttrainllm/
+PACKAGE_PARENT = Path(__file__).resolve().parents[3]  # the folder holding posttrainllm/
 
 
 class UserCodeError(RuntimeError):
@@ -233,7 +233,7 @@ def _same_bits(before: torch.Tensor, after: torch.Tensor) -> bool:
 
 
 class _Clean:
-    """No user path: a worker that loads nothing (lab/outside.py's clean twin, NULL_RULE)."""
+    """No user path: a worker that loads nothing (lab/isolation/outside.py's clean twin, NULL_RULE)."""
 
     name = "(the lab's clean twin)"
 
@@ -343,7 +343,7 @@ class _Zygote:
 
     def __init__(self) -> None:
         lab_end, its_end = socket.socketpair()
-        self.process = subprocess.Popen([sys.executable, "-m", "posttrainllm.opdefs.worker", "--zygote",
+        self.process = subprocess.Popen([sys.executable, "-m", "posttrainllm.lab.isolation.worker", "--zygote",
                                          str(its_end.fileno())], pass_fds=(its_end.fileno(),), env=_lab_env(),
                                         stdin=subprocess.DEVNULL, cwd=os.getcwd(),
                                         start_new_session=True)  # a terminal's Ctrl-C is the lab's: it closes us
@@ -525,7 +525,7 @@ _PREPARED = False
 def _prepare_lab() -> None:
     """Before this lab process starts its first worker: every module of the judge imported (none is read from a
     file a path could have written after that, such as a bytecode cache) and a private bytecode prefix for any
-    later import (lab/outside.py BYTECODE_RULE)."""
+    later import (lab/isolation/outside.py BYTECODE_RULE)."""
     global _PREPARED
     if _PREPARED:
         return
@@ -556,7 +556,7 @@ _TWIN: Worker | None = None
 
 
 def twin() -> Worker:
-    """This lab process's clean twin: a worker forked like a path's that loads no path (lab/outside.py NULL_RULE)."""
+    """This lab process's clean twin: a worker forked like a path's that loads no path (lab/isolation/outside.py NULL_RULE)."""
     global _TWIN
     if _TWIN is None or _TWIN.died is not None or _TWIN.process.poll() is not None:
         _prepare_lab()
@@ -673,7 +673,7 @@ def remote(user: Any) -> Callable[..., Any]:
         return _rebuild(reply["result"], outputs)
 
     call.__name__ = user.name
-    call.user_path = user  # the lab's timing (lab/outside.py) reaches the worker through it
+    call.user_path = user  # the lab's timing (lab/isolation/outside.py) reaches the worker through it
     return call
 
 
@@ -756,7 +756,7 @@ def _prime(tensors: list[torch.Tensor]) -> None:
                     t.detach().clone()
 
 
-WAKE_S = 0.002  # lab/outside.py WAKE_RULE
+WAKE_S = 0.002  # lab/isolation/outside.py WAKE_RULE
 
 
 def _wake() -> None:
@@ -985,7 +985,7 @@ class _Server:
         return {"tampered": sorted(found)}
 
     def twin(self, m: dict[str, Any]) -> dict[str, Any]:
-        """A clean worker's stand-in for a batch (lab/outside.py NULL_RULE): the last results are the outputs and
+        """A clean worker's stand-in for a batch (lab/isolation/outside.py NULL_RULE): the last results are the outputs and
         gradients the lab sends, so a "null" run here costs what the path's worker's null costs, with no code of
         the path's in this process."""
         self.last_backward = bool(m["backward"])
@@ -1001,7 +1001,7 @@ class _Server:
         """One forward call of the set put under m["key"], its peak counted in this process by torch's allocator
         (measure/memory.py) and by tracemalloc (NumPy's buffers, Python's objects); answers with both counts and the
         outputs themselves. With "plain", the call alone, uncounted: the lab reads the resident set's growth around
-        it from outside (lab/outside.py MEMORY_RULE), with no profiler's memory in it."""
+        it from outside (lab/isolation/outside.py MEMORY_RULE), with no profiler's memory in it."""
         import tracemalloc
 
         from posttrainllm.measure.memory import peak_bytes
@@ -1069,7 +1069,7 @@ def _handler(op: Any) -> Callable[..., Any]:
 
 
 def load_user(module_name: str, file: Path | None, attr: str, identity: dict[str, Any]) -> Callable[..., Any]:
-    """A user path's callable (opdefs/user.py UserPath): its module imported once per process, from its file or by
+    """A user path's callable (lab/isolation/user.py UserPath): its module imported once per process, from its file or by
     its dotted name, then `attr` (dotted) read from it; an import error is the path's to report. The file is
     registered in files.USER_SOURCES: the stage stamps hash what ran."""
     if identity["source"] == "file":
@@ -1149,7 +1149,7 @@ def _error_reply(exc: BaseException, prefix: str = "") -> dict[str, Any]:
 
 
 def zygote(fd: int) -> None:
-    """`python -m posttrainllm.opdefs.worker --zygote FD`: until the lab's end of socket FD closes, fork a worker per
+    """`python -m posttrainllm.lab.isolation.worker --zygote FD`: until the lab's end of socket FD closes, fork a worker per
     "fork" request (its pipe ends arrive as file descriptors) and answer "wait" requests with a worker's exit code.
     A worker starts in a session of its own, in the environment and working directory the lab sent, and serves."""
     control = socket.socket(fileno=fd)
@@ -1277,5 +1277,5 @@ def _end_strays(workers: set[int]) -> list[int]:
     return ended
 
 
-if __name__ == "__main__":  # python -m posttrainllm.opdefs.worker --zygote FD
+if __name__ == "__main__":  # python -m posttrainllm.lab.isolation.worker --zygote FD
     zygote(int(sys.argv[2]))

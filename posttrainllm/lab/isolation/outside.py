@@ -1,6 +1,6 @@
 """Speed taken from outside: a user path is timed by the lab's clock over a batch its worker computes.
 
-A user path runs in a worker process of its own (opdefs/worker.py); the microbench (stages.run_microbench) and
+A user path runs in a worker process of its own (lab/isolation/worker.py); the microbench (stages.run_microbench) and
 the curve (stages._curve) never call `measure()` on it. Instead, per batch:
 
 1. the lab draws N >= 4 distinct input sets (values drawn as the point's inputs are, from a base seed it draws at
@@ -35,7 +35,7 @@ from posttrainllm.lab import oracle, parity
 from posttrainllm.measure.timing import Timing, summarize
 from posttrainllm.opdefs import Case, Impl, OpDef
 from posttrainllm.opdefs.base import point_dtype
-from posttrainllm.opdefs import worker as workers
+from posttrainllm.lab.isolation import worker as workers
 
 BATCH_MIN, BATCH_MAX = 4, 64
 WARMUPS = 2  # warm-up batches (WARMUP_RULE)
@@ -60,7 +60,7 @@ TIMING_SEED_RULE = ("the timing's input sets are drawn from a base seed the lab 
 WARMUP_RULE = (f"the warm-up is {WARMUPS} batches of {BATCH_MIN} sets like the timed ones, on the lab's clock, every "
                "output checked: the last one's span less its null gives the per-call time that sizes N; a wrong "
                "warm-up gets no speed")
-WAKE_RULE = ("every batch request, timed or null, starts with the worker's own 2 ms of small products (opdefs/worker.py "
+WAKE_RULE = ("every batch request, timed or null, starts with the worker's own 2 ms of small products (lab/isolation/worker.py "
              "_wake: no code of the path's): a process woken from a wait runs its first calls cold, which the lab's "
              "in-process loop never does; the null takes the 2 ms out of the span")
 PROCESS_RULE = ("a path's worker leads a process group of its own; the zygote that forks workers is a subreaper, so "

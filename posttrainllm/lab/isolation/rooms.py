@@ -2,7 +2,7 @@
 
 - Fresh tensors: each path gets its own copy of a case's inputs and of its upstream gradient, on every device
   (on a CPU `.to(device)` would hand every path the very same tensor), so a path that writes into them changes
-  no other path's inputs, and the guards see the write (lab/guards.py).
+  no other path's inputs, and the guards see the write (lab/isolation/guards.py).
 - Input sets: the timed repetitions rotate over several distinct sets of inputs, each drawn like the point's
   (the case at other seeds) in buffers of its own, so a result stored for inputs seen before is never the
   answer to the next repetition.

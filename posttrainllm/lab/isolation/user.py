@@ -18,11 +18,11 @@ and an import that fails is that path's failure, recorded, not the point's.
 Its identity (spec, file, sha256, distribution and version) goes into kernel.json, the receipt and the
 stage stamps (the file is registered in files.USER_SOURCES, which track/stamp.py hashes beside the package).
 
-A user path runs in a worker process of its own (opdefs/worker.py): its module is imported and called only
+A user path runs in a worker process of its own (lab/isolation/worker.py): its module is imported and called only
 there, one worker per path per stage process; the registry's function (`registry_fn`) is the op's adapter around
-the worker's proxy, differentiable through it. It meets the guards every path meets (lab/guards.py: the worker
+the worker's proxy, differentiable through it. It meets the guards every path meets (lab/isolation/guards.py: the worker
 reports writes into what it was handed, views of inputs and Triton launches, which the lab's guards then see and
-name), the timed-result and roofline checks, and is timed from outside its worker (lab/outside.py: batches of
+name), the timed-result and roofline checks, and is timed from outside its worker (lab/isolation/outside.py: batches of
 distinct input sets, the lab's clock, every output checked against the float64 oracle).
 Trust: this is not a sandbox. What the path does to torch, its flags, threads, Tensor methods or `time` stays in
 its worker; but the worker is the same user, can read any file it finds (the oracle's answers are never in a file
@@ -71,7 +71,7 @@ class UserPath:
 
     def load(self) -> Callable[..., Any]:
         """Import the module (once per process) and return the callable; an import error is the path's to report."""
-        from posttrainllm.opdefs.worker import load_user
+        from posttrainllm.lab.isolation.worker import load_user
 
         return load_user(self.module, self.file, self.attr, self.identity)
 
@@ -230,13 +230,13 @@ def resolve(spec: str, op: OpDef) -> UserPath:
 
 def registry_fn(user: UserPath, op: OpDef) -> Callable[[Tensors, LabConfig], Tensors]:
     """The registry's function of a user path (`Impl.fn`, OpDef.paths): the op's adapter around the path's worker
-    (opdefs/worker.py), which imports the user's module at the first call, in its own process."""
-    from posttrainllm.opdefs.worker import remote
+    (lab/isolation/worker.py), which imports the user's module at the first call, in its own process."""
+    from posttrainllm.lab.isolation.worker import remote
 
     natural = remote(user)
     fn = op.adapt(natural)
     fn.__name__ = user.name
-    fn.user_path = user  # the lab's timing from outside (lab/outside.py) reaches the worker through it
+    fn.user_path = user  # the lab's timing from outside (lab/isolation/outside.py) reaches the worker through it
     fn.natural = natural
     return fn
 
