@@ -2,7 +2,7 @@
 import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch
-from posttrainllm.lab import stages
+from posttrainllm.lab import runner, stages
 from posttrainllm.lab.configure import load
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.opdefs import get_op
@@ -17,5 +17,5 @@ g = stages.upstream_gradient(case, op.reference.fn(x, cfg)["out"])
 for name, impl in op.paths(cfg).items():
     with torch.no_grad():
         f = peak_bytes(lambda: impl.fn(x, cfg), "cpu", warmup=0)["peak_bytes"]
-    t = peak_bytes(stages._forward_backward(impl, x, g, cfg), "cpu", warmup=0)["peak_bytes"]
+    t = peak_bytes(runner.runner_for(impl).forward_backward(x, g, cfg), "cpu", warmup=0)["peak_bytes"]
     print(f"{name:10s} forward {f:>12,} B   forward+backward {t:>12,} B")

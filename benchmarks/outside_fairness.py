@@ -3,7 +3,7 @@
     python benchmarks/outside_fairness.py [ROUNDS] [hydra overrides ...]
 
 In one process, round after round (so a load that comes and goes on a shared machine hits both sides alike): the
-reference and the built-in `sdpa` timed in-process as the microbench times them (stages._time_path), then two user
+reference and the built-in `sdpa` timed in-process as the microbench times them (runner.InProcess.time), then two user
 paths timed from outside their workers as the microbench times them (outside.time_user_path): the unedited
 `new-impl` template (the reference's math) and `examples/torch_attention.py:sdpa_attention` (SDPA). Prints per
 round and as medians over rounds: template / reference and sdpa_attention / sdpa (forward, forward + backward;
@@ -25,7 +25,7 @@ overrides = [a for a in sys.argv[1:] if not a.isdigit()]
 
 import torch  # noqa: E402
 
-from posttrainllm.lab import runner, stages  # noqa: E402
+from posttrainllm.lab import runner  # noqa: E402
 from posttrainllm.lab.isolation import outside, rooms  # noqa: E402
 from posttrainllm.lab.configure import load  # noqa: E402
 from posttrainllm.lab.oracle import upstream_gradient  # noqa: E402
@@ -57,7 +57,9 @@ for r in range(rounds):
     inside = {}
     for name in ("reference", "sdpa"):
         mine = [rooms.fresh(x, device) for _, x in sets]
-        forward, train, *_ = stages._time_path(paths[name], cfg, mine, [g.clone() for g in grad_outs], device, settings)
+        timed = runner.runner_for(paths[name]).time(op, cfg, case, mine, [g.clone() for g in grad_outs], device,
+                                                    settings)
+        forward, train = timed.forward, timed.train
         inside[name] = {"forward": forward.median_ms, "forward_backward": train.median_ms}
     line = []
     for user, peer in pairs:

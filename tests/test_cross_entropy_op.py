@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError
-from posttrainllm.lab import stages
+from posttrainllm.lab import runner, stages
 from posttrainllm.lab.configure import load
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.model.train import Variant, bench_train
@@ -125,7 +125,7 @@ def test_planted_bugs_are_caught(precision, tmp_path, monkeypatch, shared_refere
 # chunk buffer keeps that from counting twice.
 def test_the_memory_the_microbench_measures_reflects_the_logits():
     """The microbench's calls at a 32k vocabulary: peak_bytes of the forward (under no_grad, as microbench measures
-    it) and of the training call (stages._forward_backward). The reference holds the (N, V) logits and
+    it) and of the training call (runner.InProcess.forward_backward). The reference holds the (N, V) logits and
     log-probabilities; ours one (chunk, V) block (and grad_weight in training): at most half, in both."""
     cfg = load(["op=cross_entropy", "device=cpu", "shape.ce_vocab=32768", "shape.ce_d_model=32",
                 "op.chunk_size=8", "op.block_v=8192"])
@@ -138,7 +138,7 @@ def test_the_memory_the_microbench_measures_reflects_the_logits():
         impl = op.impls[name]
         with torch.no_grad():
             peaks[name, "forward"] = peak_bytes(lambda: impl.fn(inputs, cfg), "cpu", warmup=0)["peak_bytes"]
-        peaks[name, "train"] = peak_bytes(stages._forward_backward(impl, inputs, grad_out, cfg), "cpu",
+        peaks[name, "train"] = peak_bytes(runner.runner_for(impl).forward_backward(inputs, grad_out, cfg), "cpu",
                                           warmup=0)["peak_bytes"]
     logits = op.describe(case, inputs, cfg)["logits_bytes"]
     assert logits == 64 * 32768 * 4 and peaks["reference", "forward"] >= 2 * logits

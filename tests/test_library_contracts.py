@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrainllm.lab import stages
+from posttrainllm.lab import runner, stages
 from posttrainllm.lab.configure import load
 from posttrainllm.opdefs import REFERENCE, Case, case_config, get_op
 
@@ -42,12 +42,12 @@ def _library_verdicts(op_name: str, precision: str, tmp: Path) -> dict[str, dict
     stages.run_reference(cfg, tmp)
     records = torch.load(tmp / "reference.pt", weights_only=True)["records"]
     verdicts = {}
-    for impl in op.optimized(cfg):
+    for impl in runner.optimized(op, cfg):
         if impl.kind != "peer" or impl.name == REFERENCE:
             continue
         outputs, broken = [], []
         for record in records:
-            got, violations = stages._run_case(impl, record, case_config(Case(**record["case"]), cfg), "cpu",
+            got, violations = stages._run_case(runner.runner_for(impl), record, case_config(Case(**record["case"]), cfg), "cpu",
                                                Counter(), [])
             outputs.append(got)
             broken += violations

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import parity_report
 
-from posttrainllm.lab import stages
+from posttrainllm.lab import runner, stages
 from posttrainllm.lab.isolation import rooms
 from posttrainllm.lab.configure import load
 from posttrainllm.opdefs import Impl, get_op
@@ -116,7 +116,7 @@ def test_timed_repetitions_rotate_over_distinct_input_sets():
     with torch.no_grad():
         upstream = [stages.upstream_gradient(c, op.reference.fn(s, cfg)["out"]) for c, s in sets]
     mine = [rooms.fresh(s, "cpu") for _, s in sets]
-    stages._time_path(_spy(seen), cfg, mine, upstream, "cpu", SETTINGS)
+    runner.runner_for(_spy(seen)).time(op, cfg, case, mine, upstream, "cpu", SETTINGS)
     assert len(set(seen)) == 4  # forward and forward + backward each saw every set
     assert not set(seen) & {s["x"].data_ptr() for _, s in sets}  # the path's own copies, not the shared values
 
@@ -133,11 +133,12 @@ def test_a_path_that_changes_torch_state_while_timed_is_named_and_the_state_put_
         torch.autograd.set_detect_anomaly(True)
         return op.reference.fn(x, cfg)
 
-    *_, state = stages._time_path(Impl("greedy", "peer", greedy, backward="none"), cfg, sets, [], "cpu", SETTINGS)
+    state = runner.runner_for(Impl("greedy", "peer", greedy, backward="none")).time(
+        op, cfg, case, sets, [], "cpu", SETTINGS).refused
     assert state and f"threads {threads} -> {threads + 1}" in state and "anomaly_detection False -> True" in state
     assert torch.get_num_threads() == threads and not torch.is_anomaly_enabled()
-    *_, clean = stages._time_path(Impl("plain", "peer", op.reference.fn, backward="none"), cfg, sets, [], "cpu",
-                                  SETTINGS)
+    clean = runner.runner_for(Impl("plain", "peer", op.reference.fn, backward="none")).time(
+        op, cfg, case, sets, [], "cpu", SETTINGS).refused
     assert clean is None
 
 

@@ -338,13 +338,14 @@ def compile_in_process(config: dict[str, Any], targets: list[str], specialized: 
     # the autotuned branch prunes by the target's shared memory: one capture per target (none compiled: one capture)
     captures = [([t], sass.TARGETS[t].shared_per_block) for t in targets] if tuned and targets else [(targets, None)]
     for impl in runner.optimized(op, cfg):
-        if impl.user is None and impl.kind != "triton":
+        run = runner.runner_for(impl)
+        if not run.may_launch_triton:
             report["paths"][impl.name] = {"note": INDUCTOR if impl.kind == "compiled" else NOT_TRITON}
             continue
         started = time.perf_counter()
         rows, captured, note = [], [], None
         try:
-            fn = op.adapt(impl.fn.user_path.load()) if impl.user is not None else impl.fn
+            fn = run.loaded_here(op)
             for some_targets, shared in captures:
                 launches, note = _capture(op, cfg, impl, fn, shared)
                 captured.append(launches)

@@ -165,9 +165,10 @@ def profile_point(sweep_name: str, point: str) -> int:
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     op = op_for(cfg)
     for impl in runner.optimized(op, cfg):
-        if impl.user is None and impl.kind != "triton":
+        run = runner.runner_for(impl)
+        if not run.may_launch_triton:
             continue
-        fn = op.adapt(impl.fn.user_path.load()) if impl.user is not None else impl.fn
+        fn = run.loaded_here(op)
         note = compiling.call_once(op, cfg, impl, fn, device)
         print(f"profiled {impl.name}" + (f" ({note})" if note else ""), flush=True)
     return 0

@@ -271,5 +271,7 @@ def judge(measured: dict[str, Any], promised: tuple[str, ...] | list[str] | None
 
 
 def promises_of(impl: Impl, entry: dict[str, Any]) -> list[str]:
-    """What a path promises: a built-in path's Impl.promises; a user path's as its worker read them (kernel.json)."""
-    return list(entry.get("promises") or []) if impl.user is not None else list(impl.promises)
+    """What a path promises: as its runner read them when it ran (kernel.json `promises`: a worker reads a user
+    function's), else its Impl.promises."""
+    recorded = entry.get("promises")
+    return list(recorded) if recorded is not None else list(impl.promises)

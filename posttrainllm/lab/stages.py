@@ -29,24 +29,22 @@ import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
 from posttrainllm.lab import parity, runner
-from posttrainllm.lab.isolation import guards, outside, rooms
+from posttrainllm.lab.isolation import guards, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
-from posttrainllm.measure.memory import peak_bytes
-from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
+from posttrainllm.measure.timing import NOISY_RULE, Timing
 from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
                                  replaced_library)
 from posttrainllm.lab.oracle import cast_floats, contract_for, gradients, reference_outputs, upstream_gradient
 from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
-from posttrainllm.opdefs.base import leaves_of
-from posttrainllm.lab.isolation.worker import closed_after  # a stage's workers end with it
+from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
 from posttrainllm.opdefs.base import point_dtype as _dtype
 from posttrainllm.track import failures
 from posttrainllm.track.provenance import git_revision
@@ -69,18 +67,6 @@ class DidNotRun(RuntimeError):
 
 def _to_cpu(tensors: Tensors) -> Tensors:
     return {k: v.detach().cpu() for k, v in tensors.items()}
-
-
-def _emulation(impl: Impl, cfg: LabConfig, launched: Counter | None = None) -> str | None:
-    """How the path computes here unlike on the GPU (ops/__init__.py): our Triton kernels' emulation, or, for a
-    user path that launched Triton kernels at a bf16 point, its worker's patched interpreter."""
-    from posttrainllm.ops import USER_BF16_INTERPRETER_REASON, interpreter_emulation
-
-    if impl.user is not None and launched and cfg.precision.quantize is None:
-        return USER_BF16_INTERPRETER_REASON if interpreter_emulation(_dtype(cfg)) else None
-    if impl.kind != "triton":
-        return None
-    return interpreter_emulation(_dtype(cfg), quantized=cfg.precision.quantize is not None)
 
 
 def _interpreted(impl: Impl) -> bool:
@@ -202,28 +188,32 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     main_case = Case(**ref["records"][0]["case"])
     outputs: dict[str, list[Tensors] | None] = {}
     report: dict[str, Any] = {"device": device, "triton_interpreted": devices.triton_interpreted(), "paths": {}}
-    # in a child process, beside this stage's own work, where one of ours is Triton; for user paths alone, only
-    # once their calls here showed Triton launches (a PyTorch path's loop starts no compiler)
+    # in a child process, beside this stage's own work, where one of ours is Triton; for paths whose kernels are
+    # known only by their launches (a worker's), once their calls here showed some (a PyTorch loop starts no compiler)
     compiling = _start_compile(op, cfg, out) if any(i.kind == "triton" for i in runner.optimized(op, cfg)) else None
+    by_launch: list[str] = []  # the paths whose kernels are known by their launches
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for impl in runner.optimized(op, cfg):
+            run = runner.runner_for(impl)
+            if run.kernels_known_by_launch:
+                by_launch.append(impl.name)
             try:  # tile=auto runs the autotuner here: a failure is this path's, recorded, not the point's
                 geometry = op.geometry(impl, main_case, cfg)
             except Exception as exc:
                 geometry = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
             entry: dict[str, Any] = {"kind": impl.kind, "backend": impl.backend, "problem": op.problem(main_case),
-                                     "geometry": geometry, "emulation": _emulation(impl, cfg), "violations": []}
-            if impl.user is not None:
-                entry["user"] = impl.user
+                                     "geometry": geometry, "emulation": run.emulation(cfg), "violations": [],
+                                     **run.identity()}
             launched: Counter = Counter()
             raised: list[dict[str, Any]] = []  # its located failures (track/failures.py), the first recorded
             try:
-                backward = result_backward(impl, ref["records"][0], cfg, device)
+                backward = run.declared_backward(ref["records"][0], cfg, device)
                 entry["backward"] = backward
                 impl = dataclasses.replace(impl, backward=backward)
+                run = runner.runner_for(impl)
                 results = []
                 for record in ref["records"]:
-                    got, violations = _run_case(impl, record, case_config(Case(**record["case"]), cfg), device,
+                    got, violations = _run_case(run, record, case_config(Case(**record["case"]), cfg), device,
                                                 launched, raised)
                     results.append(got)
                     entry["violations"] += [f"{record['case']['name']}: {v}" for v in violations]
@@ -237,27 +227,22 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 if cause is None:  # it returned no dict of tensors
                     entry["error"] = str(exc)
                 else:
-                    raised.insert(0, failures.describe(cause, user=impl.user is not None))
+                    raised.insert(0, run.describe(cause))
                     entry["error"] = failures.line(raised[0])
             if raised:
                 entry["failure"] = _recorded_failure(raised[0], out, impl.name)
             entry["launched"] = dict(sorted(launched.items()))  # Triton launches by kernel name, all cases
-            if impl.user is not None:  # known once it ran: whether it launched Triton kernels
-                entry["emulation"] = _emulation(impl, cfg, launched)
-            if impl.evidence is not None:  # what the path recorded of its calls (compiled: dynamo's graphs)
-                entry["evidence"] = impl.evidence()
-            if impl.user is not None:  # its worker process's start (spawn, import torch, its module), never timed
-                entry["worker_start_s"] = outside.worker_start_s(impl)
-                entry["promises"] = outside.promises(impl)  # its function's `promises`, read in its worker
+            entry["emulation"] = run.emulation(cfg, launched)  # known once it ran: the Triton kernels it launched
+            entry.update(run.evidence())  # what it recorded of its calls (compiled: dynamo's graphs; a worker's start)
             report["paths"][impl.name] = entry
-    if compiling is None and any(e.get("user") and e["launched"] for e in report["paths"].values()):
+    if compiling is None and any(report["paths"][name]["launched"] for name in by_launch):
         compiling = _start_compile(op, cfg, out)
     if compiling is not None:  # every Triton kernel of the paths compiled for compile.targets (lab/compile.py)
         from posttrainllm.lab import compile as compile_lab
 
         report["compile"] = compile_lab.finish(*compiling)
         compile_lab.register_kernel_files(report["compile"])  # the stamp hashes the user paths' kernel files
-    elif any(impl.user is not None for impl in runner.optimized(op, cfg)):
+    elif by_launch:
         from posttrainllm.lab import compile as compile_lab
 
         report["compile"] = {"targets": list(cfg.compile.targets), "rule": compile_lab.RULE, "paths": {},
@@ -279,7 +264,7 @@ def _start_compile(op: OpDef, cfg: LabConfig, out: Path) -> tuple[Any, Path, lis
     Imported here: only the kernel stage depends on it (lab/sweep.py STAGE_SOURCES)."""
     from posttrainllm.lab import compile as compile_lab
 
-    if not any(impl.kind == "triton" or impl.user is not None for impl in runner.optimized(op, cfg)):
+    if not any(runner.runner_for(impl).may_launch_triton for impl in runner.optimized(op, cfg)):
         return None
     result = out / "compile.json"
     result.unlink(missing_ok=True)
@@ -297,18 +282,19 @@ LIBRARY_REPLACED_NOTE = ("code in this process replaced these torch functions af
                          "the reference call the functions bound at start, so their names in this receipt hold")
 
 
-def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str, launched: Counter,
+def _run_case(run: runner.InProcess, record: dict[str, Any], cfg: LabConfig, device: str, launched: Counter,
               raised: list[dict[str, Any]]) -> tuple[Tensors, list[str]]:
     """One case: the forward call, then (a backward of its own) the gradients' call, each guarded on its own
     (inputs unchanged, no aliasing, the path's kernels of that direction launched); the outputs' form (tensor,
     shape, dtype, device) against the reference's. Outputs of the wrong form are dropped (parity: missing).
     A forward that raises is DidNotRun, its exception the cause; a backward that raises is a violation, located
     (its failure joins `raised`), or DidNotRun where this machine cannot run it (track/failures.py)."""
+    impl = run.impl
     inputs = rooms.fresh(record["inputs"], device)  # this path's own copy: its writes reach no other path
     grad_out = record["grad_out"].to(device, copy=True)
     triton = impl.kind == "triton"
     errors: list[BaseException] = []
-    got, violations = guards.run_guarded(lambda: impl.fn(inputs, cfg), inputs, expect_triton=triton,
+    got, violations = guards.run_guarded(lambda: run.forward(inputs, cfg), inputs, expect_triton=triton,
                                          kernels=impl.kernels.get("forward", ()), launched=launched, errors=errors)
     if got is None:  # the forward raised or returned no dict: the path did not run (run_kernel records why)
         raise DidNotRun(violations[0].removeprefix("raised ")) from (errors[0] if errors else None)
@@ -320,11 +306,11 @@ def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str, l
                                                                                       for w in wrong)}
     if impl.checks_gradients:
         grads, broken = guards.run_guarded(
-            lambda: gradients(lambda x: impl.fn(x, cfg), inputs, grad_out), inputs,
+            lambda: gradients(lambda x: run.forward(x, cfg), inputs, grad_out), inputs,
             expect_triton=triton, kernels=impl.kernels.get("backward", ()), launched=launched,
             unchanged={UPSTREAM_GRADIENT: grad_out}, errors=errors)
         if errors:  # the backward raised: located
-            failure = failures.describe(errors[0], user=impl.user is not None)
+            failure = run.describe(errors[0])
             if failure.get("cannot_run_here"):  # not the path's error: it cannot run here, forward included
                 raise DidNotRun(f"backward raised {failures.line(failure)}") from errors[0]
             broken = [f"raised {failures.line(failure)}" if v.startswith("raised ") else v for v in broken]
@@ -332,19 +318,6 @@ def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str, l
         got.update(grads or {})
         violations += [f"backward {v}" for v in broken]
     return _to_cpu(got), violations
-
-
-def result_backward(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str) -> str:
-    """A user path's backward, as its result declares it: "none" when `out` of a call on inputs that require
-    grad has no autograd history (forward-only, not an error), else the Impl's. A call that raises is left to
-    the guarded calls, which record it."""
-    if impl.user is None or not impl.checks_gradients:
-        return impl.backward
-    try:
-        out = impl.fn(leaves_of(rooms.fresh(record["inputs"], device)), cfg).get("out")
-    except Exception:
-        return impl.backward
-    return NO_BACKWARD if isinstance(out, torch.Tensor) and not out.requires_grad else impl.backward
 
 
 # --- parity ------------------------------------------------------------------------------
@@ -416,8 +389,7 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
             if broke:
                 result["verdict"] = "fail"
                 result["failed_cases"] = result["failed_cases"] + broke
-        if impl.user is not None:
-            result["user"] = impl.user
+        result.update(runner.runner_for(impl).identity())
         if not impl.checks_gradients:  # a borrowed backward is never a pass of this path's gradients
             result["gradients"] = backward_note(impl)
         report["paths"][impl.name] = result
@@ -562,18 +534,6 @@ def compare(a: Timing | dict[str, Any], b: Timing | dict[str, Any]) -> str:
     return "no measurable difference"
 
 
-def _forward_backward(impl: Impl, inputs: Tensors, grad_out: torch.Tensor, cfg: LabConfig) -> Callable[[], None]:
-    """One training-shaped call: forward, then backward of `out` with a fixed dO into fresh leaves."""
-    leaves = leaves_of(inputs)
-
-    def call() -> None:
-        for leaf in leaves.values():
-            leaf.grad = None
-        impl.fn(leaves, cfg)["out"].backward(grad_out)
-
-    return call
-
-
 TIMED_RESULT_RULE = ("after timing, each timed path is called on one of its timed input sets and its outputs checked "
                      "against the float64 oracle; then those buffers are refilled in place with new values (another "
                      "seed) and the check repeated: a path returning a stored result for inputs it has seen fails "
@@ -600,17 +560,6 @@ def parity_paths(op: OpDef, cfg: LabConfig, out: Path) -> dict[str, Impl]:
             impl = dataclasses.replace(impl, kind="triton")  # it runs Triton: interpreted, it is not speed
         paths[name] = impl
     return paths
-
-
-def _first_call_ms(call: Callable[[], Any], device: str) -> float:
-    """One untimed-region call before the warm-up, timed on its own: a compiled peer's compile, a cold cache."""
-    import time
-
-    start = time.perf_counter()
-    call()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
 
 
 def roofline_floor_s(flops: float, calibration: dict[str, Any], peak_flops: float | None = None) -> float:
@@ -682,24 +631,6 @@ def _check_forward_backward(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, i
 
 STATE_RULE = ("torch's thread count, grad mode, anomaly detection, default dtype and backends flags are read around "
               "every timed region: a path that changes them is named, gets no speed, and the state is put back")
-
-
-def _time_path(impl: Impl, cfg: LabConfig, sets: list[Tensors], grad_outs: list[torch.Tensor], device: str,
-               settings: dict[str, Any]) -> tuple[Timing, Timing | None, dict[str, Any], float, str | None]:
-    """One path at the point's shape, in its own buffers: (forward, forward + backward or None, peak memory of one
-    forward, the first call's ms, what it changed of torch's state or None). The timed repetitions rotate over
-    `sets` (lab/isolation/rooms.py); the first call and the memory use the first set."""
-    with rooms.StateGuard() as guard:  # from the first call on: a path may change torch's state in any call
-        with torch.no_grad():
-            first_call_ms = _first_call_ms(lambda: impl.fn(sets[0], cfg), device)
-            forward = measure(rooms.rotating([lambda x=x: impl.fn(x, cfg) for x in sets]), device=device,
-                              **settings)
-            memory = peak_bytes(lambda: impl.fn(sets[0], cfg), device, warmup=0)
-        train = None if impl.backward == NO_BACKWARD else measure(
-            rooms.rotating([_forward_backward(impl, x, g, cfg) for x, g in zip(sets, grad_outs)]), device=device,
-            **settings)
-    state = guard.reason
-    return forward, train, memory, first_call_ms, state
 
 
 COST_MODEL_RULE = ("each path is placed on the roofline with its own FLOPs and bytes, from the model the op declares "
@@ -808,21 +739,13 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                 continue
             mine = [rooms.fresh(x, device) for _, x in sets]  # this path's own buffers of every input set
             dos = [g.clone() for g in grad_outs]
-            user = None
             try:  # a compiled peer that would run eagerly at this shape raises (opdefs/peers.py NotCompiled)
-                if impl.user is not None:  # timed from outside its worker process (lab/isolation/outside.py)
-                    user = outside.microbench_times(op, cfg, case, impl, device, settings,
-                                                    impl.backward != NO_BACKWARD)
-                    with torch.no_grad():
-                        first_call_ms = _first_call_ms(lambda: impl.fn(mine[0], cfg), device)
-                    memory, untrue = outside.user_memory(op, cfg, case, impl, device)  # its worker's
-                    forward, train, state = user.forward, user.train, user.refused or untrue
-                else:
-                    forward, train, memory, first_call_ms, state = _time_path(impl, cfg, mine, dos, device,
-                                                                              settings)
+                timed = runner.runner_for(impl).time(op, cfg, case, mine, dos, device, settings)
             except Exception as exc:
                 report["paths"][name] = {"valid": False, "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
                 continue
+            forward, train, memory, first_call_ms, state = (timed.forward, timed.train, timed.memory,
+                                                            timed.first_call_ms, timed.refused)
             refused = None if name == REFERENCE else (
                 (calibration_problem and f"{calibration_problem}: its peaks decide the impossible-time floor: no speed")
                 or state or forward.other_streams or (train is not None and train.other_streams) or None
@@ -834,7 +757,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                                   bench.impossible_below, "forward + backward"))) or None)
             if refused:  # the path's numbers were right in parity, but what was timed was not that function
                 report["paths"][name] = {"valid": False, "reason": refused, "first_call_ms": first_call_ms,
-                                         **(user.entry if user else {})}
+                                         **timed.entry}
                 continue
             timings[name] = (forward, train)
             seconds = forward.median_ms / 1e3
@@ -849,7 +772,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                 "memory": memory,
                 "costs": mine_costs.record(),
                 "roofline": place(mine_costs.flops, mine_costs.bytes, seconds, mine_costs.live_bytes),
-                "backward": impl.backward, **(user.entry if user else {}),
+                "backward": impl.backward, **timed.entry,
                 "forward_backward": (
                     {"valid": False, "reason": backward_note(impl)} if train is None else
                     {**train.summary(), "gflops_per_s": costs.train_flops / (train.median_ms / 1e3) / 1e9,
@@ -940,6 +863,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                                  if curves.FORWARD_BACKWARD in modes else [])
                 for name in timed:
                     impl = paths[name]
+                    run = runner.runner_for(impl)
                     mine_costs = op.costs_of(impl, case, cfg)  # the path's own traffic at this size
                     labels = dict(op=op.name, impl=name, kind=impl.kind, x_name=axis.x_name, x_value=x,
                                   minimal_bytes=costs.bytes, working_set=mine_costs.live_bytes,
@@ -950,23 +874,16 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                         if mode == curves.FORWARD_BACKWARD and impl.backward == NO_BACKWARD:
                             continue  # a forward-only path has no forward + backward to time
                         if mode == curves.FORWARD:
-                            calls, flops = [lambda s=s: impl.fn(s, cfg) for s in mine], costs.flops
+                            flops = costs.flops
                             modelled = dict(path_flops=mine_costs.flops, bytes=mine_costs.bytes)
                         else:
-                            calls = [_forward_backward(impl, s, g, cfg) for s, g in zip(mine, dos)]
                             flops = costs.train_flops
                             modelled = dict(path_flops=mine_costs.train_flops, bytes=mine_costs.train_bytes)
-                        if impl.user is not None:  # timed from outside its worker process (lab/isolation/outside.py)
-                            rows.append(outside.curve_row(op, cfg, case, impl, mode, device, settings, checks[name],
-                                                          dict(labels, mode=mode, flops=flops, **modelled)))
-                            continue
-                        with torch.set_grad_enabled(mode != curves.FORWARD), rooms.StateGuard() as guard:
-                            row = curves.measure_row(rooms.rotating(calls), device=device, settings=settings,
-                                                     check=checks[name],
-                                                     labels=dict(labels, mode=mode, flops=flops, **modelled))
+                        row, state = run.curve_row(op, cfg, case, mode, mine, dos, device, settings, checks[name],
+                                                   dict(labels, mode=mode, flops=flops, **modelled))
                         if row["valid"] and name != REFERENCE:  # what was timed was this function, possibly
                             refused = (
-                                guard.reason
+                                state
                                 or _timed_result_check(op, cfg, case, impl, mine[0],
                                                        grad_out=None if mode == curves.FORWARD else dos[0])
                                 or impossible(row["median"], flops, calibration, floor_flops,
@@ -1083,16 +1000,17 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
         variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, moe=hooks.moe, norm=hooks.norm,
                                 rope=hooks.rope, swiglu=hooks.swiglu, loss=hooks.loss, interpreted=interpreted,
                                 steps=min(train.interpreted_steps, train.steps) if interpreted else None))
-    users = {v.name: paths[v.name] for v in variants if v.name in paths and paths[v.name].user is not None}
-    calls = outside.start_workers(users)  # user paths: started before any clock, their calls counted (TRAIN_NOTE)
+    trained = {v.name: runner.runner_for(paths[v.name]) for v in variants if v.name in paths}
+    before = {name: run.before_training() for name, run in trained.items()}  # before any clock (a worker's start)
     common = dict(variants=variants, steps=train.steps, warmup_steps=train.warmup_steps, batch_size=train.batch_size,
                   seq_len=train.seq_len, lr=train.lr, seed=train.seed, device=device, skipped=skipped)
     if quantized is None:
         result = bench_train(model_cfg, precision=cfg.precision.name, **common)
     else:
         result = _train_quantized(cfg, model_cfg, common, device, quality_base or quality_base_dir(cfg))
-    if calls:
-        result["user_paths"] = outside.train_note(users, calls, train.steps, device)
+    notes = runner.training_notes(trained, before, train.steps, device)  # a worker's round trips per step
+    if notes:
+        result["user_paths"] = notes
     limit = cfg.precision.contract.train_loss_drift
     result["drift_limit"] = limit
     result["drift_verdict"] = {name: "pass" if drift <= limit else "fail" for name, drift in result["drift"].items()}

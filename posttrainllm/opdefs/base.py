@@ -54,6 +54,7 @@ def replaced_library() -> list[str]:
             replaced.append(dotted)
     return replaced
 OWN_BACKWARD, NO_BACKWARD = "own", "none"  # Impl.backward: its own, none (forward-only), or another path's name
+IN_PROCESS, ISOLATED = "in_process", "isolated"  # Impl.runner: how the lab calls a path (lab/runner.py)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,11 @@ class Impl:
     train_refusal: str | None = None
     backward: str = OWN_BACKWARD
     kernels: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    user: dict[str, Any] | None = None  # a user path's identity (opdefs/user.py): spec, file, sha256, distribution
+    user: dict[str, Any] | None = None  # a user path's identity (lab/isolation/user.py): spec, file, sha256, ...
+    # how the lab calls it (lab/runner.py): IN_PROCESS (`fn` here), or ISOLATED (a path from outside, in a worker
+    # process of its own; `source` is what its runner reaches the worker through: lab/isolation/user.py UserPath)
+    runner: str = IN_PROCESS
+    source: Any = None
     # what the path records of its own calls, for the stages to keep (the compiled peer: dynamo's graphs and
     # recompiles per input signature, opdefs/peers.py); None: nothing
     evidence: Callable[[], dict[str, Any]] | None = None

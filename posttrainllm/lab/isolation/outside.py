@@ -115,7 +115,7 @@ def _draw(op: OpDef, cfg: Any, case: Case, seed: int, backward: bool, device: st
         return torch.empty(0)
 
     op.adapt(record)(inputs, cfg)
-    args, kwargs, tensors = workers._split(*seen[0])
+    args, kwargs, tensors = workers.split_call(*seen[0])
     names = [next((n for n, x in inputs.items() if x is t), None) for t in tensors]
     grad_out = None
     if backward:
@@ -165,7 +165,7 @@ def _same_checksums(got: list[float | None], sent: list[float | None]) -> bool:
 
 def _outputs(op: OpDef, cfg: Any, s: _Set, answer: dict[str, Any]) -> dict[str, Any]:
     """A set's answer in the registry's dict form: the adapter on the natural result, plus grad_<input>."""
-    result = workers._rebuild(answer["result"], answer["outputs"])
+    result = workers.rebuild_result(answer["result"], answer["outputs"])
     got = dict(op.adapt(lambda *a, **k: result)(s.inputs, cfg))
     for name, grad in zip(s.names, answer.get("grads") or []):
         if name is not None and grad is not None:
@@ -221,7 +221,7 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
                    settings: dict[str, Any]) -> UserTiming:
     """A user path at `case` in `mode` (forward, forward_backward), timed from outside its worker (module doc)."""
     backward = mode == FORWARD_BACKWARD
-    user = impl.fn.user_path
+    user = impl.source
     report: dict[str, Any] = {"mode": mode, "rule": RULE}
     try:
         worker = workers.worker_for(user)
@@ -352,7 +352,7 @@ def _resident_bytes(pid: int, key: str) -> int | None:
 
 def user_memory(op: OpDef, cfg: Any, case: Case, impl: Impl, device: str) -> tuple[dict[str, Any], str | None]:
     """MEMORY_RULE for a user path at `case`: its memory entry, and why the figure cannot be true (None if it can)."""
-    worker = workers.worker_for(impl.fn.user_path)
+    worker = workers.worker_for(impl.source)
     drawn = _draw(op, cfg, case, case.seed + SEED_OFFSET - SET_SEED, False, device)
     worker.request({"op": "put", "key": "memory", "grad_outs": None,
                     "sets": [{"args": drawn.args, "kwargs": drawn.kwargs, "flags": [False] * len(drawn.tensors),
@@ -421,14 +421,14 @@ def curve_row(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, device: st
 
 def worker_start_s(impl: Impl) -> float | None:
     """Seconds its worker took to start in this process (spawn + import torch + the user's module), if started."""
-    worker = workers.started(impl.fn.user_path)
+    worker = workers.started(impl.source)
     return worker.start_s if worker is not None else None
 
 
 def promises(impl: Impl) -> list[str] | None:
     """The properties a user path's function promises (its `promises` attribute, lab/invariance.py), as its worker
     read them at load; None where its worker never started."""
-    worker = workers.started(impl.fn.user_path)
+    worker = workers.started(impl.source)
     return list(worker.promises) if worker is not None else None
 
 
@@ -443,10 +443,10 @@ def start_workers(paths: dict[str, Impl]) -> dict[str, dict[str, int]]:
     each has made so far; the paths whose worker could not start are left to fail in training."""
     calls = {}
     for name, impl in paths.items():
-        if impl.user is None:
+        if impl.source is None:
             continue
         try:
-            calls[name] = dict(workers.worker_for(impl.fn.user_path).calls)
+            calls[name] = dict(workers.worker_for(impl.source).calls)
         except Exception:
             continue
     return calls
@@ -457,7 +457,7 @@ def train_note(paths: dict[str, Impl], before: dict[str, dict[str, int]], steps:
     """bench_train.json's `user_paths`: per user path its worker's start, calls per step and empty round trip."""
     notes: dict[str, Any] = {"note": TRAIN_NOTE}
     for name, calls in before.items():
-        worker = workers.worker_for(paths[name].fn.user_path)
+        worker = workers.worker_for(paths[name].source)
         made = {kind: (worker.calls[kind] - calls[kind]) / steps for kind in calls}
         round_trip = _round_trip_s(lambda: worker.request({"op": "ping"}), device, PINGS)
         notes[name] = {"worker_start_s": worker.start_s, "calls_per_step": made, "round_trip_ms": round_trip * 1e3,

@@ -236,8 +236,6 @@ def registry_fn(user: UserPath, op: OpDef) -> Callable[[Tensors, LabConfig], Ten
     natural = remote(user)
     fn = op.adapt(natural)
     fn.__name__ = user.name
-    fn.user_path = user  # the lab's timing from outside (lab/isolation/outside.py) reaches the worker through it
-    fn.natural = natural
     return fn
 
 
@@ -246,7 +244,7 @@ def user_paths(op: OpDef, cfg: LabConfig, taken: set[str]) -> dict[str, Any]:
     refused."""
     import dataclasses
 
-    from posttrainllm.opdefs.base import Impl
+    from posttrainllm.opdefs.base import ISOLATED, Impl
 
     paths: dict[str, Impl] = {}
     for spec in list(cfg.op.user_impls):
@@ -261,5 +259,6 @@ def user_paths(op: OpDef, cfg: LabConfig, taken: set[str]) -> dict[str, Any]:
                               f"{op.name} (taken: {', '.join(sorted(taken | set(paths)))}); name it, "
                               f"<name>={spec}")
         paths[user.name] = Impl(user.name, USER_KIND, registry_fn(user, op), backend=f"{user.identity['spec']} "
-                                f"({user.identity['file']})", user=user.identity, train_refusal=op.no_model)
+                                f"({user.identity['file']})", user=user.identity, train_refusal=op.no_model,
+                                runner=ISOLATED, source=user)
     return paths

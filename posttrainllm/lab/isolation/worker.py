@@ -215,6 +215,12 @@ def _split(args: tuple, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, An
     return [slot(a) for a in args], {k: slot(v) for k, v in kwargs.items()}, tensors
 
 
+def split_call(args: tuple, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any], list[torch.Tensor]]:
+    """A natural call as the worker's `put` and `call` requests carry it (public: lab/isolation/outside.py places
+    its timed sets so): the arguments with each top-level tensor replaced by {"tensor": i}, and the tensors."""
+    return _split(args, kwargs)
+
+
 def _join(args: list[Any], kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[list[Any], dict[str, Any]]:
     fill = lambda s: tensors[s["tensor"]] if "tensor" in s else s["value"]  # noqa: E731
     return [fill(a) for a in args], {k: fill(v) for k, v in kwargs.items()}
@@ -641,6 +647,12 @@ def _rebuild(skeleton: Any, outputs: list[Any]) -> Any:
     if kind == "value":
         return skeleton["value"]
     return _foreign(skeleton["type"])
+
+
+def rebuild_result(skeleton: Any, outputs: list[Any]) -> Any:
+    """A worker's answer as the natural result (public: lab/isolation/outside.py reads its fetched sets so): the
+    answer's skeleton filled with its output tensors; an output that is no tensor is its type's name only."""
+    return _rebuild(skeleton, outputs)
 
 
 def _output_tensor(spec: dict[str, Any], inputs: list[torch.Tensor]) -> torch.Tensor:
