@@ -432,3 +432,55 @@ def test_a_compile_childs_grandchild_holding_its_output_neither_holds_the_stage_
         time.sleep(0.05)
     else:
         pytest.fail(f"the compile child's grandchild {lines[0]} is still running")
+
+
+def test_a_span_leaves_out_its_run_queue_wait_only_when_no_other_thread_worked():
+    """outside.RUN_QUEUE_RULE on the kernel's readings: the worker's wait comes out of the span, never more than the
+    span; nothing comes out where the worker's other threads ran, or where the kernel says nothing."""
+    from posttrainllm.lab import outside
+
+    before = {"worker": (0, 0), "others_ran": 0}
+    after = {"worker": (4_000_000, 5_000_000), "others_ran": 100_000}
+    assert outside._waited_s(before, after, 0.010) == pytest.approx(0.005)  # others: 1% of the span, allowed
+    assert outside._waited_s(before, {**after, "worker": (0, 50_000_000)}, 0.010) == 0.010
+    assert outside._waited_s(before, {**after, "others_ran": 1_000_000}, 0.010) == 0.0  # 10% of the span: work
+    assert outside._waited_s(before, {**after, "worker": None}, 0.010) == 0.0
+    reading = outside._scheduled(os.getpid())  # this process: its main thread's run and wait, as the lab reads them
+    assert reading["worker"] is not None and reading["worker"][0] > 0
+
+
+TEMPLATE_MATH = '''
+import torch
+
+
+def attention(q, k, v, *, causal, sm_scale):
+    n_heads, seq_len = q.shape[1], q.shape[2]
+    k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
+    v = v.repeat_interleave(n_heads // v.shape[1], dim=1)
+    scores = (q.float() @ k.float().transpose(-2, -1)) * sm_scale
+    if causal:
+        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
+'''
+
+
+def test_a_batchs_kept_results_do_not_fault_its_calls_pages_in(tmp_path):
+    """outside.HEAP_RULE: a batch keeps its N results until they are checked; the worker keeps its freed heap mapped
+    and touches room for the batch before the clock, so its calls fault no pages in (~50 faults a call at this shape
+    without it, where the lab's in-process loop faults none). Counted by the kernel, read from outside."""
+    from posttrainllm.lab import outside
+    from posttrainllm.measure import device as devices
+    from posttrainllm.opdefs import get_op
+
+    path = tmp_path / "math.py"
+    path.write_text(TEMPLATE_MATH)
+    cfg = load(["op=attention", "precision=fp32", "device=cpu", "shape=tiny", "run.log_mlflow=false",
+                f"op.user_impls=[{path}:attention]"])
+    op, device = get_op("attention"), devices.prepare("cpu", 1)
+    case = next(c for c in op.cases(cfg) if c.main)
+    settings = dict(warmup=1, reps=40, min_time_s=0.0, max_reps=200)
+    timed = outside.time_user_path(op, cfg, case, op.paths(cfg)["attention"], "forward", device, settings)
+    assert timed.refused is None, timed.refused
+    assert timed.report["heap_kept"] and timed.report["batch_size"] >= 8, timed.report
+    assert timed.report["faults_per_call"] < 1.0, timed.report

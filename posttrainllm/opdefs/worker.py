@@ -275,6 +275,7 @@ class Worker:
             self.start_s = time.perf_counter() - started  # the fork (the zygote's start, first) + the user's module
         self.pid = reply["pid"]
         self.threads = reply["threads"]
+        self.heap_kept = bool(reply.get("heap_kept"))  # HEAP_RULE (lab/outside.py)
         self.tampered: list[str] = reply.get("tampered") or []  # what its import changed (outside.py: no speed)
         self.promises: list[str] = reply.get("promises") or []  # its function's `promises` (lab/invariance.py)
         if user is not CLEAN:
@@ -769,6 +770,37 @@ def _wake() -> None:
         a = torch.mm(a, a).clamp_(-1.0, 1.0)
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
+MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where its dynamic threshold stops
+RESERVE_EXTRA = 8 * 2**20  # _reserve: beyond twice a batch's inputs, for one call's temporaries
+
+
+def _keep_heap() -> bool:
+    """HEAP_RULE (lab/outside.py): the worker's freed memory stays mapped, as a long-running lab process's does.
+    A batch keeps its N results until it is checked, so glibc returned the heap's top to the system after every
+    batch and each call of the next faulted its pages in again (~50 minor faults, +35% a call, measured with
+    getrusage at attention tiny), where the lab's in-process loop frees each result before the next call and
+    faults none. Allocations under glibc's dynamic mmap ceiling come from the heap, as they do in a lab process
+    once it has freed one such block. False where the C library has no mallopt."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        return (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
+                and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1)
+    except (OSError, AttributeError):
+        return False
+
+
+def _reserve(nbytes: int) -> None:
+    """HEAP_RULE: `nbytes` of the heap touched and freed before a batch's clock (kept mapped by _keep_heap), so the
+    batch's kept results and its calls' temporaries land on pages already there, as a warm lab process's do;
+    in pieces under glibc's mmap threshold, so they come from the heap and stay."""
+    pieces = [torch.empty(min(nbytes - k, MMAP_THRESHOLD_MAX // 2), dtype=torch.uint8).fill_(0)
+              for k in range(0, max(nbytes, 0), MMAP_THRESHOLD_MAX // 2)]
+    del pieces
+
+
 def _sync(tensors: list[torch.Tensor]) -> None:
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()
@@ -869,15 +901,18 @@ class _Server:
         self.ours: dict[tuple[str, str], Any] = {}
         self.user_file: str | None = None
         self.found: set[str] = set()  # what a timed run saw changed in a call, until `scan` asks
+        self.heap_kept = False  # HEAP_RULE: set at load
 
     def load(self, m: dict[str, Any]) -> dict[str, Any]:
         if m["threads"]:
             torch.set_num_threads(m["threads"])
+        self.heap_kept = _keep_heap()  # in the twin too: both nulls alike
         sys.path[:] = m["sys_path"]
         u = m["user"]
         self.state, self.ours = _process_state(), _ours()  # as the lab set them, before any of the user's code
         if u is None:  # the clean twin: no path in this process
-            return {"pid": os.getpid(), "threads": torch.get_num_threads(), "promises": [], "tampered": []}
+            return {"pid": os.getpid(), "threads": torch.get_num_threads(), "promises": [], "tampered": [],
+                    "heap_kept": self.heap_kept}
         target = load_user(u["module"], Path(u["file"]) if u["file"] else None, u["attr"], u["identity"])
         if not callable(target):
             raise TypeError(f"{u['attr']} in {u['identity'].get('file')} is a {type(target).__name__}, not a callable")
@@ -888,6 +923,7 @@ class _Server:
         code = getattr(target, "__code__", None)
         self.user_file = str(u["file"]) if u["file"] else (code.co_filename if code else None)
         return {"pid": os.getpid(), "threads": torch.get_num_threads(), "promises": _promises(target),
+                "heap_kept": self.heap_kept,
                 "tampered": _tampered(self.state, self.ours, self.user_file, self)}
 
     def call(self, m: dict[str, Any]) -> dict[str, Any]:
@@ -925,12 +961,17 @@ class _Server:
                 "launched": dict(launches.by_kernel) if launches else {}}
 
     def put(self, m: dict[str, Any]) -> dict[str, Any]:
+        # the last batch (checked by now) freed here, before the clock: not by the next timed run, in its span
+        self.last, self.last_results, self.last_tensors, self.last_sets = None, [], [], []
         sets = []
         for s in m["sets"]:
             tensors = [t.requires_grad_() if f and t.is_floating_point() else t for t, f in zip(s["tensors"],
                                                                                            s["flags"])]
             sets.append((tensors, *_join(s["args"], s["kwargs"], tensors)))
         self.batches[m["key"]] = {"sets": sets, "grad_outs": m.get("grad_outs")}
+        if self.heap_kept:  # room for the batch's results and gradients, about its inputs' size, twice over
+            placed = [t for tensors, _, _ in sets for t in tensors] + list(m.get("grad_outs") or [])
+            _reserve(2 * sum(t.numel() * t.element_size() for t in placed if t.device.type == "cpu") + RESERVE_EXTRA)
         return {}
 
     def run(self, m: dict[str, Any]) -> dict[str, Any]:
