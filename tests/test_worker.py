@@ -484,3 +484,34 @@ def test_a_batchs_kept_results_do_not_fault_its_calls_pages_in(tmp_path):
     assert timed.refused is None, timed.refused
     assert timed.report["heap_kept"] and timed.report["batch_size"] >= 8, timed.report
     assert timed.report["faults_per_call"] < 1.0, timed.report
+
+
+LEAVES_ONE = '''
+from posttrainllm.opdefs import get_op
+from posttrainllm.opdefs import worker as workers
+from posttrainllm.opdefs.user import resolve
+
+
+def test_starts_a_worker_and_leaves_it(tmp_path):
+    source = tmp_path / "mm.py"
+    source.write_text("def matmul(a, b):\\n    return a @ b\\n")
+    assert workers.worker_for(resolve(f"{source}:matmul", get_op("matmul"))).pid in workers.alive()
+'''
+
+
+def test_a_test_module_that_leaves_a_worker_running_fails_the_suite(tmp_path):
+    """tests/conftest.py `_no_worker_outlives_its_module`, on a module written to leave one (and on one that ends
+    its own): run as a suite of its own."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(Path(__file__).parent / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_leaves.py").write_text(LEAVES_ONE)
+    (tmp_path / "test_ends.py").write_text(LEAVES_ONE + "    workers.close_all()\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "2 passed, 1 error" in out and "worker process(es) outlived test_leaves.py" in out, out
+    assert "outlived test_ends.py" not in out, out
