@@ -26,7 +26,9 @@ import dataclasses
 import math
 import os
 import secrets
+import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -104,6 +106,28 @@ RULE = ("a user path is timed from outside its worker: batches of N >= 4 distinc
         "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set, and "
         "what its calls changed of the worker asked after the clock; " + WARMUP_RULE + "; " + WAKE_RULE + "; " + HEAP_RULE + "; " + REFILL_RULE + "; "
         + AGREEMENT_RULE + "; " + TIMING_SEED_RULE + "; " + PROCESS_RULE + "; " + THREAD_RULE)
+
+
+SIGNAL_RULE = ("the lab counts every SIGCONT it receives (a stopped process is continued by one: SIGSTOP cannot be "
+               "caught, but its end can); a path timed while the count moved gets no speed, and the stage ends with "
+               "an error if the reference or the curve was: a path that stops the lab (the same user may signal it) "
+               "slows whatever the lab times then, never to its own gain; a SIGKILL or SIGTERM ends the stage and "
+               "leaves no receipt")
+_CONTINUED = [0]
+
+
+def _on_continue(signum: int, frame: Any) -> None:
+    _CONTINUED[0] += 1
+
+
+def continued() -> int:
+    """SIGNAL_RULE: how many times this lab process has been continued after a stop (0 where it was never stopped,
+    or the handler could not be set: imported off the main thread)."""
+    return _CONTINUED[0]
+
+
+if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGCONT"):
+    signal.signal(signal.SIGCONT, _on_continue)
 
 
 @dataclass

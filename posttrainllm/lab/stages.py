@@ -808,6 +808,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
             mine = [rooms.fresh(x, device) for _, x in sets]  # this path's own buffers of every input set
             dos = [g.clone() for g in grad_outs]
             user = None
+            stops = outside.continued()  # SIGNAL_RULE: the lab stopped and continued while this path is timed
             try:  # a compiled peer that would run eagerly at this shape raises (opdefs/peers.py NotCompiled)
                 if impl.user is not None:  # timed from outside its worker process (lab/outside.py)
                     user = outside.microbench_times(op, cfg, case, impl, device, settings,
@@ -821,6 +822,12 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                                                                               settings)
             except Exception as exc:
                 report["paths"][name] = {"valid": False, "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+                continue
+            if outside.continued() != stops:
+                stopped = f"the lab process was stopped and continued while {name} was timed (outside.SIGNAL_RULE)"
+                if name == REFERENCE:
+                    raise RuntimeError(f"{stopped}: every speedup is a ratio to it")
+                report["paths"][name] = {"valid": False, "reason": f"{stopped}: no speed", **(user.entry if user else {})}
                 continue
             refused = None if name == REFERENCE else (
                 (calibration_problem and f"{calibration_problem}: its peaks decide the impossible-time floor: no speed")
@@ -882,8 +889,11 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
         report["describe"] = op.describe(case, inputs, cfg)
     ridge = max(peak_flops, floor_flops or 0.0) / peak_bandwidth if peak_flops else None  # FLOP/B
+    stops = outside.continued()
     report["curve"] = _curve(cfg, op, out, device, timed, calibration, floor_flops, cache_bytes=cache_bytes,
                              ridge=ridge)
+    if outside.continued() != stops:
+        raise RuntimeError("the lab process was stopped and continued while it timed the curve (outside.SIGNAL_RULE)")
     for name, impl in op.paths(cfg).items():  # after every timed call and curve size (compiled: per signature)
         if impl.evidence is not None and name in report["paths"]:
             report["paths"][name]["evidence"] = impl.evidence()

@@ -526,7 +526,7 @@ _PREPARED = False
 def _prepare_lab() -> None:
     """Before this lab process starts its first worker: every module of the judge imported (none is read from a
     file a path could have written after that, such as a bytecode cache) and a private bytecode prefix for any
-    later import (lab/outside.py BYTECODE_RULE)."""
+    later import (BYTECODE_RULE: what a path writes is removed when the workers end)."""
     global _PREPARED
     if _PREPARED:
         return
@@ -536,16 +536,53 @@ def _prepare_lab() -> None:
     package = str(Path(__file__).resolve().parents[1])  # posttrainllm/: walked by path (the layers point downward)
     for info in pkgutil.walk_packages([package], "posttrainllm."):
         if info.name.split(".")[1] in JUDGE_PACKAGES and not info.name.endswith("__main__"):
+            spec = info.module_finder.find_spec(info.name)  # type: ignore[call-arg]
+            if spec is None or not str(spec.origin).endswith(".py"):  # a sourceless .pyc is no module of ours
+                continue
             try:
                 importlib.import_module(info.name)
             except ImportError:  # an optional dependency this machine lacks: that module is never used here
                 continue
     if sys.pycache_prefix is None:
         sys.pycache_prefix = tempfile.mkdtemp(prefix="posttrainllm-bytecode-")  # 0700: this user's, this process's
+    _BYTECODE_SINCE.append(time.time())  # from here a path may run: bytecode written after is not the lab's
     _PREPARED = True
 
 
 JUDGE_PACKAGES = ("lab", "track", "measure", "opdefs", "ops", "model")
+_BYTECODE_SINCE: list[float] = []  # when this process first let a path run (BYTECODE_RULE)
+BYTECODE_RULE = ("when a lab process ends its workers, every bytecode file of the lab's package (its __pycache__ and "
+                 "any sourceless .pyc) and every cached file of a module it has loaded (torch's, numpy's, ...) that "
+                 "was written or changed (its inode's ctime, which no user can set back) after it first let a path "
+                 "run is removed and named: the lab itself writes its bytecode to a private prefix from then on, so "
+                 "such a file is a path's, and the next lab process would have loaded it before any check")
+
+
+def drop_planted_bytecode() -> list[str]:
+    """BYTECODE_RULE: the bytecode files a path could have planted for the next lab process, removed; their paths."""
+    if not _BYTECODE_SINCE:
+        return []
+    since, private = _BYTECODE_SINCE[0], sys.pycache_prefix
+    package = Path(importlib.import_module("posttrainllm").__file__).resolve().parent
+    files = set(package.rglob("*.pyc"))
+    for module in list(sys.modules.values()):
+        cached = getattr(module, "__cached__", None)
+        if isinstance(cached, str) and cached.endswith(".pyc"):
+            files.add(Path(cached))
+    dropped = []
+    for path in sorted(files):
+        try:
+            if (private and str(path).startswith(private)) or path.stat().st_ctime < since:
+                continue
+            path.unlink()
+            dropped.append(str(path))
+        except OSError:
+            continue
+    if dropped:
+        print(f"posttrainllm: removed {len(dropped)} bytecode file(s) written while user paths ran, which the next lab "
+              f"process would load (BYTECODE_RULE): {', '.join(dropped[:5])}{' ...' if len(dropped) > 5 else ''}",
+              file=sys.stderr)
+    return dropped
 
 
 def started(user: Any) -> Worker | None:
@@ -577,6 +614,7 @@ def close_all() -> None:
         _TWIN.close()
         _TWIN = None
     end_strays()
+    drop_planted_bytecode()
 
 
 def _at_exit() -> None:
