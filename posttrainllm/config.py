@@ -155,9 +155,6 @@ class Contract:
     # whole tensor's max|oracle|, for forward outputs and for gradients ("grad_*").
     row_floor_rel: float = 1e-6
     grad_row_floor_rel: float = 1e-5
-    # A gradient row whose oracle is exactly zero everywhere (dQ of a query that sees one key): its floor, in the same
-    # units, where larger than grad_row_floor_rel; None = grad_row_floor_rel (conf/precision/fp32.yaml: why)
-    zero_grad_row_floor_rel: float | None = None
     # Signal-to-noise floor of each checked output against the oracle, in dB: 10·log10(Σ oracle² / Σ err²) must
     # be at least this (lab/parity.py); None = off. A quantized precision's (conf/precision/fp8*.yaml: why)
     min_sqnr_db: float | None = None
@@ -166,8 +163,6 @@ class Contract:
         _positive("precision.contract", error_multiple=self.error_multiple, floor_rel=self.floor_rel,
                   train_loss_drift=self.train_loss_drift, row_floor_rel=self.row_floor_rel,
                   grad_row_floor_rel=self.grad_row_floor_rel)
-        require(self.zero_grad_row_floor_rel is None or self.zero_grad_row_floor_rel > 0,
-                f"precision.contract.zero_grad_row_floor_rel={self.zero_grad_row_floor_rel}: must be > 0, or null")
         require(self.min_sqnr_db is None or self.min_sqnr_db > 0,
                  f"precision.contract.min_sqnr_db={self.min_sqnr_db}: must be > 0 dB, or null (off)")
         require(self.atol >= 0 and self.rtol >= 0 and self.atol_rel >= 0,

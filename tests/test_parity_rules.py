@@ -338,27 +338,3 @@ def test_the_fp32_elementwise_count_scales_with_the_tensor_and_still_bites():
     wrong.view(-1)[i] += 3 * contract.atol_rel * oracle.abs().max().item()
     broken = parity.check_output(wrong, oracle, baseline, contract)
     assert broken["verdict"] == "fail" and "mismatch_frac" in broken["reason"]
-
-
-def test_a_gradient_row_whose_oracle_is_exactly_zero_takes_the_declared_floor_and_is_named():
-    """lab/parity.py ZERO_ROW_RULE: causal dQ row 0 is exactly 0; a fused backward leaves the rounding difference of
-    D = rowsum(dO o O) and dP = dO V^T there. With contract.zero_grad_row_floor_rel that row (alone) takes it."""
-    oracle = torch.tensor([[0.0, 0.0], [0.5, -1.0]], dtype=torch.float64)  # row 0: a query that sees one key
-    baseline = oracle + torch.tensor([[0.0, 0.0], [1e-5, 0.0]], dtype=torch.float64)  # tensor-wide: 8e-5 allowed
-    candidate = oracle + torch.tensor([[5e-5, 0.0], [0.0, 0.0]], dtype=torch.float64)
-    strict = Contract(error_multiple=8.0, floor_rel=1e-6, grad_row_floor_rel=1e-5, atol=1.0)
-    declared = Contract(error_multiple=8.0, floor_rel=1e-6, grad_row_floor_rel=1e-5, atol=1.0,
-                        zero_grad_row_floor_rel=1e-4)
-    failed = parity.check_output(candidate, oracle, baseline, strict, gradient=True)
-    assert failed["verdict"] == "fail" and "row (0,)" in failed["reason"] and "zero_oracle_rows" not in failed
-    passed = parity.check_output(candidate, oracle, baseline, declared, gradient=True)
-    assert passed["verdict"] == "pass" and passed["zero_oracle_rows"] == 1
-    assert passed["worst_row"]["floor"] == "zero_grad_row_floor_rel"
-    assert passed["zero_row_rule"].startswith("a gradient row whose oracle is exactly zero")
-    assert passed["worst_row"]["allowed_abs_err"] == pytest.approx(1e-4 * 1.0 + 0.0)
-    # a forward output, or a row whose oracle is not zero, keeps its own floor
-    assert parity.check_output(candidate, oracle, baseline, declared)["verdict"] == "fail"
-    nonzero = oracle.clone()
-    nonzero[0, 1] = 1e-9
-    assert parity.check_output(candidate + torch.tensor([[0.0, 1e-9], [0, 0]], dtype=torch.float64), nonzero,
-                               baseline, declared, gradient=True)["verdict"] == "fail"

@@ -515,3 +515,28 @@ def test_a_test_module_that_leaves_a_worker_running_fails_the_suite(tmp_path):
     assert done.returncode != 0, out
     assert "2 passed, 1 error" in out and "worker process(es) outlived test_leaves.py" in out, out
     assert "outlived test_ends.py" not in out, out
+
+
+def test_outside_outputs_are_judged_by_the_parity_stages_own_rules():
+    """lab/outside.py `_check` goes through oracle.judge_path, as parity and the built-ins' timed results do: a
+    gradient row takes the gradient floor (causal dQ row 0, whose oracle is exactly 0, carries a fused backward's
+    rounding of D = rowsum(dO o O) at ~1e-6 x max|dQ|: judged by the forward floor it failed now and then); a
+    wrong gradient row still fails, named."""
+    from posttrainllm.lab import oracle, outside
+    from posttrainllm.opdefs import get_op
+
+    cfg = load(["op=attention", "precision=fp32", "device=cpu", "shape=tiny", "run.log_mlflow=false"])
+    op = get_op("attention")
+    case = next(c for c in op.cases(cfg) if c.main)
+    s = outside._draw(op, cfg, case, 123_456_789, True, "cpu")
+    truth = oracle.reference_outputs(op, cfg, oracle.cast_floats(s.inputs, torch.float64), s.case, s.grad_out.double())
+    got = {name: truth[name].float() for name in ("out", "grad_q", "grad_k", "grad_v")}
+    scale = truth["grad_q"].abs().max().item()
+    assert truth["grad_q"][:, :, 0].abs().max().item() == 0.0  # causal row 0: exactly zero
+    got["grad_q"][0, 0, 0, 0] += 3e-6 * scale  # above the forward row floor (1e-6), under the gradient one (1e-5)
+    sdpa = op.paths(cfg)["sdpa"]
+    assert outside._check(op, cfg, sdpa, s, got, True) is None
+    got["grad_q"][0, 1, 5, 0] += 1e-3 * scale
+    failed = outside._check(op, cfg, sdpa, s, got, True)
+    assert failed is not None and failed.startswith("grad_q: ") and "row (0, 1, 5)" in failed, failed
+    assert outside._check(op, cfg, sdpa, s, {"out": got["out"]}, False) is None

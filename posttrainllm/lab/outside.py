@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from posttrainllm.lab import oracle, parity
+from posttrainllm.lab import oracle
 from posttrainllm.measure.timing import Timing, summarize
 from posttrainllm.opdefs import Case, Impl, OpDef
 from posttrainllm.opdefs.base import point_dtype
@@ -186,22 +186,25 @@ def _round_trip_s(request: Callable[[], Any], device: str, times: int) -> float:
 
 
 def _check(op: OpDef, cfg: Any, impl: Impl, s: _Set, got: dict[str, Any], backward: bool) -> str | None:
-    """Every output the set returned against the float64 oracle of that set: None, or the first failure."""
-    truth = oracle.reference_outputs(op, cfg, oracle.cast_floats(s.inputs, torch.float64), s.case,
+    """Every output the set returned against the float64 oracle of that set, by the parity stage's own rules
+    (oracle.judge_path: the gradient row floors, the rows' shapes, the gradient baselines, the fallback scale), as
+    the built-in paths' timed results are judged: None, or the first failure."""
+    inputs = {name: x for name, x in s.inputs.items()}
+    truth = oracle.reference_outputs(op, cfg, oracle.cast_floats(inputs, torch.float64), s.case,
                                      s.grad_out.double() if backward else None)
-    baseline = oracle.reference_outputs(op, cfg, s.inputs, s.case, s.grad_out if backward else None)
-    contract = oracle.contract_for(cfg)
+    baseline = oracle.reference_outputs(op, cfg, inputs, s.case, s.grad_out if backward else None)
+    if backward:
+        oracle.worst_gradient_baseline(op, cfg, inputs, s.case, s.grad_out, truth, baseline)
     wanted = ["out", *(op.gradient_names() if backward else [])]
     wanted += [name for name in got if name not in wanted and name in truth]  # returned extras (a logsumexp)
     for name in wanted:
         value = got.get(name)
         if not isinstance(value, torch.Tensor):
             return f"{name}: missing" if value is None else f"{name}: a {type(value).__name__}, not a tensor"
-        check = parity.check_output(value.detach().cpu(), truth[name].detach().cpu(), baseline[name].detach().cpu(),
-                                    contract(name))
-        if check["verdict"] != "pass":
-            return f"{name}: {check['reason']}"
-    return None
+    cpu = lambda d: {k: v.detach().cpu() for k, v in d.items() if isinstance(v, torch.Tensor)}  # noqa: E731
+    record = {"case": dataclasses.asdict(s.case), "oracle": cpu(truth), "baseline": cpu(baseline)}
+    result = oracle.judge_path(op, impl, cfg, [record], [cpu({k: got[k] for k in wanted})], forward=not backward)
+    return None if result["verdict"] == "pass" else result["failed_cases"][0].removeprefix(f"{s.case.name}/")
 
 
 def _same_checksums(got: list[float | None], sent: list[float | None]) -> bool:

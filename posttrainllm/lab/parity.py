@@ -51,9 +51,6 @@ Why the row floor, and why two
 
 An oracle that is exactly zero everywhere (dQ when every query sees a single key) has no
 magnitude of its own: the floors then use `fallback_scale`, the case's forward output's.
-A gradient row whose own oracle is exactly zero (causal row 0 of dQ) takes `zero_grad_row_floor_rel` where the
-precision declares one (ZERO_ROW_RULE; conf/precision/fp32.yaml has the measurement); the receipt's row entry
-names that floor.
 
 Quantized precisions (fp8: conf/precision/fp8*.yaml)
     Every path sees the same quantized inputs (made once per case), and the oracle is the float64
@@ -75,12 +72,6 @@ from posttrainllm.config import Contract
 
 RELATIVE_DENOMINATOR_FLOOR = 1e-3  # max_rel_err divides by max(|oracle_i|, 1e-3·max|oracle|)
 DEFAULT_ROW_NDIM = {"lse": 0}  # per output name; every other output: 1 (the last dim is the row)
-ZERO_ROW_RULE = ("a gradient row whose oracle is exactly zero everywhere (dQ of a causal query that sees one key: "
-                 "dS = P(dP - D) cancels exactly) takes contract.zero_grad_row_floor_rel x the tensor's max|oracle| "
-                 "where that is larger than grad_row_floor_rel: a fused backward forms D = rowsum(dO o O) and dP = "
-                 "dO V^T in different summation orders, so such a row carries their rounding difference, which the "
-                 "row's own terms (zero oracle, zero baseline error) cannot allow; built-in and user paths alike, "
-                 "in parity and in every timed output's check")
 GRADIENT_PREFIX = "grad_"  # outputs named so are gradients and take contract.grad_row_floor_rel
 
 RULE = ("tensor: max_abs_err <= error_multiple * baseline_max_abs_err + floor_rel * max|oracle|, "
@@ -134,10 +125,7 @@ def row_check(candidate: torch.Tensor, oracle: torch.Tensor, baseline: torch.Ten
     err = _rows(_abs_err(candidate, oracle), row_ndim).amax(dim=1)
     base = _rows(_abs_err(baseline, oracle), row_ndim).amax(dim=1)
     scale = _rows(oracle.double().abs(), row_ndim).amax(dim=1)
-    row_floor = torch.full_like(scale, contract.grad_row_floor_rel if gradient else contract.row_floor_rel)
-    zero_floor = getattr(contract, "zero_grad_row_floor_rel", None)
-    zero = (scale == 0) if gradient and zero_floor is not None else torch.zeros_like(scale, dtype=torch.bool)
-    row_floor = torch.where(zero, torch.maximum(row_floor, torch.full_like(scale, zero_floor or 0.0)), row_floor)
+    row_floor = contract.grad_row_floor_rel if gradient else contract.row_floor_rel
     allowed = contract.error_multiple * base + contract.floor_rel * scale + row_floor * tensor_scale
     # err / allowed, with 0/0 = 0 (an exact row of an exactly-zero tensor), x/0 = inf and inf/inf = inf
     ratio = torch.where(allowed > 0, err / allowed.clamp_min(1e-300), torch.where(err > 0, float("inf"), 0.0))
@@ -155,9 +143,7 @@ def row_check(candidate: torch.Tensor, oracle: torch.Tensor, baseline: torch.Ten
             "oracle_max_abs": scale[worst].item(),
             "allowed_abs_err": allowed[worst].item(),
             "ratio": ratio[worst].item(),
-            **({"floor": "zero_grad_row_floor_rel"} if bool(zero[worst]) else {}),  # ZERO_ROW_RULE
         },
-        **({"zero_oracle_rows": int(zero.sum()), "zero_row_rule": ZERO_ROW_RULE} if bool(zero.any()) else {}),
     }
 
 

@@ -296,8 +296,6 @@ def _output_problems(where: str, output: str, entry: dict[str, Any], contract: d
     row_ok = True
     if row:
         floor = contract["grad_row_floor_rel"] if output.startswith("grad_") else contract["row_floor_rel"]
-        if output.startswith("grad_") and row.get("oracle_max_abs") == 0 and contract.get("zero_grad_row_floor_rel"):
-            floor = max(floor, contract["zero_grad_row_floor_rel"])  # lab/parity.py ZERO_ROW_RULE
         row_allowed = row["allowed_abs_err"]
         if scale > 0:
             expected = (contract["error_multiple"] * row["baseline_max_abs_err"]
