@@ -16,8 +16,10 @@ the curve (stages._curve) never call `measure()` on it. Instead, per batch:
 
 N comes from two warm-up batches timed and checked the same way (WARMUP_RULE). The worker's heap stays mapped
 (HEAP_RULE), as a long-running lab process's does. Fresh sets each batch, and the
-refill after the last batch (REFILL_RULE), make a stored result wrong. A path's processes are watched
-(PROCESS_RULE). A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
+refill after the last batch (REFILL_RULE), make a stored result wrong. Each span leaves out what the worker
+waited on a run queue (RUN_QUEUE_RULE). A path's processes and threads are watched (PROCESS_RULE, THREAD_RULE),
+and so are stops of the lab itself (SIGNAL_RULE). Every set is judged by the parity stage's own rules
+(oracle.judge_path). A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
 """
 
 from __future__ import annotations
