@@ -8,7 +8,9 @@ paths timed from outside their workers as the microbench times them (outside.tim
 `new-impl` template (the reference's math) and `examples/torch_attention.py:sdpa_attention` (SDPA). Prints per
 round and as medians over rounds: template / reference and sdpa_attention / sdpa (forward, forward + backward;
 1.00 is fair, above 1 the outside path reads slower), and what is left per call: the batch's null over N and the
-worker's own per-call times against the lab's samples. Figures recorded in docs/timing.md.
+worker's own per-call times against the lab's samples (their difference: the time per call the lab counts that
+the worker's per-call clock does not, which the null does not remove), and the worker's minor page faults per
+call (outside.HEAP_RULE). Figures recorded in docs/timing.md.
 """
 
 import os
@@ -71,7 +73,8 @@ for r in range(rounds):
             ratio = timed.timing.median_ms / inside[peer][mode]
             ratios[(user, mode)].append(ratio)
             rep = timed.report
-            left.append((rep["null_batch_ms"] / rep["batch_size"], rep.get("worker_over_lab")))
+            left.append((rep["null_batch_ms"] / rep["batch_size"], rep.get("worker_over_lab"),
+                         (rep["lab_total_ms"] - rep["worker_total_ms"]) / rep["calls"], rep.get("faults_per_call")))
             line.append(f"{user}/{peer} {mode} {timed.timing.median_ms:.3f}/{inside[peer][mode]:.3f} ms = {ratio:.2f}x"
                         f" (N {rep['batch_size']})")
     workers.close_all()
@@ -80,6 +83,9 @@ print("median over rounds (outside / in-process; 1.00 is fair):")
 for (user, mode), values in ratios.items():
     if values:
         print(f"  {user} {mode}: {statistics.median(values):.3f}x (rounds {', '.join(f'{v:.2f}' for v in values)})")
-print(f"per call: null / N median {statistics.median(a for a, _ in left) * 1e3:.1f} us (subtracted); "
+print(f"per call: null / N median {statistics.median(x[0] for x in left) * 1e3:.1f} us (subtracted); "
       f"worker's own per-call sum / lab's samples median "
-      f"{statistics.median([b for _, b in left if b is not None] or [float('nan')]):.3f}")
+      f"{statistics.median([x[1] for x in left if x[1] is not None] or [float('nan')]):.3f}; "
+      f"left in the lab's sample beyond the worker's own per-call clock median "
+      f"{statistics.median(x[2] for x in left) * 1e3:.1f} us; the worker's minor page faults per call median "
+      f"{statistics.median([x[3] for x in left if x[3] is not None] or [float('nan')]):.2f} (HEAP_RULE)")

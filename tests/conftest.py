@@ -28,6 +28,26 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: -SLOWEST_FIRST.get(item.path.name, 0))  # stable: the rest stay as collected
 
 
+WORKER_MODULES = ("posttrainllm.lab.isolation.worker",)  # where the worker lives
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_worker_outlives_its_module(request):
+    """After each test module: no user path's worker, nor any process one started, is left below this process's
+    zygote (lab/isolation/worker.py `alive`); any left is ended and the module fails at teardown, naming them. (A module
+    that never imported the worker started none.)"""
+    yield
+    import sys
+
+    module = next((sys.modules[name] for name in WORKER_MODULES if name in sys.modules), None)
+    left = module.alive() if module is not None else []
+    if left:
+        module.close_all()
+        pytest.fail(f"{len(left)} worker process(es) outlived {request.node.name} (pids {', '.join(map(str, left))}): "
+                    "a stage, bench or test must end its workers (worker.closed_after, worker.close_all)",
+                    pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -275,3 +275,23 @@ def test_the_noise_band_follows_from_the_baseline_step_times():
     receipt["bench_train"]["noise"]["band"] = 1.0  # narrower than the baseline measured itself
     assert replay.verify_train(receipt) == ["bench_train: noise band 1.0 stored, the baseline's step times give "
                                             f"{noise_band(steps, repeat, 1)['band']!r}"]
+
+
+def test_outside_timing_seeds_are_checked_recorded_well_formed_and_unshared():
+    """lab/isolation/outside.py TIMING_SEED_RULE from the stored receipt alone: a seed per timed mode, 48 bits, none shared."""
+    from posttrainllm.track.replay import verify_timing_seeds
+
+    def entry(forward, backward):
+        return {"valid": True, "forward_backward": {"median_ms": 1.0},
+                "outside": {"forward": {"timing_seeds": {"base": forward}},
+                            "forward_backward": {"timing_seeds": {"base": backward}}}}
+
+    good = {"microbench": {"paths": {"a": entry(11, 12), "b": entry(13, 2**48 - 1), "sdpa": {"valid": True}}}}
+    assert verify_timing_seeds(good) == []
+    shared = {"microbench": {"paths": {"a": entry(11, 12), "b": entry(11, 14)}}}
+    assert verify_timing_seeds(shared) == ["microbench b/forward: timing seed 11 is also a/forward's: seeds are drawn "
+                                           "at run time per path and mode, and do not repeat"]
+    missing = {"microbench": {"paths": {"a": {**entry(11, 12), "outside": {"forward": {"timing_seeds": {}}}}}}}
+    assert verify_timing_seeds(missing) == ["microbench a/forward: timed from outside with no timing seed recorded"]
+    bad = {"microbench": {"paths": {"a": entry("7", 2**48)}}}
+    assert len(verify_timing_seeds(bad)) == 2 and "is not a 48-bit number" in verify_timing_seeds(bad)[1]

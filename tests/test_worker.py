@@ -432,3 +432,112 @@ def test_a_compile_childs_grandchild_holding_its_output_neither_holds_the_stage_
         time.sleep(0.05)
     else:
         pytest.fail(f"the compile child's grandchild {lines[0]} is still running")
+
+
+def test_a_span_leaves_out_its_run_queue_wait_only_when_no_other_thread_worked():
+    """outside.RUN_QUEUE_RULE on the kernel's readings: the worker's wait comes out of the span, never more than the
+    span; nothing comes out where the worker's other threads ran, or where the kernel says nothing."""
+    from posttrainllm.lab.isolation import outside
+
+    before = {"worker": (0, 0), "others_ran": 0}
+    after = {"worker": (4_000_000, 5_000_000), "others_ran": 100_000}
+    assert outside._waited_s(before, after, 0.010) == pytest.approx(0.005)  # others: 1% of the span, allowed
+    assert outside._waited_s(before, {**after, "worker": (0, 50_000_000)}, 0.010) == 0.010
+    assert outside._waited_s(before, {**after, "others_ran": 1_000_000}, 0.010) == 0.0  # 10% of the span: work
+    assert outside._waited_s(before, {**after, "worker": None}, 0.010) == 0.0
+    reading = outside._scheduled(os.getpid())  # this process: its main thread's run and wait, as the lab reads them
+    assert reading["worker"] is not None and reading["worker"][0] > 0
+
+
+TEMPLATE_MATH = '''
+import torch
+
+
+def attention(q, k, v, *, causal, sm_scale):
+    n_heads, seq_len = q.shape[1], q.shape[2]
+    k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
+    v = v.repeat_interleave(n_heads // v.shape[1], dim=1)
+    scores = (q.float() @ k.float().transpose(-2, -1)) * sm_scale
+    if causal:
+        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
+'''
+
+
+def test_a_batchs_kept_results_do_not_fault_its_calls_pages_in(tmp_path):
+    """outside.HEAP_RULE: a batch keeps its N results until they are checked; the worker keeps its freed heap mapped
+    and touches room for the batch before the clock, so its calls fault no pages in (~50 faults a call at this shape
+    without it, where the lab's in-process loop faults none). Counted by the kernel, read from outside."""
+    from posttrainllm.lab.isolation import outside
+    from posttrainllm.measure import device as devices
+    from posttrainllm.opdefs import get_op
+
+    path = tmp_path / "math.py"
+    path.write_text(TEMPLATE_MATH)
+    cfg = load(["op=attention", "precision=fp32", "device=cpu", "shape=tiny", "run.log_mlflow=false",
+                f"op.user_impls=[{path}:attention]"])
+    op, device = get_op("attention"), devices.prepare("cpu", 1)
+    case = next(c for c in op.cases(cfg) if c.main)
+    settings = dict(warmup=1, reps=40, min_time_s=0.0, max_reps=200)
+    timed = outside.time_user_path(op, cfg, case, op.paths(cfg)["attention"], "forward", device, settings)
+    assert timed.refused is None, timed.refused
+    assert timed.report["heap_kept"] and timed.report["batch_size"] >= 8, timed.report
+    assert timed.report["faults_per_call"] < 1.0, timed.report
+
+
+LEAVES_ONE = '''
+from posttrainllm.opdefs import get_op
+from posttrainllm.lab.isolation import worker as workers
+from posttrainllm.lab.isolation.user import resolve
+
+
+def test_starts_a_worker_and_leaves_it(tmp_path):
+    source = tmp_path / "mm.py"
+    source.write_text("def matmul(a, b):\\n    return a @ b\\n")
+    assert workers.worker_for(resolve(f"{source}:matmul", get_op("matmul"))).pid in workers.alive()
+'''
+
+
+def test_a_test_module_that_leaves_a_worker_running_fails_the_suite(tmp_path):
+    """tests/conftest.py `_no_worker_outlives_its_module`, on a module written to leave one (and on one that ends
+    its own): run as a suite of its own."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(Path(__file__).parent / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_leaves.py").write_text(LEAVES_ONE)
+    (tmp_path / "test_ends.py").write_text(LEAVES_ONE + "    workers.close_all()\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "2 passed, 1 error" in out and "worker process(es) outlived test_leaves.py" in out, out
+    assert "outlived test_ends.py" not in out, out
+
+
+def test_outside_outputs_are_judged_by_the_parity_stages_own_rules():
+    """lab/isolation/outside.py `_check` goes through oracle.judge_path, as parity and the built-ins' timed results do: a
+    gradient row takes the gradient floor (causal dQ row 0, whose oracle is exactly 0, carries a fused backward's
+    rounding of D = rowsum(dO o O) at ~1e-6 x max|dQ|: judged by the forward floor it failed now and then); a
+    wrong gradient row still fails, named."""
+    from posttrainllm.lab import oracle
+    from posttrainllm.lab.isolation import outside
+    from posttrainllm.opdefs import get_op
+
+    cfg = load(["op=attention", "precision=fp32", "device=cpu", "shape=tiny", "run.log_mlflow=false"])
+    op = get_op("attention")
+    case = next(c for c in op.cases(cfg) if c.main)
+    s = outside._draw(op, cfg, case, 123_456_789, True, "cpu")
+    truth = oracle.reference_outputs(op, cfg, oracle.cast_floats(s.inputs, torch.float64), s.case, s.grad_out.double())
+    got = {name: truth[name].float() for name in ("out", "grad_q", "grad_k", "grad_v")}
+    scale = truth["grad_q"].abs().max().item()
+    assert truth["grad_q"][:, :, 0].abs().max().item() == 0.0  # causal row 0: exactly zero
+    got["grad_q"][0, 0, 0, 0] += 3e-6 * scale  # above the forward row floor (1e-6), under the gradient one (1e-5)
+    sdpa = op.paths(cfg)["sdpa"]
+    assert outside._check(op, cfg, sdpa, s, got, True) is None
+    got["grad_q"][0, 1, 5, 0] += 1e-3 * scale
+    failed = outside._check(op, cfg, sdpa, s, got, True)
+    assert failed is not None and failed.startswith("grad_q: ") and "row (0, 1, 5)" in failed, failed
+    assert outside._check(op, cfg, sdpa, s, {"out": got["out"]}, False) is None

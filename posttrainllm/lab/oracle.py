@@ -4,11 +4,13 @@ of a case is fed. The parity stage (lab/stages.py) and the timing from outside (
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
 
 from posttrainllm.config import LabConfig
+from posttrainllm.lab import parity
 from posttrainllm.opdefs import Case, OpDef, Tensors
 from posttrainllm.opdefs.base import leaves_of
 
@@ -66,3 +68,67 @@ def reference_outputs(op: OpDef, cfg: LabConfig, inputs: Tensors, case: Case,
                 result[name] = value.new_zeros(shape)
             result[name][index] = value.detach()
     return result
+
+
+def worst_gradient_baseline(op: OpDef, cfg: LabConfig, inputs: Tensors, case: Case, grad_out: torch.Tensor,
+                            oracle: Tensors, baseline: Tensors) -> None:
+    """Each gradient of `baseline` becomes, element by element, the value of whichever readable formulation (the
+    reference, op.gradient_baselines) errs more against the oracle: the contract's allowance is relative to the
+    readable math's error, and a flash backward's own formulation is readable math too (GRADIENT_BASELINE_RULE)."""
+    for _, formulation in op.gradient_baselines:
+        other = reference_outputs(op, cfg, inputs, case, grad_out, formulation=formulation)
+        for name in [k for k in baseline if k.startswith(parity.GRADIENT_PREFIX) and k in other]:
+            mine, theirs, exact = baseline[name], other[name], oracle[name].to(baseline[name].device)
+            worse = (theirs.double() - exact).abs() > (mine.double() - exact).abs()
+            baseline[name] = torch.where(worse, theirs, mine)
+
+
+GRADIENT_BASELINE_RULE = ("each gradient's baseline is, element by element, the larger-error of the op's readable "
+                          "formulations in the point's precision (attention: torch.softmax, and P = exp(S - lse) as "
+                          "a flash backward recomputes it from the stored logsumexp)")
+
+
+def judge_path(op: OpDef, impl: Any, cfg: LabConfig, records: list[dict[str, Any]], outputs: list[Tensors], *,
+               forward: bool = False) -> dict[str, Any]:
+    """parity.check_path over every case; adversarial-input cases without the elementwise count (lab/stages.py
+    ADVERSARIAL_NOTE). The parity stage, the timed-result checks and the outside timing's checks all judge by it.
+    `forward`: the forward outputs alone (no gradients were computed)."""
+    contract = contract_for(cfg)
+
+    def no_elementwise_count(output: str) -> Any:
+        return dataclasses.replace(contract(output), atol=float("inf"))
+
+    exempt = cfg.op.max_error_only.outputs_for(cfg.precision.name)
+
+    def op_contract(output: str) -> Any:  # op.max_error_only's outputs: the max-error rules alone
+        return no_elementwise_count(output) if output in exempt else contract(output)
+
+    groups: dict[tuple[bool, bool], list[int]] = {}
+    for i, record in enumerate(records):
+        kind = record["case"]["inputs"]
+        groups.setdefault((kind != "normal", kind in op.forward_only_inputs), []).append(i)
+    # optional outputs (a user attention's logsumexp) are checked when the path returns them
+    returned = set().union(*(set(o or {}) for o in outputs)) if outputs else set()
+    optional = [name for name in op.optional_outputs if name in returned and name not in impl.outputs]
+    results = []
+    for (adversarial, forward_only), index in groups.items():
+        expected = ([*impl.outputs, *optional] if forward_only or forward
+                    else [*op.expected_outputs(impl), *optional])
+        results.append(parity.check_path(
+            [outputs[i] for i in index] if len(outputs) == len(records) else outputs,
+            [records[i]["oracle"] for i in index], [records[i]["baseline"] for i in index],
+            [records[i]["case"]["name"] for i in index], no_elementwise_count if adversarial else op_contract,
+            expected, op.row_ndim))
+    if len(results) == 1:
+        return results[0]
+    merged = {"verdict": "pass" if all(r["verdict"] == "pass" for r in results) else "fail",
+              "failed_cases": [f for r in results for f in r["failed_cases"]],
+              "cases": [c for r in results for c in r["cases"]], "worst": {}}
+    for r in results:
+        for name, entry in r["worst"].items():
+            ratio = entry.get("max_abs_err", float("inf")) / max(entry.get("allowed_abs_err", 0.0), 1e-300)
+            have = merged["worst"].get(name)
+            if have is None or ratio > have.get("max_abs_err", float("inf")) / max(have.get("allowed_abs_err", 0.0),
+                                                                                    1e-300):
+                merged["worst"][name] = entry
+    return merged

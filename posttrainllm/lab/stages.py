@@ -36,13 +36,15 @@ import torch
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
 from posttrainllm.lab import parity, runner
-from posttrainllm.lab.isolation import guards, rooms
+from posttrainllm.lab.isolation import guards, outside, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.timing import NOISY_RULE, Timing
 from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
                                  replaced_library)
 from posttrainllm.lab.oracle import cast_floats, contract_for, gradients, reference_outputs, upstream_gradient
+from posttrainllm.lab.oracle import GRADIENT_BASELINE_RULE, worst_gradient_baseline  # noqa: F401 (stages.<name>)
+from posttrainllm.lab.oracle import judge_path as _check_path
 from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
 from posttrainllm.opdefs.base import point_dtype as _dtype
@@ -140,24 +142,6 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
                 records[-1]["unquantized"] = _to_cpu({k: v for k, v in exact.items() if k in out_names})
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"op": op.name, "dtype": cfg.precision.dtype, "records": records}, out / "reference.pt")
-
-
-def worst_gradient_baseline(op: OpDef, cfg: LabConfig, inputs: Tensors, case: Case, grad_out: torch.Tensor,
-                            oracle: Tensors, baseline: Tensors) -> None:
-    """Each gradient of `baseline` becomes, element by element, the value of whichever readable formulation (the
-    reference, op.gradient_baselines) errs more against the oracle: the contract's allowance is relative to the
-    readable math's error, and a flash backward's own formulation is readable math too (GRADIENT_BASELINE_RULE)."""
-    for _, formulation in op.gradient_baselines:
-        other = reference_outputs(op, cfg, inputs, case, grad_out, formulation=formulation)
-        for name in [k for k in baseline if k.startswith(parity.GRADIENT_PREFIX) and k in other]:
-            mine, theirs, exact = baseline[name], other[name], oracle[name].to(baseline[name].device)
-            worse = (theirs.double() - exact).abs() > (mine.double() - exact).abs()
-            baseline[name] = torch.where(worse, theirs, mine)
-
-
-GRADIENT_BASELINE_RULE = ("each gradient's baseline is, element by element, the larger-error of the op's readable "
-                          "formulations in the point's precision (attention: torch.softmax, and P = exp(S - lse) as "
-                          "a flash backward recomputes it from the stored logsumexp)")
 
 
 def _load_reference(out: Path) -> dict[str, Any]:
@@ -464,49 +448,6 @@ ADVERSARIAL_NOTE = ("adversarial-input cases (large, growing and near one-hot lo
                     "the op's forward_only_inputs (attention: near_one_hot) check the forward outputs only")
 
 
-def _check_path(op: OpDef, impl: Impl, cfg: LabConfig, records: list[dict[str, Any]],
-                outputs: list[Tensors]) -> dict[str, Any]:
-    """parity.check_path over every case; adversarial-input cases without the elementwise count (ADVERSARIAL_NOTE)."""
-    contract = contract_for(cfg)
-
-    def no_elementwise_count(output: str) -> Any:
-        return dataclasses.replace(contract(output), atol=float("inf"))
-
-    exempt = cfg.op.max_error_only.outputs_for(cfg.precision.name)
-
-    def op_contract(output: str) -> Any:  # op.max_error_only's outputs: the max-error rules alone
-        return no_elementwise_count(output) if output in exempt else contract(output)
-
-    groups: dict[tuple[bool, bool], list[int]] = {}
-    for i, record in enumerate(records):
-        kind = record["case"]["inputs"]
-        groups.setdefault((kind != "normal", kind in op.forward_only_inputs), []).append(i)
-    # optional outputs (a user attention's logsumexp) are checked when the path returns them
-    returned = set().union(*(set(o or {}) for o in outputs)) if outputs else set()
-    optional = [name for name in op.optional_outputs if name in returned and name not in impl.outputs]
-    results = []
-    for (adversarial, forward_only), index in groups.items():
-        expected = [*impl.outputs, *optional] if forward_only else [*op.expected_outputs(impl), *optional]
-        results.append(parity.check_path(
-            [outputs[i] for i in index] if len(outputs) == len(records) else outputs,
-            [records[i]["oracle"] for i in index], [records[i]["baseline"] for i in index],
-            [records[i]["case"]["name"] for i in index], no_elementwise_count if adversarial else op_contract,
-            expected, op.row_ndim))
-    if len(results) == 1:
-        return results[0]
-    merged = {"verdict": "pass" if all(r["verdict"] == "pass" for r in results) else "fail",
-              "failed_cases": [f for r in results for f in r["failed_cases"]],
-              "cases": [c for r in results for c in r["cases"]], "worst": {}}
-    for r in results:
-        for name, entry in r["worst"].items():
-            ratio = entry.get("max_abs_err", float("inf")) / max(entry.get("allowed_abs_err", 0.0), 1e-300)
-            have = merged["worst"].get(name)
-            if have is None or ratio > have.get("max_abs_err", float("inf")) / max(have.get("allowed_abs_err", 0.0),
-                                                                                    1e-300):
-                merged["worst"][name] = entry
-    return merged
-
-
 def backward_note(impl: Impl) -> str:
     """Why a path's gradients are not checked as its own (Impl.backward)."""
     if impl.backward == NO_BACKWARD:
@@ -739,10 +680,17 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                 continue
             mine = [rooms.fresh(x, device) for _, x in sets]  # this path's own buffers of every input set
             dos = [g.clone() for g in grad_outs]
+            stops = outside.continued()  # SIGNAL_RULE: the lab stopped and continued while this path is timed
             try:  # a compiled peer that would run eagerly at this shape raises (opdefs/peers.py NotCompiled)
                 timed = runner.runner_for(impl).time(op, cfg, case, mine, dos, device, settings)
             except Exception as exc:
                 report["paths"][name] = {"valid": False, "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+                continue
+            if outside.continued() != stops:
+                stopped = f"the lab process was stopped and continued while {name} was timed (outside.SIGNAL_RULE)"
+                if name == REFERENCE:
+                    raise RuntimeError(f"{stopped}: every speedup is a ratio to it")
+                report["paths"][name] = {"valid": False, "reason": f"{stopped}: no speed", **timed.entry}
                 continue
             forward, train, memory, first_call_ms, state = (timed.forward, timed.train, timed.memory,
                                                             timed.first_call_ms, timed.refused)
@@ -806,8 +754,11 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
         report["describe"] = op.describe(case, inputs, cfg)
     ridge = max(peak_flops, floor_flops or 0.0) / peak_bandwidth if peak_flops else None  # FLOP/B
+    stops = outside.continued()
     report["curve"] = _curve(cfg, op, out, device, timed, calibration, floor_flops, cache_bytes=cache_bytes,
                              ridge=ridge)
+    if outside.continued() != stops:
+        raise RuntimeError("the lab process was stopped and continued while it timed the curve (outside.SIGNAL_RULE)")
     for name, impl in runner.paths(op, cfg).items():  # after every timed call and curve size (compiled: per signature)
         if impl.evidence is not None and name in report["paths"]:
             report["paths"][name]["evidence"] = impl.evidence()

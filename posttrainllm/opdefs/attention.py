@@ -10,7 +10,7 @@ Paths (one function each: checked, timed and trained):
     triton      posttrainllm.ops.attention: our FlashAttention-2 forward and backward
     compiled, flex (opt-in, op.peers): the reference under torch.compile; FlexAttention with a causal block
                 mask (forward-only on the CPU, where PyTorch refuses its backward)
-    user paths  op.user_impls, in the natural signature SIGNATURE (opdefs/user.py)
+    user paths  op.user_impls, in the natural signature SIGNATURE (lab/isolation/user.py)
 
 Shapes: q (B, H, S, D), k and v (B, Hkv, S, D) -> out (B, H, S, D), lse (B, H, S) fp32.
 The row logsumexp is checked for the Triton path (its backward depends on it) against

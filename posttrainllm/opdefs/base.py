@@ -313,7 +313,7 @@ class OpDef:
     # Cost models per kind of path, {name: (case, cfg) -> Costs}: what each kind executes and moves (Impl.cost_model
     # names one); `costs` stays the op's floor, what a path that declares none is placed with
     path_costs: dict[str, Callable[[Case, LabConfig], Costs]] = field(default_factory=dict)
-    # How a user path is called in its worker (opdefs/worker.py): "function" (the natural signature), or "module"
+    # How a user path is called in its worker (lab/isolation/worker.py): "function" (the natural signature), or "module"
     # (a problem file's ModelNew: an nn.Module class built there with the call's init inputs, then called with
     # its inputs and the reference's parameters and buffers by name: opdefs/problem.py)
     user_call: str = "function"

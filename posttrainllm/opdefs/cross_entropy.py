@@ -11,7 +11,7 @@ Paths (one function each: checked, timed and trained as the model's head + loss)
                 tokens, a Triton kernel writing each row's loss and its logits' gradient in place, the gradients
                 of h and weight accumulated in the forward
     compiled    (opt-in, op.peers) the reference under torch.compile
-    user paths  op.user_impls, in the natural signature SIGNATURE (opdefs/user.py)
+    user paths  op.user_impls, in the natural signature SIGNATURE (lab/isolation/user.py)
 
 The options (conf/op/cross_entropy.yaml) are the point's: op.ignore_index (targets equal to it contribute nothing,
 the mean divides by the others' count) and op.label_smoothing; every path and every case run with them, so a

@@ -15,7 +15,7 @@ Paths (one function each: checked, timed and trained):
                 borrowed (backward="reference"): parity shows its gradients as not checked, never as a pass
 
 Opt-in (op.peers): compiled, the reference under torch.compile. User paths (op.user_impls) take the
-natural signature SIGNATURE (opdefs/user.py).
+natural signature SIGNATURE (lab/isolation/user.py).
 
 The microbench's figure is the bandwidth: bytes of KV cache read per second against the calibrated copy
 bandwidth (the roofline), over the context length Sk (`shape.curve` as Sk, Sq = 1).

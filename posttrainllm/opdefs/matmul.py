@@ -6,7 +6,7 @@ Paths (one function each: checked, timed and trained as every projection of the 
                 so their curves must agree within noise (a useful null check of the timer)
     triton      posttrainllm.ops.matmul: our tiled, GROUP_M-swizzled kernel, forward and backward
     compiled    (opt-in, op.peers) the reference under torch.compile
-    user paths  op.user_impls, in the natural signature SIGNATURE (opdefs/user.py)
+    user paths  op.user_impls, in the natural signature SIGNATURE (lab/isolation/user.py)
 
 Under a quantized precision (precision=fp8, fp8_rowwise: precision.quantize) the inputs are A_q, a_scale, B_q,
 b_scale, quantized once per case by posttrainllm.ops.reference (make_inputs), and the paths are forward-only

@@ -8,7 +8,7 @@ Paths (one function each: checked, timed and trained as the experts of an MoE ML
     triton      posttrainllm.ops.moe: our grouped GEMM (gate+up with the SwiGLU epilogue, down with the
                 routing weight, un-permute), forward and backward
     compiled    (opt-in, op.peers) the reference under torch.compile
-    user paths  op.user_impls, in the natural signature SIGNATURE (opdefs/user.py)
+    user paths  op.user_impls, in the natural signature SIGNATURE (lab/isolation/user.py)
 
 The routing is an input, not part of the paths: the reference stage computes it once per case with
 the reference router in fp32 (logits = x·W_r, softmax, top-k, renormalised over the k, ties to the

@@ -14,7 +14,7 @@ it an OpDef at config time (`problem_op(cfg)`, reached through opdefs.op_for):
     compiled    (opt-in, op.peers) the same under torch.compile
     user paths  `[name=]NEW.py:ModelNew` (op.user_impls): the class is built in the path's worker with the same
                 init inputs and called with Model's parameters and buffers where the names match
-                (opdefs/worker.py, "module" user paths)
+                (lab/isolation/worker.py, "module" user paths)
     cases       per parity seed, inputs drawn by the file's own get_inputs and parameters at the file's init
                 (cases named file-seed<N>); on the first seed the lab's own at the same shapes and dtypes
                 (lab-<kind>, op.input_kinds): signed N(0, 1) inputs, x1e4 (large), x1e-4 (tiny), and signed with
@@ -496,7 +496,7 @@ class ProblemOp:
 
     def check_user(self, user: Any) -> None:
         """A user path of this op is a class (ModelNew) whose __init__ takes what get_init_inputs gives and
-        whose forward takes what get_inputs gives: read from its file, never run (opdefs/user.py)."""
+        whose forward takes what get_inputs gives: read from its file, never run (lab/isolation/user.py)."""
         file = user.identity.get("file") or user.file
         tree = ast.parse(Path(user.file).read_text(), filename=str(user.file))
         attr = user.attr.split(".")[-1]

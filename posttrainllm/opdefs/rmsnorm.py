@@ -6,7 +6,7 @@ Paths (one function each: checked, timed and trained as every RMSNorm of the mod
     triton      posttrainllm.ops.rmsnorm: one row per program, rstd saved; the backward's dW from per-program
                 fp32 partials summed by torch (no atomics)
     compiled    (opt-in, op.peers) the reference under torch.compile
-    user paths  op.user_impls, in the natural signature SIGNATURE (opdefs/user.py)
+    user paths  op.user_impls, in the natural signature SIGNATURE (lab/isolation/user.py)
 
 eps is op.eps (conf/op/rmsnorm.yaml); bench-train builds its model with norm_eps = op.eps (model_overrides),
 and the model hook refuses any other eps, so the eps trained is the eps checked.

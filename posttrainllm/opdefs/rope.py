@@ -13,7 +13,7 @@ Paths (one function each: checked, timed and trained as the rotation of every q 
     triton      posttrainllm.ops.rope: one program per (b·h, block of T rows), both halves rotated in fp32;
                 the backward is the same kernel rotating by −angle (Rᵀ)
     compiled    (opt-in, op.peers) the reference under torch.compile
-    user paths  op.user_impls, in the natural signature SIGNATURE (opdefs/user.py)
+    user paths  op.user_impls, in the natural signature SIGNATURE (lab/isolation/user.py)
 PyTorch has no RoPE of its own (torch.nn.functional has none), so there is no eager peer.
 """
 

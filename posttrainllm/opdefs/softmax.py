@@ -9,7 +9,7 @@ Paths (one function each: checked and timed as the same function):
     triton      posttrainllm.ops.softmax: one row per program, online max and sum over BLOCK_C = tile.block_n
                 columns at a time, then a second pass writing y; the backward reads the saved y
     compiled    (opt-in, op.peers) the reference under torch.compile
-    user paths  op.user_impls, in the natural signature SIGNATURE (opdefs/user.py)
+    user paths  op.user_impls, in the natural signature SIGNATURE (lab/isolation/user.py)
 
 Cases: per seed the point's (B·S, S), a single row, and e x e for e in shape.edge_seq_lens (C off every block, so
 the last block is masked); on the first seed, logits of ~1e4 (exp overflows in every dtype unless the row max is

@@ -9,7 +9,7 @@ Paths (one function each: checked, timed and trained as the gate of every dense 
     triton      posttrainllm.ops.swiglu: one fused elementwise kernel forward (fp32 inside, one rounding), one
                 backward that recomputes sigmoid(gate) and writes both gradients
     compiled    (opt-in, op.peers) the reference under torch.compile (inductor fuses it into one kernel)
-    user paths  op.user_impls, in the natural signature SIGNATURE (opdefs/user.py)
+    user paths  op.user_impls, in the natural signature SIGNATURE (lab/isolation/user.py)
 
 Why the reference runs in the point's dtype (not fp32 and cast back): reference.py's functions run in their
 inputs' dtype, so that the same call on float64 inputs is the oracle; and this is what the model trains with

@@ -10,7 +10,7 @@ verdict). Whose frame:
   read from its root cause outward: a Triton kernel failing under the interpreter is located at its own line;
 - a built-in path: the innermost frame in posttrainllm (its kernel's line, under the interpreter).
 Where no such frame exists (a call with the wrong arguments fails in its caller), the next kind is taken: the
-lab's frame for a user path, then any. A user path's worker (opdefs/worker.py) locates its own exception and
+lab's frame for a user path, then any. A user path's worker (lab/isolation/worker.py) locates its own exception and
 sends the traceback and the frame back with the error; the lab locates the built-in paths'.
 
 Cannot run here: not every failure says the path is wrong. `classify` names the ones that say this machine lacks

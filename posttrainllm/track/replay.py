@@ -23,7 +23,9 @@ Replay also checks that the receipt adds up (`verify`), and names what does not:
   the output's verdict, the path's, the point's; the contract in the parity report must be the
   config's; with parity.json beside the receipt, every case, not only the worst;
 * the loss drifts from the stored losses, and their verdicts from the contract's train_loss_drift;
-* the crossover sizes from curve.csv; metrics.json from the receipt.
+* the crossover sizes from curve.csv; metrics.json from the receipt;
+* every user path timed from outside: its timing seeds recorded per mode, well-formed, none shared
+  (lab/isolation/outside.py TIMING_SEED_RULE: drawn at run time, never in a source).
 
 The stored revision and device are shown next to this checkout's and this machine's.
 """
@@ -248,6 +250,33 @@ def verify_timings(receipt: dict[str, Any], folder: Path) -> list[str]:
     return problems
 
 
+SEED_BITS = 48  # lab/isolation/outside.py seeds_drawn: a base seed of this many random bits
+
+
+def verify_timing_seeds(receipt: dict[str, Any]) -> list[str]:
+    """lab/isolation/outside.py TIMING_SEED_RULE, from what was stored: every user path timed from outside with a speed has
+    its timing's base seed recorded per mode, a whole number of SEED_BITS bits, and no two (path, mode) timings of
+    the receipt share one (each was drawn at run time; a seed fixed in source repeats)."""
+    problems, seen = [], {}
+    for name, entry in ((receipt.get("microbench") or {}).get("paths") or {}).items():
+        for mode, report in ((entry or {}).get("outside") or {}).items():
+            timed = entry.get("valid") if mode == "forward" else (entry.get("forward_backward") or {}).get("median_ms")
+            seeds = (report or {}).get("timing_seeds") or {}
+            base = seeds.get("base")
+            if base is None:
+                if timed:
+                    problems.append(f"microbench {name}/{mode}: timed from outside with no timing seed recorded")
+                continue
+            if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < 2 ** SEED_BITS:
+                problems.append(f"microbench {name}/{mode}: timing seed {base!r} is not a {SEED_BITS}-bit number")
+                continue
+            if base in seen:
+                problems.append(f"microbench {name}/{mode}: timing seed {base} is also {seen[base]}'s: seeds are "
+                                "drawn at run time per path and mode, and do not repeat")
+            seen.setdefault(base, f"{name}/{mode}")
+    return problems
+
+
 def _output_problems(where: str, output: str, entry: dict[str, Any], contract: dict[str, Any]) -> list[str]:
     """One stored output check (a case's or the worst) against the contract: allowances, then the verdict."""
     if "max_abs_err" not in entry:  # a missing output or case: its verdict is fail by construction
@@ -424,7 +453,8 @@ def verify(stored: Stored) -> list[str]:
     """Everything that does not add up in one receipt (empty: it does). Each item is one line."""
     receipt, folder = stored.receipt, stored.folder
     try:
-        return (verify_timings(receipt, folder) + verify_parity(receipt, folder) + verify_train(receipt)
+        return (verify_timings(receipt, folder) + verify_timing_seeds(receipt) + verify_parity(receipt, folder)
+                + verify_train(receipt)
                 + verify_curve(receipt, folder) + verify_metrics(receipt, folder))
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # truncated below the top level
         what = f"no {exc.args[0]!r} field" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"

@@ -90,7 +90,7 @@ def loaded_sources(root: Path = PROJECT_ROOT) -> dict[str, str]:
             relative = path.relative_to(root).as_posix()
             if relative not in DISPLAY_ONLY:
                 found[relative] = file_sha256(path)
-    found.update(USER_SOURCES)  # the files of user paths that ran here (opdefs/user.py), hashed when loaded
+    found.update(USER_SOURCES)  # the files of user paths that ran here (lab/isolation/user.py), hashed when loaded
     return dict(sorted(found.items()))
 
 

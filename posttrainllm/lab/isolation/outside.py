@@ -14,24 +14,30 @@ the curve (stages._curve) never call `measure()` on it. Instead, per batch:
 4. after the clock, it asks what the calls changed of the worker (a request of its own), fetches every output (and
    gradient), requires each to match its checksum and checks each against the float64 oracle of its set.
 
-N comes from two warm-up batches timed and checked the same way (WARMUP_RULE). Fresh sets each batch, and the
-refill after the last batch (REFILL_RULE), make a stored result wrong. A path's processes are watched
-(PROCESS_RULE). A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
+N comes from two warm-up batches timed and checked the same way (WARMUP_RULE). The worker's heap stays mapped
+(HEAP_RULE), as a long-running lab process's does. Fresh sets each batch, and the
+refill after the last batch (REFILL_RULE), make a stored result wrong. Each span leaves out what the worker
+waited on a run queue (RUN_QUEUE_RULE). A path's processes and threads are watched (PROCESS_RULE, THREAD_RULE),
+and so are stops of the lab itself (SIGNAL_RULE). Every set is judged by the parity stage's own rules
+(oracle.judge_path). A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import secrets
+import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from posttrainllm.lab import oracle, parity
+from posttrainllm.lab import oracle
 from posttrainllm.measure.timing import Timing, summarize
 from posttrainllm.opdefs import Case, Impl, OpDef
 from posttrainllm.opdefs.base import point_dtype
@@ -44,16 +50,25 @@ PINGS = 9  # repetitions of the empty call (recorded: round_trip_ms; no figure d
 BATCHES_MIN = 5  # timed batches at least: the figure is the median of one sample per batch
 SET_SEED = 7_919  # set k of a path's timing draws its inputs from a base seed drawn at run time + SET_SEED * (k + 1)
 SEED_OFFSET = 2 * 104_729  # the memory call's set: away from the parity cases' seeds and stages.FRESH_SEED
+OTHER_THREADS_SHARE = 0.02  # RUN_QUEUE_RULE: the worker's other threads may run this share of a span
 IDLE_CPU_S = 0.05  # PROCESS_RULE: CPU seconds a path's child processes may use over its timing (startup, a pool)
 FORWARD, FORWARD_BACKWARD = "forward", "forward_backward"
 NULL_RULE = ("after each batch the lab times the same request calling nothing: the batch loop and the checksums over "
              "that batch's outputs, once in the path's worker and once in a clean twin (a worker forked alike that "
              "never loaded a path), handed the same outputs; the smaller is the batch's null: a null the path's own "
              "process slows (a thread or a process that works only while nothing is called) is not subtracted")
+RUN_QUEUE_RULE = ("a span, timed or null, counts the time its work was on a core: the lab subtracts what the worker's "
+                  "main thread waited runnable on a run queue during it (the kernel's schedstat, read from /proc "
+                  "outside the worker, the worker asleep before the clock starts: a wait is credited when its thread "
+                  "next runs), so a batch preempted by other processes on shared cores "
+                  "reads as its calls ran, as the in-process median of single calls does (a call preempted is an "
+                  "outlier there); nothing is subtracted where the worker's other threads ran over "
+                  f"{OTHER_THREADS_SHARE:.0%} of the span (work beside the main thread), or where the kernel does "
+                  "not say")
 AGREEMENT_RULE = ("one sample per batch: (the lab's span of the request computing all N sets - that batch's null) / "
                   "N, time.perf_counter after a device synchronize; the figure is the median over the batches; the "
                   "worker's per-call times are recorded (worker_over_lab), never a sample: a path that front-loads or "
-                  "forges them gains nothing. " + NULL_RULE)
+                  "forges them gains nothing. " + NULL_RULE + "; " + RUN_QUEUE_RULE)
 TIMING_SEED_RULE = ("the timing's input sets are drawn from a base seed the lab draws at run time from the operating "
                     "system's randomness (secrets), per path and mode, recorded after the timing: no source holds "
                     "it, so no set can be computed ahead; parity's seeds stay the configuration's")
@@ -68,6 +83,17 @@ PROCESS_RULE = ("a path's worker leads a process group of its own; the zygote th
                 "the lab looks: an adopted process, or child processes that used over "
                 f"{IDLE_CPU_S} s of CPU over the timing, get the path no speed; a worker ends with its whole group "
                 "and every adopted process, and every worker ends with its stage")
+HEAP_RULE = ("a worker keeps the memory it frees mapped (glibc: mallopt, the trim threshold at its maximum, blocks "
+             "under 32 MiB from the heap, where a lab process's dynamic threshold ends), and before each batch's clock "
+             "touches and frees twice the batch's inputs: a batch holds its N results until they are checked, and "
+             "without this each of its calls faulted its pages in again (~50 minor faults, +35% a call at attention "
+             "tiny) where the lab's in-process loop frees each result and faults none; the last batch is freed "
+             "before the clock too; the worker's minor faults per call are recorded (faults_per_call)")
+THREAD_RULE = ("at one lab thread (bench.threads=1, as torch runs its own work on the calling thread), the worker's "
+               f"threads other than its main one may use {OTHER_THREADS_SHARE:.0%} of the timed spans' time in CPU "
+               f"(at most {IDLE_CPU_S} s) over a path's whole timing, spans and the gaps between them: a thread the path leaves running could compute the placed sets before the "
+               "clock, work beside its calls, or slow the null; over that, no speed. Python threads still running "
+               "its code at a scan are named too (the worker's scan)")
 REFILL_RULE = ("after the last batch, new values (another seed) are copied in place into its first set's buffers "
                "in the worker and that set computed again: a result stored by the buffers' address or identity "
                "fails the oracle check there and the path gets no speed")
@@ -80,8 +106,30 @@ MEMORY_RULE = ("a user path's peak memory is one forward call's in its worker: t
 RULE = ("a user path is timed from outside its worker: batches of N >= 4 distinct input sets (fresh each batch) "
         "placed in the worker before the clock, computed in one request the lab's clock spans, every output "
         "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set, and "
-        "what its calls changed of the worker asked after the clock; " + WARMUP_RULE + "; " + WAKE_RULE + "; " + REFILL_RULE + "; "
-        + AGREEMENT_RULE + "; " + TIMING_SEED_RULE + "; " + PROCESS_RULE)
+        "what its calls changed of the worker asked after the clock; " + WARMUP_RULE + "; " + WAKE_RULE + "; " + HEAP_RULE + "; " + REFILL_RULE + "; "
+        + AGREEMENT_RULE + "; " + TIMING_SEED_RULE + "; " + PROCESS_RULE + "; " + THREAD_RULE)
+
+
+SIGNAL_RULE = ("the lab counts every SIGCONT it receives (a stopped process is continued by one: SIGSTOP cannot be "
+               "caught, but its end can); a path timed while the count moved gets no speed, and the stage ends with "
+               "an error if the reference or the curve was: a path that stops the lab (the same user may signal it) "
+               "slows whatever the lab times then, never to its own gain; a SIGKILL or SIGTERM ends the stage and "
+               "leaves no receipt")
+_CONTINUED = [0]
+
+
+def _on_continue(signum: int, frame: Any) -> None:
+    _CONTINUED[0] += 1
+
+
+def continued() -> int:
+    """SIGNAL_RULE: how many times this lab process has been continued after a stop (0 where it was never stopped,
+    or the handler could not be set: imported off the main thread)."""
+    return _CONTINUED[0]
+
+
+if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGCONT"):
+    signal.signal(signal.SIGCONT, _on_continue)
 
 
 @dataclass
@@ -140,22 +188,25 @@ def _round_trip_s(request: Callable[[], Any], device: str, times: int) -> float:
 
 
 def _check(op: OpDef, cfg: Any, impl: Impl, s: _Set, got: dict[str, Any], backward: bool) -> str | None:
-    """Every output the set returned against the float64 oracle of that set: None, or the first failure."""
-    truth = oracle.reference_outputs(op, cfg, oracle.cast_floats(s.inputs, torch.float64), s.case,
+    """Every output the set returned against the float64 oracle of that set, by the parity stage's own rules
+    (oracle.judge_path: the gradient row floors, the rows' shapes, the gradient baselines, the fallback scale), as
+    the built-in paths' timed results are judged: None, or the first failure."""
+    inputs = {name: x for name, x in s.inputs.items()}
+    truth = oracle.reference_outputs(op, cfg, oracle.cast_floats(inputs, torch.float64), s.case,
                                      s.grad_out.double() if backward else None)
-    baseline = oracle.reference_outputs(op, cfg, s.inputs, s.case, s.grad_out if backward else None)
-    contract = oracle.contract_for(cfg)
+    baseline = oracle.reference_outputs(op, cfg, inputs, s.case, s.grad_out if backward else None)
+    if backward:
+        oracle.worst_gradient_baseline(op, cfg, inputs, s.case, s.grad_out, truth, baseline)
     wanted = ["out", *(op.gradient_names() if backward else [])]
     wanted += [name for name in got if name not in wanted and name in truth]  # returned extras (a logsumexp)
     for name in wanted:
         value = got.get(name)
         if not isinstance(value, torch.Tensor):
             return f"{name}: missing" if value is None else f"{name}: a {type(value).__name__}, not a tensor"
-        check = parity.check_output(value.detach().cpu(), truth[name].detach().cpu(), baseline[name].detach().cpu(),
-                                    contract(name))
-        if check["verdict"] != "pass":
-            return f"{name}: {check['reason']}"
-    return None
+    cpu = lambda d: {k: v.detach().cpu() for k, v in d.items() if isinstance(v, torch.Tensor)}  # noqa: E731
+    record = {"case": dataclasses.asdict(s.case), "oracle": cpu(truth), "baseline": cpu(baseline)}
+    result = oracle.judge_path(op, impl, cfg, [record], [cpu({k: got[k] for k in wanted})], forward=not backward)
+    return None if result["verdict"] == "pass" else result["failed_cases"][0].removeprefix(f"{s.case.name}/")
 
 
 def _same_checksums(got: list[float | None], sent: list[float | None]) -> bool:
@@ -187,29 +238,121 @@ def _refill_check(op: OpDef, cfg: Any, impl: Impl, worker: Any, new: _Set, backw
             "by the buffers' address or identity?): no speed") if failed else None
 
 
-def _null_s(worker: Any, device: str) -> float:
-    """The lab's span of one request that runs the batch loop and its checksums over the last results, calling
-    nothing."""
+def minor_faults(pid: int) -> int | None:
+    """A process's minor page faults so far (/proc/<pid>/stat field 10; None where there is none): HEAP_RULE's
+    witness, read by the lab from outside the worker."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _schedstat(path: str) -> tuple[int, int] | None:
+    """(ns run, ns waited runnable on a run queue) of one thread, from the kernel (proc(5) schedstat), or None."""
+    try:
+        with open(path) as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran), int(waited)
+    except (OSError, ValueError):
+        return None
+
+
+def _ticks(path: str) -> int:
+    """utime + stime of /proc/<...>/stat, in clock ticks (0 where unreadable)."""
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _scheduled(pid: int) -> dict[str, Any]:
+    """RUN_QUEUE_RULE's readings now: the worker's main thread's (run, waited) ns, the ns its other live threads have
+    run, and the clock ticks of all its threads but the main one, those that ended included (the process's own
+    count keeps them)."""
+    others = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            if tid != str(pid):
+                others += (_schedstat(f"/proc/{pid}/task/{tid}/schedstat") or (0, 0))[0]
+    except OSError:
+        pass
+    return {"worker": _schedstat(f"/proc/{pid}/task/{pid}/schedstat"), "others_ran": others,
+            "others_ticks": _ticks(f"/proc/{pid}/stat") - _ticks(f"/proc/{pid}/task/{pid}/stat")}
+
+
+def _others_s(before: dict[str, Any], after: dict[str, Any]) -> float:
+    """Seconds the worker's threads other than its main one ran between two readings: the larger of its live
+    threads' count (ns) and the ticks of every thread but the main one (ended threads included)."""
+    return max((after["others_ran"] - before["others_ran"]) / 1e9,
+               (after.get("others_ticks", 0) - before.get("others_ticks", 0)) / os.sysconf("SC_CLK_TCK"))
+
+
+def _waited_s(before: dict[str, Any], after: dict[str, Any], span: float) -> float:
+    """RUN_QUEUE_RULE: the seconds of a span the worker's main thread spent runnable but not running (another
+    process had the core), 0 where the kernel does not say or the worker's other threads ran over
+    OTHER_THREADS_SHARE of the span (work beside the main thread: the wall span stands)."""
+    if before["worker"] is None or after["worker"] is None:
+        return 0.0
+    if _others_s(before, after) > OTHER_THREADS_SHARE * span:
+        return 0.0
+    return min(max((after["worker"][1] - before["worker"][1]) / 1e9, 0.0), span)
+
+
+def _asleep(pid: int, timeout_s: float = 0.05) -> bool:
+    """Whether the worker's main thread is asleep (waiting for the lab's next request), waiting up to `timeout_s`
+    for it: a wait on the run queue is credited when the thread next runs, so one begun after its last answer
+    would otherwise be credited to the next span (RUN_QUEUE_RULE)."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("S", "D"):
+                    return True
+        except (OSError, IndexError):
+            return False
+        if time.perf_counter() >= deadline:
+            return False
+        time.sleep(0.0001)
+
+
+def _span(worker: Any, device: str, message: dict[str, Any]) -> tuple[float, float, dict[str, Any], int | None]:
+    """One request on the lab's clock: (its span, the part of it waited on a run queue (RUN_QUEUE_RULE), the answer,
+    the worker's minor page faults in it (HEAP_RULE)). The kernel's readings are taken next to the clock's, the
+    worker asleep before them."""
+    asleep = _asleep(worker.pid)
+    faults, before = minor_faults(worker.pid), _scheduled(worker.pid)
     _sync(device)
     start = time.perf_counter()
-    worker.request({"op": "run", "null": True})
-    return time.perf_counter() - start
+    answer = worker.request(message)
+    span = time.perf_counter() - start
+    after, faulted = _scheduled(worker.pid), minor_faults(worker.pid)
+    waited = _waited_s(before, after, span) if asleep else 0.0
+    return span, waited, answer, (faulted - faults if None not in (faults, faulted) else None)
+
+
+def _null_s(worker: Any, device: str) -> float:
+    """The lab's span of one request that runs the batch loop and its checksums over the last results, calling
+    nothing, less what it waited on a run queue."""
+    span, waited, _, _ = _span(worker, device, {"op": "run", "null": True})
+    return span - waited
 
 
 def _batch(worker: Any, device: str, sets: list[_Set]) -> tuple[float, float, float, dict[str, Any]]:
-    """One placed batch computed under the lab's clock: (its span, the path's worker's null span after it, the clean
-    twin's null span over the same outputs, the run's answer)."""
-    _sync(device)
-    start = time.perf_counter()
-    done = worker.request({"op": "run", "key": "timed"})
-    span = time.perf_counter() - start
+    """One placed batch computed under the lab's clock: (its span less what it waited on a run queue, the path's
+    worker's null after it, the clean twin's null over the same outputs, the run's answer with the seconds waited
+    and the worker's minor faults in the span)."""
+    span, waited, done, faults = _span(worker, device, {"op": "run", "key": "timed"})
     own = _null_s(worker, device)
     answer = worker.request({"op": "fetch"})
     twin = workers.twin()
     twin.request({"op": "twin", "answers": answer["results"], "inputs": [[t.detach() for t in s.tensors] for s in sets],
                   "backward": any(a.get("grads") for a in answer["results"])})
     clean = _null_s(twin, device)
-    return span, own, clean, {**done, **answer, "run_checksums": done["checksums"]}
+    return span - waited, own, clean, {**done, **answer, "run_checksums": done["checksums"], "faults": faults,
+                                       "waited_s": waited, "span_s": span}
 
 
 def seeds_drawn() -> list[int]:
@@ -270,10 +413,12 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
         if stray:
             return refuse(stray)
         round_trip = _round_trip_s(lambda: worker.request({"op": "ping"}), device, PINGS)  # recorded, never used
+        warm_spent = 0.0
         for k in range(WARMUPS):  # batches like the timed ones, on the lab's clock, every output checked; the last sizes N
             warm = draw(BATCH_MIN)
             put(warm, "timed")
             span, own, clean, answer = _batch(worker, device, warm)
+            warm_spent += span
             failed = checked(warm, answer, f"warm-up batch {k + 1}")
             if failed:
                 return refuse(failed, batch_size=BATCH_MIN, batches=0)
@@ -285,6 +430,8 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
         samples: list[float] = []
         nulls: list[tuple[float, float]] = []
         worker_s: list[float] = []
+        faults: list[float] = []  # HEAP_RULE: the worker's minor page faults per call in each span
+        waits: list[float] = []  # RUN_QUEUE_RULE: the share of each span waited on a run queue (subtracted)
         spent, calls = 0.0, 0
         while len(samples) < BATCHES_MIN or (calls + n <= settings["max_reps"] and (
                 calls < settings["reps"] or spent < settings["min_time_s"])):
@@ -298,10 +445,13 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
             samples.append(max(span - null, 0.0) / n)
             nulls.append((own, clean))
             worker_s.append(sum(answer["samples_s"]))
+            faults.append(answer["faults"] / n if answer["faults"] is not None else math.nan)
+            waits.append(answer["waited_s"] / answer["span_s"] if answer["span_s"] > 0 else 0.0)
             spent += span
             calls += n
         threads = answer["threads"]
-        refused = _refill_check(op, cfg, impl, worker, draw(1)[0], backward) or _strays(worker, before)[0]
+        refused = (_refill_check(op, cfg, impl, worker, draw(1)[0], backward)
+                   or _strays(worker, before, spans_s=spent + warm_spent)[0])
         if refused:
             return refuse(refused, batch_size=n, batches=len(samples))
     except Exception as exc:
@@ -315,16 +465,23 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
                   clean_null_ms=statistics.median(b for _, b in nulls) * 1e3,
                   lab_total_ms=lab_s * 1e3, worker_total_ms=sum(worker_s) * 1e3,
                   worker_over_lab=sum(worker_s) / lab_s if lab_s > 0 else None,
+                  faults_per_call=statistics.median(faults), heap_kept=worker.heap_kept,
+                  run_queue_share=statistics.median(waits),
                   timing_seeds={"base": base, "rule": TIMING_SEED_RULE})  # after the timing: replay checks them
     timing = summarize([s * 1e3 for s in samples], threads=threads, flushed=False)
     return UserTiming(timing, None, report)
 
 
-def _strays(worker: Any, since: dict[int, float] | None = None) -> tuple[str | None, dict[int, float]]:
-    """PROCESS_RULE: (why no speed or None, each child process's CPU seconds now). Refused: a process the path's
+def _strays(worker: Any, since: dict[Any, float] | None = None,
+            spans_s: float = 0.0) -> tuple[str | None, dict[Any, float]]:
+    """PROCESS_RULE and THREAD_RULE: (why no speed or None, each child process's CPU seconds now, and under
+    "threads" the seconds the worker's threads other than its main one have run). Refused: a process the path's
     worker left orphaned (adopted by the zygote; ended), or, `since` an earlier look, its children's CPU time grown
-    by over IDLE_CPU_S (a pool waiting for work uses none)."""
-    now = {pid: workers.cpu_s([pid]) for pid in workers.descendants_of(worker.pid)}
+    by over IDLE_CPU_S (a pool waiting for work uses none), or at one lab thread its other threads' by over
+    OTHER_THREADS_SHARE of the timed spans `spans_s` (capped at IDLE_CPU_S)."""
+    now: dict[Any, float] = {pid: workers.cpu_s([pid]) for pid in workers.descendants_of(worker.pid)}
+    threads = _scheduled(worker.pid)
+    now["threads"], now["threads_ticks"] = threads["others_ran"] / 1e9, threads["others_ticks"]
     adopted = workers.strays()
     if adopted:
         workers.end_strays()
@@ -332,10 +489,17 @@ def _strays(worker: Any, since: dict[int, float] | None = None) -> tuple[str | N
                 "they could compute outside the timed span or take the cores the lab times others on (PROCESS_RULE);"
                 " ended: no speed"), now
     if since is not None:
-        used = sum(cpu - since.get(pid, 0.0) for pid, cpu in now.items())
+        children = [pid for pid in now if isinstance(pid, int)]
+        used = sum(now[pid] - since.get(pid, 0.0) for pid in children)
         if used > IDLE_CPU_S:
-            return (f"processes beside its worker (pids {', '.join(map(str, now))}) used {used:.3f} s of CPU while it"
-                    " was timed (PROCESS_RULE): no speed"), now
+            return (f"processes beside its worker (pids {', '.join(map(str, children))}) used {used:.3f} s of CPU "
+                    "while it was timed (PROCESS_RULE): no speed"), now
+        threads = _others_s({"others_ran": since["threads"] * 1e9, "others_ticks": since["threads_ticks"]},
+                            {"others_ran": now["threads"] * 1e9, "others_ticks": now["threads_ticks"]})
+        allowed = min(IDLE_CPU_S, OTHER_THREADS_SHARE * spans_s)
+        if worker.threads == 1 and threads > allowed:
+            return (f"threads beside its worker's main thread used {threads * 1e3:.1f} ms of CPU while it was timed "
+                    f"(allowed {allowed * 1e3:.1f} ms at one lab thread; THREAD_RULE): no speed"), now
     return None, now
 
 

@@ -281,6 +281,7 @@ class Worker:
             self.start_s = time.perf_counter() - started  # the fork (the zygote's start, first) + the user's module
         self.pid = reply["pid"]
         self.threads = reply["threads"]
+        self.heap_kept = bool(reply.get("heap_kept"))  # HEAP_RULE (lab/isolation/outside.py)
         self.tampered: list[str] = reply.get("tampered") or []  # what its import changed (outside.py: no speed)
         self.promises: list[str] = reply.get("promises") or []  # its function's `promises` (lab/invariance.py)
         if user is not CLEAN:
@@ -531,7 +532,7 @@ _PREPARED = False
 def _prepare_lab() -> None:
     """Before this lab process starts its first worker: every module of the judge imported (none is read from a
     file a path could have written after that, such as a bytecode cache) and a private bytecode prefix for any
-    later import (lab/isolation/outside.py BYTECODE_RULE)."""
+    later import (BYTECODE_RULE: what a path writes is removed when the workers end)."""
     global _PREPARED
     if _PREPARED:
         return
@@ -541,16 +542,53 @@ def _prepare_lab() -> None:
     package = str(Path(__file__).resolve().parents[1])  # posttrainllm/: walked by path (the layers point downward)
     for info in pkgutil.walk_packages([package], "posttrainllm."):
         if info.name.split(".")[1] in JUDGE_PACKAGES and not info.name.endswith("__main__"):
+            spec = info.module_finder.find_spec(info.name)  # type: ignore[call-arg]
+            if spec is None or not str(spec.origin).endswith(".py"):  # a sourceless .pyc is no module of ours
+                continue
             try:
                 importlib.import_module(info.name)
             except ImportError:  # an optional dependency this machine lacks: that module is never used here
                 continue
     if sys.pycache_prefix is None:
         sys.pycache_prefix = tempfile.mkdtemp(prefix="posttrainllm-bytecode-")  # 0700: this user's, this process's
+    _BYTECODE_SINCE.append(time.time())  # from here a path may run: bytecode written after is not the lab's
     _PREPARED = True
 
 
 JUDGE_PACKAGES = ("lab", "track", "measure", "opdefs", "ops", "model")
+_BYTECODE_SINCE: list[float] = []  # when this process first let a path run (BYTECODE_RULE)
+BYTECODE_RULE = ("when a lab process ends its workers, every bytecode file of the lab's package (its __pycache__ and "
+                 "any sourceless .pyc) and every cached file of a module it has loaded (torch's, numpy's, ...) that "
+                 "was written or changed (its inode's ctime, which no user can set back) after it first let a path "
+                 "run is removed and named: the lab itself writes its bytecode to a private prefix from then on, so "
+                 "such a file is a path's, and the next lab process would have loaded it before any check")
+
+
+def drop_planted_bytecode() -> list[str]:
+    """BYTECODE_RULE: the bytecode files a path could have planted for the next lab process, removed; their paths."""
+    if not _BYTECODE_SINCE:
+        return []
+    since, private = _BYTECODE_SINCE[0], sys.pycache_prefix
+    package = Path(importlib.import_module("posttrainllm").__file__).resolve().parent
+    files = set(package.rglob("*.pyc"))
+    for module in list(sys.modules.values()):
+        cached = getattr(module, "__cached__", None)
+        if isinstance(cached, str) and cached.endswith(".pyc"):
+            files.add(Path(cached))
+    dropped = []
+    for path in sorted(files):
+        try:
+            if (private and str(path).startswith(private)) or path.stat().st_ctime < since:
+                continue
+            path.unlink()
+            dropped.append(str(path))
+        except OSError:
+            continue
+    if dropped:
+        print(f"posttrainllm: removed {len(dropped)} bytecode file(s) written while user paths ran, which the next lab "
+              f"process would load (BYTECODE_RULE): {', '.join(dropped[:5])}{' ...' if len(dropped) > 5 else ''}",
+              file=sys.stderr)
+    return dropped
 
 
 def started(user: Any) -> Worker | None:
@@ -582,6 +620,7 @@ def close_all() -> None:
         _TWIN.close()
         _TWIN = None
     end_strays()
+    drop_planted_bytecode()
 
 
 def _at_exit() -> None:
@@ -781,6 +820,37 @@ def _wake() -> None:
         a = torch.mm(a, a).clamp_(-1.0, 1.0)
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
+MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where its dynamic threshold stops
+RESERVE_EXTRA = 8 * 2**20  # _reserve: beyond twice a batch's inputs, for one call's temporaries
+
+
+def _keep_heap() -> bool:
+    """HEAP_RULE (lab/isolation/outside.py): the worker's freed memory stays mapped, as a long-running lab process's does.
+    A batch keeps its N results until it is checked, so glibc returned the heap's top to the system after every
+    batch and each call of the next faulted its pages in again (~50 minor faults, +35% a call, measured with
+    getrusage at attention tiny), where the lab's in-process loop frees each result before the next call and
+    faults none. Allocations under glibc's dynamic mmap ceiling come from the heap, as they do in a lab process
+    once it has freed one such block. False where the C library has no mallopt."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        return (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
+                and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1)
+    except (OSError, AttributeError):
+        return False
+
+
+def _reserve(nbytes: int) -> None:
+    """HEAP_RULE: `nbytes` of the heap touched and freed before a batch's clock (kept mapped by _keep_heap), so the
+    batch's kept results and its calls' temporaries land on pages already there, as a warm lab process's do;
+    in pieces under glibc's mmap threshold, so they come from the heap and stay."""
+    pieces = [torch.empty(min(nbytes - k, MMAP_THRESHOLD_MAX // 2), dtype=torch.uint8).fill_(0)
+              for k in range(0, max(nbytes, 0), MMAP_THRESHOLD_MAX // 2)]
+    del pieces
+
+
 def _sync(tensors: list[torch.Tensor]) -> None:
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()
@@ -881,15 +951,18 @@ class _Server:
         self.ours: dict[tuple[str, str], Any] = {}
         self.user_file: str | None = None
         self.found: set[str] = set()  # what a timed run saw changed in a call, until `scan` asks
+        self.heap_kept = False  # HEAP_RULE: set at load
 
     def load(self, m: dict[str, Any]) -> dict[str, Any]:
         if m["threads"]:
             torch.set_num_threads(m["threads"])
+        self.heap_kept = _keep_heap()  # in the twin too: both nulls alike
         sys.path[:] = m["sys_path"]
         u = m["user"]
         self.state, self.ours = _process_state(), _ours()  # as the lab set them, before any of the user's code
         if u is None:  # the clean twin: no path in this process
-            return {"pid": os.getpid(), "threads": torch.get_num_threads(), "promises": [], "tampered": []}
+            return {"pid": os.getpid(), "threads": torch.get_num_threads(), "promises": [], "tampered": [],
+                    "heap_kept": self.heap_kept}
         target = load_user(u["module"], Path(u["file"]) if u["file"] else None, u["attr"], u["identity"])
         if not callable(target):
             raise TypeError(f"{u['attr']} in {u['identity'].get('file')} is a {type(target).__name__}, not a callable")
@@ -900,6 +973,7 @@ class _Server:
         code = getattr(target, "__code__", None)
         self.user_file = str(u["file"]) if u["file"] else (code.co_filename if code else None)
         return {"pid": os.getpid(), "threads": torch.get_num_threads(), "promises": _promises(target),
+                "heap_kept": self.heap_kept,
                 "tampered": _tampered(self.state, self.ours, self.user_file, self)}
 
     def call(self, m: dict[str, Any]) -> dict[str, Any]:
@@ -937,12 +1011,17 @@ class _Server:
                 "launched": dict(launches.by_kernel) if launches else {}}
 
     def put(self, m: dict[str, Any]) -> dict[str, Any]:
+        # the last batch (checked by now) freed here, before the clock: not by the next timed run, in its span
+        self.last, self.last_results, self.last_tensors, self.last_sets = None, [], [], []
         sets = []
         for s in m["sets"]:
             tensors = [t.requires_grad_() if f and t.is_floating_point() else t for t, f in zip(s["tensors"],
                                                                                            s["flags"])]
             sets.append((tensors, *_join(s["args"], s["kwargs"], tensors)))
         self.batches[m["key"]] = {"sets": sets, "grad_outs": m.get("grad_outs")}
+        if self.heap_kept:  # room for the batch's results and gradients, about its inputs' size, twice over
+            placed = [t for tensors, _, _ in sets for t in tensors] + list(m.get("grad_outs") or [])
+            _reserve(2 * sum(t.numel() * t.element_size() for t in placed if t.device.type == "cpu") + RESERVE_EXTRA)
         return {}
 
     def run(self, m: dict[str, Any]) -> dict[str, Any]:
