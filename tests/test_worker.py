@@ -470,6 +470,7 @@ def test_a_batchs_kept_results_do_not_fault_its_calls_pages_in(tmp_path):
     and touches room for the batch before the clock, so its calls fault no pages in (~50 faults a call at this shape
     without it, where the lab's in-process loop faults none). Counted by the kernel, read from outside."""
     from posttrainllm.lab.isolation import outside
+    from posttrainllm.lab import runner
     from posttrainllm.measure import device as devices
     from posttrainllm.opdefs import get_op
 
@@ -480,7 +481,7 @@ def test_a_batchs_kept_results_do_not_fault_its_calls_pages_in(tmp_path):
     op, device = get_op("attention"), devices.prepare("cpu", 1)
     case = next(c for c in op.cases(cfg) if c.main)
     settings = dict(warmup=1, reps=40, min_time_s=0.0, max_reps=200)
-    timed = outside.time_user_path(op, cfg, case, op.paths(cfg)["attention"], "forward", device, settings)
+    timed = outside.time_user_path(op, cfg, case, runner.paths(op, cfg)["attention"], "forward", device, settings)
     assert timed.refused is None, timed.refused
     assert timed.report["heap_kept"] and timed.report["batch_size"] >= 8, timed.report
     assert timed.report["faults_per_call"] < 1.0, timed.report

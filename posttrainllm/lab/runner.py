@@ -37,6 +37,7 @@ import torch
 from posttrainllm.config import LabConfig
 from posttrainllm.lab.isolation import outside, rooms
 from posttrainllm.lab.isolation.worker import closed_after  # noqa: F401 (a stage's workers end with it)
+from posttrainllm.lab.isolation.outside import continued  # noqa: F401 (SIGNAL_RULE: stops of the lab, around a timed region)
 from posttrainllm.lab.isolation.user import user_paths
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import Timing, measure

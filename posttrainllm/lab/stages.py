@@ -36,7 +36,7 @@ import torch
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
 from posttrainllm.lab import parity, runner
-from posttrainllm.lab.isolation import guards, outside, rooms
+from posttrainllm.lab.isolation import guards, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.timing import NOISY_RULE, Timing
@@ -680,13 +680,13 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                 continue
             mine = [rooms.fresh(x, device) for _, x in sets]  # this path's own buffers of every input set
             dos = [g.clone() for g in grad_outs]
-            stops = outside.continued()  # SIGNAL_RULE: the lab stopped and continued while this path is timed
+            stops = runner.continued()  # SIGNAL_RULE: the lab stopped and continued while this path is timed
             try:  # a compiled peer that would run eagerly at this shape raises (opdefs/peers.py NotCompiled)
                 timed = runner.runner_for(impl).time(op, cfg, case, mine, dos, device, settings)
             except Exception as exc:
                 report["paths"][name] = {"valid": False, "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
                 continue
-            if outside.continued() != stops:
+            if runner.continued() != stops:
                 stopped = f"the lab process was stopped and continued while {name} was timed (outside.SIGNAL_RULE)"
                 if name == REFERENCE:
                     raise RuntimeError(f"{stopped}: every speedup is a ratio to it")
@@ -754,10 +754,10 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
         report["describe"] = op.describe(case, inputs, cfg)
     ridge = max(peak_flops, floor_flops or 0.0) / peak_bandwidth if peak_flops else None  # FLOP/B
-    stops = outside.continued()
+    stops = runner.continued()
     report["curve"] = _curve(cfg, op, out, device, timed, calibration, floor_flops, cache_bytes=cache_bytes,
                              ridge=ridge)
-    if outside.continued() != stops:
+    if runner.continued() != stops:
         raise RuntimeError("the lab process was stopped and continued while it timed the curve (outside.SIGNAL_RULE)")
     for name, impl in runner.paths(op, cfg).items():  # after every timed call and curve size (compiled: per signature)
         if impl.evidence is not None and name in report["paths"]:
