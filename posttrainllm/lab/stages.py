@@ -42,7 +42,8 @@ from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
 from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
                                  replaced_library)
-from posttrainllm.lab.oracle import cast_floats, contract_for, gradients, reference_outputs, upstream_gradient
+from posttrainllm.lab.oracle import (backward, cast_floats, contract_for, each, gradients, named, reference_outputs,
+                                     upstream_gradients)
 from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.opdefs.base import leaves_of
 from posttrainllm.opdefs.worker import closed_after  # a stage's workers end with it
@@ -136,15 +137,16 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
             with torch.no_grad():
                 forward = op.reference.fn(inputs, cfg)
             out_names = set(forward)
-            grad_out = upstream_gradient(case, forward["out"])
-            oracle = reference_outputs(op, cfg, inputs64, case, grad_out.double() if with_gradients else None)
+            grad_out = upstream_gradients(op, case, forward)
+            oracle = reference_outputs(op, cfg, inputs64, case, each(grad_out, torch.Tensor.double)
+                                       if with_gradients else None)
             baseline = reference_outputs(op, cfg, inputs, case, grad_out if with_gradients else None)
             if with_gradients:
                 worst_gradient_baseline(op, cfg, inputs, case, grad_out, oracle, baseline)
             # outputs that are fp32 in every precision (the logsumexp): their baseline is fp32 math
             extras32 = reference_outputs(op, cfg, cast_floats(inputs, torch.float32), case)
             baseline.update({k: v for k, v in extras32.items() if k not in out_names})
-            records.append({"case": asdict(case), "inputs": _to_cpu(inputs), "grad_out": grad_out.cpu(),
+            records.append({"case": asdict(case), "inputs": _to_cpu(inputs), "grad_out": each(grad_out, torch.Tensor.cpu),
                             "oracle": _to_cpu(oracle), "baseline": _to_cpu(baseline),
                             "input_checks": op.input_checks(case, inputs, cfg) if op.input_checks else None})
             if case.quantize:  # the quantization's own error is measured against this (parity: "quantization")
@@ -304,7 +306,7 @@ def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str, l
     A forward that raises is DidNotRun, its exception the cause; a backward that raises is a violation, located
     (its failure joins `raised`), or DidNotRun where this machine cannot run it (track/failures.py)."""
     inputs = rooms.fresh(record["inputs"], device)  # this path's own copy: its writes reach no other path
-    grad_out = record["grad_out"].to(device, copy=True)
+    grad_out = each(record["grad_out"], lambda g: g.to(device, copy=True))
     triton = impl.kind == "triton"
     errors: list[BaseException] = []
     got, violations = guards.run_guarded(lambda: impl.fn(inputs, cfg), inputs, expect_triton=triton,
@@ -321,7 +323,7 @@ def _run_case(impl: Impl, record: dict[str, Any], cfg: LabConfig, device: str, l
         grads, broken = guards.run_guarded(
             lambda: gradients(lambda x: impl.fn(x, cfg), inputs, grad_out), inputs,
             expect_triton=triton, kernels=impl.kernels.get("backward", ()), launched=launched,
-            unchanged={UPSTREAM_GRADIENT: grad_out}, errors=errors)
+            unchanged=named(grad_out, UPSTREAM_GRADIENT), errors=errors)
         if errors:  # the backward raised: located
             failure = failures.describe(errors[0], user=impl.user is not None)
             if failure.get("cannot_run_here"):  # not the path's error: it cannot run here, forward included
@@ -568,7 +570,7 @@ def _forward_backward(impl: Impl, inputs: Tensors, grad_out: torch.Tensor, cfg: 
     def call() -> None:
         for leaf in leaves.values():
             leaf.grad = None
-        impl.fn(leaves, cfg)["out"].backward(grad_out)
+        backward(impl.fn(leaves, cfg), grad_out)
 
     return call
 
@@ -667,7 +669,7 @@ def _check_forward(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, inputs: Te
 
 def _check_forward_backward(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, inputs: Tensors,
                             grad_out: torch.Tensor) -> str | None:
-    oracle = reference_outputs(op, cfg, cast_floats(inputs, torch.float64), case, grad_out.double())
+    oracle = reference_outputs(op, cfg, cast_floats(inputs, torch.float64), case, each(grad_out, torch.Tensor.double))
     baseline = reference_outputs(op, cfg, inputs, case, grad_out)
     worst_gradient_baseline(op, cfg, inputs, case, grad_out, oracle, baseline)
     with torch.no_grad():
@@ -771,7 +773,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     bench = cfg.bench
     sets = rooms.input_sets(op, case, _dtype(cfg), device, bench.input_sets)  # values; every path copies them
     with torch.no_grad():
-        grad_outs = [upstream_gradient(c, op.reference.fn(x, cfg)["out"]) for c, x in sets]
+        grad_outs = [upstream_gradients(op, c, op.reference.fn(x, cfg)) for c, x in sets]
     inputs = sets[0][1]
     quantize = cfg.precision.quantize
     precision = (cfg.precision.dtype, cfg.precision.allow_tf32 and device == "cuda",
@@ -806,7 +808,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                 report["paths"][name] = {"valid": False, "reason": INTERPRETER_NOT_SPEED}
                 continue
             mine = [rooms.fresh(x, device) for _, x in sets]  # this path's own buffers of every input set
-            dos = [g.clone() for g in grad_outs]
+            dos = [each(g, torch.Tensor.clone) for g in grad_outs]
             user = None
             try:  # a compiled peer that would run eagerly at this shape raises (opdefs/peers.py NotCompiled)
                 if impl.user is not None:  # timed from outside its worker process (lab/outside.py)
@@ -935,7 +937,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                 sets = rooms.input_sets(op, case, _dtype(cfg), device, bench.input_sets)
                 with torch.no_grad():
                     checks = _check_at(op, cfg, case, rooms.fresh(sets[0][1], device), timed)
-                    grad_outs = ([upstream_gradient(c, op.reference.fn(s, cfg)["out"]) for c, s in sets]
+                    grad_outs = ([upstream_gradients(op, c, op.reference.fn(s, cfg)) for c, s in sets]
                                  if curves.FORWARD_BACKWARD in modes else [])
                 for name in timed:
                     impl = paths[name]
@@ -944,7 +946,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                                   minimal_bytes=costs.bytes, working_set=mine_costs.live_bytes,
                                   cost_model=mine_costs.model, device=device, revision=revision)
                     mine = [rooms.fresh(s, device) for _, s in sets]  # this path's own buffers
-                    dos = [g.clone() for g in grad_outs]
+                    dos = [each(g, torch.Tensor.clone) for g in grad_outs]
                     for mode in modes:
                         if mode == curves.FORWARD_BACKWARD and impl.backward == NO_BACKWARD:
                             continue  # a forward-only path has no forward + backward to time
