@@ -146,7 +146,8 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
             # outputs that are fp32 in every precision (the logsumexp): their baseline is fp32 math
             extras32 = reference_outputs(op, cfg, cast_floats(inputs, torch.float32), case)
             baseline.update({k: v for k, v in extras32.items() if k not in out_names})
-            records.append({"case": asdict(case), "inputs": _to_cpu(inputs), "grad_out": each(grad_out, torch.Tensor.cpu),
+            records.append({"case": asdict(case), "inputs": _to_cpu(inputs),
+                            "grad_out": each(grad_out, torch.Tensor.cpu),
                             "oracle": _to_cpu(oracle), "baseline": _to_cpu(baseline),
                             "input_checks": op.input_checks(case, inputs, cfg) if op.input_checks else None})
             if case.quantize:  # the quantization's own error is measured against this (parity: "quantization")

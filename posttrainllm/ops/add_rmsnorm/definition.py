@@ -1,5 +1,5 @@
-"""The pre-norm block's residual add + RMSNorm as a lab op: h = x + r; y = h / sqrt(mean(h², last dim) + eps) · weight,
-x, r (rows, C), weight (C,) -> out = y (rows, C) and h (rows, C), both returned and both differentiable.
+"""The pre-norm block's residual add + RMSNorm as a lab op: h = x + r; y = h / sqrt(mean(h², last dim) + eps) · w,
+x, r (rows, C), weight w (C,) -> out = y (rows, C) and h (rows, C), both returned and both differentiable.
 
 A pre-norm transformer block runs "x = x + attn(...); mlp(norm(x))": the add writes the residual stream h and the
 norm reads it straight back. Fused, h is written once and never re-read; both outputs feed the rest of the graph,
@@ -32,7 +32,7 @@ from posttrainllm.config import ConfigError, LabConfig, itemsize
 from posttrainllm.opdefs.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
                                       seeded_randn)
 from posttrainllm.opdefs.peers import compiled
-from posttrainllm.ops.add_rmsnorm import reference
+import posttrainllm.ops.add_rmsnorm.reference as reference  # the module (not the package: its OP is this file)
 
 _RMS_NORM = LIBRARY["torch.nn.functional.rms_norm"]  # bound at start (base.LIBRARY)
 

@@ -33,9 +33,9 @@ import torch
 from posttrainllm.config import ConfigError, LabConfig, itemsize
 from posttrainllm.opdefs.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
 from posttrainllm.opdefs.peers import compiled
-from posttrainllm.ops.layernorm import reference
+import posttrainllm.ops.layernorm.reference as reference  # the module (not the package: its OP is this file)
 
-_LAYER_NORM = torch.nn.functional.layer_norm  # bound at import: code that replaces torch's attribute later changes no peer
+_LAYER_NORM = torch.nn.functional.layer_norm  # bound at import: a later replacement of torch's changes no peer
 
 INPUT_KINDS = ("large", "offset", "small", "constant")
 SCALES = {"normal": 1.0, "large": 1e4, "offset": 1.0, "small": 1e-4, "constant": 1.0}
