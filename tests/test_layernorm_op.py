@@ -18,7 +18,7 @@ from posttrainllm.opdefs import get_op
 from posttrainllm.ops.layernorm import definition, reference
 
 # one seed, 16 rows of C=64: the point, a single row, 37x37 (C off every block of 16: the last one masked), and
-# the rows of ~1e4, at 1e3 + N(0, 1), of ~1e-4 and constant
+# the rows of ~1e4, at 32 + N(0, 1), of ~1e-4 and constant
 QUICK = ["op=layernorm", "device=cpu", "parity.seeds=[0]", "shape.seq_len=16", "shape.edge_seq_lens=[37]",
          "tile=b16", "architecture.d_model=64"]
 CASES = {"16x64-seed0", "1x64-seed0", "37x37-seed0", "16x64-large", "16x64-offset", "16x64-small", "16x64-constant"}
