@@ -1,5 +1,5 @@
 """op=add_rmsnorm through the generic stages: both outputs (y and h) and the upstream gradient of each, planted bugs in
-the Triton source and in a path's outputs, costs, config and bench-train's refusal.
+the Triton source and in a path's outputs, costs, config and the model hook bench-train trains.
 
 Planted bugs mutate one line of posttrainllm/ops/add_rmsnorm/kernels.py (imported from a copy, as
 tests/test_parity.py does); the test first checks that line exists exactly once.
@@ -167,10 +167,40 @@ def test_costs_cases_and_config_rules():
         add_rmsnorm_launch(4, 64, block_c=8, num_warps=4)
 
 
-def test_bench_train_trains_nothing_and_says_why(tmp_path):
-    """The model keeps its add and its norm apart: the record names the reason for every path."""
+def test_the_model_hook_fuses_each_block_s_add_and_mlp_norm():
+    """The hook: the rows of x and a through the path, (y, h) back in x's shape, eps op.eps only."""
+    cfg = load(QUICK)
+    op = get_op("add_rmsnorm")
+    assert op.model_overrides(load([*QUICK, "op.eps=1e-6"])) == {"norm_eps": 1e-6}
+    add_norm = op.model_hooks(op.impls["reference"], cfg).add_norm
+    x, a, w = torch.randn(2, 3, 64), torch.randn(2, 3, 64), 1 + torch.randn(64) * 0.1
+    y, h = add_norm(x, a, w, cfg.op.eps)
+    assert torch.equal(h, x + a)
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x + a, (64,), w, 1e-5))
+    with pytest.raises(ValueError, match="norm eps=0.001 is not op.eps=1e-05"):
+        add_norm(x, a, w, 1e-3)
+
+
+def test_the_model_trains_with_each_path_as_the_unfused_model_does():
+    """Reference, torch and Triton add + norm in every block: the same losses as the model's own add then RMSNorm
+    (the fused op is the same math), the Triton path called once per block."""
+    from posttrainllm.model.train import Variant, bench_train
+    from posttrainllm.model.transformer import ModelConfig
+
     cfg = load(["op=add_rmsnorm", "device=cpu"])
-    result = stages.run_bench_train(cfg, tmp_path)
-    assert result["not_trained"] == definition.NO_MODEL
-    assert set(result["skipped"]) == {"reference", "torch", "triton"}
-    assert json.loads((tmp_path / "bench_train.json").read_text())["not_trained"] == definition.NO_MODEL
+    op = get_op("add_rmsnorm")
+    config = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=16, mlp_hidden=64, max_seq_len=8,
+                         **op.model_overrides(cfg))
+    hooks = {name: op.model_hooks(op.impls[name], cfg).add_norm for name in op.impls}
+    calls = []
+    triton_add_norm = hooks["triton"]
+    hooks["triton"] = lambda x, a, w, eps: calls.append(x.shape) or triton_add_norm(x, a, w, eps)
+    variants = [Variant("unfused model"), Variant("reference", add_norm=hooks["reference"]),
+                Variant("torch", add_norm=hooks["torch"]),
+                Variant("triton", add_norm=hooks["triton"], interpreted=True, steps=1)]
+    result = bench_train(config, variants=variants, steps=2, warmup_steps=0, batch_size=2, seq_len=8, lr=3e-3,
+                         seed=0, precision="fp32", device="cpu")
+    for name in ("reference", "torch", "triton"):
+        assert result["max_step_drift"][name] < 1e-5, (name, result["max_step_drift"])
+    assert calls == [(2, 8, 32)] * 2  # the Triton variant's one step: one call per block
+    assert result["impls"]["reference"]["profile"]["rmsnorm"]["calls"] == 5  # the fused call in the norm's range

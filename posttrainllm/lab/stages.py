@@ -43,7 +43,7 @@ from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
 from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
                                  replaced_library)
 from posttrainllm.lab.oracle import (backward, cast_floats, contract_for, each, gradients, named, reference_outputs,
-                                     upstream_gradients)
+                                     upstream_gradient, upstream_gradients)  # noqa: F401 (the first: tests use it)
 from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.opdefs.base import leaves_of
 from posttrainllm.opdefs.worker import closed_after  # a stage's workers end with it
@@ -1083,7 +1083,8 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
         hooks = op.model_hooks(impl, cfg)
         interpreted = _interpreted(impl)
         variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, moe=hooks.moe, norm=hooks.norm,
-                                rope=hooks.rope, swiglu=hooks.swiglu, loss=hooks.loss, interpreted=interpreted,
+                                rope=hooks.rope, swiglu=hooks.swiglu, loss=hooks.loss, add_norm=hooks.add_norm,
+                                interpreted=interpreted,
                                 steps=min(train.interpreted_steps, train.steps) if interpreted else None))
     users = {v.name: paths[v.name] for v in variants if v.name in paths and paths[v.name].user is not None}
     calls = outside.start_workers(users)  # user paths: started before any clock, their calls counted (TRAIN_NOTE)

@@ -228,6 +228,8 @@ class ModelHooks:
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # rope(x, cos, sin)
     swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # swiglu(gate, up)
     loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # loss(h, weight, y)
+    # add_norm(x, a, weight, eps) -> (y, h): a block's residual add h = x + a and the next norm of h, in one
+    add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)

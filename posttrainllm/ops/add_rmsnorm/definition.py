@@ -19,7 +19,9 @@ e x e for e in shape.edge_seq_lens (C off every block); and, on the first seed, 
 unless upcast), of ~1e-4 (mean(h²) ~1e-8 << eps: where eps sits shows) and rows where r = −x (h = 0 exactly: eps
 alone keeps y finite, and a kernel that normalises x or r instead of their sum shows).
 
-bench-train: NO_MODEL (the model's block keeps its add and its norm apart; it has no fused slot to swap).
+bench-train: in every block of the model, the residual add after attention and the MLP's norm become this op's
+path (ModelHooks.add_norm: y feeds the MLP, h the residual stream), with the model built at norm_eps = op.eps; the
+other norms (before attention, the final one) stay the model's RMSNorm. MODEL_NOTE says so in the receipt.
 """
 
 from __future__ import annotations
@@ -39,9 +41,8 @@ _RMS_NORM = LIBRARY["torch.nn.functional.rms_norm"]  # bound at start (base.LIBR
 INPUT_KINDS = ("large", "small", "cancel")
 SCALES = {"normal": 1.0, "large": 1e4, "small": 1e-4, "cancel": 1.0}
 OUTPUTS = ("out", "h")
-NO_MODEL = ("the lab's transformer keeps its residual add and its norm apart (a block's x + attn(...) then "
-            "mlp_norm(x)): it has no fused add + norm slot to swap, so bench-train trains nothing for op=add_rmsnorm "
-            "(op=rmsnorm trains the norm alone)")
+MODEL_NOTE = ("each block's residual add after attention and its MLP's RMSNorm run as this path (h = x + attn(...) the "
+              "residual stream, y into the MLP); the blocks' attention norms and the final norm stay the model's own")
 
 
 def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -72,14 +73,12 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 
 IMPLS = {
     REFERENCE: Impl(REFERENCE, "reference", _reference, outputs=OUTPUTS,
-                    backend="posttrainllm.ops.add_rmsnorm.reference.add_rmsnorm", train_refusal=NO_MODEL),
-    "torch": Impl("torch", "peer", _torch, outputs=OUTPUTS, backend="x + r, then torch.nn.functional.rms_norm",
-                  train_refusal=NO_MODEL),
+                    backend="posttrainllm.ops.add_rmsnorm.reference.add_rmsnorm"),
+    "torch": Impl("torch", "peer", _torch, outputs=OUTPUTS, backend="x + r, then torch.nn.functional.rms_norm"),
     "triton": Impl("triton", "triton", _triton, outputs=OUTPUTS, geometry=_triton_geometry,
                    backend="posttrainllm.ops.add_rmsnorm.kernels.add_rmsnorm",
                    kernels={"forward": ("_add_rmsnorm_forward_kernel",),
                             "backward": ("_add_rmsnorm_backward_dx_kernel", "_add_rmsnorm_backward_dw_kernel")},
-                   train_refusal=NO_MODEL,
                    promises=("deterministic", "batch_invariant")),  # a program owns its row or columns; no atomics
 }
 
@@ -145,7 +144,27 @@ def _curve_case(cfg: LabConfig, x: int) -> Case:
 
 
 def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
-    raise ConfigError(NO_MODEL)
+    """Each block's add + norm runs `impl.fn` on the rows of x and a (..., C) -> (rows, C), a cast to x's dtype (the
+    residual stream's: the unfused model's x + a promotes to it too) and the norm's weight likewise. The model's eps
+    must be op.eps: bench-train builds it so (model_overrides); any other refuses."""
+
+    def add_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if eps != cfg.op.eps:
+            raise ValueError(f"the model's norm eps={eps!r} is not op.eps={cfg.op.eps!r}: the eps checked by "
+                             f"parity is op.eps; build the model with norm_eps=op.eps")
+        c = x.shape[-1]
+        got = impl.fn({"x": x.reshape(-1, c), "residual": a.to(x.dtype).reshape(-1, c),
+                       "weight": weight.to(x.dtype)}, cfg)
+        return got["out"].reshape(x.shape), got["h"].reshape(x.shape)
+
+    return ModelHooks(add_norm=add_norm)
+
+
+def _model_problem(cfg: LabConfig) -> str:
+    arch, train = cfg.architecture, cfg.train
+    return (f"rows={train.batch_size * train.seq_len} C={arch.d_model} eps={cfg.op.eps:g} "
+            f"({arch.n_layers} calls per step, one per block): {MODEL_NOTE}")
 
 
 def _check_config(cfg: LabConfig) -> None:
@@ -196,11 +215,12 @@ def _adapt(fn: Any) -> Any:
 OP = OpDef(
     name="add_rmsnorm", x_name="rows", input_names=("x", "residual", "weight"), impls=IMPLS, cases=_cases,
     make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
-    model_problem=lambda cfg: "none: " + NO_MODEL, profiled_range="rmsnorm", check_config=_check_config,
-    reference_bytes=_reference_bytes, curve_sizes=_curve_sizes, differentiable_outputs=OUTPUTS,
+    model_problem=_model_problem, profiled_range="rmsnorm",  # the model's norm range, which the fused call runs in
+    check_config=_check_config, reference_bytes=_reference_bytes, curve_sizes=_curve_sizes,
+    differentiable_outputs=OUTPUTS, model_overrides=lambda cfg: {"norm_eps": cfg.op.eps},
     optional_peers={"compiled": compiled("add_rmsnorm", _reference, _make_inputs,
                                          "posttrainllm.ops.add_rmsnorm.reference.add_rmsnorm")},
-    signature=SIGNATURE, adapt=_adapt, template=TEMPLATE, no_model=NO_MODEL,
+    signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
     batch_axis=BatchAxis("a token", {"x": 0, "residual": 0}, {"out": 0, "h": 0},
                          note="grad_weight sums over the tokens: not a token's"),
 )
