@@ -1101,6 +1101,7 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
     result["drift_verdict"] = {name: "pass" if drift <= limit else "fail" for name, drift in result["drift"].items()}
     result["amdahl"] = amdahl.check(result, read_json(out / "microbench.json"), profiled_range=op.profiled_range,
                                     model_problem=op.model_problem(cfg))
+    result["model_problem"] = op.model_problem(cfg)  # what the op's hook swapped into the model, in words
     write_json(out / "bench_train.json", result)
     broken = [f"loss drift of {name} exceeds train_loss_drift={limit:g}"
               for name, verdict in result["drift_verdict"].items() if verdict != "pass"]
