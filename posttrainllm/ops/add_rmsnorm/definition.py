@@ -21,7 +21,7 @@ alone keeps y finite, and a kernel that normalises x or r instead of their sum s
 
 bench-train: in every block of the model, the residual add after attention and the MLP's norm become this op's
 path (ModelHooks.add_norm: y feeds the MLP, h the residual stream), with the model built at norm_eps = op.eps; the
-other norms (before attention, the final one) stay the model's RMSNorm. MODEL_NOTE says so in the receipt.
+other norms (before attention, the final one) stay the model's RMSNorm. The receipt says so (model_problem).
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ _RMS_NORM = LIBRARY["torch.nn.functional.rms_norm"]  # bound at start (base.LIBR
 INPUT_KINDS = ("large", "small", "cancel")
 SCALES = {"normal": 1.0, "large": 1e4, "small": 1e-4, "cancel": 1.0}
 OUTPUTS = ("out", "h")
-MODEL_NOTE = ("each block's residual add after attention and its MLP's RMSNorm run as this path (h = x + attn(...) the "
-              "residual stream, y into the MLP); the blocks' attention norms and the final norm stay the model's own")
 
 
 def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -163,8 +161,8 @@ def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
 
 def _model_problem(cfg: LabConfig) -> str:
     arch, train = cfg.architecture, cfg.train
-    return (f"rows={train.batch_size * train.seq_len} C={arch.d_model} eps={cfg.op.eps:g} "
-            f"({arch.n_layers} calls per step, one per block): {MODEL_NOTE}")
+    return (f"rows={train.batch_size * train.seq_len} C={arch.d_model} eps={cfg.op.eps:g}, each block's add after "
+            f"attention and MLP norm ({arch.n_layers} calls per step)")
 
 
 def _check_config(cfg: LabConfig) -> None:

@@ -23,7 +23,7 @@ y = bias, and eps alone keeps dx finite).
 bench-train: the lab's transformer normalises with RMSNorm; for op=layernorm every one of its norms (the blocks'
 two and the final one) becomes this op's path, so the model trained is a LayerNorm transformer with the reference as
 the baseline. The model's norms own a weight and no bias: the hook passes a zero bias that is not trained (the
-bias's gradient is checked by parity, not trained): MODEL_NOTE.
+bias's gradient is checked by parity, not trained); the receipt says so (model_problem).
 """
 
 from __future__ import annotations
@@ -45,9 +45,6 @@ SCALES = {"normal": 1.0, "large": 1e4, "offset": 1.0, "small": 1e-4, "constant":
 # that far from zero every fp32 path's error is the rounding of its mean (half an ulp of the offset, per row, by
 # luck), which the per-row contract would then compare instead of the variance
 OFFSET = 32.0
-MODEL_NOTE = ("every norm of the model (2 per block + the final one) is LayerNorm through this path, with the model's "
-              "norm weight and a zero bias that is not a parameter (the model's norms have none): the bias's "
-              "gradient is checked by parity, not trained")
 
 
 def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -148,7 +145,8 @@ def _curve_case(cfg: LabConfig, x: int) -> Case:
 
 def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
     """Every norm of the model runs `impl.fn` on the rows of x (..., C) -> (rows, C), its weight cast to x's dtype
-    and a zero bias (MODEL_NOTE). The model's eps must be op.eps: bench-train builds it so (model_overrides)."""
+    and a zero bias (the model's norms have none: the bias's gradient is checked by parity, not trained). The
+    model's eps must be op.eps: bench-train builds it so (model_overrides)."""
 
     def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if eps != cfg.op.eps:
@@ -163,8 +161,8 @@ def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
 
 def _model_problem(cfg: LabConfig) -> str:
     arch, train = cfg.architecture, cfg.train
-    return (f"rows={train.batch_size * train.seq_len} C={arch.d_model} eps={cfg.op.eps:g} "
-            f"({2 * arch.n_layers + 1} calls per step): {MODEL_NOTE}")
+    return (f"rows={train.batch_size * train.seq_len} C={arch.d_model} eps={cfg.op.eps:g}, every norm a LayerNorm, "
+            f"zero bias ({2 * arch.n_layers + 1} calls per step)")
 
 
 def _check_config(cfg: LabConfig) -> None:
