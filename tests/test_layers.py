@@ -14,6 +14,8 @@ LAYERS = ["cli", "lab", "opdefs", "track", "model", "measure", "ops", "files", "
 
 def _layer(module: str) -> str:
     parts = module.split(".")
+    if len(parts) == 4 and parts[1] == "ops" and parts[3] in ("definition", "__init__"):
+        return "opdefs"  # an op's folder, ops/<op>/: its definition (and the package's OP) declares it to the lab
     return parts[1] if len(parts) > 1 else "cli"
 
 

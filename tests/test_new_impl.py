@@ -23,6 +23,8 @@ SMALL = {
     "rope": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],
     "swiglu": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],
     "softmax": ["tile=b16", "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
+    "layernorm": ["tile=b16", "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
+    "add_rmsnorm": ["tile=b16", "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
     "cross_entropy": ["shape.ce_tokens=8", "shape.ce_d_model=16", "shape.ce_vocab=300", "shape.ce_edge=[]",
                       "shape.ce_curve=[4,8]", "shape.ce_vocab_curve=[100,300]"],
 }
@@ -82,8 +84,9 @@ def test_an_existing_file_is_never_overwritten(workdir, capsys):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["op=nope", "k.py"], "unknown op 'nope': valid choices are attention, attention_noncausal, cross_entropy, "
-                          "decode_attention, matmul, moe, problem, rmsnorm, rope, softmax, swiglu"),
+    (["op=nope", "k.py"], "unknown op 'nope': valid choices are add_rmsnorm, attention, attention_noncausal, "
+                          "cross_entropy, decode_attention, layernorm, matmul, moe, problem, rmsnorm, rope, softmax, "
+                          "swiglu"),
     (["op=matmul"], "usage: posttrainllm new-impl op=OP FILE.py"),
     (["k.py"], "usage: posttrainllm new-impl op=OP FILE.py"),
     (["op=matmul", "k.py", "--name"], "--name needs a value"),

@@ -286,7 +286,7 @@ def call_once(op: Any, cfg: Any, impl: Any, fn: Any, device: str = "cpu") -> str
     Returns why the backward did not run, or None."""
     import torch
 
-    from posttrainllm.lab.oracle import upstream_gradient
+    from posttrainllm.lab.oracle import differentiated, upstream_gradients
     from posttrainllm.opdefs import NO_BACKWARD, case_config
     from posttrainllm.opdefs.base import leaves_of, point_dtype
 
@@ -296,12 +296,14 @@ def call_once(op: Any, cfg: Any, impl: Any, fn: Any, device: str = "cpu") -> str
     _direction[0] = "forward"
     try:
         with torch.enable_grad():
-            out = fn(leaves, call_cfg)["out"]
+            outputs = fn(leaves, call_cfg)
+        out = outputs["out"]
         wrt = [x for x in leaves.values() if x.requires_grad]
         if impl.backward != NO_BACKWARD and out.requires_grad and wrt:
             _direction[0] = "backward"
             try:
-                torch.autograd.grad(out, wrt, upstream_gradient(case, out), allow_unused=True)
+                outs, dos = differentiated(outputs, upstream_gradients(op, case, outputs))
+                torch.autograd.grad(outs, wrt, dos, allow_unused=True)
             except Exception as exc:
                 return f"backward not captured: {_one_line(exc)}"
         return None

@@ -95,12 +95,12 @@ def compare(a: torch.Tensor, b: torch.Tensor, row_ndim: int = 1) -> dict[str, An
 def run_once(impl: Impl, inputs: Tensors, grad_out: torch.Tensor | None, cfg: LabConfig, device: str) -> Tensors:
     """One call of `impl` on its own copy of `inputs`: its forward outputs and, given grad_out, its gradients, on the
     CPU. The same two calls the kernel stage makes (a forward on plain inputs, then the gradients' call)."""
-    from posttrainllm.lab.oracle import gradients
+    from posttrainllm.lab.oracle import each, gradients
 
     x = rooms.fresh(inputs, device)
     got = {k: v.detach() for k, v in impl.fn(x, cfg).items() if isinstance(v, torch.Tensor)}
     if grad_out is not None:
-        got.update(gradients(lambda t: impl.fn(t, cfg), x, grad_out.to(device, copy=True)))
+        got.update(gradients(lambda t: impl.fn(t, cfg), x, each(grad_out, lambda g: g.to(device, copy=True))))
     return {k: v.detach().cpu() for k, v in got.items()}
 
 

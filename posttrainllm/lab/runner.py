@@ -39,6 +39,7 @@ from posttrainllm.lab.isolation import outside, rooms
 from posttrainllm.lab.isolation.worker import closed_after  # noqa: F401 (a stage's workers end with it)
 from posttrainllm.lab.isolation.outside import continued  # noqa: F401 (SIGNAL_RULE: stops of the lab, around a timed region)
 from posttrainllm.lab.isolation.user import user_paths
+from posttrainllm.lab.oracle import Upstream, backward
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import Timing, measure
 from posttrainllm.opdefs import NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors
@@ -96,14 +97,15 @@ class InProcess:
     def forward(self, inputs: Tensors, cfg: LabConfig) -> Tensors:
         return self.impl.fn(inputs, cfg)
 
-    def forward_backward(self, inputs: Tensors, grad_out: torch.Tensor, cfg: LabConfig) -> Callable[[], None]:
-        """One training-shaped call: forward, then backward of `out` with a fixed dO into fresh leaves."""
+    def forward_backward(self, inputs: Tensors, grad_out: Upstream, cfg: LabConfig) -> Callable[[], None]:
+        """One training-shaped call: forward, then backward of its differentiable outputs with fixed dOs into fresh
+        leaves (oracle.backward)."""
         leaves = leaves_of(inputs)
 
         def call() -> None:
             for leaf in leaves.values():
                 leaf.grad = None
-            self.forward(leaves, cfg)["out"].backward(grad_out)
+            backward(self.forward(leaves, cfg), grad_out)
 
         return call
 

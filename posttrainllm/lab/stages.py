@@ -42,7 +42,8 @@ from posttrainllm.measure import device as devices
 from posttrainllm.measure.timing import NOISY_RULE, Timing
 from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
                                  replaced_library)
-from posttrainllm.lab.oracle import cast_floats, contract_for, gradients, reference_outputs, upstream_gradient
+from posttrainllm.lab.oracle import (backward, cast_floats, contract_for, each, gradients, named, reference_outputs,
+                                     upstream_gradient, upstream_gradients)  # noqa: F401 (the first: tests use it)
 from posttrainllm.lab.oracle import GRADIENT_BASELINE_RULE, worst_gradient_baseline  # noqa: F401 (stages.<name>)
 from posttrainllm.lab.oracle import judge_path as _check_path
 from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
@@ -125,15 +126,17 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
             with torch.no_grad():
                 forward = op.reference.fn(inputs, cfg)
             out_names = set(forward)
-            grad_out = upstream_gradient(case, forward["out"])
-            oracle = reference_outputs(op, cfg, inputs64, case, grad_out.double() if with_gradients else None)
+            grad_out = upstream_gradients(op, case, forward)
+            oracle = reference_outputs(op, cfg, inputs64, case, each(grad_out, torch.Tensor.double)
+                                       if with_gradients else None)
             baseline = reference_outputs(op, cfg, inputs, case, grad_out if with_gradients else None)
             if with_gradients:
                 worst_gradient_baseline(op, cfg, inputs, case, grad_out, oracle, baseline)
             # outputs that are fp32 in every precision (the logsumexp): their baseline is fp32 math
             extras32 = reference_outputs(op, cfg, cast_floats(inputs, torch.float32), case)
             baseline.update({k: v for k, v in extras32.items() if k not in out_names})
-            records.append({"case": asdict(case), "inputs": _to_cpu(inputs), "grad_out": grad_out.cpu(),
+            records.append({"case": asdict(case), "inputs": _to_cpu(inputs),
+                            "grad_out": each(grad_out, torch.Tensor.cpu),
                             "oracle": _to_cpu(oracle), "baseline": _to_cpu(baseline),
                             "input_checks": op.input_checks(case, inputs, cfg) if op.input_checks else None})
             if case.quantize:  # the quantization's own error is measured against this (parity: "quantization")
@@ -275,7 +278,7 @@ def _run_case(run: runner.InProcess, record: dict[str, Any], cfg: LabConfig, dev
     (its failure joins `raised`), or DidNotRun where this machine cannot run it (track/failures.py)."""
     impl = run.impl
     inputs = rooms.fresh(record["inputs"], device)  # this path's own copy: its writes reach no other path
-    grad_out = record["grad_out"].to(device, copy=True)
+    grad_out = each(record["grad_out"], lambda g: g.to(device, copy=True))
     triton = impl.kind == "triton"
     errors: list[BaseException] = []
     got, violations = guards.run_guarded(lambda: run.forward(inputs, cfg), inputs, expect_triton=triton,
@@ -292,7 +295,7 @@ def _run_case(run: runner.InProcess, record: dict[str, Any], cfg: LabConfig, dev
         grads, broken = guards.run_guarded(
             lambda: gradients(lambda x: run.forward(x, cfg), inputs, grad_out), inputs,
             expect_triton=triton, kernels=impl.kernels.get("backward", ()), launched=launched,
-            unchanged={UPSTREAM_GRADIENT: grad_out}, errors=errors)
+            unchanged=named(grad_out, UPSTREAM_GRADIENT), errors=errors)
         if errors:  # the backward raised: located
             failure = run.describe(errors[0])
             if failure.get("cannot_run_here"):  # not the path's error: it cannot run here, forward included
@@ -558,7 +561,7 @@ def _check_forward(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, inputs: Te
 
 def _check_forward_backward(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, inputs: Tensors,
                             grad_out: torch.Tensor) -> str | None:
-    oracle = reference_outputs(op, cfg, cast_floats(inputs, torch.float64), case, grad_out.double())
+    oracle = reference_outputs(op, cfg, cast_floats(inputs, torch.float64), case, each(grad_out, torch.Tensor.double))
     baseline = reference_outputs(op, cfg, inputs, case, grad_out)
     worst_gradient_baseline(op, cfg, inputs, case, grad_out, oracle, baseline)
     with torch.no_grad():
@@ -644,7 +647,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     bench = cfg.bench
     sets = rooms.input_sets(op, case, _dtype(cfg), device, bench.input_sets)  # values; every path copies them
     with torch.no_grad():
-        grad_outs = [upstream_gradient(c, op.reference.fn(x, cfg)["out"]) for c, x in sets]
+        grad_outs = [upstream_gradients(op, c, op.reference.fn(x, cfg)) for c, x in sets]
     inputs = sets[0][1]
     quantize = cfg.precision.quantize
     precision = (cfg.precision.dtype, cfg.precision.allow_tf32 and device == "cuda",
@@ -679,7 +682,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                 report["paths"][name] = {"valid": False, "reason": INTERPRETER_NOT_SPEED}
                 continue
             mine = [rooms.fresh(x, device) for _, x in sets]  # this path's own buffers of every input set
-            dos = [g.clone() for g in grad_outs]
+            dos = [each(g, torch.Tensor.clone) for g in grad_outs]
             stops = runner.continued()  # SIGNAL_RULE: the lab stopped and continued while this path is timed
             try:  # a compiled peer that would run eagerly at this shape raises (opdefs/peers.py NotCompiled)
                 timed = runner.runner_for(impl).time(op, cfg, case, mine, dos, device, settings)
@@ -810,7 +813,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                 sets = rooms.input_sets(op, case, _dtype(cfg), device, bench.input_sets)
                 with torch.no_grad():
                     checks = _check_at(op, cfg, case, rooms.fresh(sets[0][1], device), timed)
-                    grad_outs = ([upstream_gradient(c, op.reference.fn(s, cfg)["out"]) for c, s in sets]
+                    grad_outs = ([upstream_gradients(op, c, op.reference.fn(s, cfg)) for c, s in sets]
                                  if curves.FORWARD_BACKWARD in modes else [])
                 for name in timed:
                     impl = paths[name]
@@ -820,7 +823,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
                                   minimal_bytes=costs.bytes, working_set=mine_costs.live_bytes,
                                   cost_model=mine_costs.model, device=device, revision=revision)
                     mine = [rooms.fresh(s, device) for _, s in sets]  # this path's own buffers
-                    dos = [g.clone() for g in grad_outs]
+                    dos = [each(g, torch.Tensor.clone) for g in grad_outs]
                     for mode in modes:
                         if mode == curves.FORWARD_BACKWARD and impl.backward == NO_BACKWARD:
                             continue  # a forward-only path has no forward + backward to time
@@ -949,7 +952,8 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
         hooks = op.model_hooks(impl, cfg)
         interpreted = _interpreted(impl)
         variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, moe=hooks.moe, norm=hooks.norm,
-                                rope=hooks.rope, swiglu=hooks.swiglu, loss=hooks.loss, interpreted=interpreted,
+                                rope=hooks.rope, swiglu=hooks.swiglu, loss=hooks.loss, add_norm=hooks.add_norm,
+                                interpreted=interpreted,
                                 steps=min(train.interpreted_steps, train.steps) if interpreted else None))
     trained = {v.name: runner.runner_for(paths[v.name]) for v in variants if v.name in paths}
     before = {name: run.before_training() for name, run in trained.items()}  # before any clock (a worker's start)
@@ -967,6 +971,7 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
     result["drift_verdict"] = {name: "pass" if drift <= limit else "fail" for name, drift in result["drift"].items()}
     result["amdahl"] = amdahl.check(result, read_json(out / "microbench.json"), profiled_range=op.profiled_range,
                                     model_problem=op.model_problem(cfg))
+    result["model_problem"] = op.model_problem(cfg)  # what the op's hook swapped into the model, in words
     write_json(out / "bench_train.json", result)
     broken = [f"loss drift of {name} exceeds train_loss_drift={limit:g}"
               for name, verdict in result["drift_verdict"].items() if verdict != "pass"]

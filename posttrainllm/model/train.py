@@ -39,8 +39,8 @@ from posttrainllm.model import amdahl
 from posttrainllm.model.corpus import Corpus, batch_at, load_corpus
 from posttrainllm.measure.device import fp32_matmuls
 from posttrainllm.measure.memory import peak_bytes
-from posttrainllm.model.transformer import (AttentionFn, LinearFn, LossFn, ModelConfig, MoEFn, NormFn, RopeFn,
-                                            SwiGLUFn, Transformer, moe_aux_loss, moe_stats, set_moe)
+from posttrainllm.model.transformer import (AddNormFn, AttentionFn, LinearFn, LossFn, ModelConfig, MoEFn, NormFn,
+                                            RopeFn, SwiGLUFn, Transformer, moe_aux_loss, moe_stats, set_moe)
 from posttrainllm.measure.timing import summarize
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -66,6 +66,7 @@ class Variant:
     rope: RopeFn | None = None  # the rotation of q and k
     swiglu: SwiGLUFn | None = None  # the dense MLP's gate
     loss: LossFn | None = None  # lm_head + cross-entropy, fused
+    add_norm: AddNormFn | None = None  # each block's residual add after attention + its mlp_norm, fused
     interpreted: bool = False
     steps: int | None = None
 
@@ -188,7 +189,8 @@ def _train_one(
     if variant.moe is not None:
         set_moe(model, variant.moe)
     for fn, switch in ((variant.norm, model.set_norm), (variant.rope, model.set_rope),
-                       (variant.swiglu, model.set_swiglu), (variant.loss, model.set_loss)):
+                       (variant.swiglu, model.set_swiglu), (variant.loss, model.set_loss),
+                       (variant.add_norm, model.set_add_norm)):
         if fn is not None:
             switch(fn)
     model.train()

@@ -113,6 +113,9 @@ class ModelConfig:
 #   swiglu(gate, up) -> h      gate, up: (..., F) -> silu(gate) · up, (..., F)
 #   loss(h, weight, targets)   h: (N, C), weight: (V, C), targets: (N,) int64 -> mean cross-entropy of h @ weightᵀ
 #                              (the lm_head and the loss in one: a fused path never materialises the logits)
+#   add_norm(x, a, weight, eps) -> (y, h)   x, a: (..., C), weight: (C,) -> h = x + a (the residual stream) and
+#                              y = norm(h) · weight, (..., C) each in x's dtype: a block's residual add and the next
+#                              norm in one (None: the add, then the norm's switch)
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -120,6 +123,7 @@ NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 SwiGLUFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AddNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -352,10 +356,16 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MoEMLP(config) if config.mlp == "moe" else SwiGLU(config)
+        self.add_norm_fn: AddNormFn | None = None  # the attention's residual add and mlp_norm in one (switches)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, C)
-        return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
+        a = self.attn(self.attn_norm(x), cos, sin)  # (B, T, C)
+        if self.add_norm_fn is None:
+            x = x + a  # (B, T, C)
+            return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
+        with record_function("posttrainllm::rmsnorm"):  # the norm's range: the add rides along
+            y, x = self.add_norm_fn(x, a, self.mlp_norm.weight, self.mlp_norm.eps)  # (B, T, C) each
+        return x + self.mlp(y)  # (B, T, C)
 
 
 class Transformer(nn.Module):
@@ -416,6 +426,11 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.norm_fn = fn
+
+    def set_add_norm(self, fn: AddNormFn) -> None:
+        """Each block's residual add after attention and its mlp_norm as one function (AddNormFn)."""
+        for block in self.blocks:
+            block.add_norm_fn = fn
 
     def set_rope(self, fn: RopeFn) -> None:
         """Rotate q and k with another RoPE implementation."""

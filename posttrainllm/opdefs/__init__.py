@@ -5,11 +5,14 @@ from __future__ import annotations
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.opdefs import (attention, cross_entropy, decode_attention, matmul, moe, rmsnorm, rope, softmax,
                                  swiglu)
+from posttrainllm.ops import add_rmsnorm, layernorm  # ops in their own folders (ops/<op>/: reference, kernels, definition)
 from posttrainllm.opdefs.base import (NO_BACKWARD, OWN_BACKWARD, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef,
                                       Tensors, case_config, replaced_library)
 
 OPS: dict[str, OpDef] = {op.name: op for op in (attention.OP, matmul.OP, decode_attention.OP, moe.OP, rmsnorm.OP,
-                                                rope.OP, swiglu.OP, cross_entropy.OP, softmax.OP)}
+                                                rope.OP, swiglu.OP, cross_entropy.OP, softmax.OP, layernorm.OP,
+                                                add_rmsnorm.OP)}
+
 
 
 def get_op(name: str) -> OpDef:

@@ -233,6 +233,8 @@ class ModelHooks:
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # rope(x, cos, sin)
     swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # swiglu(gate, up)
     loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # loss(h, weight, y)
+    # add_norm(x, a, weight, eps) -> (y, h): a block's residual add h = x + a and the next norm of h, in one
+    add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -260,6 +262,9 @@ class OpDef:
     profiled_range: str  # the model's profiler range for this op: posttrainllm::<profiled_range>
     check_config: Callable[[LabConfig], None]
     oracle_extra: Callable[[Tensors, LabConfig], Tensors] = lambda x, cfg: {}
+    # The floating outputs a backward flows from, each with its own seeded upstream gradient (lab/oracle.py
+    # upstream_gradients): add_rmsnorm's ("out", "h"); ("out",), the default, is the one dO every op had
+    differentiable_outputs: tuple[str, ...] = ("out",)
     row_ndim: dict[str, int] = field(default_factory=dict)  # per output: trailing dims that form one parity row
     forward_only_inputs: tuple[str, ...] = ()  # input kinds whose cases check the forward outputs only
     # The float64 oracle in pieces, so long sequences fit: each chunk maps every input to the index of

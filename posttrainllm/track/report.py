@@ -213,7 +213,8 @@ def train_head(receipt: dict[str, Any]) -> str:
             f"drift limit {train['drift_limit']:g}"
             + (f", {train['amdahl']['op']} is {fraction:.0%} of the baseline step" if fraction is not None else "")
             + (f", run-to-run band +-{(band - 1) * 100:.1f}% (the baseline against itself: a measured speedup "
-               "inside it is no measurable change)" if band is not None else ""))
+               "inside it is no measurable change)" if band is not None else "")
+            + (f"; the op in the model: {train['model_problem']}" if train.get("model_problem") else ""))
     return head
 
 

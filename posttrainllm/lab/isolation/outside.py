@@ -148,8 +148,11 @@ class _Set:
     kwargs: dict[str, Any]
     tensors: list[torch.Tensor]
     names: list[str | None]  # the input each natural tensor argument is (None: none of them)
-    grad_out: torch.Tensor | None
+    grad_out: oracle.Upstream | None
     case: Case
+    # the upstream gradient as the worker backpropagates it: grad_out, or (more differentiable outputs) a list in
+    # the order of the natural call's results
+    worker_grad_out: torch.Tensor | list[torch.Tensor] | None = None
 
 
 def _draw(op: OpDef, cfg: Any, case: Case, seed: int, backward: bool, device: str) -> _Set:
@@ -157,19 +160,23 @@ def _draw(op: OpDef, cfg: Any, case: Case, seed: int, backward: bool, device: st
     drawn = dataclasses.replace(case, seed=seed)
     inputs = op.make_inputs(drawn, point_dtype(cfg), device)
     seen: list[tuple[tuple, dict]] = []
+    probes = tuple(torch.empty(0) for _ in op.differentiable_outputs)  # one natural result per differentiable output
 
-    def record(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def record(*args: Any, **kwargs: Any) -> Any:
         seen.append((args, kwargs))
-        return torch.empty(0)
+        return probes if len(probes) > 1 else probes[0]
 
-    op.adapt(record)(inputs, cfg)
+    mapped = op.adapt(record)(inputs, cfg)
     args, kwargs, tensors = workers.split_call(*seen[0])
     names = [next((n for n, x in inputs.items() if x is t), None) for t in tensors]
     grad_out = None
     if backward:
         with torch.no_grad():
-            grad_out = oracle.upstream_gradient(drawn, op.reference.fn(inputs, cfg)["out"])
-    return _Set(inputs, args, kwargs, tensors, names, grad_out, drawn)
+            grad_out = oracle.upstream_gradients(op, drawn, op.reference.fn(inputs, cfg))
+    natural = grad_out
+    if isinstance(grad_out, dict):  # the natural results' order: which output the adapter made of each
+        natural = [grad_out[next(n for n, v in mapped.items() if v is p)] for p in probes]
+    return _Set(inputs, args, kwargs, tensors, names, grad_out, drawn, natural)
 
 
 def _sync(device: str) -> None:
@@ -193,7 +200,7 @@ def _check(op: OpDef, cfg: Any, impl: Impl, s: _Set, got: dict[str, Any], backwa
     the built-in paths' timed results are judged: None, or the first failure."""
     inputs = {name: x for name, x in s.inputs.items()}
     truth = oracle.reference_outputs(op, cfg, oracle.cast_floats(inputs, torch.float64), s.case,
-                                     s.grad_out.double() if backward else None)
+                                     oracle.each(s.grad_out, torch.Tensor.double) if backward else None)
     baseline = oracle.reference_outputs(op, cfg, inputs, s.case, s.grad_out if backward else None)
     if backward:
         oracle.worst_gradient_baseline(op, cfg, inputs, s.case, s.grad_out, truth, baseline)
@@ -228,7 +235,7 @@ def _refill_check(op: OpDef, cfg: Any, impl: Impl, worker: Any, new: _Set, backw
     """REFILL_RULE: the last batch's first set refilled in place with `new`'s values and computed again in the
     worker; None if its outputs are `new`'s, else why no speed."""
     worker.request({"op": "refill", "tensors": [t.detach() for t in new.tensors],
-                    "grad_out": new.grad_out if backward else None})
+                    "grad_out": new.worker_grad_out if backward else None})
     tampered = worker.request({"op": "scan"})["tampered"]
     if tampered:
         return f"new values in its timed buffers: its call changed its worker ({'; '.join(tampered)}): no speed"
@@ -386,7 +393,7 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
         worker.request({"op": "put", "key": key,
                         "sets": [{"args": s.args, "kwargs": s.kwargs, "tensors": [t.detach() for t in s.tensors],
                                   "flags": f} for s, f in zip(sets, flags)],
-                        "grad_outs": [s.grad_out for s in sets] if backward else None})
+                        "grad_outs": [s.worker_grad_out for s in sets] if backward else None})
 
     def checked(sets: list[_Set], answer: dict[str, Any], what: str) -> str | None:
         """Why a computed batch earns nothing (its calls changed the worker, an output changed after the answer,

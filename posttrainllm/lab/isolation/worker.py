@@ -867,6 +867,15 @@ def _first(result: Any) -> torch.Tensor:
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
+def _backward(result: Any, grad: torch.Tensor | list[torch.Tensor]) -> None:
+    """A forward + backward call's backward: dO into the result's first item, or (an op with more differentiable
+    outputs, lab/outside.py) a list of dOs into the results in order."""
+    if isinstance(grad, (list, tuple)):
+        torch.autograd.backward(list(result)[:len(grad)], list(grad))
+    else:
+        _first(result).backward(grad)
+
+
 def _process_state() -> dict[str, Any]:
     """The torch switches a path could flip to change its own speed or, in a shared process, another path's."""
     b = torch.backends
@@ -1049,7 +1058,7 @@ class _Server:
                 else:
                     result = self.fn(*args, **kwargs)
                     if backward:
-                        _first(result).backward(batch["grad_outs"][i])
+                        _backward(result, batch["grad_outs"][i])
                 _sync(tensors)
                 samples.append(_clock() - start)
             if not null and torch.get_num_threads() != self.state.get("threads", torch.get_num_threads()):
