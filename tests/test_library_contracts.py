@@ -33,6 +33,10 @@ OPS = {
 }
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOWER_CAPABILITIES = {"AVX512": ("AVX2", "DEFAULT"), "AVX2": ("DEFAULT",)}
+PINNED = os.environ.get("ATEN_CPU_CAPABILITY")  # set by test_the_same_on_a_lower_instruction_set's subprocess
+# What PyTorch raises for a bf16 SDPA on a CPU with AMX when its kernels are pinned below AVX-512 (seen on a Xeon with
+# amx_bf16 under ATEN_CPU_CAPABILITY=avx2): the peer cannot run so pinned there, which is no verdict on its numbers
+PINNED_BELOW_HARDWARE = "pack_vnni2 is only supported when avx512 is supported"
 
 
 def _library_verdicts(op_name: str, precision: str, tmp: Path) -> dict[str, dict]:
@@ -60,7 +64,13 @@ def _library_verdicts(op_name: str, precision: str, tmp: Path) -> dict[str, dict
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("op_name", sorted(OPS))
 def test_pytorch_own_functions_pass_every_contract(op_name, precision, tmp_path):
-    verdicts = _library_verdicts(op_name, precision, tmp_path)
+    try:
+        verdicts = _library_verdicts(op_name, precision, tmp_path)
+    except stages.DidNotRun as exc:
+        if PINNED and PINNED_BELOW_HARDWARE in str(exc):
+            pytest.skip(f"ATEN_CPU_CAPABILITY={PINNED}: {exc} (PyTorch's oneDNN kernels pack for the hardware's "
+                        "AMX/VNNI units, not the pinned capability: this CPU cannot run the peer pinned so low)")
+        raise
     assert verdicts, f"{op_name} has no library peer on this machine"
     failed = {name: v["failed"] for name, v in verdicts.items() if v["verdict"] != "pass"}
     assert not failed, f"{torch.backends.cpu.get_cpu_capability()}: {op_name} {precision}: {failed}"
