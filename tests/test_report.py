@@ -1,8 +1,9 @@
 """The sweep report: failing points first, the peer found by kind, the time split from the stamps."""
 
+import pandas as pd
 import pytest
 
-from posttrainllm.track import report
+from posttrainllm.track import derived, report
 
 
 def _receipt(point, verdict="pass", drift="pass", stamps=None):
@@ -49,8 +50,8 @@ def _worst_case(name, **overrides):
     receipt["microbench"]["paths"]["sdpa_efficient"] = {"valid": True, "median_ms": 0.001, "speedup_vs_reference": 2000.0,
                                                         "forward_backward": {"median_ms": 1e-3,
                                                                              "speedup_vs_reference": 12345.678}}
-    receipt["bench_train"]["amdahl"] = {"variants": {"sdpa": {"valid": True, "predicted_speedup": 1234.5,
-                                                              "measured_speedup": 0.5}}}
+    receipt["bench_train"]["amdahl"] = {"variants": {"sdpa_efficient": {"valid": True, "predicted_speedup": 1234.5,
+                                                                        "measured_speedup": 0.5}}}
     return receipt
 
 
@@ -85,7 +86,18 @@ def test_the_summary_names_the_best_peer_and_our_path():
     assert (row["ours_x"], row["ours_fb_x"]) == (2.0, 0.5)  # 0.5 / 0.25 forward; 1.0 / 2.0 forward+backward
     assert (row["e2e_path"], row["e2e_pred"], row["e2e_meas"]) == ("triton", 1.3, 1.25)  # ours where it is valid
     receipt["bench_train"]["amdahl"]["variants"]["triton"] = {"valid": False}
-    assert report.summary_frame({"baseline": receipt}).iloc[0]["e2e_path"] == "sdpa"  # else the peer's
+    # one row, one path: sdpa was trained but the row names sdpa_flash, so sdpa's step figures stay out of it.
+    # Planted bug: falling back to any trained variant puts sdpa's 1.1x/1.2x in sdpa_flash's row.
+    receipt["bench_train"]["amdahl"]["variants"]["sdpa"]["sentence"] = "attention is 10% of the step ..."
+    row = report.summary_frame({"baseline": receipt}).iloc[0]
+    assert row["e2e_path"] == "-" and pd.isna(row["e2e_pred"]) and pd.isna(row["e2e_meas"])
+    said = derived.point_fields(receipt)["e2e_sentence"]
+    assert said == ("the best peer sdpa_flash was not trained by bench-train, so this row has no step figure; "
+                    "sdpa, trained instead: attention is 10% of the step ...")
+    receipt["bench_train"]["amdahl"]["variants"]["sdpa_flash"] = {"valid": True, "predicted_speedup": 1.05,
+                                                                  "measured_speedup": 1.07}
+    row = report.summary_frame({"baseline": receipt}).iloc[0]
+    assert (row["e2e_path"], row["e2e_pred"], row["e2e_meas"]) == ("sdpa_flash", 1.05, 1.07)  # else the peer's
 
 
 def _plan(root, receipts):

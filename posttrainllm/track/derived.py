@@ -196,19 +196,26 @@ def path_fields(receipt: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _e2e(receipt: dict[str, Any], peer: str | None) -> dict[str, Any]:
-    """Amdahl's check of our Triton path where valid, else of the best peer, else of any valid variant: the path,
+    """Amdahl's check of a path the point's row names: our Triton path where valid, else the best peer. The path,
     predicted and measured end-to-end speedup, whether the measurement is inside the baseline's own band
-    ("n.c."), and the flag when the measurement misses the prediction beyond the stated band."""
+    ("n.c."), and the flag when the measurement misses the prediction beyond the stated band. Another trained
+    path (bench-train trains `sdpa`, the best peer may be `sdpa_math`) gives the row no figure: its sentence is
+    quoted under its own name, and its figures are in its own rows (the train table)."""
     train = receipt.get("bench_train") or {}
     checked = train.get("amdahl") or {}
     variants = checked.get("variants") or {}
     band = (train.get("noise") or {}).get("band")
-    order = ["triton", peer, *variants]
-    name = next((n for n in order if n and (variants.get(n) or {}).get("valid")), None)
+    name = next((n for n in ("triton", peer) if n and (variants.get(n) or {}).get("valid")), None)
     share = checked.get("fraction")
     if name is None:
+        other = next((n for n, v in variants.items() if v.get("valid")), None)
+        said = (variants[other].get("sentence") if other else None)
+        sentence = (_no_step(receipt, checked) if other is None else
+                    f"the best peer {peer} was not trained by bench-train, so this row has no step figure; "
+                    + (f"{other}, trained instead: {said}" if said else
+                       f"{other} was trained instead (its figures: its own row of the bench-train table)"))
         return {"e2e_path": None, "e2e_pred": None, "e2e_meas": None, "e2e_flag": None, "e2e_share": share,
-                "e2e_sentence": _no_step(receipt, checked)}
+                "e2e_sentence": sentence}
     check = variants[name]
     pred, meas = check.get("predicted_speedup"), check.get("measured_speedup")
     flag = None
