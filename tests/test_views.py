@@ -124,7 +124,7 @@ def test_the_views_agree_on_the_best_peer_the_deciding_tensor_and_the_flags(tmp_
     run = MlflowClient(tracking_uri=mlflow_uri).get_run(run_id)
     assert run.data.tags["best_peer"] == "sdpa_math" and run.data.tags["flags"] == summary["flags"]
     assert "roofline 730% of attainable" in run.data.tags["flags.reasons"]
-    assert run.data.metrics["best_peer.speedup"] == 8.0 and run.data.metrics["parity.triton.pass"] == 0.0
+    assert run.data.metrics["best_peer.fwd_speedup_vs_reference"] == 8.0 and run.data.metrics["parity.triton.pass"] == 0.0
     assert "bench.sdpa_math.roofline_fraction" not in run.data.metrics
     assert run.data.metrics["bench.sdpa.roofline_fraction"] == 0.4
     # MLflow opens on the answer: the point's dimensions and filter values as parameters, not the whole config
