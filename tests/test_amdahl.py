@@ -98,7 +98,9 @@ def test_the_report_prints_no_speedup_inside_the_band():
     for entry in train["impls"].values():
         entry.update(losses=[3.0, 2.0], tokens_per_s=1.0, peak_mem_bytes=None)
     train["amdahl"] = amdahl.check(train, MICRO, profiled_range="attention", model_problem=MICRO["problem"])
-    receipt = {"point": "p", "config": {"architecture": {"name": "gqa"}}, "bench_train": train}
+    receipt = {"point": "p", "config": {"architecture": {"name": "gqa"}}, "bench_train": train,
+               "kernel": {"paths": {"sdpa": {"kind": "peer"}}},  # sdpa the best peer: the row's step is its own
+               "microbench": {"paths": {"sdpa": {"valid": True, "median_ms": 1.0}}}}
     table = report.train_table(receipt)
     assert "no measurable change (band +-8.0%)" in table and "1.05" not in table
     assert "run-to-run band +-8.0%" in table

@@ -61,7 +61,7 @@ def test_the_default_table_fits_a_terminal_whatever_the_names():
     assert max(len(line) for line in table.splitlines()) <= report.TERMINAL_WIDTH, table
     header, failing, passing = table.splitlines()[:3]
     assert header.split() == ["point", "verdict", "first_failure", "parity", "best_peer", "peer_x", "peer_fb_x",
-                              "ours_x", "ours_fb_x", "e2e_path", "share", "e2e_pred", "e2e_meas", "flags"]
+                              "ours_x", "ours_fb_x", "user", "e2e_path", "share", "e2e_pred", "e2e_meas", "flags"]
     assert failing.startswith("x" * 17 + "... FAIL") and "triton: S4231" in failing
     assert " triton:fail,sdpa_... " in failing  # ours first, then the other paths that failed, clipped
     # the numbers are never clipped: the text gives way
@@ -228,3 +228,25 @@ def test_peer_vs_baseline_compares_only_the_same_op_at_the_same_problem():
     assert ratio["architecture-gqa"] != ratio["architecture-gqa"]  # NaN: another shape
     assert ratio["op-decode_attention"] != ratio["op-decode_attention"]  # NaN: another op
     assert "-" == report.formatted(frame).set_index("point").loc["op-decode_attention", "peer_vs_baseline"]
+
+
+def test_console_speedups_follow_the_measurable_rule_and_name_the_users_paths():
+    """A speedup whose p20-p80 bands overlap the other path's is printed 'n.c.', never as a number, in the point's
+    path table and the sweep's summary; the summary carries the user's own path with its verdict and speedup.
+    Planted bugs: printing the ratio regardless of the bands, or leaving user paths out, fail here."""
+    receipt = _receipt("baseline")
+    micro = receipt["microbench"]["paths"]
+    micro["sdpa"].update(vs_reference="no measurable difference", p20_ms=0.9, p80_ms=1.1)
+    micro["mine"] = {"valid": True, "median_ms": 0.5, "p20_ms": 0.45, "p80_ms": 0.55, "speedup_vs_reference": 4.0,
+                     "vs_reference": "faster"}
+    receipt["parity"]["paths"]["mine"] = {"verdict": "pass", "worst": {}}
+    receipt["kernel"]["paths"]["mine"] = {"kind": "user", "user": {"spec": "mine=k.py:attention"}}
+    receipt["user_impls"] = {"mine": {"spec": "mine=k.py:attention"}}
+    frame = report.path_frame(receipt).set_index("path")
+    assert frame.loc["sdpa", "fwd_x"] == "n.c." and frame.loc["mine", "fwd_x"] == "4.00"
+    row = report.summary_frame({"baseline": receipt}).iloc[0]
+    assert row["peer_x"] == "n.c." and row["peer_fb_x"] == 1.5  # no forward+backward band verdict: the number
+    assert row["user"] == "mine:pass 4.00x"
+    assert "mine:pass 4.00x" in report.summary_table({"baseline": receipt})
+    wide = report.sweep_frame({"baseline": receipt}).iloc[0]
+    assert wide["peer_speedup"] == 2.0 and wide["user"] == "mine:pass 4.00x"  # --wide keeps every number
