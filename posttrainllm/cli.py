@@ -6,9 +6,11 @@
     posttrainllm compile [overrides...]               every Triton kernel of the point compiled for compile.targets
                                                       (sm90 by default; no GPU needed): registers, spills, shared
                                                       memory, occupancy, tensor cores; exit 1 if one would not launch
-    posttrainllm report [--wide] [FOLDER ...]         the receipts of params.yaml's points, or of every point under the
+    posttrainllm report [--wide] [--write-docs] [FOLDER ...]
+                                                      the receipts of params.yaml's points, or of every point under the
                                                       FOLDERs, one row each (--wide: every column); writes report.md
-                                                      and report.html (paths, plots) in runs/ or the FOLDERs' parent
+                                                      and report.html (paths, plots) in runs/ or the FOLDERs' parent;
+                                                      --write-docs: the README's headline and docs/measured.md too
     posttrainllm progress                             where `dvc repro` of the planned sweep stands: each point's
                                                       stages done, and the time left estimated from the stamps
     posttrainllm ui [--port N] [--host HOST]          the MLflow UI on the project's runs, and their addresses
@@ -349,9 +351,11 @@ HELP: dict[str, tuple[str, tuple[tuple[str, str], ...], str]] = {
 }
 
 
-REPORT_USAGE = ("usage: posttrainllm report [--wide] [FOLDER ...]   (no FOLDER: params.yaml's points in runs/; a "
-                "FOLDER: every point under it, a sweep's runs/, runs/bench, a point; --wide: every column; writes "
-                "report.md and report.html in runs/ or in the folders' common parent)")
+REPORT_USAGE = ("usage: posttrainllm report [--wide] [--write-docs] [FOLDER ...]   (no FOLDER: params.yaml's points "
+                "in runs/; a FOLDER: every point under it, a sweep's runs/, runs/bench, a point; --wide: every column; "
+                "writes report.md and report.html in runs/ or in the folders' common parent; --write-docs: also "
+                "rewrites the README's headline and docs/measured.md's latest sweep from these receipts, with "
+                "docs/headline.json, run in the clone's root)")
 
 
 def report_sweep(args: list[str]) -> int:
@@ -368,8 +372,8 @@ def report_sweep(args: list[str]) -> int:
     if args in (["-h"], ["--help"]):
         print(REPORT_USAGE)
         return 0
-    folders = [arg for arg in args if arg != "--wide"]
-    if args.count("--wide") > 1 or any(arg.startswith("-") for arg in folders):
+    folders = [arg for arg in args if arg not in ("--wide", "--write-docs")]
+    if args.count("--wide") > 1 or args.count("--write-docs") > 1 or any(arg.startswith("-") for arg in folders):
         print(REPORT_USAGE, file=sys.stderr)
         return EXIT_CONFIG
     if folders:  # any folder of points: a sweep's runs/, a bench's folder, several
@@ -418,6 +422,16 @@ def report_sweep(args: list[str]) -> int:
     (runs / "report.md").write_text(report.sweep_markdown(receipts))
     (runs / "report.html").write_text(report_page.sweep_page(receipts, runs, sweep=sweep_name, heads=heads))
     print(f"written: {runs / 'report.md'} (every column), {runs / 'report.html'} (plots and parity per point)")
+    if "--write-docs" in args:  # the README's headline and docs/measured.md, from these receipts (track/headline.py)
+        from posttrainllm.track import headline
+
+        command = " ".join([headline.COMMAND, *folders])
+        try:
+            written = headline.write_docs(receipts, Path.cwd(), command=command)
+        except (OSError, ValueError) as exc:
+            print(f"posttrainllm: report --write-docs: {_one_line(exc)} (run it in the clone's root)", file=sys.stderr)
+            return EXIT_CONFIG
+        print(f"written: {', '.join(str(path) for path in written)} (from {len(receipts)} receipts)")
     address = _runs_table_address()
     if address:
         print(f"MLflow runs: {address}  (serve it: posttrainllm ui)")

@@ -9,7 +9,8 @@
 # job execution), and dumps the rendered page of
 #   http://127.0.0.1:PORT/#/experiments/ID?workflowType=machine_learning
 # It checks: the experiment carries mlflow.experimentKind=custom_model_development, the page
-# lists the runs (the sweep's run and the lone point), and the GenAI overview is absent.
+# lists the runs (the sweep's run and the lone point), and the GenAI overview is absent; and the
+# address `posttrainllm ui` prints opens the experiment's saved view (its columns, points grouped by sweep).
 # It also reports (without failing) where the bare experiment URL lands: MLflow 3.17's UI
 # picks the page from its "GenAI / Model training" switch (the URL's workflowType, else the
 # browser's saved choice, GenAI by default), not from the experiment's tag.
@@ -71,7 +72,7 @@ done
 
 page() {  # the page's visible text, after its scripts ran
   "$CHROMIUM" --headless --no-sandbox --disable-gpu --disable-background-networking --disable-component-update \
-    --disable-sync --no-first-run --user-data-dir="$work/profile-$RANDOM" --virtual-time-budget=15000 \
+    --disable-sync --no-first-run --user-data-dir="$work/profile-$RANDOM" --virtual-time-budget=15000 --window-size=1920,1080 \
     --dump-dom "$1" 2>/dev/null | "$PYTHON" -c '
 import re, sys
 html = sys.stdin.read()
@@ -90,6 +91,14 @@ if grep -Eq "$genai_overview" <<<"$linked"; then
   echo "check-mlflow-ui: FAIL: the GenAI traces overview is shown at $base?workflowType=machine_learning" >&2; status=1
 fi
 [ $status = 0 ] && echo "check-mlflow-ui: ok: $base?workflowType=machine_learning shows the runs table"
+
+# the address `posttrainllm ui` prints: the experiment's saved view (store.VIEW): points grouped by sweep, its columns
+answer_url="http://127.0.0.1:$port/#/experiments/$experiment/runs?viewStateShareKey=posttrainllm-answer&workflowType=machine_learning"
+answer=$(page "$answer_url")
+for want in "sweep.changes" "verdict" "step.effect" "Group: ui-check" "ui-point-a"; do
+  if ! grep -q "$want" <<<"$answer"; then echo "check-mlflow-ui: FAIL: '$want' not on $answer_url" >&2; status=1; fi
+done
+[ $status = 0 ] && echo "check-mlflow-ui: ok: $answer_url opens on the answer's columns, points grouped by sweep"
 
 bare=$(page "$base")
 if grep -Eq "$genai_overview" <<<"$bare"; then

@@ -98,7 +98,9 @@ def test_the_report_prints_no_speedup_inside_the_band():
     for entry in train["impls"].values():
         entry.update(losses=[3.0, 2.0], tokens_per_s=1.0, peak_mem_bytes=None)
     train["amdahl"] = amdahl.check(train, MICRO, profiled_range="attention", model_problem=MICRO["problem"])
-    receipt = {"point": "p", "config": {"architecture": {"name": "gqa"}}, "bench_train": train}
+    receipt = {"point": "p", "config": {"architecture": {"name": "gqa"}}, "bench_train": train,
+               "kernel": {"paths": {"sdpa": {"kind": "peer"}}},  # sdpa the best peer: the row's step is its own
+               "microbench": {"paths": {"sdpa": {"valid": True, "median_ms": 1.0}}}}
     table = report.train_table(receipt)
     assert "no measurable change (band +-8.0%)" in table and "1.05" not in table
     assert "run-to-run band +-8.0%" in table
@@ -153,3 +155,20 @@ def test_a_small_share_is_the_reason_it_does_not_show():
     assert "predicts 1.11x" in text and "measured: no measurable change" in text
     assert text.endswith("they agree within 15%, yet the step shows no measurable change: at 10% of the step no "
                          "speedup of the op gives more than 1.11x")
+
+
+def test_a_measurement_outside_the_band_is_never_read_as_inside_it():
+    """op-matmul's case: 1.02x predicted (inside the +-2.3% band), 1.07x measured (outside), 5% apart. The 15% rule
+    alone said "they agree: ... less than its own run-to-run band"; the sentence must say the measurement lies
+    outside the band. Planted bug: the old branch (predicted inside the band is enough) fails this."""
+    text = amdahl.sentence(op="matmul", fraction=0.1, speedup=1.2, forward_speedup=None,
+                           predicted=amdahl.predicted_speedup(0.1, 1.2), measured=1.07, band=1.023)
+    assert "measured 1.07x (run-to-run band +-2.3%)" in text
+    assert "less than its own run-to-run band" not in text
+    assert "the predicted 1.02x lies inside the +-2.3% run-to-run band, the measured 1.07x outside it" in text
+    # both inside: the share explains it; both outside: plain agreement
+    inside = amdahl.sentence(op="matmul", fraction=0.1, speedup=1.2, forward_speedup=None, predicted=1.017,
+                             measured=1.01, band=1.023)
+    assert inside.endswith("moves the step less than its own run-to-run band")
+    assert amdahl.sentence(op="matmul", fraction=0.5, speedup=2.0, forward_speedup=None, predicted=1.33,
+                           measured=1.30, band=1.023).endswith("they agree (within 15%)")

@@ -265,3 +265,69 @@ def test_experiment_is_a_model_training_one(tmp_path, mlflow_uri):
     assert "mlflow.experimentKind" not in client.get_experiment(legacy_id).tags
     assert store.open_store(mlflow_uri, legacy, None)[1] == legacy_id
     assert client.get_experiment(legacy_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+# --- 7. the views open on the answer -------------------------------------------------------------------------
+
+
+def _answered(point, sweep=None):
+    """A receipt with a shape, a best peer, a trained step and knobs enough to pass MAX_PARAMS."""
+    receipt = small_receipt(point, sweep=sweep)
+    receipt["config"]["tile"] = {f"block_{i}": 64 for i in range(40)}
+    receipt["kernel"] = {"paths": {"sdpa": {"kind": "peer"}}}
+    receipt["microbench"] = {"problem": "B=1 H=4 S=128 D=32", "paths": {
+        "reference": {"valid": True, "median_ms": 0.25194849999},
+        "sdpa": {"valid": True, "median_ms": 0.1208195, "speedup_vs_reference": 2.0853297685320666}}}
+    receipt["bench_train"] = {"impls": {}, "drift": {"sdpa": 0.0}, "drift_verdict": {"sdpa": "pass"},
+                              "noise": {"band": 1.035}, "amdahl": {"fraction": 0.11, "variants": {"sdpa": {
+                                  "valid": True, "predicted_speedup": 1.0234567, "measured_speedup": 1.0123,
+                                  "sentence": "attention is 11% of the measured training step; ..."}}}}
+    return receipt
+
+
+def test_the_runs_table_opens_on_the_points_answer(tmp_path, mlflow_uri):
+    """The experiment carries a saved view (the UI's envelope) whose columns are tags and metrics a point's run
+    has: its change, verdict, best peer, the peer's speedup, the step effect; the points grouped by sweep. A point
+    run: the shape first, at most MAX_PARAMS params, metrics rounded to SIGNIFICANT digits and named by what they
+    are. Planted bugs: a column naming the old `best_peer.speedup` metric, or params without the cap, fail here."""
+    sweep = {"name": "view", "id": uuid.uuid4().hex[:16], "changes": {"precision": "fp16"}, "points": ["v"]}
+    run_id = receipts.log_to_mlflow(_answered("v", sweep), tmp_path, mlflow_uri)
+    client, experiment_id = client_of(mlflow_uri)
+    tag = json.loads(client.get_experiment(experiment_id).tags[store.VIEW_TAG])
+    assert tag["name"] == store.VIEW_NAME and isinstance(tag["createdAt"], int)
+    state = json.loads(tag["state"])
+    assert state == store.VIEW and state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "sweep"}]
+    run = client.get_run(run_id)
+    for column in state["selectedColumns"]:  # every column but ours (no Triton speed here) is filled in
+        kind, name = column.split(".", 1)
+        held = run.data.tags if kind == "tags" else run.data.metrics
+        assert name.strip("`") in held or name == "`triton.fwd_speedup_vs_best_peer`", column
+    assert run.data.tags["sweep.changes"] == "precision=fp16" and run.data.tags["verdict"] == "pass"
+    assert run.data.tags["step.effect"] == "sdpa: predicted 1.02x, measured no measurable change (band +-3.5%)"
+    assert run.data.metrics["best_peer.fwd_speedup_vs_reference"] == 2.09  # 2.0853... to 3 digits
+    assert run.data.metrics["bench.reference.median_ms"] == 0.252
+    assert list(receipts.run_params(_answered("v")))[0] == "shape"
+    assert len(run.data.params) == receipts.MAX_PARAMS and run.data.params["shape"] == "B=1 H=4 S=128 D=32"
+    # an experiment whose view was changed (or is missing) gets it back when next opened
+    client.set_experiment_tag(experiment_id, store.VIEW_TAG, "{}")
+    store._opened.clear()
+    store.open_store(mlflow_uri, receipts.EXPERIMENT, None)
+    assert store.view_state(client.get_experiment(experiment_id).tags[store.VIEW_TAG]) == store.VIEW
+
+
+def test_the_sweep_run_holds_the_sweeps_table(tmp_path, mlflow_uri):
+    """The latest sweep's link opens a run whose description (and artifact) is the sweep's table: one row per point
+    logged so far, read beside the point's folder, and each point's step sentence."""
+    sweep = {"name": "table", "id": uuid.uuid4().hex[:16], "changes": {}, "points": ["p1", "p2"]}
+    write_receipt(tmp_path / "p1", _answered("p1", sweep))
+    receipts.log_to_mlflow(json.loads((tmp_path / "p1" / "receipt.json").read_text()), tmp_path / "p1", mlflow_uri)
+    write_receipt(tmp_path / "p2", _answered("p2", sweep))
+    point = receipts.log_to_mlflow(_answered("p2", sweep), tmp_path / "p2", mlflow_uri)
+    client, _ = client_of(mlflow_uri)
+    parent = client.get_run(client.get_run(point).data.tags["mlflow.parentRunId"])
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith("Sweep table: 2 of 2 points")
+    assert "| point | verdict |" in note and "\n| p1 | pass |" in note and "\n| p2 | pass |" in note
+    assert "- step: p1: sdpa: attention is 11% of the measured training step" in note
+    local = client.download_artifacts(parent.info.run_id, receipts.SWEEP_TABLE, str(tmp_path))
+    assert open(local).read() == note

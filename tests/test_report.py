@@ -1,8 +1,9 @@
 """The sweep report: failing points first, the peer found by kind, the time split from the stamps."""
 
+import pandas as pd
 import pytest
 
-from posttrainllm.track import report
+from posttrainllm.track import derived, report
 
 
 def _receipt(point, verdict="pass", drift="pass", stamps=None):
@@ -49,8 +50,8 @@ def _worst_case(name, **overrides):
     receipt["microbench"]["paths"]["sdpa_efficient"] = {"valid": True, "median_ms": 0.001, "speedup_vs_reference": 2000.0,
                                                         "forward_backward": {"median_ms": 1e-3,
                                                                              "speedup_vs_reference": 12345.678}}
-    receipt["bench_train"]["amdahl"] = {"variants": {"sdpa": {"valid": True, "predicted_speedup": 1234.5,
-                                                              "measured_speedup": 0.5}}}
+    receipt["bench_train"]["amdahl"] = {"variants": {"sdpa_efficient": {"valid": True, "predicted_speedup": 1234.5,
+                                                                        "measured_speedup": 0.5}}}
     return receipt
 
 
@@ -60,7 +61,7 @@ def test_the_default_table_fits_a_terminal_whatever_the_names():
     assert max(len(line) for line in table.splitlines()) <= report.TERMINAL_WIDTH, table
     header, failing, passing = table.splitlines()[:3]
     assert header.split() == ["point", "verdict", "first_failure", "parity", "best_peer", "peer_x", "peer_fb_x",
-                              "ours_x", "ours_fb_x", "e2e_path", "share", "e2e_pred", "e2e_meas", "flags"]
+                              "ours_x", "ours_fb_x", "user", "e2e_path", "share", "e2e_pred", "e2e_meas", "flags"]
     assert failing.startswith("x" * 17 + "... FAIL") and "triton: S4231" in failing
     assert " triton:fail,sdpa_... " in failing  # ours first, then the other paths that failed, clipped
     # the numbers are never clipped: the text gives way
@@ -85,7 +86,18 @@ def test_the_summary_names_the_best_peer_and_our_path():
     assert (row["ours_x"], row["ours_fb_x"]) == (2.0, 0.5)  # 0.5 / 0.25 forward; 1.0 / 2.0 forward+backward
     assert (row["e2e_path"], row["e2e_pred"], row["e2e_meas"]) == ("triton", 1.3, 1.25)  # ours where it is valid
     receipt["bench_train"]["amdahl"]["variants"]["triton"] = {"valid": False}
-    assert report.summary_frame({"baseline": receipt}).iloc[0]["e2e_path"] == "sdpa"  # else the peer's
+    # one row, one path: sdpa was trained but the row names sdpa_flash, so sdpa's step figures stay out of it.
+    # Planted bug: falling back to any trained variant puts sdpa's 1.1x/1.2x in sdpa_flash's row.
+    receipt["bench_train"]["amdahl"]["variants"]["sdpa"]["sentence"] = "attention is 10% of the step ..."
+    row = report.summary_frame({"baseline": receipt}).iloc[0]
+    assert row["e2e_path"] == "-" and pd.isna(row["e2e_pred"]) and pd.isna(row["e2e_meas"])
+    said = derived.point_fields(receipt)["e2e_sentence"]
+    assert said == ("the best peer sdpa_flash was not trained by bench-train, so this row has no step figure; "
+                    "sdpa, trained instead: attention is 10% of the step ...")
+    receipt["bench_train"]["amdahl"]["variants"]["sdpa_flash"] = {"valid": True, "predicted_speedup": 1.05,
+                                                                  "measured_speedup": 1.07}
+    row = report.summary_frame({"baseline": receipt}).iloc[0]
+    assert (row["e2e_path"], row["e2e_pred"], row["e2e_meas"]) == ("sdpa_flash", 1.05, 1.07)  # else the peer's
 
 
 def _plan(root, receipts):
@@ -216,3 +228,25 @@ def test_peer_vs_baseline_compares_only_the_same_op_at_the_same_problem():
     assert ratio["architecture-gqa"] != ratio["architecture-gqa"]  # NaN: another shape
     assert ratio["op-decode_attention"] != ratio["op-decode_attention"]  # NaN: another op
     assert "-" == report.formatted(frame).set_index("point").loc["op-decode_attention", "peer_vs_baseline"]
+
+
+def test_console_speedups_follow_the_measurable_rule_and_name_the_users_paths():
+    """A speedup whose p20-p80 bands overlap the other path's is printed 'n.c.', never as a number, in the point's
+    path table and the sweep's summary; the summary carries the user's own path with its verdict and speedup.
+    Planted bugs: printing the ratio regardless of the bands, or leaving user paths out, fail here."""
+    receipt = _receipt("baseline")
+    micro = receipt["microbench"]["paths"]
+    micro["sdpa"].update(vs_reference="no measurable difference", p20_ms=0.9, p80_ms=1.1)
+    micro["mine"] = {"valid": True, "median_ms": 0.5, "p20_ms": 0.45, "p80_ms": 0.55, "speedup_vs_reference": 4.0,
+                     "vs_reference": "faster"}
+    receipt["parity"]["paths"]["mine"] = {"verdict": "pass", "worst": {}}
+    receipt["kernel"]["paths"]["mine"] = {"kind": "user", "user": {"spec": "mine=k.py:attention"}}
+    receipt["user_impls"] = {"mine": {"spec": "mine=k.py:attention"}}
+    frame = report.path_frame(receipt).set_index("path")
+    assert frame.loc["sdpa", "fwd_x"] == "n.c." and frame.loc["mine", "fwd_x"] == "4.00"
+    row = report.summary_frame({"baseline": receipt}).iloc[0]
+    assert row["peer_x"] == "n.c." and row["peer_fb_x"] == 1.5  # no forward+backward band verdict: the number
+    assert row["user"] == "mine:pass 4.00x"
+    assert "mine:pass 4.00x" in report.summary_table({"baseline": receipt})
+    wide = report.sweep_frame({"baseline": receipt}).iloc[0]
+    assert wide["peer_speedup"] == 2.0 and wide["user"] == "mine:pass 4.00x"  # --wide keeps every number

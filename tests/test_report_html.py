@@ -143,3 +143,30 @@ def test_the_page_renders_every_image_in_a_headless_browser(reported, tmp_path):
         probe.unlink()
     assert f"<title>images {3 * len(POINTS)} of {3 * len(POINTS)}</title>" in done.stdout, done.stderr[-2000:]
     assert all(f'id="point-{point}"' in done.stdout for point in POINTS)
+
+
+# the page's width and how many tables outside the "every column" details are wider than the window
+WIDTH_PROBE = ('<script>window.addEventListener("load", () => { const over = Array.from(document.querySelectorAll('
+               '"table")).filter(t => !t.closest("details") && t.getBoundingClientRect().right > window.innerWidth);'
+               ' document.title = "width " + document.documentElement.scrollWidth + " over " + over.length; });'
+               '</script>')
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (apt-get install -y chromium)")
+def test_the_page_fits_1280_pixels(reported, tmp_path):
+    """report.html in a 1280 px window: the page never scrolls sideways and every table but the every-column one
+    (which scrolls in its own box) fits. Planted bug: cells that never wrap (the old nowrap) make the paths table
+    overflow."""
+    _, _, runs = reported
+    probe = runs / "probe-width.html"
+    probe.write_text((runs / "report.html").read_text().replace("</body>", WIDTH_PROBE + "</body>"))
+    try:
+        done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                               f"--window-size={report_page.PAGE_WIDTH},900", "--disable-background-networking",
+                               f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", probe.as_uri()],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        probe.unlink()
+    found = re.search(r"<title>width (\d+) over (\d+)</title>", done.stdout)
+    assert found, done.stderr[-2000:]
+    assert int(found.group(1)) <= report_page.PAGE_WIDTH and found.group(2) == "0", found.group(0)

@@ -50,7 +50,8 @@ def store(tmp_path_factory):
 def test_the_addresses_are_the_runs_table_and_the_latest_sweeps_run(store, tmp_path):
     uri, experiment, parent = store
     found = ui.addresses(uri, "http://127.0.0.1:5123")
-    assert found.runs_table == f"http://127.0.0.1:5123/#/experiments/{experiment}?workflowType=machine_learning"
+    assert found.runs_table == (f"http://127.0.0.1:5123/#/experiments/{experiment}/runs?viewStateShareKey="
+                                "posttrainllm-answer&workflowType=machine_learning")
     assert found.sweep_run == (f"http://127.0.0.1:5123/#/experiments/{experiment}/runs/{parent}"
                                "?workflowType=machine_learning")
     assert found.sweep.startswith("second ")
@@ -66,7 +67,8 @@ def test_report_prints_the_runs_table_when_the_store_exists(store, tmp_path, mon
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     _plan(tmp_path, {"baseline": _receipt("baseline")})
     assert cli.main(["report"]) == 0
-    runs_table = f"http://127.0.0.1:5000/#/experiments/{experiment}?workflowType=machine_learning"
+    runs_table = (f"http://127.0.0.1:5000/#/experiments/{experiment}/runs?viewStateShareKey=posttrainllm-answer"
+                  "&workflowType=machine_learning")
     assert f"MLflow runs: {runs_table}  (serve it: posttrainllm ui)" in capsys.readouterr().out
 
 
@@ -118,7 +120,7 @@ def test_ui_serves_the_store_until_it_is_stopped(store, tmp_path):
             line = served.stdout.readline()
             assert line, f"ui exited {served.poll()}: {''.join(lines)}{log.read_text()[-3000:]}"
             lines.append(line)
-        assert f"runs table: {base}/#/experiments/{experiment}?workflowType=machine_learning\n" in lines
+        assert f"runs table: {ui.runs_table_url(base, experiment)}\n" in lines
         assert any(f"{base}/#/experiments/{experiment}/runs/{parent}?" in line for line in lines)
         assert _get(f"{base}/health")[0] == 200 and _get(f"{base}/")[0] == 200  # the UI's page
         status, body = _get(f"{base}/ajax-api/2.0/mlflow/experiments/get?experiment_id={experiment}")

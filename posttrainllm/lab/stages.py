@@ -782,7 +782,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     if not peak_flops:
         title += f"\n(no {cfg.precision.quantize.format if cfg.precision.quantize else cfg.precision.dtype} peak "\
                  "calibrated here: the other dtypes' roofs)"
-    plots.roofline_plot(lines, calibration["peaks"], out / "roofline.png", title=title)
+    plots.roofline_plot(lines, calibration["peaks"], out / "roofline.png", title=title,
+                        dtype=calibrate.peak_key(calibration, *precision))  # the point's own roof only
     return report
 
 
@@ -851,11 +852,11 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
     frame.to_csv(out / "curve.csv", index=False)
     read = curves.regimes(frame, cache_bytes=cache_bytes, ridge=ridge,  # each path's regime per segment
                           caches=curves.cache_levels(device))
-    plots.time_vs_size(frame, out / "time_vs_size.png", regimes=read)
-    plots.memory_vs_size(frame, out / "memory_vs_size.png")
     why_not = refusals(out)
     skipped = {name: (INTERPRETER_NOT_SPEED if _interpreted(impl) else why_not.get(name, FAILED_PARITY))
                for name, impl in paths.items() if name not in timed}
+    plots.time_vs_size(frame, out / "time_vs_size.png", regimes=read, omitted=skipped)
+    plots.memory_vs_size(frame, out / "memory_vs_size.png")
     found = curves.crossovers(frame, [name for name in timed if name != REFERENCE])
     headline = next(c for c in found if c["x_name"] == op.x_name and c["mode"] == curves.FORWARD)
     return {"x_name": op.x_name, "x_values": sorted(op.curve_sizes(cfg)), "modes": modes, "skipped": skipped,

@@ -292,7 +292,9 @@ STAGE_SOURCES = {
                    "posttrainllm/measure", "posttrainllm/track/plots.py"),
     "bench_train": ("posttrainllm/lab/approval.py", "posttrainllm/model"),
     # the figures every view shows (best peer, flags), tagged on its MLflow run; the end-to-end band's rule
-    "receipt": ("posttrainllm/track/derived.py", "posttrainllm/model/__init__.py", "posttrainllm/model/amdahl.py"),
+    "receipt": ("posttrainllm/track/derived.py", "posttrainllm/model/__init__.py", "posttrainllm/model/amdahl.py",
+                # the sweep's table on its MLflow run (receipt.py _sweep_table): the report's summary
+                "posttrainllm/track/report.py", "posttrainllm/measure/sass.py"),
 }
 # The stages that run the op's Triton path: kernel checks it and records its launch geometry; microbench times
 # it and bench_train trains it (on a GPU; bench_train also on a CPU, through the interpreter, for a few steps)

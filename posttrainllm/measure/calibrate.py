@@ -303,6 +303,11 @@ def floor_peak(calibration: dict[str, Any], dtype: str, allow_tf32: bool, quanti
     return max([flops[k] for k in AT_LEAST_AS_PRECISE.get(key, (key,)) if flops.get(k)] or [0.0]) or None
 
 
+def peak_key(calibration: dict[str, Any], dtype: str, allow_tf32: bool, quantize: str | None = None) -> str:
+    """The name of the GEMM peak this precision is held to (peak_for's key): the quantized format, tf32, or dtype."""
+    return quantize or ("tf32" if allow_tf32 and "tf32" in calibration["peaks"]["gemm_flops_per_s"] else dtype)
+
+
 def peak_for(calibration: dict[str, Any], dtype: str, allow_tf32: bool,
              quantize: str | None = None) -> tuple[float | None, float]:
     """(peak GEMM FLOP/s for this precision or None if not measured, copy bandwidth B/s).

@@ -152,6 +152,15 @@ def _above_roof(roof: dict[str, Any], timed: dict[str, Any] | None) -> str:
     return f"roofline {fraction:.0%} of attainable, {ABOVE_ROOF}" + (f": here {which}" if which else "")
 
 
+NOT_MEASURABLE = "no measurable difference"  # lab/stages.py compare: the p20-p80 bands overlap (BAND_RULE)
+
+
+def measurable(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool:
+    """Whether two timings differ measurably: their p20-p80 bands do not overlap; True where a band is missing
+    (nothing to say it does not)."""
+    return not (a and b) or a[1] < b[0] or a[0] > b[1]
+
+
 def _speed(entry: dict[str, Any]) -> dict[str, Any]:
     """A path's forward and forward+backward time and speedup, where valid; its refusal where not."""
     out: dict[str, Any] = {"valid": bool(entry.get("valid")), "refused": None if entry.get("valid") or not entry
@@ -161,6 +170,7 @@ def _speed(entry: dict[str, Any]) -> dict[str, Any]:
         out[f"{mode}_ms"] = timed and timed["median_ms"]
         out[f"{mode}_band"] = (timed["p20_ms"], timed["p80_ms"]) if timed and "p20_ms" in timed else None
         out[f"{mode}_x"] = timed and timed.get("speedup_vs_reference")
+        out[f"{mode}_measurable"] = not timed or timed.get("vs_reference") != NOT_MEASURABLE
         out[f"{mode}_noisy"] = _noisy_reason(timed, "forward" if mode == "fwd" else "forward+backward")
     roof = (entry.get("roofline") or {}) if entry.get("valid") else {}
     fraction = roof.get("fraction_of_attainable")
@@ -196,19 +206,26 @@ def path_fields(receipt: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _e2e(receipt: dict[str, Any], peer: str | None) -> dict[str, Any]:
-    """Amdahl's check of our Triton path where valid, else of the best peer, else of any valid variant: the path,
+    """Amdahl's check of a path the point's row names: our Triton path where valid, else the best peer. The path,
     predicted and measured end-to-end speedup, whether the measurement is inside the baseline's own band
-    ("n.c."), and the flag when the measurement misses the prediction beyond the stated band."""
+    ("n.c."), and the flag when the measurement misses the prediction beyond the stated band. Another trained
+    path (bench-train trains `sdpa`, the best peer may be `sdpa_math`) gives the row no figure: its sentence is
+    quoted under its own name, and its figures are in its own rows (the train table)."""
     train = receipt.get("bench_train") or {}
     checked = train.get("amdahl") or {}
     variants = checked.get("variants") or {}
     band = (train.get("noise") or {}).get("band")
-    order = ["triton", peer, *variants]
-    name = next((n for n in order if n and (variants.get(n) or {}).get("valid")), None)
+    name = next((n for n in ("triton", peer) if n and (variants.get(n) or {}).get("valid")), None)
     share = checked.get("fraction")
     if name is None:
+        other = next((n for n, v in variants.items() if v.get("valid")), None)
+        said = (variants[other].get("sentence") if other else None)
+        sentence = (_no_step(receipt, checked) if other is None else
+                    f"the best peer {peer} was not trained by bench-train, so this row has no step figure; "
+                    + (f"{other}, trained instead: {said}" if said else
+                       f"{other} was trained instead (its figures: its own row of the bench-train table)"))
         return {"e2e_path": None, "e2e_pred": None, "e2e_meas": None, "e2e_flag": None, "e2e_share": share,
-                "e2e_sentence": _no_step(receipt, checked)}
+                "e2e_sentence": sentence}
     check = variants[name]
     pred, meas = check.get("predicted_speedup"), check.get("measured_speedup")
     flag = None
@@ -277,7 +294,12 @@ def point_fields(receipt: dict[str, Any]) -> dict[str, Any]:
         flags.append({"figure": "e2e_meas", "path": e2e["e2e_path"], "reason": e2e["e2e_flag"]})
     flags += [{"figure": "roofline", "path": name, "reason": fields["roofline_flag"]}
               for name, fields in paths.items() if fields["roofline_flag"]]
+    users = (receipt.get("user_impls") or {})
     return {
+        "user_paths": {name: paths[name] for name in users if name in paths},
+        "peer_measurable": (best.get("fwd_measurable", True), best.get("fb_measurable", True)),
+        "ours_measurable": (measurable(best.get("fwd_band"), ours.get("fwd_band")),
+                            measurable(best.get("fb_band"), ours.get("fb_band"))),
         "point": receipt.get("point"), "verdict": verdict(receipt),
         "first_failure": (receipt.get("parity") or {}).get("first_failure"),
         "best_peer": peer, "best_peer_rule": BEST_PEER_RULE,

@@ -108,8 +108,8 @@ def end_to_end(receipt: dict[str, Any]) -> list[str]:
     fields = derived.point_fields(receipt)
     lines = [fields["e2e_sentence"]]
     variants = (((receipt.get("bench_train") or {}).get("amdahl") or {}).get("variants") or {})
-    lines += [f"{name}: {check['sentence']}" for name, check in variants.items()
-              if check.get("sentence") and name != fields["e2e_path"]]
+    lines += [f"{name}: {check['sentence']}" for name, check in variants.items()  # each trained path, once
+              if check.get("sentence") and name != fields["e2e_path"] and check["sentence"] not in lines[0]]
     return lines
 
 

@@ -58,19 +58,49 @@ REGIME_MARK = {"compute-bound": "compute", "memory-bound": "memory", "compute or
                "overhead-bound": "overhead", "leaves the cache": "leaves LLC", "beyond the model": "?"}
 
 
+def omitted_paths(df: pd.DataFrame, omitted: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{path: why} for the paths a curve plot does not draw: those not timed on the curve at all (`omitted`: the
+    curve's `skipped`, e.g. Triton through its interpreter) and those with no valid size (their rows' reason)."""
+    out = dict(omitted or {})
+    if "valid" in df:
+        for impl, rows in df.groupby("impl", sort=False):
+            if not rows["valid"].astype(bool).any() and str(impl) not in out:
+                reasons = rows["reason"].dropna().astype(str) if "reason" in rows else pd.Series([], dtype=str)
+                out[str(impl)] = reasons.iloc[0] if len(reasons) else "no valid size"
+    return out
+
+
+def _name_omitted(fig: Figure, omitted: Mapping[str, str]) -> None:
+    """Under the panels, one line per path not drawn, and why."""
+    import textwrap
+
+    if omitted:
+        text = "\n".join(textwrap.fill(f"not drawn: {name}: {why}", 110) for name, why in omitted.items())
+        fig.text(0.01, -0.02, text, fontsize=7, va="top", ha="left")
+
+
 def time_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = None,
-                 regimes: list[dict[str, Any]] | None = None) -> Path:
+                 regimes: list[dict[str, Any]] | None = None, omitted: Mapping[str, str] | None = None) -> Path:
+    """time_vs_size_figure, saved as PNG at `path`."""
+    return _save(time_vs_size_figure(df, title=title, regimes=regimes, omitted=omitted), path)
+
+
+def time_vs_size_figure(df: pd.DataFrame, *, title: str | None = None, regimes: list[dict[str, Any]] | None = None,
+                        omitted: Mapping[str, str] | None = None) -> Figure:
     """Median time against x on log-log axes, one line per impl and mode (forward solid, forward + backward
     dashed, one colour per impl), the p20-p80 band shaded; one panel per curve axis (x_name).
 
     Only valid rows are drawn; noisy points (timing.NOISY_RULE) are hollow markers. With `regimes`
     (measure/curves.py regimes), each forward segment is labelled with its measured regime (REGIME_MARK) and a
-    dotted vertical line marks where a path's working set passes the last-level cache.
+    dotted vertical line marks where a path's working set passes the last-level cache. Every path not drawn is
+    named under the panels with why (omitted_paths: `omitted`, the curve's skipped paths, and those with no
+    valid size).
     """
     valid = df[df["valid"].astype(bool)] if "valid" in df else df
     if valid.empty:
         raise ValueError("time_vs_size: no valid rows to plot")
     fig, facets = _facets(valid)
+    _name_omitted(fig, omitted_paths(df, omitted))
     unit = valid["unit"].iloc[0] if "unit" in valid else "ms"
     op = valid["op"].iloc[0] if "op" in valid else ""
     device = valid["device"].iloc[0] if "device" in valid else ""
@@ -106,7 +136,7 @@ def time_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = None
         ax.set_ylabel(f"median time [{unit}] (band: p20-p80; hollow: noisy)")
         ax.set_title(title or f"{op} on {device}".strip())
         ax.legend(fontsize=8)
-    return _save(fig, path)
+    return fig
 
 
 def _compute_roofs(peaks: Mapping[str, Any]) -> dict[str, float]:
@@ -116,19 +146,36 @@ def _compute_roofs(peaks: Mapping[str, Any]) -> dict[str, float]:
     return {"peak": float(flops)}
 
 
+STACKED = 0.06  # decades apart on both axes under which two markers (7 pt on a ~2-decade axis) overlap
+
+
 def roofline_plot(points: Iterable[Mapping[str, Any]], peaks: Mapping[str, Any], path: str | Path, *,
-                  title: str | None = None) -> Path:
+                  title: str | None = None, dtype: str | None = None) -> Path:
+    """roofline_figure, saved as PNG at `path`."""
+    return _save(roofline_figure(points, peaks, title=title, dtype=dtype), path)
+
+
+def roofline_figure(points: Iterable[Mapping[str, Any]], peaks: Mapping[str, Any], *, title: str | None = None,
+                    dtype: str | None = None) -> Figure:
     """The roofline on log-log axes with the measured points labelled.
 
     points: dicts with "label", "intensity_flops_per_byte" and "achieved_flops_per_s"
         (roofline.roofline's output plus a label).
     peaks: calibrate's {"gemm_flops_per_s": {dtype: FLOP/s} or FLOP/s, "copy_bytes_per_s": B/s};
         one compute roof per dtype, one memory roof.
+    dtype: the point's precision; only its roof is drawn where it was calibrated (else every dtype's, and the
+        title says the point's own is missing).
     Roof: attainable(I) = min(peak_flops, peak_bytes_per_s · I).
+    Markers closer than STACKED decades on both axes are drawn as concentric rings, each a size larger, so no
+    path hides another.
     """
+    import math
+
     points = list(points)
     bandwidth = float(peaks.get("copy_bytes_per_s", peaks.get("peak_bytes_per_s")))
     roofs = _compute_roofs(peaks)
+    if dtype is not None and dtype in roofs:
+        roofs = {dtype: roofs[dtype]}
     intensities = [float(p["intensity_flops_per_byte"]) for p in points]
     ridges = [flops / bandwidth for flops in roofs.values()]
     lo = min(intensities + ridges) / 8
@@ -143,10 +190,13 @@ def roofline_plot(points: Iterable[Mapping[str, Any]], peaks: Mapping[str, Any],
     markers = "osD^vP*Xh<>p"
     # one marker per path, named in a legend beside the axes: paths of one op share an intensity, so labels
     # written at the points would lie on top of each other
+    drawn: list[tuple[float, float]] = []
     for i, point in enumerate(sorted(points, key=lambda p: -float(p["achieved_flops_per_s"]))):
         x, y = float(point["intensity_flops_per_byte"]), float(point["achieved_flops_per_s"])
-        ax.plot([x], [y], marker=markers[i % len(markers)], linestyle="none", markersize=7, alpha=0.8,
-                markerfacecolor="none" if i >= len(markers) else None,
+        under = sum(abs(math.log10(x / x0)) < STACKED and abs(math.log10(y / y0)) < STACKED for x0, y0 in drawn)
+        drawn.append((x, y))
+        ax.plot([x], [y], marker=markers[i % len(markers)], linestyle="none", markersize=7 + 5 * under, alpha=0.8,
+                markerfacecolor="none" if i >= len(markers) or under else None,
                 label=f"{point.get('label', '')}: {y / 1e9:.3g} GFLOP/s"
                       + (" (above its roof: not a result)" if (point.get("fraction_of_attainable") or 0) > 1 else ""))
     ax.set_xscale("log")
@@ -159,7 +209,7 @@ def roofline_plot(points: Iterable[Mapping[str, Any]], peaks: Mapping[str, Any],
     ax.set_title(title or "roofline")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
-    return _save(fig, path)
+    return fig
 
 
 def memory_vs_size(df: pd.DataFrame, path: str | Path, *, title: str | None = None) -> Path:

@@ -211,23 +211,30 @@ FILTER_VALUES = ("precision.dtype", "op.only", "op.user_impls", "bench.threads")
 
 
 def run_params(receipt: dict[str, Any]) -> dict[str, str]:
-    """The MLflow run's parameters: the point's dimensions by name, and the few values a person filters by
-    (FILTER_GROUPS, FILTER_VALUES); the whole config is its config.yaml artifact."""
+    """The MLflow run's parameters, at most MAX_PARAMS, in this order: the shape (the microbench's problem), the
+    point's dimensions by name, and the few values a person filters by (FILTER_GROUPS, FILTER_VALUES); the whole
+    config is its config.yaml artifact."""
     config = receipt["config"]
     flat: dict[str, str] = {}
-    _flatten("", {group: config[group] for group in FILTER_GROUPS if isinstance(config.get(group), dict)}, flat)
+    problem = (receipt.get("microbench") or {}).get("problem")
+    if problem:  # the shape first: what the point's figures are of
+        flat["shape"] = str(problem)
     for dimension in DIMENSIONS:
         group = config.get(dimension)
         if isinstance(group, dict) and "name" in group:
             flat[f"{dimension}.name"] = str(group["name"])
         elif isinstance(group, str):
             flat[dimension] = group
+    _flatten("", {group: config[group] for group in FILTER_GROUPS if isinstance(config.get(group), dict)}, flat)
     for key in FILTER_VALUES:
         group, _, name = key.partition(".")
         value = (config.get(group) or {}).get(name) if isinstance(config.get(group), dict) else None
         if value not in (None, [], ""):
             flat[key] = str(value)
-    return flat
+    return dict(list(flat.items())[:MAX_PARAMS])
+
+
+MAX_PARAMS = 30  # a run's parameters a person reads: the shape, the dimensions, the kernel's knobs
 
 
 def headline_metrics(receipt: dict[str, Any]) -> dict[str, float]:
@@ -251,13 +258,28 @@ def headline_metrics(receipt: dict[str, Any]) -> dict[str, float]:
     for name, entry in (train.get("impls") or {}).items():
         if entry.get("timing_valid", True) and entry.get("tokens_per_s") is not None:
             flat[f"train.{name}.tokens_per_s"] = entry["tokens_per_s"]
-    for key, value in (("best_peer.speedup", fields["peer_x"]), ("best_peer.fwd_bwd_speedup", fields["peer_fb_x"]),
-                       ("triton.vs_best_peer", fields["ours_x"]), ("triton.fwd_bwd_vs_best_peer", fields["ours_fb_x"]),
-                       ("e2e.predicted", fields["e2e_pred"]), ("e2e.measured", fields["e2e_meas"]),
-                       ("e2e.op_share", fields["e2e_share"])):
+    for key, value in ((POINT_METRICS["peer_x"], fields["peer_x"]), (POINT_METRICS["peer_fb_x"], fields["peer_fb_x"]),
+                       (POINT_METRICS["ours_x"], fields["ours_x"]), (POINT_METRICS["ours_fb_x"], fields["ours_fb_x"]),
+                       (POINT_METRICS["e2e_pred"], fields["e2e_pred"]), (POINT_METRICS["e2e_meas"], fields["e2e_meas"]),
+                       (POINT_METRICS["e2e_share"], fields["e2e_share"])):
         if isinstance(value, (int, float)):
             flat[key] = value
-    return flat
+    return {key: significant(key, value) for key, value in flat.items()}
+
+
+# the point's figures (derived.point_fields) as MLflow metrics, each named by what it is
+POINT_METRICS = {"peer_x": "best_peer.fwd_speedup_vs_reference", "peer_fb_x": "best_peer.fwd_bwd_speedup_vs_reference",
+                 "ours_x": "triton.fwd_speedup_vs_best_peer", "ours_fb_x": "triton.fwd_bwd_speedup_vs_best_peer",
+                 "e2e_pred": "step.predicted_speedup", "e2e_meas": "step.measured_speedup",
+                 "e2e_share": "step.op_share"}
+SIGNIFICANT = 3  # digits a metric keeps: a CPU median's p20-p80 band is never narrower than 0.1%
+
+
+def significant(key: str, value: float) -> float:
+    """A metric rounded to SIGNIFICANT digits (a pass flag and a drift of exactly 0 stay as they are)."""
+    if not value or not math.isfinite(value) or key.endswith(".pass"):
+        return value
+    return round(value, SIGNIFICANT - 1 - math.floor(math.log10(abs(value))))
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:
@@ -323,10 +345,11 @@ def _tags(receipt: dict[str, Any]) -> dict[str, str]:
     fields = derived.point_fields(receipt)  # the figures as every view shows them
     tags["best_peer"] = fields["best_peer"] or "none"
     tags["best_peer.rule"] = derived.BEST_PEER_RULE
+    tags["step.effect"] = step_effect(receipt, fields)
+    if fields["e2e_sentence"]:
+        tags["step.sentence"] = fields["e2e_sentence"][:5000]
     if fields["e2e_path"]:
-        tags["e2e.path"] = fields["e2e_path"]
-        if fields["e2e_meas"] == "n.c.":  # no e2e.measured metric then: inside the baseline's own band
-            tags["e2e.measured"] = "n.c. (inside the baseline's run-to-run band: no measurable change)"
+        tags["step.path"] = fields["e2e_path"]
     tags["flags"] = ",".join(dict.fromkeys(f["figure"] for f in fields["flags"])) or "none"
     if fields["flags"]:  # each with its path and reason, as the report prints them
         tags["flags.reasons"] = "\n".join(f"{f['figure']}: {f['path']}: {f['reason']}" for f in fields["flags"])[:5000]
@@ -337,6 +360,21 @@ def _tags(receipt: dict[str, Any]) -> dict[str, str]:
         for dimension, value in receipt["sweep"]["changes"].items():  # filterable: tags.`change.precision` = 'fp16'
             tags[f"change.{dimension}"] = str(value)
     return tags
+
+
+def step_effect(receipt: dict[str, Any], fields: dict[str, Any]) -> str:
+    """The point's end-to-end effect in a table cell: the row's path, Amdahl's prediction and the measured step
+    speedup, never a number inside the baseline's run-to-run band (model/amdahl.py measured_text)."""
+    from posttrainllm.model import amdahl
+
+    if not fields["e2e_path"]:
+        return "no step figure for this row's paths (step.sentence says why)"
+    band = ((receipt.get("bench_train") or {}).get("noise") or {}).get("band")
+    measured = ((((receipt.get("bench_train") or {}).get("amdahl") or {}).get("variants") or {})
+                .get(fields["e2e_path"]) or {}).get("measured_speedup")
+    said = amdahl.measured_text(measured, band) or "-"
+    return (f"{fields['e2e_path']}: predicted {fields['e2e_pred']:.2f}x, measured {said}"
+            + (f" (band +-{(band - 1) * 100:.1f}%)" if band and "band" not in said else ""))
 
 
 LOGGED_TAG = "receipt.logged"  # written after everything else: a run without it is an interrupted write
@@ -452,7 +490,37 @@ def _log(receipt: dict[str, Any], folder: Path, uri: str) -> str:
             run_id = _write_run(client, experiment_id, receipt, folder, tags)
         if parent_id:
             _update_sweep(client, experiment_id, parent_id, receipt["sweep"])
+            _sweep_table(client, parent_id, receipt, folder)
     return run_id
+
+
+SWEEP_TABLE = "sweep_table.md"
+
+
+def _sweep_table(client: Any, parent_id: str, receipt: dict[str, Any], folder: Path) -> None:
+    """The sweep's run holds the sweep's table: `posttrainllm report`'s summary of the points logged so far (this
+    receipt and its sweep's other points' receipts beside its folder), as the run's description (its page opens on
+    it) and as the artifact SWEEP_TABLE, with every point's step sentence."""
+    from posttrainllm.track import report
+
+    found = {}
+    for point in receipt["sweep"].get("points") or []:
+        path = folder.parent / point / "receipt.json"
+        if point != receipt["point"] and path.is_file():
+            try:
+                found[point] = read_json(path)
+            except (OSError, ValueError):  # a sibling's damaged receipt: its own import names it
+                continue
+    found[receipt["point"]] = receipt
+    found = {name: found[name] for name in (receipt["sweep"].get("points") or []) if name in found} or found
+    frame = report.formatted(report.summary_frame(found))
+    table = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns),
+             *("| " + " | ".join(row) + " |" for row in frame.itertuples(index=False))]
+    text = "\n".join([f"Sweep {receipt['sweep']['name']}: {len(found)} of "
+                      f"{len(receipt['sweep'].get('points') or found)} points (`posttrainllm report`'s table)", "",
+                      *table, "", *(f"- {line}" for line in report.step_lines(found))]) + "\n"
+    client.set_tag(parent_id, "mlflow.note.content", text[:50000])
+    client.log_text(parent_id, text, SWEEP_TABLE)
 
 
 def _logged_before(client: Any, experiment_id: str, receipt_id: str) -> str | None:

@@ -55,7 +55,7 @@ def path_frame(receipt: dict[str, Any]) -> pd.DataFrame:
             "failed": "-" if not f["failed"] else f"{f['failed']}" + (f" ({f['rows']})" if f["rows"] else ""),
             "fwd_ms": _fmt(f["fwd_ms"], ".3f"), "fwd_band": _band(f["fwd_band"]),
             "fwd+bwd_ms": _fmt(f["fb_ms"], ".3f"), "fwd+bwd_band": _band(f["fb_band"]),
-            "fwd_x": _fmt(f["fwd_x"], ".2f"), "fwd+bwd_x": _fmt(f["fb_x"], ".2f"),
+            "fwd_x": _shown(f["fwd_x"], f["fwd_measurable"]), "fwd+bwd_x": _shown(f["fb_x"], f["fb_measurable"]),
             "note": "; ".join(filter(None, [
                 "bf16 emulated" if p.get("emulation") else "",
                 backward_note(p.get("backward")),
@@ -68,9 +68,18 @@ def path_frame(receipt: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+NOT_MEASURABLE = "n.c."  # a speedup whose p20-p80 bands overlap the other's: no measurable change, no number
+
+
+def _shown(speedup: float | None, measurable: bool) -> str:
+    """A speedup as the console prints it: its number where the two bands are apart, else NOT_MEASURABLE."""
+    return "-" if speedup is None else f"{speedup:.2f}" if measurable else NOT_MEASURABLE
+
+
 PATH_LEGEND = ("decided_by: a failing path's first failing tensor (or guard) and the rule it failed; a passing "
                "path's tensor nearest its bound, at that fraction of it.\n  failed: cases (rows failed/rows). "
-               "band: p20-p80 ms. x: the reference's median / the path's.")
+               "band: p20-p80 ms. x: the reference's median / the path's ('n.c.': the bands overlap, no "
+               "measurable change).")
 PATH_NUMBERS = ("failed", "fwd_ms", "fwd_band", "fwd+bwd_ms", "fwd+bwd_band", "fwd_x", "fwd+bwd_x")
 
 
@@ -291,6 +300,7 @@ def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "triton_of_peak": fields["ours_of_peak"],
             "train_ms": train["impls"].get(train.get("baseline"), {}).get("warm_ms_per_step"),
             "max_drift": max(train["drift"].values()) if train["drift"] else None,
+            "user": user_cell(fields),
             "e2e_path": fields["e2e_path"],
             "op_share": fields["e2e_share"],
             "amdahl_pred": fields["e2e_pred"],
@@ -340,12 +350,14 @@ def sweep_table(receipts: dict[str, dict[str, Any]]) -> str:
 
 
 # text columns of the summary, clipped to these widths (first_failure narrower still if a number is unusually wide)
-CLIPPED = {"point": 20, "first_failure": 32, "parity": 20, "best_peer": 14, "e2e_path": 10, "flags": 24}
+CLIPPED = {"point": 20, "first_failure": 32, "parity": 20, "best_peer": 11, "user": 16, "e2e_path": 8, "flags": 24}
 SUMMARY_LEGEND = (
     "best_peer: the peer with the lowest valid forward median. peer_x, peer_fb_x: reference time / best_peer's "
     "(forward; forward+backward).",
     "  ours_x, ours_fb_x: best_peer's time / our Triton kernel's, >= 1 when ours is as fast ('-' where Triton is "
     "interpreted: never speed).",
+    "  user: your paths (op.user_impls), each with its verdict and forward speedup over the reference. x 'n.c.': the "
+    "two p20-p80 bands overlap.",
     "  share: the op's share of the measured training step. e2e_pred, e2e_meas: the step's speedup with e2e_path, "
     "predicted by Amdahl and measured ('n.c.': inside",
     "  the baseline's own run-to-run band, no measurable change). Speedups are ratios of medians. flags: figures "
@@ -380,7 +392,10 @@ def summary_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "first_failure": fields["first_failure"] or "-",
             "parity": _our_parity(receipt),
             "best_peer": fields["best_peer"] or "-",
-            **{key: fields[key] for key in ("peer_x", "peer_fb_x", "ours_x", "ours_fb_x")},
+            **{key: fields[key] if fields[key] is None or apart else NOT_MEASURABLE
+               for key, apart in zip(("peer_x", "peer_fb_x", "ours_x", "ours_fb_x"),
+                                     (*fields["peer_measurable"], *fields["ours_measurable"]))},
+            "user": user_cell(fields),
             "e2e_path": fields["e2e_path"] or "-",
             "share": fields["e2e_share"],
             "e2e_pred": fields["e2e_pred"],
@@ -388,6 +403,15 @@ def summary_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
             "flags": flag_names(fields),
         })
     return _failures_first(pd.DataFrame(rows))
+
+
+def user_cell(fields: dict[str, Any]) -> str:
+    """The point's own user paths in a cell: `name:verdict` and its forward speedup against the reference
+    (NOT_MEASURABLE inside the bands); '-' where the point has none."""
+    return ",".join(f"{name}:{f['verdict']}" + (f" {_shown(f['fwd_x'], f['fwd_measurable'])}x"
+                                                if f["fwd_x"] is not None and f["fwd_measurable"]
+                                                else f" {NOT_MEASURABLE}" if f["fwd_x"] is not None else "")
+                    for name, f in fields["user_paths"].items()) or "-"
 
 
 def step_lines(receipts: dict[str, dict[str, Any]]) -> list[str]:

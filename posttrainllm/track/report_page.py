@@ -10,6 +10,7 @@ path, plots and receipt).
 from __future__ import annotations
 
 import html
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -22,10 +23,14 @@ PLOTS = ("time_vs_size.png", "memory_vs_size.png", "roofline.png")  # what the m
 
 STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
-table { border-collapse: collapse; margin: 0.5em 0 1em; }
-th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: left; white-space: nowrap; }
+table { border-collapse: collapse; margin: 0.5em 0 1em; font-size: 12.5px; }
+body { max-width: 1280px; box-sizing: border-box; }
+th, td { border: 1px solid #ccc; padding: 1px 4px; text-align: left; vertical-align: top; }
+th { white-space: nowrap; font-size: 12px; font-weight: 600; }
+td { white-space: nowrap; }
+td.text { white-space: normal; overflow-wrap: anywhere; min-width: 5em; max-width: 18em; }
 tr.fail td { background: #fde2e2; }
-.wide { overflow-x: auto; }
+.wide { overflow-x: auto; max-width: 100%; }
 img { max-width: 32%; min-width: 320px; margin: 0 0.5% 0.5em 0; border: 1px solid #eee; vertical-align: top; }
 section { border-top: 2px solid #888; margin-top: 1.5em; }
 """
@@ -50,10 +55,21 @@ def _table(frame: pd.DataFrame, *, link_points: bool = False) -> str:
             text = _e(value)
             if link_points and column == "point":
                 text = f'<a href="#{_e(_anchor(value))}">{text}</a>'
-            cells.append(f"<td>{text}</td>")
+            wraps = (column in PROSE or len(str(value)) > WRAP_AT) and not _number(value)  # numbers never wrap
+            cells.append(f'<td class="text">{text}</td>' if wraps else f"<td>{text}</td>")
         marked = ' class="fail"' if row.get("verdict") == "FAIL" else ""
         rows.append(f"<tr{marked}>{''.join(cells)}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    # a table wider than the page scrolls inside its own box: the page itself keeps to PAGE_WIDTH
+    return f'<div class="wide"><table><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>'
+
+
+PAGE_WIDTH = 1280  # px: the page fits a laptop's screen (tests/test_report_html.py measures it in Chromium)
+WRAP_AT = 24  # characters past which a text cell may wrap
+PROSE = ("note", "first_failure", "parity", "flags", "change", "failed cases", "why")  # columns that always may
+
+
+def _number(value: Any) -> bool:
+    return bool(re.fullmatch(r"[-+0-9.e%x ]+|[-0-9.e]+-[-0-9.e]+", str(value)))
 
 
 def _anchor(point: str) -> str:
@@ -103,7 +119,7 @@ def _train_section(receipt: dict[str, Any]) -> str:
     from posttrainllm.track import plots
 
     return (f"<h3>Bench-train</h3><p>{_e(report.train_head(receipt))}</p>"
-            f'<div class="wide">{_table(report.train_frame(receipt).astype(str))}</div>'
+            f'{_table(report.train_frame(receipt).astype(str))}'
             f"<figure>{plots.loss_curves_svg(receipt['bench_train'], prefix=_anchor(receipt['point']) + '-loss-')}"
             "</figure>")
 
@@ -151,7 +167,7 @@ def sweep_page(receipts: dict[str, dict[str, Any]], runs: Path, *, sweep: str = 
         f"<h1>{_e(title)}</h1>",
         "<h2>Summary</h2>", _table(summary, link_points=True), legend,
         f'<details><summary>Every column (as <a href="report.md">report.md</a>)</summary>'
-        f'<div class="wide">{_table(wide)}</div></details>',
+        f'{_table(wide)}</details>',
         *(_point_section(name, receipts[name], runs) for name in summary["point"]),
     ]
     if heads:  # the draft heads' receipts (runs/heads/<K>/): acceptance and decode speed, lossless or not

@@ -13,6 +13,8 @@
   picks its page from its own "GenAI / Model training" switch (the URL's `?workflowType=`,
   else the browser's saved choice, GenAI by default), so link the runs table as
   `#/experiments/<id>?workflowType=machine_learning`; scripts/check-mlflow-ui.sh checks it.
+* The experiment carries the runs table's view (VIEW: the point's change, verdict, best peer, its speedup, ours
+  against it, the step effect), opened by the URL's `viewStateShareKey` (ui.py).
 
 Nothing here imports MLflow at module level: the core runs where MLflow is absent.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import re
@@ -30,6 +33,38 @@ from typing import Any, Iterator
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # a model-training experiment (not genai_development)
+
+# The runs table's columns when it opens. MLflow 3.17's UI keeps a person's columns in the browser (local storage)
+# and starts a new browser on Source, Models and Dataset; what an experiment can carry is a shared view: the tag
+# `mlflow.sharedViewState.<key>` holds its JSON (search facets and UI state: selectedColumns, ...) and the URL's
+# `viewStateShareKey=<key>` opens it (the UI's own "Share" button writes the same). Column keys are the UI's:
+# "metrics.`name`", "tags.`name`". The metrics and tags named here are the ones receipt.py logs.
+VIEW_KEY = "posttrainllm-answer"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+VIEW_COLUMNS = ("tags.`sweep.changes`", "tags.`verdict`", "tags.`best_peer`",
+                "metrics.`best_peer.fwd_speedup_vs_reference`", "metrics.`triton.fwd_speedup_vs_best_peer`",
+                "tags.`step.effect`")
+VIEW = {"searchFilter": "", "groupBy": {"aggregateFunction": "average", "groupByKeys": [{"mode": "tag", "groupByData": "sweep"}]}, "orderByKey": "attributes.start_time", "orderByAsc": False,
+        "selectedColumns": list(VIEW_COLUMNS), "columnOrder": list(VIEW_COLUMNS), "runsHiddenMode": "SHOW_ALL"}
+VIEW_NAME = "the answer: change, verdict, speedups, step"
+
+
+def view_tag(now_ms: int | None = None) -> str:
+    """VIEW in the UI's saved-view envelope (it lists it under "Views" too): name, times in ms, the state as a
+    JSON string."""
+    import time
+
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    return json.dumps({"name": VIEW_NAME, "createdAt": now_ms, "updatedAt": now_ms,
+                       "state": json.dumps(VIEW, sort_keys=True)})
+
+
+def view_state(tag: str | None) -> dict[str, Any] | None:
+    """The state a saved-view tag holds, None where it holds none."""
+    try:
+        return json.loads(json.loads(tag)["state"]) if tag else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 # Short, bounded defaults for a tracking server (MLflow's own: 7 retries, backoff factor 2,
 # 120 s timeout, ~250 s before an unreachable server is reported). A refused connection now
@@ -171,5 +206,7 @@ def open_store(uri: str, experiment_name: str, artifact_location: str | None) ->
                 client.restore_experiment(experiment_id)
             if EXPERIMENT_KIND_TAG not in experiment.tags:
                 client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        if experiment is None or view_state(experiment.tags.get(VIEW_TAG)) != VIEW:  # the table opens on its columns
+            client.set_experiment_tag(experiment_id, VIEW_TAG, view_tag())
     _opened[uri, experiment_name] = (client, experiment_id)
     return client, experiment_id

@@ -38,7 +38,10 @@ def base_url(host: str, port: int) -> str:
 
 
 def runs_table_url(base: str, experiment_id: str) -> str:
-    return f"{base}/#/experiments/{experiment_id}?workflowType=machine_learning"
+    """The runs table, opened on the experiment's view (store.VIEW: the points grouped by sweep, its columns). The
+    share key must be on the `/runs` route: the bare experiment route redirects there and drops it."""
+    return (f"{base}/#/experiments/{experiment_id}/runs?viewStateShareKey={store.VIEW_KEY}"
+            "&workflowType=machine_learning")
 
 
 def run_url(base: str, experiment_id: str, run_id: str) -> str:
