@@ -3,7 +3,8 @@
 import os, statistics, time, torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)
-from posttrainllm.opdefs import get_op, worker
+from posttrainllm.opdefs import worker
+from posttrainllm.ops.registry import get_op
 from posttrainllm.opdefs.user import resolve
 u = resolve("examples/torch_attention.py:sdpa_attention", get_op("attention"))
 starts = []

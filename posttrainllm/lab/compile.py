@@ -9,7 +9,7 @@ pointers and integers found divisible by 16. The kernel body never runs (no GPU,
 shape); an autotuned kernel records one launch per configuration of its space (its candidates, after its own
 pruning), each row marked with the tuned launch it belongs to: such a kernel launches on a target if one of its
 candidates fits there (`not_fitting`). Under tile/workgroup=auto our launchers take their autotuned branch here too
-(ops/attention.py `autotune_for_target`), once per target, their candidates pruned by that target's shared memory as
+(ops/attention/kernels.py `autotune_for_target`), once per target, their candidates pruned by that target's shared memory as
 a GPU of it prunes them. Each launch is compiled with `triton.compile` for every target in `compile.targets` (ptxas
 and cuobjdump from Triton's wheel; sm100 with its ptxas-blackwell) and its cubin read (measure/sass.py). Compiles
 are cached by Triton's cache, keyed by the kernel's source, its specialization, the options and the target; a
@@ -286,8 +286,8 @@ def call_once(op: Any, cfg: Any, impl: Any, fn: Any, device: str = "cpu") -> str
     import torch
 
     from posttrainllm.lab.oracle import upstream_gradient
-    from posttrainllm.opdefs import NO_BACKWARD, case_config
-    from posttrainllm.opdefs.base import leaves_of, point_dtype
+    from posttrainllm.ops.registry import NO_BACKWARD, case_config
+    from posttrainllm.ops.base import leaves_of, point_dtype
 
     case = next(c for c in op.cases(cfg) if c.main)
     call_cfg = case_config(case, cfg)
@@ -313,8 +313,8 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any, shared_per_block: int | None
     """The launches of one path's forward and (when it has one) backward at the point's main case (`call_once`);
     with `shared_per_block`, our launchers' autotuned branch, its candidates pruned by that many bytes (a target's)."""
     tuning = contextlib.nullcontext()
-    if shared_per_block:  # imported only then: a matmul point's kernel stage reads ops/attention.py only under auto
-        from posttrainllm.ops.attention import autotune_for_target
+    if shared_per_block:  # imported only then: a matmul point's kernel stage reads ops/attention/kernels.py only under auto
+        from posttrainllm.ops.attention.kernels import autotune_for_target
 
         tuning = autotune_for_target(shared_per_block)
     with recording() as launches, tuning:
@@ -325,7 +325,7 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any, shared_per_block: int | None
 def compile_in_process(config: dict[str, Any], targets: list[str], specialized: bool = True) -> dict[str, Any]:
     """The child's work (Triton in compiler mode): every path's launches, compiled for `targets`."""
     from posttrainllm.config import validate_schema
-    from posttrainllm.opdefs import op_for
+    from posttrainllm.ops.registry import op_for
 
     cfg = validate_schema(config)
     op = op_for(cfg)

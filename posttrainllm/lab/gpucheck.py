@@ -157,7 +157,7 @@ def profile_point(sweep_name: str, point: str) -> int:
     """The `--profile-point` child (run under ncu): each of the point's Triton paths (ours and user paths) once,
     forward then backward, at its main case, on the point's device."""
     from posttrainllm.lab import compile as compiling
-    from posttrainllm.opdefs import op_for
+    from posttrainllm.ops.registry import op_for
 
     spec = sweep.plan(load([f"sweep={sweep_name}"]).sweep)["points"][point]
     cfg = validate({**spec["config"], "run": {"name": point, "log_mlflow": False}})

@@ -9,8 +9,8 @@ from typing import Any, Callable
 import torch
 
 from posttrainllm.config import LabConfig
-from posttrainllm.opdefs import Case, OpDef, Tensors
-from posttrainllm.opdefs.base import leaves_of
+from posttrainllm.ops.registry import Case, OpDef, Tensors
+from posttrainllm.ops.base import leaves_of
 
 
 def upstream_gradient(case: Case, out: torch.Tensor) -> torch.Tensor:

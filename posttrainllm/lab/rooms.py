@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from posttrainllm.opdefs import Case, OpDef, Tensors
+from posttrainllm.ops.registry import Case, OpDef, Tensors
 
 INPUT_SET_SEED = 7_919  # case.seed + i * INPUT_SET_SEED: the i-th timed input set (i = 0: the case's own)
 ROTATION_RULE = ("timed repetitions rotate over {n} distinct input sets (the case at seeds seed + i x "

@@ -4,7 +4,7 @@ Each stage reads the config and the files earlier stages wrote in the point's
 folder, and writes its own files there. None talks to MLflow but the receipt.
 DVC runs them one process per stage (pipelines/*.py); `posttrainllm bench` runs
 the same functions in one process. Every stage is generic over the op: what is
-op-specific comes from its module in posttrainllm/opdefs/.
+op-specific comes from its package in posttrainllm/ops/<op>/.
 
 A path that breaks its contract is a result, not a crash: parity records the
 verdict and the first failing case, and from then on the path gets no speed,
@@ -40,13 +40,13 @@ from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
-from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
+from posttrainllm.ops.registry import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
                                  replaced_library)
 from posttrainllm.lab.oracle import cast_floats, contract_for, gradients, reference_outputs, upstream_gradient
-from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
-from posttrainllm.opdefs.base import leaves_of
+from posttrainllm.ops.registry import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
+from posttrainllm.ops.base import leaves_of
 from posttrainllm.opdefs.worker import closed_after  # a stage's workers end with it
-from posttrainllm.opdefs.base import point_dtype as _dtype
+from posttrainllm.ops.base import point_dtype as _dtype
 from posttrainllm.track import failures
 from posttrainllm.track.provenance import git_revision
 
@@ -262,7 +262,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
         report["compile"] = {"targets": list(cfg.compile.targets), "rule": compile_lab.RULE, "paths": {},
                              "rows": [], "note": NOTHING_TO_COMPILE}
     replaced = replaced_library()
-    if replaced:  # the peers call what was bound when the lab started (opdefs/base.py LIBRARY), not these
+    if replaced:  # the peers call what was bound when the lab started (ops/base.py LIBRARY), not these
         report["library_replaced"] = {"functions": replaced, "note": LIBRARY_REPLACED_NOTE}
     torch.save(outputs, out / "kernel.pt")
     write_json(out / "kernel.json", report)
@@ -808,7 +808,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
             mine = [rooms.fresh(x, device) for _, x in sets]  # this path's own buffers of every input set
             dos = [g.clone() for g in grad_outs]
             user = None
-            try:  # a compiled peer that would run eagerly at this shape raises (opdefs/peers.py NotCompiled)
+            try:  # a compiled peer that would run eagerly at this shape raises (ops/peers.py NotCompiled)
                 if impl.user is not None:  # timed from outside its worker process (lab/outside.py)
                     user = outside.microbench_times(op, cfg, case, impl, device, settings,
                                                     impl.backward != NO_BACKWARD)
@@ -880,7 +880,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
             entry["forward_backward"]["vs_reference"] = compare(train, ref_train)
     timed = list(timings)
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
-        report["describe"] = op.describe(case, inputs, cfg)
+        report["describe"] = op.describe(case, inputs, cfg, measure)
     ridge = max(peak_flops, floor_flops or 0.0) / peak_bandwidth if peak_flops else None  # FLOP/B
     report["curve"] = _curve(cfg, op, out, device, timed, calibration, floor_flops, cache_bytes=cache_bytes,
                              ridge=ridge)
@@ -1110,7 +1110,7 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
 def _train_quantized(cfg: LabConfig, model_cfg: Any, common: dict[str, Any], device: str,
                      folder: Path) -> dict[str, Any]:
     """bench-train under a quantized precision: every variant trained on the corpus's head under the precision's
-    16-bit autocast (the bf16 baseline with F.linear, each fp8 path through the recipe, opdefs/matmul.py), scored
+    16-bit autocast (the bf16 baseline with F.linear, each fp8 path through the recipe, ops/matmul/definition.py), scored
     on its held-out tail; then the draft-heads base decodes held-out prompts with each path's fp8 linear layers
     against bf16 ones (model/quality.py). The `quality` section and its verdicts join the result."""
     from posttrainllm.lab.configure import check_train_rules

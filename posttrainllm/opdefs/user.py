@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from posttrainllm.config import PROJECT_ROOT, ConfigError, LabConfig
 
 if TYPE_CHECKING:  # names for annotations only: base.py (OpDef.paths) imports this module, never the reverse
-    from posttrainllm.opdefs.base import OpDef, Tensors
+    from posttrainllm.ops.base import OpDef, Tensors
 
 ENTRY_POINT_GROUP = "posttrainllm.impls"
 ENTRY_PREFIX = "entry:"
