@@ -41,7 +41,7 @@ from posttrainllm.measure import device as devices
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
 from posttrainllm.ops.registry import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
-                                 replaced_library)
+                                       replaced_library)
 from posttrainllm.lab.oracle import cast_floats, contract_for, gradients, reference_outputs, upstream_gradient
 from posttrainllm.ops.registry import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.ops.base import leaves_of

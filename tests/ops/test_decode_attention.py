@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from posttrainllm.ops.attention import reference as attention_reference
 from posttrainllm.ops.decode_attention import reference as decode_attention_reference
 from posttrainllm.ops.decode_attention.kernels import (check_addressable, decode_attention, decode_attention_launch,
-                                               triton_decode_attention)
+                                                       triton_decode_attention)
 
 DTYPE_TOL = [(torch.float32, 1e-5, 1e-5), (torch.float16, 2e-3, 2e-3), (torch.bfloat16, 2e-2, 2e-2)]
 # (Sq, Sk): decode (Sq = 1) and verification chunks against empty-ish, ragged and long caches

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.ops.base import (REFERENCE, BatchAxis, Case, Costs, CurveAxis, Impl, ModelHooks, OpDef, Tensors,
-                                      seeded_randn)
+                                   seeded_randn)
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.cross_entropy.reference as reference
 

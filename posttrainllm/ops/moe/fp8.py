@@ -41,7 +41,7 @@ from posttrainllm.ops import use_bf16_emulation
 from posttrainllm.ops import quantize as reference
 from posttrainllm.ops.matmul.fp8 import MIN_BLOCK_K
 from posttrainllm.ops.moe.kernels import (_check_spans, _row_block, _unpermute, gate_up_dots, moe_launch, plan,
-                                  rows_dot)
+                                          rows_dot)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
 from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
-                                      seeded_randn)
+                                   seeded_randn)
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.rmsnorm.reference as reference
 
