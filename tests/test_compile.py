@@ -49,6 +49,11 @@ def test_an_ieee_fp32_dot_uses_no_tensor_cores_and_the_launch_is_specialized(fp3
     assert forward["constexprs"]["stride_ak"] == 1 and forward["specialization"]["a_ptr"] == "16-divisible"
     assert all(set(r["global_loads"]) == {"128"} and r["async_copy"] == "cp.async" for r in rows), rows
     assert report["paths"]["torch"]["note"] == compiling.NOT_TRITON
+    # the op's one shared-memory formula at the point's tile (ops/matmul/config.py), beside what each kernel holds
+    from posttrainllm.ops.matmul.config import point_smem_bytes
+
+    assert report["smem_bytes"] == {"per_program": point_smem_bytes(_lab("op=matmul", "precision=fp32")),
+                                    "rule": compiling.SMEM_RULE}
 
 
 def test_without_the_launch_specialization_the_same_kernel_loads_scalars(fp32_matmul):

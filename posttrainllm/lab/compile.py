@@ -45,6 +45,9 @@ RULE = ("each Triton launch of the point's main case (forward, then backward) ca
         + sass.RULE)
 NOT_TRITON = "launches no Triton kernel here"
 INDUCTOR = "a torch.compile peer: its Triton kernels are Inductor's, generated on the device at run time"
+SMEM_RULE = ("shared memory per program of the point's tile by the op's one formula (ops/<op>/config.py), the one "
+             "its config check refuses a tile by (device.smem_bytes) and its autotuner prunes candidates by; each "
+             "row's shared_bytes is what that compiled kernel holds")
 AUTOTUNE_NOTE = ("tile/workgroup=auto: every candidate configuration the launchers' autotuner would time on a GPU "
                  "of each target (pruned by the launcher's shared-memory estimate against the target's per-block "
                  "limit, as the device's reported limit prunes it there) is compiled, none timed; a tuned kernel "
@@ -333,6 +336,8 @@ def compile_in_process(config: dict[str, Any], targets: list[str], specialized: 
     tuned = cfg.tile.autotune or cfg.workgroup.autotune
     if tuned:
         report["note"] = AUTOTUNE_NOTE
+    elif op.smem_bytes is not None:  # the fixed tile's estimate, beside each compiled kernel's own shared_bytes
+        report["smem_bytes"] = {"per_program": op.smem_bytes(cfg), "rule": SMEM_RULE}
     # the autotuned branch prunes by the target's shared memory: one capture per target (none compiled: one capture)
     captures = [([t], sass.TARGETS[t].shared_per_block) for t in targets] if tuned and targets else [(targets, None)]
     for impl in op.optimized(cfg):

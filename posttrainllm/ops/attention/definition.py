@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
+from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
-                                      seeded_randn, softmax_scale)
+                                   seeded_randn, softmax_scale)
 from posttrainllm.ops.peers import compiled
+import posttrainllm.ops.attention.config as op_config
 import posttrainllm.ops.attention.reference as reference
 
 _SDPA = LIBRARY["torch.nn.functional.scaled_dot_product_attention"]  # bound at start (base.LIBRARY)
@@ -520,26 +521,6 @@ def _model_problem(cfg: LabConfig) -> str:
     return f"B={train.batch_size} H={arch.n_heads} Hkv={arch.n_kv_heads} S={train.seq_len} D={arch.head_dim}"
 
 
-def _check_config(cfg: LabConfig) -> None:
-    """A block larger than the sequence, or Q + (K, V) per pipeline stage over the shared memory, is refused.
-
-    Shared memory per program: (BLOCK_Q + 2·BLOCK_KV·num_stages) · D · itemsize.
-    """
-    tile, shape = cfg.tile, cfg.shape
-    bound = max(16, next_power_of_two(shape.seq_len))
-    for block in ("block_q", "block_kv", "dkdv_block_q", "dkdv_block_kv", "dq_block_q", "dq_block_kv"):
-        if getattr(tile, block) is None:
-            continue
-        if getattr(tile, block) > bound:
-            raise ConfigError(f"tile.{block}={getattr(tile, block)} does not fit shape.seq_len={shape.seq_len}: "
-                              f"use a block <= {bound}")
-    smem = (tile.block_q + 2 * tile.block_kv * cfg.workgroup.num_stages) * cfg.architecture.head_dim * itemsize(
-        cfg.precision.dtype)
-    if smem > cfg.device.smem_bytes:
-        raise ConfigError(f"tile {tile.name} with num_stages={cfg.workgroup.num_stages} needs {smem} B of shared "
-                          f"memory per program, over device.smem_bytes={cfg.device.smem_bytes}")
-
-
 # --- the peers users reach for, opt-in (op.peers) ------------------------------------------------
 
 
@@ -651,7 +632,8 @@ def _reference_bytes(case: Case, cfg: LabConfig) -> int:
 OP = OpDef(
     name="attention", x_name="seq_len", input_names=("q", "k", "v"), impls=IMPLS, cases=_cases,
     make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
-    model_problem=_model_problem, profiled_range="attention", check_config=_check_config,
+    model_problem=_model_problem, profiled_range="attention", check_config=op_config.check_config,
+    smem_bytes=op_config.point_smem_bytes,
     oracle_extra=_oracle_extra, row_ndim={"lse": 0},
     # Near one-hot rows stress the forward's online softmax. Their gradients cancel (dS = P∘(dP − D) with
     # P ≈ one-hot): a fused backward forms D = rowsum(dO∘O) from the rounded O, so SDPA's and our backward

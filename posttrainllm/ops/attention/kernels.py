@@ -43,6 +43,8 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from posttrainllm.ops import use_bf16_emulation
+from posttrainllm.ops.attention.config import block_d as padded_head_dim
+from posttrainllm.ops.attention.config import smem_bytes as attention_smem_bytes  # the one formula (config.py)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INPUT_PRECISIONS = ("ieee", "tf32")
@@ -580,7 +582,7 @@ def attention_launch(
     return {
         "grid": launch_grid(triton.cdiv(S, block_q), B * H),
         "block_q": block_q, "block_kv": block_kv,
-        "block_d": max(16, triton.next_power_of_2(D)),  # tl.dot needs K >= 16
+        "block_d": padded_head_dim(D),  # tl.dot needs K >= 16
         "num_warps": num_warps, "num_stages": num_stages,
     }
 
@@ -713,12 +715,6 @@ def autotune_smem(t: torch.Tensor) -> int | None:
     device's own on CUDA, the compile target's while lab/compile.py records; None: no autotuner here (elsewhere
     the fixed configuration runs, AUTO_CPU_NOTE)."""
     return device_smem_bytes(t.device) if t.is_cuda else _COMPILE_TARGET_SMEM[0]
-
-
-def attention_smem_bytes(block_q: int, block_kv: int, block_d: int, num_stages: int, itemsize: int) -> int:
-    """Shared memory per program, estimated: the resident block plus a pipelined (K, V) pair per stage,
-    (block_q + 2·block_kv·num_stages)·block_d·itemsize."""
-    return (block_q + 2 * block_kv * num_stages) * block_d * itemsize
 
 
 STREAMED = {"forward": 1, "dkdv": 0, "dq": 1}  # the block a kernel steps through (its index in an entry)

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrainllm.config import ConfigError, LabConfig, itemsize
+from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
-                                      seeded_randn, softmax_scale)
+                                   check_smem, seeded_randn, softmax_scale)
 from posttrainllm.ops.attention.definition import SCALE_CASE_FACTOR, train_case
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.attention.reference as attention_reference
@@ -260,9 +260,7 @@ def _check_config(cfg: LabConfig) -> None:
     tile = cfg.tile
     smem = (tile.block_q + 2 * tile.block_kv * cfg.workgroup.num_stages) * cfg.architecture.head_dim * itemsize(
         cfg.precision.dtype)
-    if smem > cfg.device.smem_bytes:
-        raise ConfigError(f"tile {tile.name} with num_stages={cfg.workgroup.num_stages} needs {smem} B of shared "
-                          f"memory per program, over device.smem_bytes={cfg.device.smem_bytes}")
+    check_smem(cfg, smem)
 
 
 def _reference_bytes(case: Case, cfg: LabConfig) -> int:

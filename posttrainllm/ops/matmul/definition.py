@@ -29,10 +29,11 @@ from typing import Any, Callable
 
 import torch
 
-from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
+from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.ops.base import (LIBRARY, NO_BACKWARD, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef,
-                                      Tensors, check_fp8_config, seeded_randn)
+                                   Tensors, seeded_randn)
 from posttrainllm.ops.peers import compiled
+import posttrainllm.ops.matmul.config as op_config
 import posttrainllm.ops.matmul.reference as matmul_reference
 from posttrainllm.ops import quantize
 
@@ -378,26 +379,6 @@ def _model_problem(cfg: LabConfig) -> str:
     return f"M={train.batch_size * train.seq_len} N={arch.mlp_hidden} K={arch.d_model} (MLP up)"
 
 
-def _check_config(cfg: LabConfig) -> None:
-    """A block larger than its dimension, or A and B tiles per pipeline stage over the shared memory, is refused.
-
-    Shared memory per program: (BLOCK_M·BLOCK_K + BLOCK_K·BLOCK_N) · itemsize · num_stages (1 byte under fp8).
-    """
-    tile, shape = cfg.tile, cfg.shape
-    if cfg.precision.quantize is not None:
-        check_fp8_config(cfg, "reference, scaled_mm, triton")
-    for block, dim in (("block_m", "m"), ("block_n", "n"), ("block_k", "k")):
-        bound = max(16, next_power_of_two(getattr(shape, dim)))
-        if getattr(tile, block) > bound:
-            raise ConfigError(f"tile.{block}={getattr(tile, block)} does not fit shape.{dim}={getattr(shape, dim)}: "
-                              f"use a block <= {bound}")
-    operand = cfg.precision.quantize.format if cfg.precision.quantize is not None else cfg.precision.dtype
-    smem = (tile.block_m * tile.block_k + tile.block_k * tile.block_n) * itemsize(operand) * cfg.workgroup.num_stages
-    if smem > cfg.device.smem_bytes:
-        raise ConfigError(f"tile {tile.name} with num_stages={cfg.workgroup.num_stages} needs {smem} B of shared "
-                          f"memory per program, over device.smem_bytes={cfg.device.smem_bytes}")
-
-
 def _describe(case: Case, inputs: Tensors, cfg: LabConfig, measure: Callable[..., Any]) -> dict[str, Any]:
     """Under fp8, what it buys: the bf16 GEMM of the same unquantized operands (torch.matmul, not a path: its
     inputs are not the point's), timed as the paths are, with the bytes and FLOP/B of each; else nothing."""
@@ -458,7 +439,8 @@ OP = OpDef(
     name="matmul", x_name="size", input_names=("a", "b"), impls=IMPLS, cases=_cases, make_inputs=_make_inputs,
     problem=_problem, costs=_costs, path_costs=PATH_COSTS, curve_case=_curve_case, model_hooks=_model_hooks,
     model_problem=_model_problem,
-    profiled_range="matmul", check_config=_check_config, reference_bytes=_reference_bytes,
+    profiled_range="matmul", check_config=op_config.check_config, smem_bytes=op_config.point_smem_bytes,
+    reference_bytes=_reference_bytes,
     curve_sizes=lambda cfg: list(cfg.shape.matmul_curve or cfg.shape.curve),
     optional_peers={"compiled": compiled("matmul", _reference, _make_inputs, "posttrainllm.ops.matmul.reference.matmul")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,

@@ -27,6 +27,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from posttrainllm.ops import use_bf16_emulation
+from posttrainllm.ops.matmul.config import smem_bytes as matmul_smem_bytes  # the one formula (config.py)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INPUT_PRECISIONS = ("ieee", "tf32")
@@ -152,18 +153,13 @@ def matmul_launch(
 # --- autotuning (tile=auto / workgroup=auto): CUDA only ---------------------------------------
 # do_bench needs a GPU driver; under Triton's interpreter `auto` runs the given configuration
 # (posttrainllm.ops.attention.AUTO_CPU_NOTE). Configurations are pruned by the shared memory the
-# device reports: (BLOCK_M·BLOCK_K + BLOCK_K·BLOCK_N)·itemsize per pipeline stage.
+# device reports, by the formula the config check reads too (config.py `smem_bytes`).
 
 # (block_m, block_n, block_k, warps, stages): Triton's matmul tutorial's CUDA set, wide to narrow
 MATMUL_SPACE = [
     (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
     (128, 256, 32, 8, 4), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 64, 4, 3),
 ]
-
-
-def matmul_smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, itemsize: int) -> int:
-    """(BLOCK_M·BLOCK_K + BLOCK_K·BLOCK_N)·itemsize·num_stages: the A and B slabs in flight."""
-    return (block_m * block_k + block_k * block_n) * itemsize * num_stages
 
 
 _TUNERS: dict = {}

@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize
-from posttrainllm.ops.base import (NO_BACKWARD, REFERENCE, BatchAxis, Case, Costs, CurveAxis, Impl, ModelHooks,
-                                      OpDef, Tensors, check_fp8_config, seeded_randn)
+from posttrainllm.ops.base import (NO_BACKWARD, REFERENCE, BatchAxis, Case, Costs, CurveAxis, Impl, ModelHooks, OpDef,
+                                   Tensors, check_fp8_config, check_smem, seeded_randn)
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.moe.reference as moe_reference
 from posttrainllm.ops import quantize
@@ -444,9 +444,7 @@ def _check_config(cfg: LabConfig) -> None:
             raise ConfigError(f"moe sizes d={d}, f={f}: torch grouped_mm needs multiples of {align} in "
                               f"{cfg.precision.dtype} (16-byte rows)")
     smem = (tile.block_m * tile.block_k + 2 * tile.block_k * tile.block_n) * size * cfg.workgroup.num_stages
-    if smem > cfg.device.smem_bytes:
-        raise ConfigError(f"tile {tile.name} with num_stages={cfg.workgroup.num_stages} needs {smem} B of shared "
-                          f"memory per program, over device.smem_bytes={cfg.device.smem_bytes}")
+    check_smem(cfg, smem)
 
 
 def _reference_bytes(case: Case, cfg: LabConfig) -> int:
