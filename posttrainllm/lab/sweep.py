@@ -15,6 +15,7 @@ that run the edited code and no others.
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 from pathlib import Path
@@ -259,11 +260,19 @@ KERNEL_FILES = ("kernels.py", "fp8.py")
 
 
 def op_definition_sources() -> list[str]:
-    """posttrainllm/ops/ but the ops' kernels: the op packages' definitions and readable math, and what they
-    share (importing the registry, as validating a config does, loads them all; never a kernel)."""
+    """posttrainllm/ops/'s shared modules and the registry's op packages, but the ops' kernels: what importing the
+    registry loads (validating a config does), never a kernel. Read from the files, not imported (no torch here)."""
     ops = PROJECT_ROOT / "posttrainllm" / "ops"
-    return sorted(path.relative_to(PROJECT_ROOT).as_posix() for path in ops.rglob("*.py")
-                  if path.name not in KERNEL_FILES and "__pycache__" not in path.parts)
+    registry = ast.parse((ops / "registry.py").read_text())
+    packages = next(ast.literal_eval(node.value) for node in registry.body if isinstance(node, ast.Assign)
+                    and any(isinstance(target, ast.Name) and target.id == "OP_PACKAGES" for target in node.targets))
+    files = [path for path in ops.glob("*.py") if path.name not in NOT_LOADED]
+    files += [path for package in packages for path in (ops / package).rglob("*.py")
+              if path.name not in KERNEL_FILES and "__pycache__" not in path.parts]
+    return sorted(path.relative_to(PROJECT_ROOT).as_posix() for path in files)
+
+
+NOT_LOADED = ("signatures.py",)  # the docs' signature table (python -m posttrainllm.ops.signatures): no stage's
 
 
 # Every point stage loads these, besides its own script pipelines/<stage>.py
@@ -338,8 +347,8 @@ def op_sources(stage: str, config: dict[str, Any]) -> list[str]:
     quantized precision the op's fp8 kernels run (ops/<op>/fp8.py), moe's with ops/moe/kernels.py's plan.
     """
     files = user_sources(config) if stage in USER_STAGES else []
-    if config["op"]["name"] == "problem":  # the op is its file, read by every stage (its code: CORE_SOURCES)
-        return [config["op"]["file"], *files]
+    if config["op"]["name"] == "problem":  # the op is its file and its folder's code, read by every stage
+        return [config["op"]["file"], f"posttrainllm/ops/{config['op']['name']}", *files]  # its file, its code
     if stage not in KERNEL_STAGES:
         return files
     op = config["op"]["name"]
