@@ -5,7 +5,7 @@ import torch
 from posttrainllm.lab import runner, stages
 from posttrainllm.lab.configure import load
 from posttrainllm.measure.memory import peak_bytes
-from posttrainllm.opdefs import get_op
+from posttrainllm.ops.registry import get_op
 
 cfg = load(["op=cross_entropy", "device=cpu", "shape.ce_vocab=32768", "shape.ce_d_model=32", "op.chunk_size=8",
             "op.block_v=8192"])

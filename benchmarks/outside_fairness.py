@@ -32,7 +32,7 @@ from posttrainllm.lab.isolation import outside, rooms  # noqa: E402
 from posttrainllm.lab.configure import load  # noqa: E402
 from posttrainllm.lab.oracle import upstream_gradient  # noqa: E402
 from posttrainllm.measure import device as devices  # noqa: E402
-from posttrainllm.opdefs import get_op  # noqa: E402
+from posttrainllm.ops.registry import get_op  # noqa: E402
 from posttrainllm.lab.isolation import worker as workers  # noqa: E402
 
 folder = Path(tempfile.mkdtemp(prefix="outside-fairness-"))

@@ -4,7 +4,7 @@ import os, statistics, time, torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)
 from posttrainllm.lab.isolation import worker
-from posttrainllm.opdefs import get_op
+from posttrainllm.ops.registry import get_op
 from posttrainllm.lab.isolation.user import resolve
 u = resolve("examples/torch_attention.py:sdpa_attention", get_op("attention"))
 starts = []

@@ -791,7 +791,7 @@ def new_impl(args: list[str]) -> int:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    from posttrainllm.opdefs import op_for
+    from posttrainllm.ops.registry import op_for
 
     def refuse(line: str) -> int:
         print(f"posttrainllm: new-impl: {line}", file=sys.stderr)

@@ -94,11 +94,11 @@ class OpConfig:
     # Kernels from outside, `[name=]file.py:attr`, `[name=]module:attr` or `[name=]entry:<name>` (lab/isolation/user.py)
     user_impls: list[str] = field(default_factory=list)
     # Run only these paths (built-in, peer or user, by name) and the reference, the speed baseline; []: every path
-    # (opdefs/base.py OpDef.paths, the one place paths are listed)
+    # (ops/base.py OpDef.paths, the one place paths are listed)
     only: list[str] = field(default_factory=list)
     # --- op=attention, attention_noncausal, decode_attention ---
     # the softmax scale every path gets (a user path's sm_scale); null: 1/sqrt(head_dim). Parity also checks a case
-    # at another scale (opdefs/attention.py), so a path that ignores it fails
+    # at another scale (ops/attention/definition.py), so a path that ignores it fails
     sm_scale: float | None = None
     # --- op=decode_attention ---
     # the Triton path's KV pieces: null, as many as fill the device (on a GPU the count follows the batch, and a
@@ -114,7 +114,7 @@ class OpConfig:
     # it from the shape (shape.ce_chunk_size), so that a GPU shape gets a GPU-sized chunk
     chunk_size: int = 16
     block_v: int = 256  # the fused kernel's vocabulary block (a power of two >= 16)
-    # --- op=problem (a problem file in KernelBench's format: opdefs/problem.py, docs/bring-your-own-op.md) ---
+    # --- op=problem (a problem file in KernelBench's format: ops/problem/definition.py, docs/bring-your-own-op.md) ---
     file: str | None = None  # the problem file: Model, get_inputs, get_init_inputs, module-level int sizes
     # its size constants set before get_inputs/get_init_inputs run (op.sizes.batch_size=64); {}: the file's,
     # shrunk on a CPU point until one call fits budget_mib
@@ -237,7 +237,7 @@ class QuantizeConfig:
 
     @property
     def recipe(self) -> str:
-        """'<format>:<scaling>', what a quantized case carries to its op's make_inputs (opdefs/base.py Case)."""
+        """'<format>:<scaling>', what a quantized case carries to its op's make_inputs (ops/base.py Case)."""
         return f"{self.format}:{self.scaling}"
 
     def for_op(self, op: str) -> QuantizeConfig:

@@ -11,7 +11,7 @@ import torch
 
 from posttrainllm.lab import invariance, stages
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import case_config, get_op
+from posttrainllm.ops.registry import case_config, get_op
 
 for name in ["attention", "decode_attention", "matmul", "moe", "rmsnorm", "rope", "swiglu", "cross_entropy"]:
     cfg = load([f"op={name}", "device=cpu", "shape=tiny", "precision=fp32", "parity.seeds=[0]", *sys.argv[1:]])

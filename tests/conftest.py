@@ -144,7 +144,8 @@ def short_calibration(root) -> None:
 
 
 def kernel_mutant(tmp_path, module: str, original: str, planted: str):
-    """posttrainllm/ops/<module>.py with one line replaced, imported from a copy: a planted bug in the real source.
+    """An op's kernels (posttrainllm/ops/<module>/kernels.py; fp8_<op>: ops/<op>/fp8.py; else ops/<module>.py) with
+    one line replaced, imported from a copy: a planted bug in the real source.
 
     The line must exist exactly once, so a refactor cannot turn a planted bug into a silent no-op.
     """
@@ -152,7 +153,12 @@ def kernel_mutant(tmp_path, module: str, original: str, planted: str):
 
     from posttrainllm.config import PROJECT_ROOT
 
-    source = (PROJECT_ROOT / "posttrainllm" / "ops" / f"{module}.py").read_text()
+    ops = PROJECT_ROOT / "posttrainllm" / "ops"
+    if module.startswith("fp8_"):
+        file = ops / module[len("fp8_"):] / "fp8.py"
+    else:  # an op's kernels, or a module the ops share (quantize: fp8's readable math)
+        file = ops / module / "kernels.py" if (ops / module).is_dir() else ops / f"{module}.py"
+    source = file.read_text()
     assert source.count(original) == 1, f"mutation target not found once in {module}.py: {original!r}"
     path = tmp_path / f"mutant_{module}.py"
     path.write_text(source.replace(original, planted))

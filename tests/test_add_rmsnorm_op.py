@@ -15,7 +15,7 @@ import torch
 from posttrainllm.config import ConfigError
 from posttrainllm.lab import oracle, stages
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import get_op
+from posttrainllm.ops.registry import get_op
 from posttrainllm.ops.add_rmsnorm import definition, reference
 
 # one seed, 16 rows of C=64: the point, a single row, 37x37 (C off every block of 16), and the rows of ~1e4, of

@@ -6,7 +6,7 @@ from posttrainllm import cli
 from posttrainllm.lab.configure import load
 from posttrainllm.lab import approval, gpucheck, pipeline, sweep
 from posttrainllm.measure import device as devices
-from posttrainllm.opdefs import get_op
+from posttrainllm.ops.registry import get_op
 
 SMALL = ["parity.seeds=[0]", "bench.reps=3", "bench.min_time_s=0.5", "shape.curve=[64,128]"]
 

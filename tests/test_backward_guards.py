@@ -15,7 +15,9 @@ from conftest import parity_report
 
 from posttrainllm.lab.configure import load
 from posttrainllm.lab.isolation.guards import run_guarded
-from posttrainllm.opdefs import attention, decode_attention, matmul
+from posttrainllm.ops.attention import definition as attention
+from posttrainllm.ops.decode_attention import definition as decode_attention
+from posttrainllm.ops.matmul import definition as matmul
 from posttrainllm.track.report import point_table
 
 ATTENTION = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]"]
@@ -103,7 +105,7 @@ def test_a_triton_path_whose_backward_falls_back_to_pytorch_is_caught(tmp_path, 
 
 def test_one_helper_launch_is_not_proof_of_the_named_kernels():
     """A path that launches only a helper kernel (MoE's un-permute, say) does not pass the launch proof."""
-    from posttrainllm.ops.matmul import triton_matmul
+    from posttrainllm.ops.matmul.kernels import triton_matmul
 
     a, b = torch.randn(20, 16), torch.randn(16, 24)
     _, violations = run_guarded(lambda: {"out": triton_matmul(a, b, block_m=16, block_n=16, block_k=16)},

@@ -11,7 +11,7 @@ from conftest import parity_report
 
 from posttrainllm.lab.configure import load
 from posttrainllm.lab import sweep
-from posttrainllm.opdefs import get_op
+from posttrainllm.ops.registry import get_op
 
 ATTENTION = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "architecture=gqa"]
 CROSS_ENTROPY = ["op=cross_entropy", "device=cpu", "parity.seeds=[0]"]
@@ -62,7 +62,7 @@ def test_the_noncausal_point_checks_the_causal_training_shape():
 
 
 def test_a_decode_path_that_ignores_sm_scale_fails(tmp_path):
-    deaf = _user(tmp_path, "deaf", "from posttrainllm.ops.reference import chunk_attention\n\n\n"
+    deaf = _user(tmp_path, "deaf", "from posttrainllm.ops.decode_attention.reference import chunk_attention\n\n\n"
                  "def deaf(q, k, v, *, sm_scale):\n    return chunk_attention(q, k, v)\n")
     cfg = load(["op=decode_attention", "device=cpu", "parity.seeds=[0]", "shape.decode_kv_len=100",
                 "shape.decode_q_lens=[1,4]", "shape.decode_kv_lens=[1,100]", f"op.user_impls=[{deaf}]"])

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from posttrainllm import cli
-from posttrainllm.opdefs import attention
+from posttrainllm.ops.attention import definition as attention
 
 
 @pytest.fixture
@@ -155,7 +155,7 @@ def test_bench_train_reports_drift_within_contract(trained):
 
 
 def test_bench_train_drift_beyond_contract_fails(workdir, monkeypatch, capsys):
-    from posttrainllm.opdefs.base import ModelHooks
+    from posttrainllm.ops.base import ModelHooks
 
     # parity checks the registry function; here only the model's hook is wrong, so only drift can catch it
     hooks = attention.OP.model_hooks

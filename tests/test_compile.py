@@ -49,6 +49,11 @@ def test_an_ieee_fp32_dot_uses_no_tensor_cores_and_the_launch_is_specialized(fp3
     assert forward["constexprs"]["stride_ak"] == 1 and forward["specialization"]["a_ptr"] == "16-divisible"
     assert all(set(r["global_loads"]) == {"128"} and r["async_copy"] == "cp.async" for r in rows), rows
     assert report["paths"]["torch"]["note"] == compiling.NOT_TRITON
+    # the op's one shared-memory formula at the point's tile (ops/matmul/config.py), beside what each kernel holds
+    from posttrainllm.ops.matmul.config import point_smem_bytes
+
+    assert report["smem_bytes"] == {"per_program": point_smem_bytes(_lab("op=matmul", "precision=fp32")),
+                                    "rule": compiling.SMEM_RULE}
 
 
 def test_without_the_launch_specialization_the_same_kernel_loads_scalars(fp32_matmul):
@@ -68,14 +73,14 @@ def test_bf16_compiles_to_warpgroup_mma_with_cp_async_and_128_bit_loads():
     for name in ("_attn_fwd_kernel", "_attn_bwd_dkdv", "_attn_bwd_dq"):
         assert kernels[name]["tensor_cores"] == "wgmma" and kernels[name]["async_copy"] == "cp.async", kernels[name]
     assert all(r["registers"] > 0 and r["ctas_per_sm"] >= 1 and r["source_sha256"] for r in rows)
-    assert kernels["_attn_fwd_kernel"]["file"] == "posttrainllm/ops/attention.py"
+    assert kernels["_attn_fwd_kernel"]["file"] == "posttrainllm/ops/attention/kernels.py"
 
 
 # The forward alone, recorded and compiled in Triton's compiler mode (a child: this process runs the interpreter)
 FORWARD_B128_D128 = """
 import json, torch
 from posttrainllm.lab.compile import compile_launches, recording
-from posttrainllm.ops.attention import triton_attention
+from posttrainllm.ops.attention.kernels import triton_attention
 q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
 with recording() as launches:
     for warps in (4, 8):
@@ -86,10 +91,10 @@ print("ROWS", json.dumps(compile_launches("triton", launches, ["sm90"])))
 
 def test_the_register_rule_agrees_with_the_counters_on_the_forward_at_128_queries_and_head_dim_128():
     """The GPU sweep's tile-b128 forward (bf16, D 128): on 4 warps 255 registers and a spill on sm90, on 8 none. The
-    launcher runs the warps it is given; the autotune spaces' register rule (ops/attention.py tile_words against
+    launcher runs the warps it is given; the autotune spaces' register rule (ops/attention/kernels.py tile_words against
     REGISTER_BUDGET) must say the same: over the budget on 4 warps, within it on 8 (conf/sweep/gpu.yaml's b128 point
     runs on w8s3 for this)."""
-    from posttrainllm.ops import attention
+    from posttrainllm.ops.attention import kernels as attention
 
     done = subprocess.run([sys.executable, "-c", FORWARD_B128_D128], env={**os.environ, "TRITON_INTERPRET": "0"},
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -284,14 +289,14 @@ def test_under_auto_our_launchers_offer_the_candidates_a_gpu_of_each_target_woul
     import subprocess
     import sys
 
-    from posttrainllm.ops.matmul import MATMUL_SPACE, matmul_smem_bytes
+    from posttrainllm.ops.matmul.kernels import MATMUL_SPACE, matmul_smem_bytes
 
     code = """
 import json, torch
 from posttrainllm.lab.compile import recording
 from posttrainllm.measure.sass import TARGETS
-from posttrainllm.ops.attention import autotune_for_target
-from posttrainllm.ops.matmul import triton_matmul
+from posttrainllm.ops.attention.kernels import autotune_for_target
+from posttrainllm.ops.matmul.kernels import triton_matmul
 a, b = torch.empty(128, 128), torch.empty(128, 128)
 seen = {}
 for name in ("sm80", "sm90", None):

@@ -89,3 +89,27 @@ def test_a_bad_max_error_only_override_is_refused_naming_the_valid_outputs(overr
     with pytest.raises(ConfigError) as err:
         load(overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("op, overrides, kernel_name", [
+    ("attention", ["tile=b64", "workgroup=w8s3", "architecture=hd64", "shape.seq_len=128"], "attention_smem_bytes"),
+    ("matmul", ["op=matmul", "tile=b64", "workgroup=w8s3"], "matmul_smem_bytes"),
+])
+def test_shared_memory_per_program_is_one_formula_read_by_kernel_check_and_compile_report(op, overrides, kernel_name):
+    """ops/<op>/config.py `smem_bytes`: the autotuner's pruning (kernels.py), the config check's refusal and the
+    compile report's estimate (OpDef.smem_bytes) are the same function at the same point."""
+    import importlib
+
+    from posttrainllm.ops.registry import get_op
+
+    config = importlib.import_module(f"posttrainllm.ops.{op}.config")
+    kernels = importlib.import_module(f"posttrainllm.ops.{op}.kernels")
+    assert getattr(kernels, kernel_name) is config.smem_bytes
+    cfg = load(overrides)
+    needed = get_op(op).smem_bytes(cfg)
+    assert needed == config.point_smem_bytes(cfg) > 0
+    load([*overrides, f"device.smem_bytes={needed}"])  # exactly enough passes ...
+    with pytest.raises(ConfigError, match=rf"needs {needed} B of shared memory per program, over "
+                                          rf"device.smem_bytes={needed - 1}$"):
+        load([*overrides, f"device.smem_bytes={needed - 1}"])  # ... one byte less is refused
+

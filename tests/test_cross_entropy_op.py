@@ -1,7 +1,7 @@
 """op=cross_entropy through the generic stages, planted bugs in the Triton source, the memory the microbench
 measures, and the model's fused loss.
 
-Planted bugs mutate one line of posttrainllm/ops/cross_entropy.py (imported from a copy, as tests/test_parity.py
+Planted bugs mutate one line of posttrainllm/ops/cross_entropy/kernels.py (imported from a copy, as tests/test_parity.py
 does); the test first checks that line exists exactly once. Each precision's run checks every bug at once, one
 path per mutant, so the reference stage runs once.
 """
@@ -20,7 +20,8 @@ from posttrainllm.lab.configure import load
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.model.train import Variant, bench_train
 from posttrainllm.model.transformer import ModelConfig, Transformer
-from posttrainllm.opdefs import cross_entropy, get_op
+from posttrainllm.ops.registry import get_op
+from posttrainllm.ops.cross_entropy import definition as cross_entropy
 
 # one seed, no edge sizes: 32 tokens in two chunks of 16, V = 1000 off the 512 block; the point's case, a wholly
 # ignored chunk, logits of ~1e5

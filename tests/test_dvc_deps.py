@@ -31,7 +31,7 @@ from posttrainllm.track import stamp
 
 POINT = "baseline"
 MATMUL = "op-matmul"  # a point of another op: its kernel is not attention's
-MOE = "op-moe"  # one more op, up to parity: its paths depend on its shape (opdefs/moe.py probes grouped_mm)
+MOE = "op-moe"  # one more op, up to parity: its paths depend on its shape (ops/moe/definition.py probes grouped_mm)
 POINT_STAGES = sweep.POINT_STAGES
 KERNEL_STAGES = sweep.KERNEL_STAGES  # the stages that run the op's Triton path
 ALWAYS_CHANGED = {"device", "inputs"}  # dvc.yaml: they run on every `dvc repro`
@@ -243,8 +243,8 @@ def test_every_stage_depends_on_every_module_it_loads(project, dvc, plan, stamps
     for stage in ("device", "calibrate", "inputs"):
         out = str(tmp_path / ("runs/inputs" if stage == "inputs" else f"{stage}.json"))
         loaded[POINT, stage] = set(_imports_of(root, env, f"pipelines/{stage}.py", out))
-    assert "posttrainllm/ops/attention.py" in loaded[POINT, "microbench"]  # the GPU path: what was missed before
-    assert "posttrainllm/ops/matmul.py" in loaded[MATMUL, "microbench"]
+    assert "posttrainllm/ops/attention/kernels.py" in loaded[POINT, "microbench"]  # the GPU path: what was missed before
+    assert "posttrainllm/ops/matmul/kernels.py" in loaded[MATMUL, "microbench"]
 
     for (point, stage), sources in loaded.items():
         assert f"pipelines/{stage}.py" in sources
@@ -262,8 +262,8 @@ def test_the_timed_stages_were_missing_the_kernels_and_their_params(dvc, plan, g
     """The bug this guards against: microbench and bench_train without the op's kernel and the tile params."""
     for stage, made in gpu_like_stamps.items():
         spec = stage_spec(dvc, stage, POINT, plan)
-        deps_before = without(spec, "deps", "posttrainllm/ops/attention.py")["deps"]
-        assert "posttrainllm/ops/attention.py" in uncovered_sources(made["sources"], deps_before)
+        deps_before = without(spec, "deps", "posttrainllm/ops/attention/kernels.py")["deps"]
+        assert "posttrainllm/ops/attention/kernels.py" in uncovered_sources(made["sources"], deps_before)
         params_before = without(spec, "params", f"points.{POINT}.config.tile")["params"]
         assert {"tile.block_q", "tile.block_kv"} <= set(uncovered_keys(made["config_keys"], params_before)), stage
 
@@ -271,7 +271,7 @@ def test_the_timed_stages_were_missing_the_kernels_and_their_params(dvc, plan, g
 @pytest.mark.slow
 def test_a_point_stage_lists_an_ops_kernel_file_exactly_where_it_runs_it(plan, stamps, gpu_like_stamps, matmul_stamps,
                                                                         moe_stamps):
-    """What was seen: after an edit of ops/attention.py, `dvc status` listed microbench and bench_train of
+    """What was seen: after an edit of ops/attention/kernels.py, `dvc status` listed microbench and bench_train of
     every point, op-matmul's too, though its stamps showed no attention kernel loaded."""
     ran = {POINT: {stage: [stamps[stage], *([gpu_like_stamps[stage]] if stage in gpu_like_stamps else [])]
                    for stage in POINT_STAGES},
@@ -280,8 +280,8 @@ def test_a_point_stage_lists_an_ops_kernel_file_exactly_where_it_runs_it(plan, s
         for stage, made in by_stage.items():
             loaded = {f for m in made for f in m["sources"] if f.startswith("posttrainllm/ops/")}
             assert listed_kernels(plan, point, stage) == loaded, (point, stage)
-    assert "posttrainllm/ops/attention.py" not in listed_kernels(plan, MATMUL, "microbench")
-    assert "posttrainllm/ops/attention.py" in listed_kernels(plan, MATMUL, "kernel")  # its launch geometry's note
+    assert "posttrainllm/ops/attention/kernels.py" not in listed_kernels(plan, MATMUL, "microbench")
+    assert "posttrainllm/ops/attention/kernels.py" in listed_kernels(plan, MATMUL, "kernel")  # its launch geometry's note
 
 
 # --- (b) params cover every config key a stage reads ---------------------------------------------
@@ -357,12 +357,12 @@ def test_an_edit_reruns_the_stages_that_run_the_edited_file_and_no_others(projec
         return at_once, listed, changed
 
     assert status() <= ALWAYS_CHANGED  # everything else is up to date
-    at_once, listed, changed = after_editing("posttrainllm/ops/attention.py")
-    assert at_once == {f"kernel@{POINT}", f"microbench@{POINT}", f"bench_train@{POINT}"}  # they name ops/<op>.py
+    at_once, listed, changed = after_editing("posttrainllm/ops/attention/kernels.py")
+    assert at_once == {f"kernel@{POINT}", f"microbench@{POINT}", f"bench_train@{POINT}"}  # they name ops/<op>/kernels.py
     assert listed == at_once | {f"kernel@{MATMUL}"}  # op-matmul's launch geometry reads the module's note
     assert changed == {f"{point}/{stage}.json" for point in (POINT, "precision-fp16") for stage in KERNEL_STAGES} | {
         f"{MATMUL}/kernel.json"}
-    at_once, listed, changed = after_editing("posttrainllm/ops/matmul.py")
+    at_once, listed, changed = after_editing("posttrainllm/ops/matmul/kernels.py")
     assert at_once == listed == {f"kernel@{MATMUL}"}  # its timed stages did not run in this copy
     assert changed == {f"{MATMUL}/{stage}.json" for stage in KERNEL_STAGES}
     assert status() <= ALWAYS_CHANGED
@@ -382,14 +382,14 @@ def test_an_edit_changes_the_inputs_of_the_default_sweeps_points_that_run_it_and
     assert {"attention", "matmul", "decode_attention", "moe"} <= set(ops.values())
     before = inputs()
     for kernel in ("attention", "matmul", "decode_attention", "moe"):
-        path = tmp_path / "posttrainllm" / "ops" / f"{kernel}.py"
+        path = tmp_path / "posttrainllm" / "ops" / kernel / "kernels.py"
         original = path.read_text()
         path.write_text(original + "# a speed-only edit\n")
         after = inputs()
         path.write_text(original)
         changed = {key for key in before if after[key] != before[key]}
         expected = {(name, stage) for name, op in ops.items() if op == kernel for stage in KERNEL_STAGES}
-        if kernel == "attention":  # opdefs/matmul.py's launch geometry reads ops/attention.py's AUTO_CPU_NOTE
+        if kernel == "attention":  # ops/matmul/definition.py's launch geometry reads ops/attention/kernels.py's AUTO_CPU_NOTE
             expected |= {(name, "kernel") for name, op in ops.items() if op == "matmul"}
         assert changed == expected, kernel
     assert inputs() == before
@@ -402,7 +402,7 @@ def test_point_stages_depend_on_their_inputs_file_which_every_repro_rewrites():
         assert spec["deps"][0] == f"runs/inputs/${{key}}/{stage}.json"
         # the code and the config reach a point stage through its inputs file, and its op's kernel by name too
         code = [d for d in spec["deps"] if d.startswith(("posttrainllm", "pipelines", "conf", "params"))]
-        assert code == (["posttrainllm/ops/${item.config.op.name}.py"] if stage in KERNEL_STAGES else []), stage
+        assert code == (["posttrainllm/ops/${item.config.op.name}/kernels.py"] if stage in KERNEL_STAGES else []), stage
         assert "params" not in spec, stage
     inputs = dvc["stages"]["inputs"]
     assert inputs["always_changed"] is True and inputs["outs"] == [{"runs/inputs": {"cache": False}}]
@@ -413,14 +413,14 @@ def test_point_stages_depend_on_their_inputs_file_which_every_repro_rewrites():
 
 
 def test_check_inputs_refuses_a_file_or_a_key_the_inputs_file_does_not_list():
-    made = {"stage": "kernel", "sources": {"pipelines/kernel.py": "a" * 64, "posttrainllm/ops/matmul.py": "b" * 64},
+    made = {"stage": "kernel", "sources": {"pipelines/kernel.py": "a" * 64, "posttrainllm/ops/matmul/kernels.py": "b" * 64},
             "config_keys": ["tile.block_m", "op.name"]}
-    listed = {"sources": {"pipelines/kernel.py": "a" * 64, "posttrainllm/ops/matmul.py": "c" * 64},
+    listed = {"sources": {"pipelines/kernel.py": "a" * 64, "posttrainllm/ops/matmul/kernels.py": "c" * 64},
               "params": {"config.tile": {}, "config.op": {}}}
     stamp.check_inputs(made, listed, "runs/inputs/x/kernel.json")  # the hashes may differ: a set check
     stamp.check_inputs({**made, "config_keys": None}, listed, "here")  # a timed stage's reads unrecorded
     fewer = {**listed, "sources": {"pipelines/kernel.py": "a" * 64}}
-    with pytest.raises(stamp.StampMismatch, match=r"^stage kernel ran with posttrainllm/ops/matmul.py, which "
+    with pytest.raises(stamp.StampMismatch, match=r"^stage kernel ran with posttrainllm/ops/matmul/kernels.py, which "
                                                   r"runs/inputs/x/kernel.json does not list: DVC would not rerun"):
         stamp.check_inputs(made, fewer, "runs/inputs/x/kernel.json")
     with pytest.raises(stamp.StampMismatch, match=r"ran with config key tile.block_m, which here does not list"):
@@ -431,7 +431,7 @@ def test_a_point_stage_that_ran_code_its_inputs_file_does_not_list_exits_2(plann
     from posttrainllm.lab import pipeline
 
     monkeypatch.setattr(pipeline, "_stage", lambda name: lambda cfg, sweep_: None)
-    loaded = {"pipelines/parity.py": "a" * 64, "posttrainllm/ops/matmul.py": "b" * 64}
+    loaded = {"pipelines/parity.py": "a" * 64, "posttrainllm/ops/matmul/kernels.py": "b" * 64}
     monkeypatch.setattr(stamp, "stage_sources", lambda stage, root=PROJECT_ROOT: dict(loaded))
     inputs = planned / "runs" / "inputs" / POINT / "parity.json"
     inputs.parent.mkdir(parents=True)
@@ -440,7 +440,7 @@ def test_a_point_stage_that_ran_code_its_inputs_file_does_not_list_exits_2(plann
     assert pipeline.run_stage("parity", [POINT]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines()
              if not line.endswith(" ...") and " ... [sweep: " not in line]  # the stage's start line
-    assert lines == [f"posttrainllm: parity {POINT}: stage parity ran with posttrainllm/ops/matmul.py, which "
+    assert lines == [f"posttrainllm: parity {POINT}: stage parity ran with posttrainllm/ops/matmul/kernels.py, which "
                      f"runs/inputs/{POINT}/parity.json does not list: DVC would not rerun it when that changes; "
                      "add it to posttrainllm/lab/sweep.py `stage_deps`, then `dvc repro`"]
     inputs.write_text(json.dumps({"sources": loaded, "params": {"config": {}}}))
@@ -450,7 +450,7 @@ def test_a_point_stage_that_ran_code_its_inputs_file_does_not_list_exits_2(plann
 def test_an_inputs_file_names_a_missing_source_in_one_line(tmp_path):
     point = {"changes": {}, "config": {"op": {"name": "nosuchop"}, "tile": {"name": "b32"},
                                        "workgroup": {"name": "w4s2"}}}
-    with pytest.raises(ConfigError, match=r"^posttrainllm/ops/nosuchop.py: not found under .*, but a point stage "
+    with pytest.raises(ConfigError, match=r"^posttrainllm/ops/nosuchop/kernels.py: not found under .*, but a point stage "
                                           r"depends on it \(posttrainllm/lab/sweep.py `stage_deps`\)$"):
         sweep.stage_inputs("p", "kernel", point, PROJECT_ROOT)
 
@@ -480,7 +480,7 @@ def heads_stamps(project):
     triton = stamp.read_stamps(out / HEADS_ITEM)["decode"]
     _run([a.format("decode") for a in run], root, env)  # the default (reference) last: its receipt stays
     made = {stage: stamp.read_stamps(out / folder)[stage] for stage, folder in HEADS_STAGES.items()}
-    assert "posttrainllm/ops/decode_attention.py" in triton["sources"] and "tile.block_q" in triton["config_keys"]
+    assert "posttrainllm/ops/decode_attention/kernels.py" in triton["sources"] and "tile.block_q" in triton["config_keys"]
     return {stage: [made[stage], *([triton] if stage == "decode" else [])] for stage in HEADS_STAGES}
 
 
@@ -594,7 +594,7 @@ def test_receipt_stage_refuses_stamps_that_disagree_about_shared_code(planned, c
     from posttrainllm.lab.pipeline import run_stage
 
     folder = planned / "runs" / POINT
-    shared = "posttrainllm/ops/attention.py"
+    shared = "posttrainllm/ops/attention/kernels.py"
     stamp.write_stamp(folder, _stamp("kernel", {shared: "a" * 64, "posttrainllm/config.py": "c" * 64}))
     stamp.write_stamp(folder, _stamp("microbench", {shared: "b" * 64, "posttrainllm/config.py": "c" * 64}))
 
@@ -687,7 +687,7 @@ def test_the_checks_report_what_is_missing():
         "params": ["points.${key}.config.tile", {"conf/config.yaml": ["bench.threads"]}]}}}}
     spec = stage_spec(dvc, "s")
     assert spec["params"] == [f"points.{POINT}.config.tile", "conf/config.yaml:bench.threads"]
-    assert uncovered_sources(["posttrainllm/ops/attention.py", "posttrainllm/opsx.py"], spec["deps"]) == [
+    assert uncovered_sources(["posttrainllm/ops/attention/kernels.py", "posttrainllm/opsx.py"], spec["deps"]) == [
         "posttrainllm/opsx.py"]
     assert uncovered_keys(["tile.block_q", "tiles.x", "workgroup.num_warps"], spec["params"]) == [
         "tiles.x", "workgroup.num_warps"]

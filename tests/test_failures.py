@@ -14,7 +14,7 @@ from posttrainllm.config import PROJECT_ROOT
 from posttrainllm.lab import parity
 from posttrainllm.track import failures
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import matmul
+from posttrainllm.ops.matmul import definition as matmul
 
 MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[]", "shape.m=64", "shape.n=64",
           "shape.k=64"]

@@ -1,8 +1,8 @@
 """precision=fp8 / fp8_rowwise for op=matmul: the scaling recipe, the quantized contract, the paths, planted bugs
 (op=moe's: tests/test_fp8_moe.py).
 
-The kernel's bugs are one-line mutations of posttrainllm/ops/fp8_matmul.py; saturating instead of scaling is one of
-the quantization helper in posttrainllm/ops/reference.py, caught by the quantization's own SQNR (the paths, which
+The kernel's bugs are one-line mutations of posttrainllm/ops/matmul/fp8.py; saturating instead of scaling is one of
+the quantization helper in posttrainllm/ops/quantize.py, caught by the quantization's own SQNR (the paths, which
 all see the same badly quantized inputs, still pass).
 """
 
@@ -16,9 +16,10 @@ from posttrainllm import cli
 from posttrainllm.config import ConfigError, Contract
 from posttrainllm.lab import parity, stages
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import OPS, matmul
-from posttrainllm.opdefs.base import Case
-from posttrainllm.ops import reference
+from posttrainllm.ops.registry import OPS
+from posttrainllm.ops.matmul import definition as matmul
+from posttrainllm.ops.base import Case
+from posttrainllm.ops import quantize as reference
 
 SMALL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "tile=b32", "shape.m=64", "shape.n=64", "shape.k=64",
          "shape.edge_mnk=[[41,77,33]]"]
@@ -26,7 +27,7 @@ SMALL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "tile=b32", "shape.m=64"
 pytestmark = pytest.mark.usefixtures("without_compile_child")
 
 
-# --- the scaling recipe (posttrainllm/ops/reference.py) -----------------------------------------
+# --- the scaling recipe (posttrainllm/ops/quantize.py) -----------------------------------------
 
 
 def test_fp8_scale_maps_each_groups_amax_to_448_and_dequantizes_within_e4m3s_rounding():
@@ -170,7 +171,7 @@ def test_planted_fp8_kernel_bug_is_caught(bug, tmp_path, monkeypatch, shared_ref
 
 
 def test_saturating_instead_of_scaling_is_caught_by_the_quantization_sqnr(tmp_path, monkeypatch):
-    mutant = kernel_mutant(tmp_path, "reference",
+    mutant = kernel_mutant(tmp_path, "quantize",
                            "return (x.float() * scale.reciprocal()).clamp(-fp8_max, fp8_max).to(fp8_dtype)",
                            "return x.float().clamp(-fp8_max, fp8_max).to(fp8_dtype)")
     monkeypatch.setattr(reference, "quantize_fp8", mutant.quantize_fp8)
@@ -254,7 +255,7 @@ def test_an_fp8_points_roofline_is_drawn_against_the_fp8_peak_or_none(tmp_path):
 
 
 def test_an_fp8_points_stages_depend_on_both_kernel_modules_and_the_quality_base():
-    """ops/fp8_matmul.py imports ops/matmul.py (its grouped tile and launch): a stage that runs it loads both,
+    """ops/matmul/fp8.py imports ops/matmul/kernels.py (its grouped tile and launch): a stage that runs it loads both,
     so an edit to either reruns it. bench_train reads no heads key: the DVC stage takes the draft-heads base from
     the train_base stage's folder (dvc.yaml lists it), not from heads.out_dir, which no point carries."""
     from posttrainllm.config import point_config
@@ -263,5 +264,5 @@ def test_an_fp8_points_stages_depend_on_both_kernel_modules_and_the_quality_base
     point = {"config": point_config(load(["op=matmul", "precision=fp8", "tile=b32"]))}
     for stage in ("kernel", "microbench", "bench_train"):
         sources = stage_deps(stage, point)["sources"]
-        assert {"posttrainllm/ops/fp8_matmul.py", "posttrainllm/ops/matmul.py"} <= set(sources), stage
+        assert {"posttrainllm/ops/matmul/fp8.py", "posttrainllm/ops/matmul/kernels.py"} <= set(sources), stage
     assert not [key for key in stage_deps("bench_train", point)["params"] if key.startswith("config.heads")]

@@ -1,7 +1,7 @@
 """precision=fp8 / fp8_rowwise for op=moe: the recipe of its expert GEMMs, the paths, planted bugs, the refusals.
 
-The kernel's bugs are one-line mutations of posttrainllm/ops/fp8_moe.py (imported from a copy: conftest.kernel_mutant);
-saturating instead of scaling is one of the quantization helper in posttrainllm/ops/reference.py, caught by the
+The kernel's bugs are one-line mutations of posttrainllm/ops/moe/fp8.py (imported from a copy: conftest.kernel_mutant);
+saturating instead of scaling is one of the quantization helper in posttrainllm/ops/quantize.py, caught by the
 quantization's own SQNR (every path sees the same badly quantized inputs and quantizes h the same way).
 """
 
@@ -15,9 +15,11 @@ from posttrainllm import cli
 from posttrainllm.config import ConfigError
 from posttrainllm.lab import stages
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import moe
-from posttrainllm.opdefs.base import Case
-from posttrainllm.ops import reference
+from posttrainllm.ops.moe import definition as moe
+from posttrainllm.ops.base import Case
+from posttrainllm.ops.moe import reference as moe_reference
+from posttrainllm.ops import quantize
+from posttrainllm.ops.swiglu import reference as swiglu_reference
 
 # one seed, no edge sizes: the point's 24 tokens, every token on expert 0, an empty expert, top-k = E
 QUICK = ["op=moe", "device=cpu", "parity.seeds=[0]", "shape.moe_tokens=24", "shape.moe_edge=[]", "tile=b32"]
@@ -31,7 +33,7 @@ def _case(scaling: str, seed: int = 0, **dims: int) -> Case:
     return Case("c", seed, d, True, quantize=f"float8_e4m3fn:{scaling}")
 
 
-# --- the recipe (posttrainllm/ops/reference.py fp8_moe, opdefs/moe.py make_inputs) ------------------------------
+# --- the recipe (posttrainllm/ops/moe/reference.py fp8_moe, ops/moe/definition.py make_inputs) ------------------------------
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
@@ -49,7 +51,7 @@ def test_inputs_are_quantized_per_expert_and_the_routing_is_the_unquantized_case
         group = None if scaling == "tensor" and name == "x" else 1 if scaling == "row" else (1, 2)
         amax = q.float().abs().amax() if group is None else q.float().abs().amax(dim=group, keepdim=True)
         assert tuple(amax.shape) == shape and torch.equal(amax, torch.full_like(amax, 448.0))
-        back = reference.dequantize_fp8(q, scale, torch.float64)
+        back = quantize.dequantize_fp8(q, scale, torch.float64)
         assert (back - plain[name].double()).abs().max() <= 2 ** -4 * plain[name].double().abs().max()
     assert moe._router_check(case, x, load(["op=moe", "precision=fp8"]))["verdict"] == "pass"
 
@@ -60,20 +62,20 @@ def test_the_reference_quantizes_h_over_the_routed_rows_as_a_grouped_gemm_does(s
     per row or with one scale over every routed row (T·k rows: not the dense E·T), then the routing weight."""
     case = _case(scaling, seed=2, tokens=9)
     x = stages.cast_floats(moe.OP.make_inputs(case, torch.bfloat16, "cpu"), torch.float64)
-    deq = {name: reference.dequantize_fp8(x[name], x[f"{name}_scale"], torch.float64)
+    deq = {name: quantize.dequantize_fp8(x[name], x[f"{name}_scale"], torch.float64)
            for name in ("x", "w_gate", "w_up", "w_down")}
     idx, weight = x["route_idx"], x["route_weight"]
     token, slot = torch.nonzero(idx >= 0, as_tuple=True)  # every (token, slot), token-major
     expert = idx[token, slot]
     rows = deq["x"][token]  # (T·k, d)
-    h = torch.stack([reference.swiglu(r @ deq["w_gate"][e], r @ deq["w_up"][e]) for r, e in zip(rows, expert)])
-    dense = reference.swiglu(deq["x"] @ deq["w_gate"], deq["x"] @ deq["w_up"])  # (E, T, f): every expert, every token
+    h = torch.stack([swiglu_reference.swiglu(r @ deq["w_gate"][e], r @ deq["w_up"][e]) for r, e in zip(rows, expert)])
+    dense = swiglu_reference.swiglu(deq["x"] @ deq["w_gate"], deq["x"] @ deq["w_up"])  # (E, T, f): every expert, every token
     assert dense.abs().max() > 1.4 * h.abs().max()  # this seed: the dense h's amax is in a row no token routed
-    h_scale = reference.fp8_scale(h, 1 if scaling == "row" else None)  # (T·k, 1) or one over the routed rows
-    h = reference.dequantize_fp8(reference.quantize_fp8(h, h_scale), h_scale, torch.float64)
+    h_scale = quantize.fp8_scale(h, 1 if scaling == "row" else None)  # (T·k, 1) or one over the routed rows
+    h = quantize.dequantize_fp8(quantize.quantize_fp8(h, h_scale), h_scale, torch.float64)
     y = torch.stack([hr @ deq["w_down"][e] for hr, e in zip(h, expert)]) * weight[token, slot, None]
     want = torch.zeros_like(deq["x"]).index_add(0, token, y)
-    got = reference.fp8_moe(*(x[name] for name in moe.FP8_INPUTS))
+    got = moe_reference.fp8_moe(*(x[name] for name in moe.FP8_INPUTS))
     assert got.dtype == torch.float64 and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -154,10 +156,10 @@ def test_planted_fp8_moe_kernel_bug_is_caught(bug, tmp_path, monkeypatch, shared
 
 
 def test_saturating_instead_of_scaling_is_caught_by_the_quantization_sqnr(tmp_path, monkeypatch):
-    mutant = kernel_mutant(tmp_path, "reference",
+    mutant = kernel_mutant(tmp_path, "quantize",
                            "return (x.float() * scale.reciprocal()).clamp(-fp8_max, fp8_max).to(fp8_dtype)",
                            "return x.float().clamp(-fp8_max, fp8_max).to(fp8_dtype)")
-    monkeypatch.setattr(reference, "quantize_fp8", mutant.quantize_fp8)
+    monkeypatch.setattr(quantize, "quantize_fp8", mutant.quantize_fp8)
     report = parity_report(load([*QUICK, "precision=fp8"]), tmp_path / "point")
     assert report["verdict"] == "fail" and report["first_failure"].startswith("quantization: ")
     assert report["quantization"]["sqnr_db"] < 1  # the dequantized operands are amax/448 of the true ones
@@ -224,7 +226,7 @@ def test_torch_scaled_grouped_mm_is_absent_and_named_and_the_costs_count_one_byt
 
 
 def test_the_kernel_refuses_scales_of_neither_recipe():
-    from posttrainllm.ops.fp8_moe import fp8_moe
+    from posttrainllm.ops.moe.fp8 import fp8_moe
 
     x = moe.OP.make_inputs(_case("row"), torch.bfloat16, "cpu")
     args = [x[name] for name in moe.FP8_INPUTS]

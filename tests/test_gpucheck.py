@@ -16,7 +16,7 @@ from posttrainllm.config import PROJECT_ROOT
 
 from posttrainllm.lab.configure import load, validate
 from posttrainllm.lab import sweep
-from posttrainllm.opdefs import get_op
+from posttrainllm.ops.registry import get_op
 
 
 FP8 = "op-matmul_tile-b128_precision-fp8"
@@ -56,7 +56,7 @@ def test_the_gpu_plan_is_the_issues_run_one_dimension_at_a_time(gpu_plan, monkey
     # fp8: per-tensor scaled e4m3 at M=N=K = 4096 and 8192 on a fixed Hopper-sized tile, against torch._scaled_mm
     # (where it runs: probed on the device, absent here), every path forward-only in the microbench, trained by the fp8 recipe
     from posttrainllm.lab import approval
-    from posttrainllm.opdefs import matmul as matmul_op
+    from posttrainllm.ops.matmul import definition as matmul_op
 
     fp8 = labs[FP8]
     assert (fp8.op.name, fp8.precision.name, fp8.precision.quantize.recipe) == ("matmul", "fp8",
@@ -157,7 +157,7 @@ def test_budget_skips_whole_points(tmp_path, calibration):
 def test_sdpa_backends_are_probed_at_the_kernel_stages_lengths_on_cuda(gpu_plan):
     """On the GPU a backend is probed at every length the kernel stage runs (S=1, S=1000 are off every tile), so
     one that refuses an edge length is absent, not a failed path; the CPU keeps its one small probe."""
-    from posttrainllm.opdefs.attention import _probe_lengths
+    from posttrainllm.ops.attention.definition import _probe_lengths
 
     lab = validate(gpu_plan["points"]["baseline"]["config"])
     assert _probe_lengths(lab, "cuda") == (1, 64, 1000, 4096)

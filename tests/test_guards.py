@@ -59,7 +59,7 @@ def test_a_path_that_raises_is_reported_not_raised(inputs):
 
 
 def test_triton_matmul_counts_its_launch():
-    from posttrainllm.ops.matmul import triton_matmul
+    from posttrainllm.ops.matmul.kernels import triton_matmul
 
     a, b = torch.randn(20, 16), torch.randn(16, 24)
     with count_triton_launches() as launches:
@@ -82,7 +82,7 @@ def test_counters_nest_and_restore_what_they_patch():
     import triton
     from triton.runtime.interpreter import InterpretedFunction
 
-    from posttrainllm.ops.matmul import triton_matmul
+    from posttrainllm.ops.matmul.kernels import triton_matmul
 
     run_before, hooks_before = InterpretedFunction.run, list(triton.knobs.runtime.launch_enter_hook.calls)
     a = torch.randn(16, 16)

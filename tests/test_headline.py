@@ -74,8 +74,8 @@ def test_the_headline_figures_come_from_the_receipts():
     assert ("torch.compile 1.80 ms forward (its first call, the compile, 3.1 s; 0.70x the reference forward + backward), reference "
             "2.00 ms") in rows
     assert "| attention in a training step; Amdahl | sdpa: attention is 11% of the measured training step" in rows
-    assert "| decode attention (op-decode_attention, B1 Hq4 C1024) | SDPA 2.58x the readable math forward |" in rows
-    assert "| matmul (op-matmul, M128 N128 K128) | torch 1.02x the reference forward |" in rows
+    assert "| op=decode_attention (op-decode_attention, B1 Hq4 C1024) | sdpa 2.58x the reference forward |" in rows
+    assert "| op=matmul (op-matmul, M128 N128 K128) | torch 1.02x the reference forward |" in rows
     assert figs["failed"] == [] and "all 3 points passed. No figure is flagged." in headline.source_line(figs)
     assert "(baseline, op-decode_attention, op-matmul) of revision abcdef0" in headline.source_line(figs)
 

@@ -56,7 +56,7 @@ def test_the_command_runs_base_heads_decode_and_writes_a_receipt(run, capsys):
     assert "measured" in receipt["decode"]["speedup"]["trained"] and receipt["decode"]["speedup"]["why"]
     metrics = json.loads((out / "k2" / "metrics.json").read_text())
     assert "decode.trained.mean_accepted_length" in metrics and "heads.head2.top5" in metrics
-    assert receipt["decode"]["attention"] == {"path": "reference", "backend": "posttrainllm.ops.reference."
+    assert receipt["decode"]["attention"] == {"path": "reference", "backend": "posttrainllm.ops.decode_attention.reference."
                                               "chunk_attention", "triton_interpreted": False, "timed": True}
     cache = {name: v["peak_memory"]["kv_cache_bytes"] for name, v in variants.items()}
     per_position = 2 * 2 * 4 * 16 * 4  # K and V, 2 layers, 4 KV heads, head_dim 16, fp32

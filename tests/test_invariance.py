@@ -15,7 +15,7 @@ from posttrainllm.lab import invariance
 from posttrainllm.lab.configure import load
 from posttrainllm.lab.stages import upstream_gradient
 from posttrainllm.lab.sweep import stage_deps
-from posttrainllm.opdefs import case_config, get_op
+from posttrainllm.ops.registry import case_config, get_op
 from posttrainllm.track import receipt as receipts
 from posttrainllm.track.report import held
 

@@ -19,7 +19,7 @@ import torch
 
 from posttrainllm.lab import runner, stages
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import REFERENCE, Case, case_config, get_op
+from posttrainllm.ops.registry import REFERENCE, Case, case_config, get_op
 
 # op, its small-shape overrides (the ops' own test sizes), the precisions it is judged in
 OPS = {
@@ -79,7 +79,7 @@ def test_pytorch_own_functions_pass_every_contract(op_name, precision, tmp_path)
 def test_a_planted_bug_in_a_peer_still_fails(tmp_path, monkeypatch):
     """The test above can fail: SDPA with its scale off by one part in 10^4 misses decode attention's fp32
     contract."""
-    from posttrainllm.opdefs import decode_attention
+    from posttrainllm.ops.decode_attention import definition as decode_attention
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
 

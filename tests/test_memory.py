@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrainllm.ops import reference
+from posttrainllm.ops.attention import reference
 from posttrainllm.measure.memory import peak_bytes, peak_live_bytes
 
 

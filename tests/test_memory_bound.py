@@ -9,7 +9,7 @@ from posttrainllm import cli
 from posttrainllm.config import ConfigError
 from posttrainllm.lab.configure import load
 from posttrainllm.lab import stages
-from posttrainllm.opdefs import get_op
+from posttrainllm.ops.registry import get_op
 
 
 def test_a_point_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):

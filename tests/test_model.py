@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from posttrainllm.ops import reference
+from posttrainllm.ops.attention import reference
 from posttrainllm.config import LabConfig
 from posttrainllm.model.transformer import ModelConfig, Transformer, apply_rope, rope_tables
-from posttrainllm.opdefs import get_op
+from posttrainllm.ops.registry import get_op
 
 
 def attention_hook(name: str):

@@ -1,6 +1,6 @@
 """op=moe through the generic stages, planted bugs in the Triton source, the router's own check, and the MoE model.
 
-Planted bugs mutate one line of posttrainllm/ops/moe.py (imported from a copy, as tests/test_parity.py
+Planted bugs mutate one line of posttrainllm/ops/moe/kernels.py (imported from a copy, as tests/test_parity.py
 does); the test first checks that line exists exactly once.
 """
 
@@ -18,8 +18,9 @@ from posttrainllm.lab.configure import load
 from posttrainllm.lab import stages
 from posttrainllm.model.train import Variant, bench_train
 from posttrainllm.model.transformer import ModelConfig, MoEMLP, Transformer, moe_aux_loss
-from posttrainllm.opdefs import get_op, moe
-from posttrainllm.ops import reference
+from posttrainllm.ops.registry import get_op
+from posttrainllm.ops.moe import definition as moe
+from posttrainllm.ops.moe import reference
 
 # one seed, no edge sizes: the point's 24 tokens, every token on expert 0, an empty expert, top-k = E
 QUICK = ["op=moe", "device=cpu", "parity.seeds=[0]", "shape.moe_tokens=24", "shape.moe_edge=[]"]

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from posttrainllm import cli
-from posttrainllm.opdefs import OPS
+from posttrainllm.ops.registry import OPS
 
 QUICK = ["device=cpu", "parity.seeds=[0]", "bench.warmup=1", "bench.reps=2", "bench.min_time_s=0",
          "bench.max_reps=12", "run.log_mlflow=false"]
@@ -108,11 +108,11 @@ def test_help_lists_new_impl(capsys):
 
 
 def test_the_docs_signature_table_is_the_ops_signatures():
-    from posttrainllm.opdefs import signatures
+    from posttrainllm.ops import signatures
 
     assert signatures.documented() == signatures.table(), (
         "docs/bring-your-own-kernel.md's signature table differs from the ops' SIGNATURE: "
-        "regenerate it with `python -m posttrainllm.opdefs.signatures`")
+        "regenerate it with `python -m posttrainllm.ops.signatures`")
     for op in OPS.values():  # one row per op, its call as code
         assert f"| `{op.name}` | `{op.signature.partition(';')[0].strip()}` |" in signatures.table()
 
@@ -120,7 +120,7 @@ def test_the_docs_signature_table_is_the_ops_signatures():
 def test_a_changed_signature_is_caught_and_regenerated(tmp_path, monkeypatch):
     import dataclasses
 
-    from posttrainllm.opdefs import signatures
+    from posttrainllm.ops import signatures
 
     doc = tmp_path / "page.md"
     shutil.copy(signatures.DOC, doc)

@@ -17,8 +17,9 @@ from posttrainllm.config import Contract
 
 from posttrainllm.lab.configure import load
 from posttrainllm.lab import parity, stages
-from posttrainllm.opdefs import attention, matmul
-from posttrainllm.opdefs.base import Impl
+from posttrainllm.ops.attention import definition as attention
+from posttrainllm.ops.matmul import definition as matmul
+from posttrainllm.ops.base import Impl
 
 REGISTRY = {"attention": attention.IMPLS, "matmul": matmul.IMPLS}
 
@@ -40,7 +41,7 @@ def _run_stages(cfg, out: Path, monkeypatch, op: str, impl: Impl | None = None, 
 
 
 def _flash_impl(module) -> Impl:
-    """The Triton path running a (mutant) copy of posttrainllm/ops/attention.py, forward and backward."""
+    """The Triton path running a (mutant) copy of posttrainllm/ops/attention/kernels.py, forward and backward."""
     def fn(x, cfg):
         out, lse = module.flash_attention_with_lse(x["q"], x["k"], x["v"], causal=cfg.op.causal,
                                                    sm_scale=cfg.op.sm_scale, block_q=cfg.tile.block_q,
@@ -216,7 +217,7 @@ def test_planted_matmul_bug_is_caught_only_by_the_edge_shape(bug, tmp_path, monk
 
 def test_interpreter_bf16_as_shipped_is_caught(tmp_path, monkeypatch):
     from posttrainllm.ops import is_interpreted
-    from posttrainllm.ops.attention import triton_attention
+    from posttrainllm.ops.attention.kernels import triton_attention
 
     if not is_interpreted():
         pytest.skip("the bf16 defect is the interpreter's")
@@ -338,7 +339,7 @@ def test_a_geometry_that_raises_is_the_paths_failure_not_the_points(tmp_path, mo
     import json
 
     from posttrainllm.lab import stages
-    from posttrainllm.opdefs import get_op
+    from posttrainllm.ops.registry import get_op
 
     op = get_op("matmul")
 

@@ -16,7 +16,8 @@ from posttrainllm.config import Contract
 
 from posttrainllm.lab.configure import load
 from posttrainllm.lab import parity
-from posttrainllm.ops import reference
+from posttrainllm.ops.attention import reference as attention_reference
+from posttrainllm.ops.matmul import reference as matmul_reference
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SEQ, HEADS, HEAD_DIM, TAIL = 4096, 2, 128, 64
@@ -37,8 +38,8 @@ def long_attention():
             q, k, v = (torch.randn(1, HEADS, SEQ, HEAD_DIM, generator=gen).to(DTYPES[name]) for _ in range(3))
             cache[name, seed] = {
                 "q": q, "k": k, "v": v,
-                "oracle": reference.attention(q.double(), k.double(), v.double(), causal=True),
-                "baseline": reference.attention(q, k, v, causal=True),
+                "oracle": attention_reference.attention(q.double(), k.double(), v.double(), causal=True),
+                "baseline": attention_reference.attention(q, k, v, causal=True),
                 "sdpa": F.scaled_dot_product_attention(q, k, v, is_causal=True),
             }
         return cache[name, seed]
@@ -151,7 +152,7 @@ def _attention_case(dtype, seed, heads, kv_heads, seq_len, head_dim, causal, fn,
 
 
 def _reference(q, k, v, causal):
-    return reference.attention(q, k, v, causal=causal)
+    return attention_reference.attention(q, k, v, causal=causal)
 
 
 def _sdpa(q, k, v, causal):
@@ -194,8 +195,8 @@ def test_torch_matmul_against_the_reference_passes(name):
         grad_a, grad_b = torch.autograd.grad(out, [x, y], grad_out.to(dt))
         return {"out": out.detach(), "grad_a": grad_a, "grad_b": grad_b}
 
-    result = parity.check_path([run(torch.matmul, dtype)], [run(reference.matmul, torch.float64)],
-                               [run(reference.matmul, dtype)], ["41x77x33"], lambda _: precision(name).contract,
+    result = parity.check_path([run(torch.matmul, dtype)], [run(matmul_reference.matmul, torch.float64)],
+                               [run(matmul_reference.matmul, dtype)], ["41x77x33"], lambda _: precision(name).contract,
                                ["out", "grad_a", "grad_b"])
     assert result["verdict"] == "pass", result["failed_cases"]
     assert result["worst"]["out"]["rows"] == 41
@@ -206,13 +207,13 @@ def test_torch_matmul_against_the_reference_passes(name):
 def _lse_case(dtype, seq_len=128, head_dim=64, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, HEADS, seq_len, head_dim, generator=gen).to(dtype) for _ in range(3))
-    oracle = reference.attention_logsumexp(q.double(), k.double(), causal=True)
-    baseline = reference.attention_logsumexp(q.float(), k.float(), causal=True)  # fp32 from the upcast inputs
+    oracle = attention_reference.attention_logsumexp(q.double(), k.double(), causal=True)
+    baseline = attention_reference.attention_logsumexp(q.float(), k.float(), causal=True)  # fp32 from the upcast inputs
     return q, k, v, oracle, baseline
 
 
 def test_triton_logsumexp_passes_and_1e_3_off_fails_at_bf16():
-    from posttrainllm.ops.attention import triton_attention
+    from posttrainllm.ops.attention.kernels import triton_attention
 
     q, k, v, oracle, baseline = _lse_case(torch.bfloat16)
     _, lse = triton_attention(q, k, v, causal=True, block_q=32, block_kv=32)  # fp32-accumulated
@@ -245,8 +246,8 @@ def _online_logsumexp(q, k, block=64):
 def test_long_sequence_online_logsumexp_passes_and_1e_3_off_fails(long_attention):
     case = long_attention("bf16", 1)
     q, k = case["q"], case["k"]
-    oracle = reference.attention_logsumexp(q.double(), k.double(), causal=True)
-    baseline = reference.attention_logsumexp(q.float(), k.float(), causal=True)
+    oracle = attention_reference.attention_logsumexp(q.double(), k.double(), causal=True)
+    baseline = attention_reference.attention_logsumexp(q.float(), k.float(), causal=True)
     lse, contract = _online_logsumexp(q, k), precision("bf16").lse_contract
     assert parity.check_output(lse, oracle, baseline, contract, row_ndim=0)["verdict"] == "pass"
     off = lse.clone()

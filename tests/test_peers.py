@@ -16,7 +16,8 @@ from torch._dynamo.utils import counters
 from posttrainllm.config import LabConfig
 from posttrainllm.lab import stages
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import get_op, peers
+from posttrainllm.ops.registry import get_op
+from posttrainllm.ops import peers
 
 MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]", "shape.m=64", "shape.n=64",
           "shape.k=64", "shape.curve=[32,64]", "shape.matmul_curve=[32,64]", "op.peers=[compiled]"]

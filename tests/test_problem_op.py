@@ -1,4 +1,4 @@
-"""Bring your own op: a problem file in KernelBench's format is an op (op=problem op.file=PATH, opdefs/problem.py).
+"""Bring your own op: a problem file in KernelBench's format is an op (op=problem op.file=PATH, ops/problem/definition.py).
 
 The problem files (tests/problems/) are written as KernelBench's authors write theirs (module-level sizes,
 `torch.rand` inputs, `get_init_inputs`), each naming the published problem it follows; their ModelNews
@@ -20,8 +20,8 @@ from posttrainllm import cli
 from posttrainllm.config import PROJECT_ROOT, ConfigError
 from posttrainllm.lab import stages
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import op_for
-from posttrainllm.opdefs.problem import template
+from posttrainllm.ops.registry import op_for
+from posttrainllm.ops.problem.definition import template
 
 PROBLEMS = PROJECT_ROOT / "tests" / "problems"
 NEW = PROBLEMS / "new"

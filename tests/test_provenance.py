@@ -122,7 +122,7 @@ def test_cpu_profiles_print_no_kineto_lines(capfd):
 
 
 def test_cpu_peak_is_the_same_without_kineto():
-    from posttrainllm.ops import reference
+    from posttrainllm.ops.attention import reference
 
     q, k, v = (torch.randn(1, 4, 256, 32) for _ in range(3))
     calls = {"naive attention": lambda: reference.attention(q, k, v, causal=True),

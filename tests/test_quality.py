@@ -1,5 +1,5 @@
 """bench-train's quality gate under a quantized precision (model/quality.py) and the fp8 training recipe
-(ops/reference.py fp8_linear): what the model outputs, judged against bf16, and planted bugs that it must catch."""
+(ops/quantize.py fp8_linear): what the model outputs, judged against bf16, and planted bugs that it must catch."""
 
 import pytest
 import torch
@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from posttrainllm.config import QualityConfig
 from posttrainllm.model import quality
 from posttrainllm.model.transformer import ModelConfig, Transformer
-from posttrainllm.ops import reference
+from posttrainllm.ops.matmul import reference as matmul_reference
+from posttrainllm.ops import quantize
 
 LIMITS = QualityConfig(max_heldout_loss_gap=0.05, min_greedy_agreement=0.9, reason="test")
 
@@ -93,7 +94,7 @@ def _rel(a, b):
 def test_the_recipe_is_close_to_the_unquantized_linear_in_all_three_gemms(rowwise, grad_dtype):
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 24, 64, generator=gen), torch.randn(48, 64, generator=gen)
-    got = _grads(lambda a, b: reference.fp8_linear(a, b, reference.fp8_matmul, rowwise=rowwise,
+    got = _grads(lambda a, b: quantize.fp8_linear(a, b, matmul_reference.fp8_matmul, rowwise=rowwise,
                                                    grad_dtype=grad_dtype), x, w)
     want = _grads(F.linear, x.double(), w.double())
     errors = [_rel(g, t.float()) for g, t in zip(got, want)]
@@ -104,12 +105,12 @@ def _planted(bug: str):
     """The reference GEMM with a bug a real fp8 kernel can have."""
     def gemm(a, a_s, b, b_s):
         if bug == "scale twice":
-            return reference.fp8_matmul(a, a_s * a_s, b, b_s)
+            return matmul_reference.fp8_matmul(a, a_s * a_s, b, b_s)
         if bug == "no scale":
-            return reference.fp8_matmul(a, torch.ones_like(a_s), b, torch.ones_like(b_s))
+            return matmul_reference.fp8_matmul(a, torch.ones_like(a_s), b, torch.ones_like(b_s))
         if bug == "dY's scale dropped" and a.dtype == torch.float8_e5m2:  # the backward GEMMs only
-            return reference.fp8_matmul(a, torch.ones_like(a_s), b, b_s)
-        return reference.fp8_matmul(a, a_s, b, b_s)
+            return matmul_reference.fp8_matmul(a, torch.ones_like(a_s), b, b_s)
+        return matmul_reference.fp8_matmul(a, a_s, b, b_s)
     return gemm
 
 
@@ -117,7 +118,7 @@ def _planted(bug: str):
 def test_a_planted_gemm_bug_moves_the_recipe_far_from_the_linear(bug):
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(2, 24, 64, generator=gen), torch.randn(48, 64, generator=gen)
-    got = _grads(lambda a, b: reference.fp8_linear(a, b, _planted(bug), rowwise=False), x, w)
+    got = _grads(lambda a, b: quantize.fp8_linear(a, b, _planted(bug), rowwise=False), x, w)
     want = _grads(F.linear, x.double(), w.double())
     assert max(_rel(g, t.float()) for g, t in zip(got, want)) > 0.5
 
@@ -154,7 +155,7 @@ def _train_fp8(base_dir, extra=(), cfg=None):
     from posttrainllm.lab import stages
     from posttrainllm.model.train import Variant
     from posttrainllm.model.transformer import ModelConfig
-    from posttrainllm.opdefs import get_op
+    from posttrainllm.ops.registry import get_op
 
     cfg = cfg or _fp8_config(base_dir, extra)
     op, a = get_op("matmul"), cfg.architecture
@@ -178,10 +179,10 @@ def test_fp8_training_is_scored_held_out_and_decoded_by_the_base(base_dir):
 
 
 def test_a_planted_scale_bug_in_the_fp8_path_fails_the_quality_gate(base_dir, monkeypatch):
-    from posttrainllm.opdefs import matmul
+    from posttrainllm.ops.matmul import definition as matmul
 
     def scale_twice(x, cfg):
-        return {"out": reference.fp8_matmul(x["a"], x["a_scale"] * x["a_scale"], x["b"], x["b_scale"])}
+        return {"out": matmul_reference.fp8_matmul(x["a"], x["a_scale"] * x["a_scale"], x["b"], x["b_scale"])}
 
     import dataclasses
 

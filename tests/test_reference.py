@@ -5,13 +5,14 @@ import math
 import pytest
 import torch
 
-from posttrainllm.ops import reference
+from posttrainllm.ops.attention import reference as attention_reference
+from posttrainllm.ops.matmul import reference as matmul_reference
 
 
 def test_matmul_matches_explicit_sums():
     a, b = torch.randn(5, 7, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
     expected = torch.tensor([[sum(a[i, p] * b[p, j] for p in range(7)) for j in range(3)] for i in range(5)])
-    torch.testing.assert_close(reference.matmul(a, b), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(matmul_reference.matmul(a, b), expected, rtol=1e-12, atol=1e-12)
 
 
 def _attention_by_rows(q, k, v, causal):
@@ -41,16 +42,16 @@ def test_attention_matches_row_by_row_softmax(heads, kv_heads, causal):
     k = torch.randn(2, kv_heads, 7, 8, dtype=torch.float64)
     v = torch.randn(2, kv_heads, 7, 8, dtype=torch.float64)
     expected, expected_lse = _attention_by_rows(q, k, v, causal)
-    torch.testing.assert_close(reference.attention(q, k, v, causal=causal), expected, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(reference.attention_logsumexp(q, k, causal=causal), expected_lse, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(attention_reference.attention(q, k, v, causal=causal), expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(attention_reference.attention_logsumexp(q, k, causal=causal), expected_lse, rtol=1e-10, atol=1e-10)
 
 
 def test_causal_first_row_is_its_own_value():
     q, k, v = (torch.randn(1, 1, 4, 8, dtype=torch.float64) for _ in range(3))
-    torch.testing.assert_close(reference.attention(q, k, v, causal=True)[0, 0, 0], v[0, 0, 0])
+    torch.testing.assert_close(attention_reference.attention(q, k, v, causal=True)[0, 0, 0], v[0, 0, 0])
 
 
 def test_kv_heads_must_divide_heads():
     q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 3, 3, 8)
     with pytest.raises(ValueError, match="not a multiple"):
-        reference.attention(q, kv, kv)
+        attention_reference.attention(q, kv, kv)

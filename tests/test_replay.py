@@ -13,7 +13,7 @@ import pytest
 from posttrainllm import cli
 from posttrainllm.track import replay
 
-# train.*: the parity case at the shape bench-train trains (opdefs/attention.py train_case) at the smoke sweep's size
+# train.*: the parity case at the shape bench-train trains (ops/attention/definition.py train_case) at the smoke sweep's size
 QUICK = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "bench.reps=3", "bench.min_time_s=0",
          "shape.curve=[64,128]", "bench.curve_backward=true", "train.batch_size=2", "train.seq_len=32",
          "run.log_mlflow=false"]
@@ -45,7 +45,7 @@ def nothing_may_run(monkeypatch):
     import triton.runtime.jit
 
     from posttrainllm.measure import calibrate, curves, timing
-    from posttrainllm.opdefs import OPS
+    from posttrainllm.ops.registry import OPS
 
     def forbidden(*args, **kwargs):
         raise AssertionError("replay launched a kernel or a timer")

@@ -1,6 +1,6 @@
 """op=rmsnorm through the generic stages, planted bugs in the Triton source, costs, curve, config and the model hook.
 
-Planted bugs mutate one line of posttrainllm/ops/rmsnorm.py (imported from a copy, as tests/test_parity.py
+Planted bugs mutate one line of posttrainllm/ops/rmsnorm/kernels.py (imported from a copy, as tests/test_parity.py
 does); the test first checks that line exists exactly once.
 """
 
@@ -17,7 +17,8 @@ from posttrainllm.lab import stages
 from posttrainllm.lab.configure import load
 from posttrainllm.model.train import Variant, bench_train
 from posttrainllm.model.transformer import ModelConfig
-from posttrainllm.opdefs import get_op, rmsnorm
+from posttrainllm.ops.registry import get_op
+from posttrainllm.ops.rmsnorm import definition as rmsnorm
 
 # one seed, 16 rows of C=128: the point, a single row, 37x37 (C and rows off every power of two), and the rows
 # of ~1e4, of ~1e-4 and of zeros
@@ -132,7 +133,7 @@ def test_costs_curve_and_config_rules():
         load([*QUICK, "architecture.d_model=65537"])
     with pytest.raises(ConfigError, match="shape.edge_seq_lens=70000"):
         load([*QUICK, "shape.edge_seq_lens=[70000]"])
-    from posttrainllm.ops.rmsnorm import MAX_BLOCK_C
+    from posttrainllm.ops.rmsnorm.kernels import MAX_BLOCK_C
 
     assert rmsnorm.MAX_C == MAX_BLOCK_C  # the config's bound is the kernel's
 

@@ -16,7 +16,7 @@ from conftest import parity_report
 from posttrainllm.lab import runner, stages
 from posttrainllm.lab.isolation import rooms
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import Impl, get_op
+from posttrainllm.ops.registry import Impl, get_op
 
 RMSNORM = ["op=rmsnorm", "device=cpu", "parity.seeds=[0]", "run.log_mlflow=false"]
 SETTINGS = dict(warmup=1, reps=8, min_time_s=0.0, max_reps=8)

@@ -1,7 +1,7 @@
 """op=rope through the generic stages: fp32 tables as constants, planted bugs in the Triton source, costs and
 curve, the user template, and the model hook in bench-train.
 
-Planted bugs mutate one line of posttrainllm/ops/rope.py (imported from a copy, tests/conftest.py kernel_mutant);
+Planted bugs mutate one line of posttrainllm/ops/rope/kernels.py (imported from a copy, tests/conftest.py kernel_mutant);
 the mutation first checks that line exists exactly once.
 """
 
@@ -15,8 +15,9 @@ from conftest import kernel_and_parity, kernel_mutant
 from posttrainllm.lab.configure import load
 from posttrainllm.model.train import Variant, bench_train
 from posttrainllm.model.transformer import ModelConfig
-from posttrainllm.opdefs import get_op, rope
-from posttrainllm.ops import reference
+from posttrainllm.ops.registry import get_op
+from posttrainllm.ops.rope import definition as rope
+from posttrainllm.ops.rope import reference
 
 # one seed; the tiny shape's T = 128 over two blocks of tile b64, chunks of 1, 37 and 100 rows at position 128,
 # head dims 8, 34 and 64, and T = 1 and 37 at position 10_000

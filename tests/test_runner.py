@@ -8,8 +8,8 @@ import pytest
 from posttrainllm.config import PROJECT_ROOT
 from posttrainllm.lab import runner
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import get_op
-from posttrainllm.opdefs.base import IN_PROCESS, ISOLATED, Impl
+from posttrainllm.ops.registry import get_op
+from posttrainllm.ops.base import IN_PROCESS, ISOLATED, Impl
 
 # the lab's stage code: every module of lab/ but the runner and the isolation it drives, and the stage scripts
 STAGE_MODULES = sorted({*(PROJECT_ROOT / "posttrainllm" / "lab").glob("*.py"), *(PROJECT_ROOT / "pipelines").glob("*.py")}

@@ -1,6 +1,6 @@
 """op=softmax through the generic stages, planted bugs in the Triton source, costs, config and bench-train's refusal.
 
-Planted bugs mutate one line of posttrainllm/ops/softmax.py (imported from a copy, as tests/test_parity.py does);
+Planted bugs mutate one line of posttrainllm/ops/softmax/kernels.py (imported from a copy, as tests/test_parity.py does);
 the test first checks that line exists exactly once.
 """
 
@@ -14,8 +14,9 @@ import torch
 from posttrainllm.config import ConfigError
 from posttrainllm.lab import stages
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import get_op, softmax
-from posttrainllm.ops import reference
+from posttrainllm.ops.registry import get_op
+from posttrainllm.ops.softmax import definition as softmax
+from posttrainllm.ops.softmax import reference
 
 # one seed, 16 rows of C=16: the point, a single row, 37x37 (C off every block: the last one masked), and the
 # logits of ~1e4, of ~1e-4 and the constant rows

@@ -144,15 +144,18 @@ def _kernels(stage: str, op: str, tile: str = "b32", workgroup: str = "w4s2") ->
 
 
 def test_a_point_stage_depends_on_its_ops_kernel_only_where_it_runs_it():
-    common = ["posttrainllm/ops/__init__.py", "posttrainllm/ops/launches.py", "posttrainllm/ops/reference.py"]
-    attention, matmul = "posttrainllm/ops/attention.py", "posttrainllm/ops/matmul.py"
+    common = sweep.op_definition_sources()  # every op's definition and readable math, no kernel
+    assert {"posttrainllm/ops/__init__.py", "posttrainllm/ops/launches.py", "posttrainllm/ops/registry.py",
+            "posttrainllm/ops/attention/definition.py", "posttrainllm/ops/moe/reference.py"} <= set(common)
+    assert not [f for f in common if f.endswith(("/kernels.py", "/fp8.py"))]
+    attention, matmul = "posttrainllm/ops/attention/kernels.py", "posttrainllm/ops/matmul/kernels.py"
     for stage in ("reference", "parity", "receipt"):
         assert _kernels(stage, "attention") == common and _kernels(stage, "moe") == common
     for stage in ("kernel", "microbench", "bench_train"):
         assert _kernels(stage, "attention") == [*common, attention]
-        assert _kernels(stage, "moe") == [*common, "posttrainllm/ops/moe.py"]
-        assert _kernels(stage, "decode_attention") == [*common, "posttrainllm/ops/decode_attention.py"]
-        # matmul's autotuner asks ops/attention.py for the device's shared memory
+        assert _kernels(stage, "moe") == [*common, "posttrainllm/ops/moe/kernels.py"]
+        assert _kernels(stage, "decode_attention") == [*common, "posttrainllm/ops/decode_attention/kernels.py"]
+        # matmul's autotuner asks ops/attention/kernels.py for the device's shared memory
         assert _kernels(stage, "matmul", tile="auto") == [*common, matmul, attention]
         assert _kernels(stage, "matmul", workgroup="auto") == [*common, matmul, attention]
     assert _kernels("kernel", "matmul") == [*common, matmul, attention]  # the launch geometry's AUTO_CPU_NOTE
@@ -176,7 +179,7 @@ def test_write_inputs_writes_every_point_stage_of_the_plan(tmp_path):
     assert written == sorted(f"{name}/{stage}.json" for name in points for stage in sweep.POINT_STAGES)
     made = json.loads((tmp_path / "inputs" / "op-matmul" / "microbench.json").read_text())
     assert made["point"] == "op-matmul" and made["stage"] == "microbench"
-    assert "posttrainllm/ops/matmul.py" in made["sources"] and "posttrainllm/ops/attention.py" not in made["sources"]
+    assert "posttrainllm/ops/matmul/kernels.py" in made["sources"] and "posttrainllm/ops/attention/kernels.py" not in made["sources"]
     assert "posttrainllm/measure/curves.py" in made["sources"]  # a folder: every .py file under it
     assert made["params"]["config.op"] == points["op-matmul"]["config"]["op"]
 
@@ -184,7 +187,7 @@ def test_write_inputs_writes_every_point_stage_of_the_plan(tmp_path):
 def test_an_ops_own_config_reads_are_listed_for_its_points_only():
     moe = {"config": {"op": {"name": "moe"}, "tile": {"name": "b32"}, "workgroup": {"name": "w4s2"}}}
     attention = {"config": {**moe["config"], "op": {"name": "attention"}}}
-    probe = ["config.shape.moe_d_model", "config.shape.moe_ffn"]  # opdefs/moe.py probes grouped_mm at that size
+    probe = ["config.shape.moe_d_model", "config.shape.moe_ffn"]  # ops/moe/definition.py probes grouped_mm at that size
     for stage in ("parity", "bench_train"):
         assert sweep.stage_deps(stage, moe)["params"][-2:] == probe
         assert not set(probe) & set(sweep.stage_deps(stage, attention)["params"])

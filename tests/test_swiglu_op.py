@@ -1,6 +1,6 @@
 """op=swiglu through the generic stages, planted bugs in the Triton source, its costs and curve, and the model hook.
 
-Planted bugs mutate one line of posttrainllm/ops/swiglu.py (imported from a copy, as tests/test_parity.py
+Planted bugs mutate one line of posttrainllm/ops/swiglu/kernels.py (imported from a copy, as tests/test_parity.py
 does); the test first checks that line exists exactly once.
 """
 
@@ -17,7 +17,8 @@ from posttrainllm.lab.configure import load
 from posttrainllm.measure.roofline import MEMORY, roofline
 from posttrainllm.model.train import Variant, bench_train
 from posttrainllm.model.transformer import ModelConfig, SwiGLU, Transformer
-from posttrainllm.opdefs import get_op, swiglu
+from posttrainllm.ops.registry import get_op
+from posttrainllm.ops.swiglu import definition as swiglu
 
 # one seed; the point's 128 rows at F=384 (b32: 4 x 12 programs), a single row, 37 x 37, large gate, tiny values
 QUICK = ["op=swiglu", "device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]"]

@@ -1,4 +1,4 @@
-"""Per-path byte models (opdefs/attention.py path_costs) against the traffic eager PyTorch moves (measure/traffic.py).
+"""Per-path byte models (ops/attention/definition.py path_costs) against the traffic eager PyTorch moves (measure/traffic.py).
 
 The readable reference and SDPA's math backend are eager code: every aten op they run, forward and backward, reads
 its inputs and writes its outputs, and the counter sums those bytes. Their models must give that sum; the fused
@@ -14,9 +14,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from posttrainllm.config import LabConfig
 from posttrainllm.lab.configure import load
 from posttrainllm.measure.traffic import counted
-from posttrainllm.opdefs import attention
-from posttrainllm.opdefs.base import FLOOR, FLOOR_NOTE, Case, Impl
-from posttrainllm.ops import reference
+from posttrainllm.ops.attention import definition as attention
+from posttrainllm.ops.base import FLOOR, FLOOR_NOTE, Case, Impl
+from posttrainllm.ops.attention import reference as attention_reference
+from posttrainllm.ops.decode_attention import reference as decode_attention_reference
 
 
 def _cfg(dtype: str, causal: bool) -> LabConfig:
@@ -52,7 +53,7 @@ SHAPES = [(4, 4, 64, 16), (4, 2, 48, 8), (2, 1, 33, 16)]
 def test_reference_model_is_the_counted_traffic(dtype, causal, shape):
     cfg, case = _cfg(dtype, causal), _case(*shape)
     costs = attention.OP.costs_of(attention.IMPLS["reference"], case, cfg)
-    forward, train = _count(lambda q, k, v: reference.attention(q, k, v, causal=causal), case, getattr(torch, dtype))
+    forward, train = _count(lambda q, k, v: attention_reference.attention(q, k, v, causal=causal), case, getattr(torch, dtype))
     assert costs.model == "materialised"
     assert (costs.bytes, costs.train_bytes) == (forward, train)
 
@@ -119,7 +120,7 @@ def test_a_path_without_a_model_is_placed_with_the_floor_and_says_so():
 def test_decode_reference_model_is_the_counted_traffic(heads, kv_heads, q_len, kv_len):
     """The decode reference copies the cache to H heads and reads it again: its forward bytes are the count's,
     and at Sq = 1 several times the split kernel's (which reads each K/V piece once per row block)."""
-    from posttrainllm.opdefs import decode_attention
+    from posttrainllm.ops.decode_attention import definition as decode_attention
 
     cfg = _cfg("float32", True)
     case = Case("t", 0, dict(batch=2, heads=heads, kv_heads=kv_heads, head_dim=16, q_len=q_len, kv_len=kv_len), True)
@@ -127,7 +128,7 @@ def test_decode_reference_model_is_the_counted_traffic(heads, kv_heads, q_len, k
     q = torch.randn(2, heads, q_len, 16, generator=gen)
     k, v = (torch.randn(2, kv_heads, kv_len, 16, generator=gen) for _ in range(2))
     with counted() as forward:
-        reference.chunk_attention(q, k, v)
+        decode_attention_reference.chunk_attention(q, k, v)
     costs = decode_attention.OP.costs_of(decode_attention.IMPLS["reference"], case, cfg)
     assert costs.model == "materialised" and costs.bytes == forward.total
     split = decode_attention.OP.costs_of(decode_attention.IMPLS["triton"], case, cfg)

@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrainllm.ops import reference
+from posttrainllm.ops.attention import reference
 from posttrainllm.model.corpus import load_corpus
 from posttrainllm.config import LabConfig
 from posttrainllm.model.transformer import ModelConfig
 from posttrainllm.model.train import Variant, _precision_mode, bench_train
-from posttrainllm.opdefs import get_op
+from posttrainllm.ops.registry import get_op
 
 TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 RUN = dict(steps=30, warmup_steps=5, batch_size=4, seq_len=32, lr=3e-3, seed=0)

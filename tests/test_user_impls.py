@@ -18,7 +18,7 @@ from conftest import parity_report
 from posttrainllm.config import PROJECT_ROOT, ConfigError
 from posttrainllm.lab import stages
 from posttrainllm.lab.configure import load
-from posttrainllm.opdefs import get_op
+from posttrainllm.ops.registry import get_op
 from posttrainllm.track.report import point_table
 
 EXAMPLES = PROJECT_ROOT / "examples"
@@ -398,7 +398,7 @@ def test_the_compiled_peer_is_checked_and_its_compile_time_kept_apart(tmp_path):
     report = parity_report(load([*MATMUL, "op.peers=[compiled]", "op.only=[compiled]"]), tmp_path)
     assert report["paths"]["compiled"]["verdict"] == "pass" and report["paths"]["compiled"]["backward"] == "own"
     geometry = json.loads((tmp_path / "kernel.json").read_text())["paths"]["compiled"]["geometry"]
-    assert geometry["backend"] == "torch.compile(posttrainllm.ops.reference.matmul)"
+    assert geometry["backend"] == "torch.compile(posttrainllm.ops.matmul.reference.matmul)"
     assert isinstance(geometry["compile_s"], float)  # recorded apart from the timed calls (its value is not judged)
 
 

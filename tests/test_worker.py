@@ -274,7 +274,7 @@ def test_writes_into_an_input_and_returning_an_input_are_caught_and_named(tmp_pa
 
 
 def test_a_write_into_the_upstream_gradient_reaches_the_labs_buffer():
-    from posttrainllm.opdefs import get_op
+    from posttrainllm.ops.registry import get_op
     from posttrainllm.lab.isolation.user import resolve
 
     source = Path(__file__).parent / "_grad_writer.py"
@@ -315,7 +315,7 @@ def matmul(a, b):
 def test_each_worker_is_forked_clean_with_the_labs_environment_and_folder_of_its_start(tmp_path, monkeypatch):
     """The zygote has imported torch and nothing of any user's: the second path's worker does not see what the
     first one's import did, and takes the environment and working directory the lab has when it starts."""
-    from posttrainllm.opdefs import get_op
+    from posttrainllm.ops.registry import get_op
     from posttrainllm.lab.isolation.user import resolve
 
     seen = {}
@@ -352,7 +352,7 @@ def test_two_runs_draw_and_record_different_timing_seeds_and_parity_stays_reprod
 
 def test_a_worker_and_every_process_it_started_end_with_it(tmp_path):
     """Its process group and what it left orphaned (double-forked, setsid: adopted by the zygote, a subreaper)."""
-    from posttrainllm.opdefs import get_op
+    from posttrainllm.ops.registry import get_op
     from posttrainllm.lab.isolation.user import resolve
 
     source = tmp_path / "forks.py"
@@ -472,7 +472,7 @@ def test_a_batchs_kept_results_do_not_fault_its_calls_pages_in(tmp_path):
     from posttrainllm.lab.isolation import outside
     from posttrainllm.lab import runner
     from posttrainllm.measure import device as devices
-    from posttrainllm.opdefs import get_op
+    from posttrainllm.ops.registry import get_op
 
     path = tmp_path / "math.py"
     path.write_text(TEMPLATE_MATH)
@@ -488,7 +488,7 @@ def test_a_batchs_kept_results_do_not_fault_its_calls_pages_in(tmp_path):
 
 
 LEAVES_ONE = '''
-from posttrainllm.opdefs import get_op
+from posttrainllm.ops.registry import get_op
 from posttrainllm.lab.isolation import worker as workers
 from posttrainllm.lab.isolation.user import resolve
 
@@ -525,7 +525,7 @@ def test_outside_outputs_are_judged_by_the_parity_stages_own_rules():
     wrong gradient row still fails, named."""
     from posttrainllm.lab import oracle
     from posttrainllm.lab.isolation import outside
-    from posttrainllm.opdefs import get_op
+    from posttrainllm.ops.registry import get_op
 
     cfg = load(["op=attention", "precision=fp32", "device=cpu", "shape=tiny", "run.log_mlflow=false"])
     op = get_op("attention")

@@ -14,7 +14,7 @@ where a timing loop runs at least `bench.reps` calls and until `bench.min_time_s
 training step (a loop can take longer: at most `bench.max_reps` calls). The curve sizes are those of
 every curve axis of the op; its modes are forward, and forward + backward with bench.curve_backward.
 A forward-only path (Impl.backward "none": fp8's) is timed forward alone; a quantized point's microbench times
-one more loop, the bf16 GEMM of its unquantized operands (opdefs/matmul.py), and its bench-train trains each
+one more loop, the bf16 GEMM of its unquantized operands (ops/matmul/definition.py), and its bench-train trains each
 path by the fp8 recipe plus a bf16 baseline (its quality gate's decoding is not counted: ~256 tokens).
 
 Each point also gets a rough expectation on a GPU (`PointEstimate.rough_s`, what the prepared GPU
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from posttrainllm.config import LabConfig
 from posttrainllm.measure import device as devices
-from posttrainllm.opdefs import NO_BACKWARD, op_for
+from posttrainllm.ops.registry import NO_BACKWARD, op_for
 from posttrainllm.lab.isolation.user import user_paths  # the paths from outside: a spec read, nothing run
 
 ENV = "POSTTRAINLLM_APPROVE"

@@ -9,7 +9,7 @@ pointers and integers found divisible by 16. The kernel body never runs (no GPU,
 shape); an autotuned kernel records one launch per configuration of its space (its candidates, after its own
 pruning), each row marked with the tuned launch it belongs to: such a kernel launches on a target if one of its
 candidates fits there (`not_fitting`). Under tile/workgroup=auto our launchers take their autotuned branch here too
-(ops/attention.py `autotune_for_target`), once per target, their candidates pruned by that target's shared memory as
+(ops/attention/kernels.py `autotune_for_target`), once per target, their candidates pruned by that target's shared memory as
 a GPU of it prunes them. Each launch is compiled with `triton.compile` for every target in `compile.targets` (ptxas
 and cuobjdump from Triton's wheel; sm100 with its ptxas-blackwell) and its cubin read (measure/sass.py). Compiles
 are cached by Triton's cache, keyed by the kernel's source, its specialization, the options and the target; a
@@ -46,6 +46,9 @@ RULE = ("each Triton launch of the point's main case (forward, then backward) ca
         + sass.RULE)
 NOT_TRITON = "launches no Triton kernel here"
 INDUCTOR = "a torch.compile peer: its Triton kernels are Inductor's, generated on the device at run time"
+SMEM_RULE = ("shared memory per program of the point's tile by the op's one formula (ops/<op>/config.py), the one "
+             "its config check refuses a tile by (device.smem_bytes) and its autotuner prunes candidates by; each "
+             "row's shared_bytes is what that compiled kernel holds")
 AUTOTUNE_NOTE = ("tile/workgroup=auto: every candidate configuration the launchers' autotuner would time on a GPU "
                  "of each target (pruned by the launcher's shared-memory estimate against the target's per-block "
                  "limit, as the device's reported limit prunes it there) is compiled, none timed; a tuned kernel "
@@ -287,8 +290,8 @@ def call_once(op: Any, cfg: Any, impl: Any, fn: Any, device: str = "cpu") -> str
     import torch
 
     from posttrainllm.lab.oracle import differentiated, upstream_gradients
-    from posttrainllm.opdefs import NO_BACKWARD, case_config
-    from posttrainllm.opdefs.base import leaves_of, point_dtype
+    from posttrainllm.ops.registry import NO_BACKWARD, case_config
+    from posttrainllm.ops.base import leaves_of, point_dtype
 
     case = next(c for c in op.cases(cfg) if c.main)
     call_cfg = case_config(case, cfg)
@@ -316,8 +319,8 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any, shared_per_block: int | None
     """The launches of one path's forward and (when it has one) backward at the point's main case (`call_once`);
     with `shared_per_block`, our launchers' autotuned branch, its candidates pruned by that many bytes (a target's)."""
     tuning = contextlib.nullcontext()
-    if shared_per_block:  # imported only then: a matmul point's kernel stage reads ops/attention.py only under auto
-        from posttrainllm.ops.attention import autotune_for_target
+    if shared_per_block:  # imported only then: a matmul point's kernel stage reads ops/attention/kernels.py only under auto
+        from posttrainllm.ops.attention.kernels import autotune_for_target
 
         tuning = autotune_for_target(shared_per_block)
     with recording() as launches, tuning:
@@ -329,7 +332,7 @@ def compile_in_process(config: dict[str, Any], targets: list[str], specialized: 
     """The child's work (Triton in compiler mode): every path's launches, compiled for `targets`."""
     from posttrainllm.config import validate_schema
     from posttrainllm.lab import runner
-    from posttrainllm.opdefs import op_for
+    from posttrainllm.ops.registry import op_for
 
     cfg = validate_schema(config)
     op = op_for(cfg)
@@ -337,6 +340,8 @@ def compile_in_process(config: dict[str, Any], targets: list[str], specialized: 
     tuned = cfg.tile.autotune or cfg.workgroup.autotune
     if tuned:
         report["note"] = AUTOTUNE_NOTE
+    elif op.smem_bytes is not None:  # the fixed tile's estimate, beside each compiled kernel's own shared_bytes
+        report["smem_bytes"] = {"per_program": op.smem_bytes(cfg), "rule": SMEM_RULE}
     # the autotuned branch prunes by the target's shared memory: one capture per target (none compiled: one capture)
     captures = [([t], sass.TARGETS[t].shared_per_block) for t in targets] if tuned and targets else [(targets, None)]
     for impl in runner.optimized(op, cfg):

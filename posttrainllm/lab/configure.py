@@ -1,4 +1,4 @@
-"""A point's config, whole: the schema's rules (config.py), then the op's own rules (opdefs/<op>.py).
+"""A point's config, whole: the schema's rules (config.py), then the op's own rules (ops/<op>/definition.py).
 
 config.py knows the schema and imports nothing above itself; the op's rules (a tile that does not fit
 its problem, the paths it has, the user paths `op.user_impls` names) live with the op. This layer knows
@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from posttrainllm.config import LabConfig, compose, require, validate_schema
-from posttrainllm.opdefs import OPS, get_op, op_for
+from posttrainllm.ops.registry import OPS, get_op, op_for
 from posttrainllm.lab.isolation.user import user_paths  # the paths from outside: a spec read, nothing run
 
 

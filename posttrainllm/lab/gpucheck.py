@@ -158,7 +158,7 @@ def profile_point(sweep_name: str, point: str) -> int:
     forward then backward, at its main case, on the point's device."""
     from posttrainllm.lab import compile as compiling
     from posttrainllm.lab import runner
-    from posttrainllm.opdefs import op_for
+    from posttrainllm.ops.registry import op_for
 
     spec = sweep.plan(load([f"sweep={sweep_name}"]).sweep)["points"][point]
     cfg = validate({**spec["config"], "run": {"name": point, "log_mlflow": False}})

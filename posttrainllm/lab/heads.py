@@ -17,7 +17,7 @@ in <out_dir>/base/stamps/, train_heads and decode in <out_dir>/<heads.name>/stam
 them and refuses stamps that ran different code.
 
 Cached decoding and verification attend with heads.decode_attention, a path of the decode_attention op's
-registry (posttrainllm/opdefs/decode_attention.py). Triton through its interpreter (CPU) is checked token
+registry (posttrainllm/ops/decode_attention/definition.py). Triton through its interpreter (CPU) is checked token
 for token like any path, but its timings are not speed: the receipt leaves them out and says why. Prompts come from the corpus's
 held-out tail (heads.base.heldout_frac): its first half prompts the distillation, its second half the
 evaluation, so neither the base nor the heads ever trained on an eval prompt.
@@ -57,7 +57,7 @@ INTERPRETED = ("the decode attention is Triton through its interpreter (TRITON_I
                "timings not speed (left out, as lab/stages.py does for interpreted paths)")
 PREALLOCATED = ("the KV cache is preallocated for prompt + new tokens (+ K + 1 when verifying), so peak memory does "
                 "not grow with the tokens generated; kv_cache_bytes is the cache's share of it")
-TREE_ATTENTION = ("posttrainllm.ops.reference.masked_chunk_attention: the tree verification's explicit ancestor mask "
+TREE_ATTENTION = ("posttrainllm.ops.decode_attention.reference.masked_chunk_attention: the tree verification's explicit ancestor mask "
                   "is an arbitrary mask, which no decode_attention path takes (the Triton kernel's is bottom-right "
                   "causal), so tree verification always attends with the reference math; cached decoding and chain "
                   "verification use heads.decode_attention")
@@ -327,7 +327,7 @@ def _summarise(gens: list[Generation], peak: dict[str, Any], K: int, timed: bool
 
 def decode_attention(cfg: LabConfig) -> tuple[AttentionFn, dict[str, Any]]:
     """heads.decode_attention as a (q, k, v) -> o function from the decode_attention op's registry, and what it is."""
-    from posttrainllm.opdefs import get_op
+    from posttrainllm.ops.registry import get_op
 
     op = get_op("decode_attention")
     impl = op.impls[cfg.heads.decode_attention]  # its built-in registry: op.peers / op.user_impls are a point's
@@ -341,7 +341,7 @@ def trainer_sampler_gap(cfg: LabConfig, base: Transformer, eval_prompts: torch.T
     attention op's built-in paths (the training forward), in two batches: the prompts at their length and cut to
     about half of it (model/gap.py). On the CPU, Triton runs through its interpreter (values, not speed)."""
     from posttrainllm.model.gap import measure_gap
-    from posttrainllm.opdefs import get_op
+    from posttrainllm.ops.registry import get_op
 
     decode, attention = get_op("decode_attention"), get_op("attention")
     samplers = {name: decode.model_hooks(decode.impls[name], cfg).attention

@@ -38,7 +38,7 @@ import torch
 
 from posttrainllm.config import PROPERTIES, LabConfig
 from posttrainllm.lab.isolation import rooms
-from posttrainllm.opdefs import Case, Impl, OpDef, Tensors
+from posttrainllm.ops.registry import Case, Impl, OpDef, Tensors
 
 DETERMINISTIC, BATCH_INVARIANT = PROPERTIES
 RUNS = 3  # the kernel stage's run and two more
@@ -166,7 +166,7 @@ def _assemble(layout: list[tuple[str, int]], sources: dict[str, Tensors], dims: 
 def batch_invariance(op: OpDef, impl: Impl, case: Case, inputs: Tensors, grad_out: torch.Tensor | None,
                      main: Tensors, cfg: LabConfig, device: str) -> dict[str, Any]:
     """BATCH_RULE for one path on the main case (`main`: its outputs there, the kernel stage's run 1)."""
-    from posttrainllm.opdefs.base import point_dtype as _dtype
+    from posttrainllm.ops.base import point_dtype as _dtype
 
     axis = op.batch_axis
     if axis is None:

@@ -11,8 +11,8 @@ import torch
 
 from posttrainllm.config import LabConfig
 from posttrainllm.lab import parity
-from posttrainllm.opdefs import Case, OpDef, Tensors
-from posttrainllm.opdefs.base import leaves_of
+from posttrainllm.ops.registry import Case, OpDef, Tensors
+from posttrainllm.ops.base import leaves_of
 
 
 Upstream = torch.Tensor | Tensors  # dO of "out" alone, or {output: its dO} for an op with more differentiable outputs

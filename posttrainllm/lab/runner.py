@@ -42,8 +42,8 @@ from posttrainllm.lab.isolation.user import user_paths
 from posttrainllm.lab.oracle import Upstream, backward
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import Timing, measure
-from posttrainllm.opdefs import NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors
-from posttrainllm.opdefs.base import IN_PROCESS, ISOLATED, leaves_of, point_dtype
+from posttrainllm.ops.registry import NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors
+from posttrainllm.ops.base import IN_PROCESS, ISOLATED, leaves_of, point_dtype
 from posttrainllm.track import failures
 
 

@@ -4,7 +4,7 @@ Each stage reads the config and the files earlier stages wrote in the point's
 folder, and writes its own files there. None talks to MLflow but the receipt.
 DVC runs them one process per stage (pipelines/*.py); `posttrainllm bench` runs
 the same functions in one process. Every stage is generic over the op: what is
-op-specific comes from its module in posttrainllm/opdefs/.
+op-specific comes from its package in posttrainllm/ops/<op>/.
 
 A path that breaks its contract is a result, not a crash: parity records the
 verdict and the first failing case, and from then on the path gets no speed,
@@ -40,15 +40,15 @@ from posttrainllm.lab.isolation import guards, rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.timing import NOISY_RULE, Timing
-from posttrainllm.opdefs import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
-                                 replaced_library)
+from posttrainllm.ops.registry import (NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors, case_config, get_op,
+                                       replaced_library)
 from posttrainllm.lab.oracle import (backward, cast_floats, contract_for, each, gradients, named, reference_outputs,
                                      upstream_gradient, upstream_gradients)  # noqa: F401 (the first: tests use it)
 from posttrainllm.lab.oracle import GRADIENT_BASELINE_RULE, worst_gradient_baseline  # noqa: F401 (stages.<name>)
 from posttrainllm.lab.oracle import judge_path as _check_path
-from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
+from posttrainllm.ops.registry import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
-from posttrainllm.opdefs.base import point_dtype as _dtype
+from posttrainllm.ops.base import point_dtype as _dtype
 from posttrainllm.track import failures
 from posttrainllm.track.provenance import git_revision
 
@@ -235,7 +235,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
         report["compile"] = {"targets": list(cfg.compile.targets), "rule": compile_lab.RULE, "paths": {},
                              "rows": [], "note": NOTHING_TO_COMPILE}
     replaced = replaced_library()
-    if replaced:  # the peers call what was bound when the lab started (opdefs/base.py LIBRARY), not these
+    if replaced:  # the peers call what was bound when the lab started (ops/base.py LIBRARY), not these
         report["library_replaced"] = {"functions": replaced, "note": LIBRARY_REPLACED_NOTE}
     torch.save(outputs, out / "kernel.pt")
     write_json(out / "kernel.json", report)
@@ -755,7 +755,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
             entry["forward_backward"]["vs_reference"] = compare(train, ref_train)
     timed = list(timings)
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
-        report["describe"] = op.describe(case, inputs, cfg)
+        report["describe"] = op.describe(case, inputs, cfg, measure)
     ridge = max(peak_flops, floor_flops or 0.0) / peak_bandwidth if peak_flops else None  # FLOP/B
     stops = runner.continued()
     report["curve"] = _curve(cfg, op, out, device, timed, calibration, floor_flops, cache_bytes=cache_bytes,
@@ -986,7 +986,7 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
 def _train_quantized(cfg: LabConfig, model_cfg: Any, common: dict[str, Any], device: str,
                      folder: Path) -> dict[str, Any]:
     """bench-train under a quantized precision: every variant trained on the corpus's head under the precision's
-    16-bit autocast (the bf16 baseline with F.linear, each fp8 path through the recipe, opdefs/matmul.py), scored
+    16-bit autocast (the bf16 baseline with F.linear, each fp8 path through the recipe, ops/matmul/definition.py), scored
     on its held-out tail; then the draft-heads base decodes held-out prompts with each path's fp8 linear layers
     against bf16 ones (model/quality.py). The `quality` section and its verdicts join the result."""
     from posttrainllm.lab.configure import check_train_rules

@@ -15,6 +15,7 @@ that run the edited code and no others.
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from posttrainllm.config import AUTO, DIMENSIONS, ConfigError, SweepConfig, group_options, point_config
+from posttrainllm.config import AUTO, DIMENSIONS, PROJECT_ROOT, ConfigError, SweepConfig, group_options, point_config
 from posttrainllm.lab.pipeline import CALIBRATION, POINT_STAGES, READS_KEY
 
 HEADER = (
@@ -150,7 +151,7 @@ def refuse_unfit(params: dict[str, Any], say: Any = print) -> dict[str, Any]:
 
 def find_kernel_files(params: dict[str, Any], say: Any = print) -> dict[str, Any]:
     """Each point with user paths gets `kernel_files`: the files outside the package whose Triton kernels those
-    paths launch (an installed library's ops/rope.py behind a three-line adapter), found by recording the launches
+    paths launch (an installed library's ops/rope/kernels.py behind a three-line adapter), found by recording the launches
     of the point's main case in the compile child (lab/compile.py, nothing compiled). `stage_deps` lists them with
     the user's files, so an edit to one reruns the stages that run it; a kernel stage that meets a file not listed
     here refuses its stamp (track/stamp.py check_inputs): plan the sweep again. One child per distinct op config."""
@@ -254,6 +255,26 @@ def refuse_multi_dimension_multirun(overrides: list[str], grid: bool) -> None:
 # (lab/pipeline.py `stamped`).
 
 
+# An op's Triton code (posttrainllm/ops/<op>/): loaded only by the stages that run its Triton path (op_sources)
+KERNEL_FILES = ("kernels.py", "fp8.py")
+
+
+def op_definition_sources() -> list[str]:
+    """posttrainllm/ops/'s shared modules and the registry's op packages, but the ops' kernels: what importing the
+    registry loads (validating a config does), never a kernel. Read from the files, not imported (no torch here)."""
+    ops = PROJECT_ROOT / "posttrainllm" / "ops"
+    registry = ast.parse((ops / "registry.py").read_text())
+    packages = next(ast.literal_eval(node.value) for node in registry.body if isinstance(node, ast.Assign)
+                    and any(isinstance(target, ast.Name) and target.id == "OP_PACKAGES" for target in node.targets))
+    files = [path for path in ops.glob("*.py") if path.name not in NOT_LOADED]
+    files += [path for package in packages for path in (ops / package).rglob("*.py")
+              if path.name not in KERNEL_FILES and "__pycache__" not in path.parts]
+    return sorted(path.relative_to(PROJECT_ROOT).as_posix() for path in files)
+
+
+NOT_LOADED = ("signatures.py",)  # the docs' signature table (python -m posttrainllm.ops.signatures): no stage's
+
+
 # Every point stage loads these, besides its own script pipelines/<stage>.py
 CORE_SOURCES = (
     "posttrainllm/__init__.py",
@@ -274,10 +295,7 @@ CORE_SOURCES = (
     "posttrainllm/measure/memory.py",
     "posttrainllm/measure/roofline.py",
     "posttrainllm/measure/timing.py",
-    "posttrainllm/opdefs",  # every op's definition: validating a config applies the ops' rules
-    "posttrainllm/ops/__init__.py",
-    "posttrainllm/ops/launches.py",
-    "posttrainllm/ops/reference.py",
+    *op_definition_sources(),  # every op's definition: validating a config applies the ops' rules
     "posttrainllm/track/__init__.py",
     "posttrainllm/track/provenance.py",
     "posttrainllm/track/receipt.py",
@@ -302,7 +320,7 @@ KERNEL_STAGES = ("kernel", "microbench", "bench_train")
 # The config keys each stage reads, as paths in the point (`config.tile` covers every tile key)
 STAGE_PARAMS = {
     "reference": ("config.op", "config.precision.dtype", "config.precision.allow_tf32",
-                  "config.precision.lse_contract",  # op=moe: the router's fp32 check (opdefs/moe.py)
+                  "config.precision.lse_contract",  # op=moe: the router's fp32 check (ops/moe/definition.py)
                   "config.precision.quantize",  # fp8: the recipe each case's inputs are quantized by
                   "config.shape", "config.architecture", "config.device.name", "config.parity",
                   "config.bench.threads"),
@@ -322,25 +340,25 @@ STAGE_PARAMS = {
 
 
 def op_sources(stage: str, config: dict[str, Any]) -> list[str]:
-    """The op's kernel code `stage` runs: posttrainllm/ops/<op>.py where it runs the op's Triton path.
+    """The op's kernel code `stage` runs: posttrainllm/ops/<op>/kernels.py where it runs the op's Triton path.
 
-    matmul borrows from the attention module: opdefs/matmul.py's launch geometry (the kernel stage) reads
-    its AUTO_CPU_NOTE, and ops/matmul.py's autotuner (tile or workgroup auto) its device_smem_bytes. Under a
-    quantized precision the op's fp8 kernels run (ops/fp8_<op>.py), moe's with ops/moe.py's plan.
+    matmul borrows from the attention module: ops/matmul/definition.py's launch geometry (the kernel stage) reads
+    its AUTO_CPU_NOTE, and ops/matmul/kernels.py's autotuner (tile or workgroup auto) its device_smem_bytes. Under a
+    quantized precision the op's fp8 kernels run (ops/<op>/fp8.py), moe's with ops/moe/kernels.py's plan.
     """
     files = user_sources(config) if stage in USER_STAGES else []
-    if config["op"]["name"] == "problem":  # the op is its file, read by every stage (opdefs/problem.py: its code)
-        return [config["op"]["file"], "posttrainllm/opdefs/problem.py", *files]
+    if config["op"]["name"] == "problem":  # the op is its file and its folder's code, read by every stage
+        return [config["op"]["file"], f"posttrainllm/ops/{config['op']['name']}", *files]  # its file, its code
     if stage not in KERNEL_STAGES:
         return files
     op = config["op"]["name"]
     quantized = ((config.get("precision") or {}).get("quantize") or {}).get("format")
-    files.append(f"posttrainllm/ops/{f'fp8_{op}' if quantized else op}.py")  # fp8: matmul's and moe's own kernels
-    if quantized:  # the fp8 kernel imports its op's module: matmul's grouped tile and launch, moe's plan and unpermute
-        files.append(f"posttrainllm/ops/{op}.py")
+    files.append(f"posttrainllm/ops/{op}/{'fp8' if quantized else 'kernels'}.py")  # fp8: matmul's and moe's own
+    if quantized:  # the fp8 kernel imports its op's kernels: matmul's grouped tile and launch, moe's plan and unpermute
+        files.append(f"posttrainllm/ops/{op}/kernels.py")
     autotune = AUTO in (config["tile"]["name"], config["workgroup"]["name"])
     if op == "matmul" and (stage == "kernel" or autotune):
-        files.append("posttrainllm/ops/attention.py")
+        files.append("posttrainllm/ops/attention/kernels.py")
     return files
 
 
@@ -357,7 +375,7 @@ def user_sources(config: dict[str, Any]) -> list[str]:
         return []
     from types import SimpleNamespace
 
-    from posttrainllm.opdefs import OPS
+    from posttrainllm.ops.registry import OPS
     from posttrainllm.lab.isolation.user import resolve
 
     # resolving a spec reads the op's name only: a problem op (made from its file) is not loaded to hash a spec
@@ -369,10 +387,10 @@ def op_params(stage: str, config: dict[str, Any]) -> list[str]:
     """The config keys the op's own code reads in `stage` beyond the stage's STAGE_PARAMS.
 
     op=moe probes whether its grouped_mm path runs (which paths the point has: every stage that lists
-    them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (opdefs/moe.py). The ops in
+    them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (ops/moe/definition.py). The ops in
     TRAIN_CASE_OPS have a parity case at bench-train's shape: the stages that list the cases read train's.
     """
-    if config["op"]["name"] == "problem":  # its OpDef is made per point from its seeds and device (opdefs/problem.py)
+    if config["op"]["name"] == "problem":  # its OpDef is made per point from its seeds and device (ops/problem/definition.py)
         return [k for k in ("config.parity.seeds", "config.device.name") if k not in STAGE_PARAMS[stage]]
     if config["op"]["name"] == "moe" and stage in ("parity", "bench_train"):  # the kernel stage lists config.shape
         return ["config.shape.moe_d_model", "config.shape.moe_ffn"]
@@ -381,7 +399,7 @@ def op_params(stage: str, config: dict[str, Any]) -> list[str]:
     return []
 
 
-# The ops with a parity case at bench-train's shape (train.batch_size x train.seq_len; opdefs/<op>.py `_cases`)
+# The ops with a parity case at bench-train's shape (train.batch_size x train.seq_len; ops/<op>/definition.py `_cases`)
 TRAIN_CASE_OPS = ("attention", "decode_attention", "cross_entropy")  # attention_noncausal is op.name attention
 
 

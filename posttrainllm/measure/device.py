@@ -221,20 +221,20 @@ def fp32_matmuls(*, tf32: bool) -> Iterator[None]:
     """
     import torch
 
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
-    if hasattr(matmul, "fp32_precision"):
-        saved = (matmul.fp32_precision, conv.conv.fp32_precision)
-        matmul.fp32_precision = conv.conv.fp32_precision = "tf32" if tf32 else "ieee"
+    cuda_mm, conv = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(cuda_mm, "fp32_precision"):
+        saved = (cuda_mm.fp32_precision, conv.conv.fp32_precision)
+        cuda_mm.fp32_precision = conv.conv.fp32_precision = "tf32" if tf32 else "ieee"
     else:
-        saved = (matmul.allow_tf32, conv.allow_tf32)
-        matmul.allow_tf32 = conv.allow_tf32 = tf32
+        saved = (cuda_mm.allow_tf32, conv.allow_tf32)
+        cuda_mm.allow_tf32 = conv.allow_tf32 = tf32
     try:
         yield
     finally:
-        if hasattr(matmul, "fp32_precision"):
-            matmul.fp32_precision, conv.conv.fp32_precision = saved
+        if hasattr(cuda_mm, "fp32_precision"):
+            cuda_mm.fp32_precision, conv.conv.fp32_precision = saved
         else:
-            matmul.allow_tf32, conv.allow_tf32 = saved
+            cuda_mm.allow_tf32, conv.allow_tf32 = saved
 
 
 def available_memory_bytes(device: str) -> int | None:

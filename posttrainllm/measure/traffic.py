@@ -8,7 +8,7 @@ Under `counted(...)` every aten call that runs (forward, and the backward autogr
 except views (transpose, expand, reshape of a contiguous tensor: they move nothing; `OpOverload.is_view`, and
 NO_TRAFFIC), and with an expanded argument read once (its storage's bytes); an argument the op writes (copy_'s
 destination) counts as written. This is the traffic of the code as eager PyTorch runs it, one op after the other,
-with no cache between them: the model a byte count of unfused code is checked against (opdefs/attention.py's
+with no cache between them: the model a byte count of unfused code is checked against (ops/attention/definition.py's
 materialised model, tests/test_traffic.py). A fused kernel is one call whose internal
 re-reads this cannot see, so it is counted for the readable math, not for a fused path.
 """

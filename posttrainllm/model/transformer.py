@@ -4,7 +4,7 @@ Pre-norm blocks: x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x)). RoPE on q and k
 causal self-attention with n_kv_heads <= n_heads (MHA, GQA, MQA), SwiGLU MLP, untied
 head. Two calls are switches looked up by name, so the same weights can be trained
 with the readable reference, PyTorch's fast path, or our Triton kernels, each handed
-in as a function from the op's registry (posttrainllm/opdefs/):
+in as a function from the op registry (posttrainllm/ops/registry.py):
 
     attention   (q, k, v) -> o, causal           default: the reference math
     linear      (x, weight) -> x @ weightᵀ       default: F.linear
@@ -37,7 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from posttrainllm.ops import reference
+import posttrainllm.ops.attention.reference as attention_reference
+import posttrainllm.ops.decode_attention.reference as decode_attention_reference
+import posttrainllm.ops.moe.reference as moe_reference
+import posttrainllm.ops.rmsnorm.reference as rmsnorm_reference
+import posttrainllm.ops.rope.reference as rope_reference
+from posttrainllm.ops.rope.reference import ROPE_THETA, rope_tables
+import posttrainllm.ops.swiglu.reference as swiglu_reference
 
 
 @dataclass
@@ -54,7 +60,7 @@ class ModelConfig:
     # MLP's parameter count near a 4x GELU MLP), rounded up to a multiple of 32.
     mlp_hidden: int | None = None
     max_seq_len: int = 256  # size of the RoPE tables; longer inputs are refused, not extrapolated
-    rope_theta: float = 10000.0  # RoPE base: wavelengths from 2*pi up to ~theta*2*pi positions
+    rope_theta: float = ROPE_THETA  # RoPE base: wavelengths from 2*pi up to ~theta*2*pi positions
     norm_eps: float = 1e-5  # RMSNorm epsilon; keeps rsqrt finite on an all-zero row
     # mlp="moe": each block's MLP is n_experts routed SwiGLU experts of width expert_hidden (None: mlp_hidden),
     # top_k per token, dropless; the router's load-balancing loss (Switch Transformer, Mixtral) is added to the
@@ -104,7 +110,7 @@ class ModelConfig:
 
 # --------------------------------------------------------------------------- the switches
 # The model does not know which implementations exist: bench-train hands it the functions
-# from the op's registry (posttrainllm/opdefs/), the same ones parity checked and the
+# from the op registry (posttrainllm/ops/), the same ones parity checked and the
 # microbench timed. Contracts:
 #   attention(q, k, v) -> o    q: (B, nh, T, hs), k and v: (B, nkv, T, hs) -> (B, nh, T, hs), causal, 1/sqrt(hs)
 #   linear(x, weight) -> y     x: (..., in), weight: (out, in) -> (..., out) = x @ weightᵀ
@@ -128,12 +134,12 @@ AddNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[to
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The default: the readable math, materialising the (T, T) scores."""
-    return reference.attention(q, k, v, causal=True)
+    return attention_reference.attention(q, k, v, causal=True)
 
 
 def reference_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The default with a cache: q (B, nh, T, hs) are the last T of the k, v (B, nkv, L, hs) positions."""
-    return reference.chunk_attention(q, k, v)
+    return decode_attention_reference.chunk_attention(q, k, v)
 
 
 class KVCache:
@@ -187,10 +193,10 @@ class Linear(nn.Linear):
 # --------------------------------------------------------------------------- building blocks
 
 
-# The defaults are the readable math of posttrainllm/ops/reference.py, the one place it is written: the model's
+# The defaults are the readable math of posttrainllm/ops/<op>/reference.py, the one place it is written: the model's
 # RMSNorm in fp32 (x / rms(x) · weight, rounded once), SwiGLU's gate silu(gate) · up, RoPE's rotate-half in fp32.
-reference_norm: NormFn = reference.rmsnorm
-reference_swiglu: SwiGLUFn = reference.swiglu
+reference_norm: NormFn = rmsnorm_reference.rmsnorm
+reference_swiglu: SwiGLUFn = swiglu_reference.swiglu
 
 
 class RMSNorm(nn.Module):
@@ -207,17 +213,7 @@ class RMSNorm(nn.Module):
             return self.norm_fn(x, self.weight, self.eps)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * frequency: (T, hs/2) each, fp32.
-
-    Pair i of a head rotates at frequency theta^(-2i/hs): fast near i=0, slow near hs/2.
-    """
-    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (hs/2,)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)  # (T, hs/2)
-    return angles.cos().float(), angles.sin().float()
-
-
-apply_rope: RopeFn = reference.rope  # rotate each pair (x[..., i], x[..., i + hs/2]) by its position's angle
+apply_rope: RopeFn = rope_reference.rope  # rotate each pair (x[..., i], x[..., i + hs/2]) by its position's angle
 
 
 class CausalSelfAttention(nn.Module):
@@ -254,7 +250,7 @@ class CausalSelfAttention(nn.Module):
                     y = self.decode_attention_fn(q, k_all, v_all)  # (B, nh, T, hs): the chunk at the end
                 else:  # a tree of candidates: an arbitrary mask, which the decode_attention paths (the Triton
                     # kernel's bottom-right causal mask) do not take, so always the readable reference math
-                    y = reference.masked_chunk_attention(q, k_all, v_all, self.tree_mask)  # (B, nh, T, hs)
+                    y = decode_attention_reference.masked_chunk_attention(q, k_all, v_all, self.tree_mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh*hs)
         return self.o_proj(y)  # (B, T, C)
 
@@ -284,7 +280,7 @@ MoEFn = Callable[..., torch.Tensor]
 class MoEMLP(nn.Module):
     """Routed SwiGLU experts: y = Σ_k route_weight · expert_k(x), dropless (every assignment computed).
 
-    The router runs in fp32 (reference.moe_router: softmax, top-k, renormalised over the k, ties to
+    The router runs in fp32 (moe_reference.moe_router: softmax, top-k, renormalised over the k, ties to
     the lower index); the experts are the switch `moe_fn` (default: the dense reference), inside the
     profiler range posttrainllm::moe. Each forward keeps its load-balancing loss and its histogram.
     """
@@ -298,7 +294,7 @@ class MoEMLP(nn.Module):
         self.w_up = nn.Parameter(torch.randn(n_exp, d, f) * 0.02)  # (E, C, Fe)
         # writes into the residual stream: GPT-2's 1/sqrt(2 * n_layers) as for down_proj
         self.w_down = nn.Parameter(torch.randn(n_exp, f, d) * 0.02 / math.sqrt(2 * config.n_layers))  # (E, Fe, C)
-        self.moe_fn: MoEFn = reference.moe_dense
+        self.moe_fn: MoEFn = moe_reference.moe_dense
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.assignments = 0
@@ -307,7 +303,7 @@ class MoEMLP(nn.Module):
         B, T, C = x.shape
         rows = x.reshape(B * T, C)  # (N, C)
         logits = rows.float() @ self.w_router.float()  # (N, E), fp32 whatever the autocast dtype
-        route_idx, route_weight = reference.moe_router(rows.float(), self.w_router.float(), self.top_k)  # (N, k)
+        route_idx, route_weight = moe_reference.moe_router(rows.float(), self.w_router.float(), self.top_k)  # (N, k)
         n_exp = self.w_router.shape[1]
         counts = torch.bincount(route_idx.reshape(-1), minlength=n_exp)  # (E,) assignments per expert
         # load balance: E · Σ_e (fraction of assignments to e) · (mean router probability of e)
@@ -461,7 +457,7 @@ class Transformer(nn.Module):
         tree = (depth (T,) int64, visible (T, T) bool), with a cache only: idx is a flattened tree of
         candidates (posttrainllm/model/decode.py `speculative_tree`); entry i sits at RoPE position
         cache.length + depth[i] and attends to every cached position plus the entries visible[i] marks
-        (its ancestors and itself), through reference.masked_chunk_attention. Its keys and values still
+        (its ancestors and itself), through decode_attention_reference.masked_chunk_attention. Its keys and values still
         fill the cache slots [length, length + T) in flattened order: the caller compacts them.
         """
         B, T = idx.shape

@@ -103,15 +103,16 @@ def figures(receipts: dict[str, dict[str, Any]], command: str = COMMAND) -> dict
                       for peer in ("compiled", "flex") if _path(base, peer)},
             "step": fields["e2e_sentence"], "step_path": fields["e2e_path"],
         }
-    name, decode = _point(receipts, op="decode_attention")
-    if decode:
-        out["decode"] = {"point": name, "problem": (decode.get("microbench") or {}).get("problem"),
-                         "sdpa_x": _path(decode, "sdpa").get("fwd_x")}
-    name, matmul = _point(receipts, op="matmul")
-    if matmul:
-        fields = derived.point_fields(matmul)
-        out["matmul"] = {"point": name, "problem": (matmul.get("microbench") or {}).get("problem"),
-                         "peer": fields["best_peer"], "peer_x": fields["peer_x"], "step": fields["e2e_sentence"]}
+    out["other_ops"] = []  # per op beside the baseline's: its first point that changes only the op
+    seen = {_op(base) if base else None}
+    for key, receipt in receipts.items():
+        op = _op(receipt)
+        if op in seen or not set((receipt.get("sweep") or {}).get("changes") or {}) <= {"op"}:
+            continue
+        seen.add(op)
+        fields = derived.point_fields(receipt)
+        out["other_ops"].append({"op": op, "point": key, "problem": (receipt.get("microbench") or {}).get("problem"),
+                                 "peer": fields["best_peer"], "peer_x": fields["peer_x"]})
     out["summary"] = summary_markdown(receipts)
     out["steps"] = report.step_lines(receipts)
     return out
@@ -166,14 +167,10 @@ def table_rows(figs: dict[str, Any]) -> list[str]:
                         f"{base['reference_ms']:.2f} ms |" if base["reference_ms"] is not None else
                         f"| the peers users reach for, same point | {', '.join(peers)} |")
         rows.append(f"| attention in a training step; Amdahl | {base['step']} |")
-    decode = figs.get("decode")
-    if decode:
-        rows.append(f"| decode attention ({decode['point']}, {decode['problem']}) | SDPA {_x(decode['sdpa_x'])} the "
-                    "readable math forward |")
-    matmul = figs.get("matmul")
-    if matmul:
-        rows.append(f"| matmul ({matmul['point']}, {matmul['problem']}) | {matmul['peer']} "
-                    f"{_x(matmul['peer_x'])} the reference forward |")
+    for other in figs.get("other_ops", []):
+        rows.append(f"| op={other['op']} ({other['point']}, {other['problem']}) | "
+                    + (f"{other['peer']} {_x(other['peer_x'])} the reference forward |" if other["peer"] else
+                       "no peer with a speed |"))
     return rows
 
 

@@ -8,9 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
-from posttrainllm.ops import attention, reference
+from posttrainllm.ops.attention import kernels as attention
+from posttrainllm.ops.attention import reference
 from posttrainllm.ops import is_interpreted
-from posttrainllm.ops.attention import attention_launch, triton_attention
+from posttrainllm.ops.attention.kernels import attention_launch, triton_attention
 
 # O: 16-bit outputs are off by their own rounding (and P's, on the GPU); L is fp32 throughout.
 DTYPE_TOL = [
@@ -112,7 +113,7 @@ def test_non_positive_scale_is_refused():
 
 def test_autotune_off_gpu_runs_the_given_configuration(device):
     """`auto` cannot time configurations under the interpreter: the launcher runs the blocks it was given."""
-    from posttrainllm.ops import attention
+    from posttrainllm.ops.attention import kernels as attention
 
     if device != "cpu":
         pytest.skip("CPU behaviour")

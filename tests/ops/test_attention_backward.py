@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from posttrainllm.ops import reference
-from posttrainllm.ops.attention import (
+from posttrainllm.ops.attention import reference
+from posttrainllm.ops.attention.kernels import (
     attention_backward_launch,
     flash_attention,
     triton_attention,

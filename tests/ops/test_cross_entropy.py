@@ -1,4 +1,4 @@
-"""Our fused linear cross-entropy (posttrainllm/ops/cross_entropy.py) against the readable math, forward and backward.
+"""Our fused linear cross-entropy (posttrainllm/ops/cross_entropy/kernels.py) against the readable math, forward and backward.
 
 Odd sizes (37 tokens off the 16-token chunk, V = 1000 off every 256 block), a single token, ignored targets (a whole
 chunk, and all of them), label smoothing, logits of ~1e5; bad input refused. The peak memory against the reference's:
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from posttrainllm.measure.memory import peak_bytes
-from posttrainllm.ops import reference
-from posttrainllm.ops.cross_entropy import cross_entropy_launch, fused_linear_cross_entropy
+from posttrainllm.ops.cross_entropy import reference
+from posttrainllm.ops.cross_entropy.kernels import cross_entropy_launch, fused_linear_cross_entropy
 
 GEOMETRY = dict(chunk_size=16, block_v=256)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # max err / max|oracle|

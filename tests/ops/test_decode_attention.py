@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrainllm.ops import reference
-from posttrainllm.ops.decode_attention import (check_addressable, decode_attention, decode_attention_launch,
-                                               triton_decode_attention)
+from posttrainllm.ops.attention import reference as attention_reference
+from posttrainllm.ops.decode_attention import reference as decode_attention_reference
+from posttrainllm.ops.decode_attention.kernels import (check_addressable, decode_attention, decode_attention_launch,
+                                                       triton_decode_attention)
 
 DTYPE_TOL = [(torch.float32, 1e-5, 1e-5), (torch.float16, 2e-3, 2e-3), (torch.bfloat16, 2e-2, 2e-2)]
 # (Sq, Sk): decode (Sq = 1) and verification chunks against empty-ish, ragged and long caches
@@ -27,7 +28,7 @@ LAYOUTS = [(sq, sk, 4, 2) for sq, sk in PAIRS] + [(sq, sk, 4, kv) for sq, sk in 
 @pytest.mark.parametrize("sq, sk, heads, kv_heads", LAYOUTS)
 def test_fp32_matches_the_fp64_reference(sq, sk, heads, kv_heads, device):
     q, k, v = _inputs(2, heads, kv_heads, sq, sk, 32, torch.float32, device)
-    want = reference.chunk_attention(q.double(), k.double(), v.double())
+    want = decode_attention_reference.chunk_attention(q.double(), k.double(), v.double())
     got = triton_decode_attention(q, k, v, block_q=64, block_kv=64)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
@@ -35,7 +36,7 @@ def test_fp32_matches_the_fp64_reference(sq, sk, heads, kv_heads, device):
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPE_TOL)
 def test_16_bit_within_their_rounding(dtype, atol, rtol, device):
     q, k, v = _inputs(1, 4, 2, 4, 100, 32, dtype, device)
-    want = reference.chunk_attention(q.double(), k.double(), v.double())
+    want = decode_attention_reference.chunk_attention(q.double(), k.double(), v.double())
     got = triton_decode_attention(q, k, v, block_q=16, block_kv=32)
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
@@ -46,22 +47,22 @@ def test_any_number_of_cache_pieces_gives_the_same_answer(splits, device):
     """Pieces past the last key (splits > KV blocks) are empty: the combine weights them 0, never NaN."""
     q, k, v = _inputs(1, 4, 2, 4, 300, 32, torch.float32, device)
     got = triton_decode_attention(q, k, v, block_kv=16, num_splits=splits)
-    torch.testing.assert_close(got, reference.chunk_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, decode_attention_reference.chunk_attention(q, k, v), atol=1e-5, rtol=1e-5)
 
 
 def test_the_mask_is_bottom_right_and_sdpa_is_causal_is_top_left(device):
     """The reason the SDPA peer takes an explicit mask: with Sq != Sk, is_causal lets query i see only j <= i."""
     q, k, v = _inputs(1, 2, 2, 4, 10, 16, torch.float64, device)
-    mask = reference.chunk_causal_mask(4, 10)
+    mask = decode_attention_reference.chunk_causal_mask(4, 10)
     assert mask.tolist()[0] == [False] * 7 + [True] * 3 and not mask[-1].any()  # query 0 sees keys 0..6
-    want = reference.chunk_attention(q, k, v)
+    want = decode_attention_reference.chunk_attention(q, k, v)
     top_left = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert not torch.allclose(top_left, want)
     explicit = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask)
     torch.testing.assert_close(explicit, want)
     # and Sq == Sk is ordinary causal attention
     q2 = torch.randn(1, 2, 10, 16, dtype=torch.float64)
-    torch.testing.assert_close(reference.chunk_attention(q2, k, v), reference.attention(q2, k, v, causal=True))
+    torch.testing.assert_close(decode_attention_reference.chunk_attention(q2, k, v), attention_reference.attention(q2, k, v, causal=True))
 
 
 def test_a_planted_top_left_mask_is_caught(device):
@@ -69,7 +70,7 @@ def test_a_planted_top_left_mask_is_caught(device):
     q, k, v = _inputs(1, 2, 2, 4, 100, 16, torch.float64, device)
     wrong = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(wrong, reference.chunk_attention(q, k, v), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(wrong, decode_attention_reference.chunk_attention(q, k, v), atol=1e-5, rtol=1e-5)
 
 
 def test_backward_is_the_reference_math(device):
@@ -78,7 +79,7 @@ def test_backward_is_the_reference_math(device):
     got = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    reference.chunk_attention(q, k, v).sum().backward()
+    decode_attention_reference.chunk_attention(q, k, v).sum().backward()
     for a, b in zip(got, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(a, b)
 
@@ -104,7 +105,7 @@ def test_the_batch_invariant_mode_fixes_the_pieces_by_the_cache_alone(monkeypatc
 def test_in_the_batch_invariant_mode_a_row_has_the_same_bits_in_any_batch(device):
     q, k, v = _inputs(3, 4, 2, 1, 300, 32, torch.float32, device)
     together = triton_decode_attention(q, k, v, block_kv=16, split_blocks=3)  # 19 KV blocks: 7 pieces
-    torch.testing.assert_close(together, reference.chunk_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(together, decode_attention_reference.chunk_attention(q, k, v), atol=1e-5, rtol=1e-5)
     for row in range(3):
         alone = triton_decode_attention(q[row:row + 1], k[row:row + 1], v[row:row + 1], block_kv=16, split_blocks=3)
         assert torch.equal(alone[0], together[row])
@@ -130,7 +131,7 @@ def test_bad_shapes_are_refused(shapes, says):
 def test_the_op_passes_its_parity_cases_and_states_its_bytes():
     """The lab op: every implementation on the op's own cases, in fp32, against the float64 reference."""
     from posttrainllm.lab.configure import load
-    from posttrainllm.opdefs import get_op
+    from posttrainllm.ops.registry import get_op
 
     cfg = load(["op=decode_attention", "device=cpu", "parity.seeds=[0]", "shape.decode_kv_lens=[1,100]",
                 "shape.decode_kv_len=200"])
@@ -155,7 +156,7 @@ def test_backward_honours_a_custom_scale(device):
     out = decode_attention(q, k, v, sm_scale=0.5, block_kv=16)
     out.backward(do)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    want = reference.chunk_attention(q64, k64, v64, sm_scale=0.5)
+    want = decode_attention_reference.chunk_attention(q64, k64, v64, sm_scale=0.5)
     torch.testing.assert_close(out.detach().double(), want.detach(), atol=1e-5, rtol=1e-5)
     want.backward(do.double())
     for name, got, ref in zip("qkv", (q.grad, k.grad, v.grad), (q64.grad, k64.grad, v64.grad)):
@@ -181,7 +182,7 @@ def test_batch_and_head_bases_past_2_31_elements(device):
         t.copy_(x)
     assert 2 * k.stride(0) >= 2**31 > k.stride(0)
     got = triton_decode_attention(q, k, v, block_kv=32)
-    want = reference.chunk_attention(q.double(), k.double(), v.double())
+    want = decode_attention_reference.chunk_attention(q.double(), k.double(), v.double())
     torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=2e-3)
 
 

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from posttrainllm.ops import fast_language_patching_in_interpreter, is_interpreted
-from posttrainllm.ops.attention import flash_attention_with_lse
+from posttrainllm.ops.attention.kernels import flash_attention_with_lse
 
 pytestmark = pytest.mark.skipif(not is_interpreted(), reason="the fast path is for Triton's interpreter only")
 

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from posttrainllm.ops import reference
+from posttrainllm.ops.matmul import reference
 from posttrainllm.ops import interpreter_emulation, is_interpreted
-from posttrainllm.ops.matmul import matmul_launch, triton_matmul
+from posttrainllm.ops.matmul.kernels import matmul_launch, triton_matmul
 
 # fp32 "ieee" is exact fp32 FMA; 16-bit outputs are off by their own rounding.
 DTYPE_TOL = [

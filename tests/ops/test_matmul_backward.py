@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from posttrainllm.ops import reference
-from posttrainllm.ops import matmul as matmul_module
-from posttrainllm.ops.matmul import linear, matmul
+from posttrainllm.ops.matmul import reference
+from posttrainllm.ops.matmul import kernels as matmul_module
+from posttrainllm.ops.matmul.kernels import linear, matmul
 
 # dA, dB are matmuls themselves: same budgets as the forward, K here being M or N.
 DTYPE_TOL = [

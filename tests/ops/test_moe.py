@@ -1,4 +1,4 @@
-"""Our Triton grouped-GEMM MoE (posttrainllm/ops/moe.py) against the readable math, forward and backward.
+"""Our Triton grouped-GEMM MoE (posttrainllm/ops/moe/kernels.py) against the readable math, forward and backward.
 
 Odd sizes (37 tokens, d=40, f=72 are off every tile), a single token, every token on one expert, an
 expert with no token, top-k = E; the plan's padding and bookkeeping; bad input refused; offsets past
@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from posttrainllm.ops import moe as moe_ops, reference
-from posttrainllm.ops.moe import moe, moe_backward, moe_forward, moe_launch, plan
+from posttrainllm.ops.moe import kernels as moe_ops
+from posttrainllm.ops.moe import reference
+from posttrainllm.ops.moe.kernels import moe, moe_backward, moe_forward, moe_launch, plan
 
 TILE = dict(block_m=16, block_n=32, block_k=16)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # max err / max|oracle|

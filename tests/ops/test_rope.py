@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from posttrainllm.model.transformer import apply_rope, rope_tables
-from posttrainllm.ops import reference
-from posttrainllm.ops.rope import rope, rope_launch, triton_rope
+from posttrainllm.ops.rope import reference
+from posttrainllm.ops.rope.kernels import rope, rope_launch, triton_rope
 
 # fp32: a few fp32 roundings; 16-bit: the output's own rounding (values up to ~4: half an ulp is 8e-3 / 1e-3)
 DTYPE_TOL = [

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from posttrainllm.ops import reference
-from posttrainllm.ops.swiglu import swiglu, swiglu_launch, triton_swiglu_backward, triton_swiglu_forward
+from posttrainllm.ops.swiglu import reference
+from posttrainllm.ops.swiglu.kernels import swiglu, swiglu_launch, triton_swiglu_backward, triton_swiglu_forward
 
 # One rounding of an fp32 result to the output's dtype (the oracle's fp64 values rounded by the test's atol/rtol).
 DTYPE_TOL = [

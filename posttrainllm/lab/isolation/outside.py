@@ -39,8 +39,8 @@ import torch
 
 from posttrainllm.lab import oracle
 from posttrainllm.measure.timing import Timing, summarize
-from posttrainllm.opdefs import Case, Impl, OpDef
-from posttrainllm.opdefs.base import point_dtype
+from posttrainllm.ops.registry import Case, Impl, OpDef
+from posttrainllm.ops.base import point_dtype
 from posttrainllm.lab.isolation import worker as workers
 
 BATCH_MIN, BATCH_MAX = 4, 64

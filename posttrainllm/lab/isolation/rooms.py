@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from posttrainllm.opdefs import Case, OpDef, Tensors
+from posttrainllm.ops.registry import Case, OpDef, Tensors
 
 INPUT_SET_SEED = 7_919  # case.seed + i * INPUT_SET_SEED: the i-th timed input set (i = 0: the case's own)
 ROTATION_RULE = ("timed repetitions rotate over {n} distinct input sets (the case at seeds seed + i x "
@@ -49,12 +49,13 @@ def _backend_flags() -> dict[str, Any]:
     flags = {"cudnn.enabled": backends.cudnn.enabled, "cudnn.benchmark": backends.cudnn.benchmark,
              "cudnn.deterministic": backends.cudnn.deterministic, "mkldnn.enabled": backends.mkldnn.enabled,
              "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
-    matmul = backends.cuda.matmul  # its fp32_precision, not torch.get_float32_matmul_precision(): that legacy getter
-    # raises once the new API has set a backend's precision (measure/device.py fp32_matmuls does)
+    # its fp32_precision, not torch.get_float32_matmul_precision(): that legacy getter raises once the new API has
+    # set a backend's precision (measure/device.py fp32_matmuls does)
+    cuda_matmul = backends.cuda.matmul
     for name in ("fp32_precision", "allow_fp16_reduced_precision_reduction",
                  "allow_bf16_reduced_precision_reduction"):
-        if hasattr(matmul, name):
-            flags[f"cuda.matmul.{name}"] = getattr(matmul, name)
+        if hasattr(cuda_matmul, name):
+            flags[f"cuda.matmul.{name}"] = getattr(cuda_matmul, name)
     for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled"):
         if hasattr(backends.cuda, name):
             flags[f"cuda.{name}"] = getattr(backends.cuda, name)()

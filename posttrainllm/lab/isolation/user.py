@@ -45,7 +45,7 @@ from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import shown
 
 if TYPE_CHECKING:  # names for annotations only: base.py (OpDef.paths) imports this module, never the reverse
-    from posttrainllm.opdefs.base import OpDef, Tensors
+    from posttrainllm.ops.base import OpDef, Tensors
 
 ENTRY_POINT_GROUP = "posttrainllm.impls"
 ENTRY_PREFIX = "entry:"
@@ -244,7 +244,7 @@ def user_paths(op: OpDef, cfg: LabConfig, taken: set[str]) -> dict[str, Any]:
     refused."""
     import dataclasses
 
-    from posttrainllm.opdefs.base import ISOLATED, Impl
+    from posttrainllm.ops.base import ISOLATED, Impl
 
     paths: dict[str, Impl] = {}
     for spec in list(cfg.op.user_impls):

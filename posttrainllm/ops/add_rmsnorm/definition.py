@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize
-from posttrainllm.opdefs.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
+from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
                                       seeded_randn)
-from posttrainllm.opdefs.peers import compiled
+from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.add_rmsnorm.reference as reference  # the module (not the package: its OP is this file)
 
 _RMS_NORM = LIBRARY["torch.nn.functional.rms_norm"]  # bound at start (base.LIBRARY)

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize
-from posttrainllm.opdefs.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
-from posttrainllm.opdefs.peers import compiled
+from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.layernorm.reference as reference  # the module (not the package: its OP is this file)
 
 _LAYER_NORM = torch.nn.functional.layer_norm  # bound at import: a later replacement of torch's changes no peer

@@ -1,0 +1,5 @@
+"""The moe op: reference.py (readable math), kernels.py (Triton, loaded lazily), definition.py (its OpDef)."""
+
+from posttrainllm.ops.moe.definition import OP
+
+__all__ = ["OP"]
