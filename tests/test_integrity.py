@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from posttrainllm.lab import pipeline, stages
+from posttrainllm.lab import pipeline
+from posttrainllm.lab.stages import common as stage_common, microbench as microbench_stage
 from posttrainllm.lab.configure import load
 from posttrainllm.track import receipt, stamp
 from posttrainllm.track.stamp import file_sha256
@@ -112,10 +113,10 @@ def test_no_path_but_the_reference_is_timed_against_a_rewritten_calibration(tmp_
                 "op.only=[torch]"])
     parity_report(cfg, tmp_path)
     calibration = {"peaks": {"gemm_flops_per_s": {"float32": 1e11}, "copy_bytes_per_s": 1e10}, "sha256": "ab" * 32}
-    micro = stages.run_microbench(cfg, tmp_path, calibration, "runs/calibration.json is not what the calibrate "
+    micro = microbench_stage.run_microbench(cfg, tmp_path, calibration, "runs/calibration.json is not what the calibrate "
                                                               "stage wrote")
     assert micro["calibration"]["problem"].startswith("runs/calibration.json is not")
     assert micro["paths"]["reference"]["valid"] is True
     timed = {name: entry for name, entry in micro["paths"].items()  # Triton here is interpreted: never timed
-             if name != "reference" and stages.INTERPRETER_NOT_SPEED not in entry.get("reason", "")}
+             if name != "reference" and stage_common.INTERPRETER_NOT_SPEED not in entry.get("reason", "")}
     assert timed and all(not e["valid"] and "calibrate stage wrote: its peaks" in e["reason"] for e in timed.values())
