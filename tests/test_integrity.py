@@ -16,7 +16,7 @@ import yaml
 from posttrainllm.lab import pipeline
 from posttrainllm.lab.stages import common as stage_common, microbench as microbench_stage
 from posttrainllm.lab.configure import load
-from posttrainllm.track import receipt, stamp
+from posttrainllm.track import receipt, records, stamp
 from posttrainllm.track.stamp import file_sha256
 
 POINT = "baseline"
@@ -43,11 +43,16 @@ def planned(tmp_path, monkeypatch):
     cfg, _ = pipeline.load_point(POINT)
     folder = tmp_path / "runs" / POINT
     folder.mkdir(parents=True)
-    parity = {"verdict": "pass", "precision": "fp32", "contract": json.loads(json.dumps(
-        asdict(cfg.precision.contract))), "lse_contract": None, "paths": {}, "rule": "", "notes": []}
-    (folder / "parity.json").write_text(json.dumps(parity))
-    (folder / "microbench.json").write_text(json.dumps(
-        {"paths": {"reference": {"valid": True, "median_ms": 2.0, "noisy": False, "memory": {"peak_bytes": 64}}, "sdpa": {"valid": True, "median_ms": 1.0, "noisy": False, "memory": {"peak_bytes": 64}}}}))
+    records.ParityRecord(verdict="pass", precision="fp32", contract=json.loads(json.dumps(
+        asdict(cfg.precision.contract))), lse_contract=None, paths={}, rule="", backward_rule="", cases=[], notes=[],
+        invariance={}, first_failure=None, headline="").write(folder / "parity.json")
+    timed = {"valid": True, "noisy": False, "memory": {"peak_bytes": 64}}
+    records.MicrobenchRecord(
+        paths={"reference": {**timed, "median_ms": 2.0}, "sdpa": {**timed, "median_ms": 1.0}}, device="cpu", threads=1,
+        case="main", problem="", flops=1.0, bytes=1.0, train_flops=3.0, flops_formula="", bytes_formula="",
+        backward_formula="", noisy_rule="", band_rule="", roofline_rule="", peaks={}, timed_result_rule="",
+        impossible_rule="", rotation_rule="", state_rule="", calibration={}, above_roof_rule="",
+        last_level_cache_bytes=None, cost_models="", curve={}).write(folder / "microbench.json")
     made = stamp.stage_stamp("parity", POINT, {"device": "cpu"}, [], outputs=(folder / "parity.json",))
     stamp.write_stamp(folder, made)
     return cfg, folder
@@ -64,7 +69,7 @@ def test_a_receipt_of_untouched_files_finds_nothing(planned):
 def test_a_report_rewritten_after_its_stage_fails_the_receipt_and_takes_every_speed(planned):
     cfg, folder = planned
     report = json.loads((folder / "parity.json").read_text())
-    (folder / "parity.json").write_text(json.dumps({**report, "verdict": "pass", "note": "rewritten"}))
+    (folder / "parity.json").write_text(json.dumps({**report, "verdict": "pass", "notes": ["rewritten"]}))
     built = receipt.build(cfg)
     problems = built["integrity"]["problems"]
     assert len(problems) == 1 and problems[0].startswith("parity.json changed since the parity stage wrote it")

@@ -281,6 +281,7 @@ CORE_SOURCES = (
     "posttrainllm/track/__init__.py",
     "posttrainllm/track/provenance.py",
     "posttrainllm/track/receipt.py",
+    "posttrainllm/track/records.py",  # the stages' typed records: one writer, one reader each
     "posttrainllm/track/store.py",
     "posttrainllm/track/stamp.py",
 )

@@ -41,6 +41,7 @@ from typing import Any
 
 from posttrainllm.files import read_json
 from posttrainllm.track.failures import CANNOT_RUN_HERE
+from posttrainllm.track.records import ParityRecord
 from posttrainllm.measure.timing import summarize
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -323,7 +324,8 @@ def verify_parity(receipt: dict[str, Any], folder: Path) -> list[str]:
     def contract(output: str) -> dict[str, Any]:
         return parity["lse_contract"] if output == "lse" and parity.get("lse_contract") else parity["contract"]
 
-    full = read_json(folder / "parity.json") if (folder / "parity.json").exists() else None
+    stored = ParityRecord.read_optional(folder / ParityRecord.FILE)
+    full = None if stored is None else stored.to_dict()
     verdicts = {}
     for name, path in parity["paths"].items():
         for output, worst in path["worst"].items():

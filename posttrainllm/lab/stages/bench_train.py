@@ -10,12 +10,12 @@ from typing import Any
 import torch
 
 from posttrainllm.config import ConfigError, LabConfig
-from posttrainllm.files import read_json, write_json
 from posttrainllm.lab import runner
 from posttrainllm.measure import device as devices
 from posttrainllm.opdefs import NO_BACKWARD
 from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
+from posttrainllm.track.records import BenchTrainRecord, MicrobenchRecord
 from posttrainllm.lab.stages.common import (ContractBroken, FAILED_PARITY, runs_interpreted, parity_paths, passed_parity,
                                             refusals)
 
@@ -54,7 +54,7 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
     if op.no_model is not None:  # no model hook (a problem file's op): nothing is trained, and the record says why
         result = {"impls": {}, "drift": {}, "drift_verdict": {}, "not_trained": op.no_model,
                   "skipped": {name: op.no_model for name in runner.train_impls(op, cfg)}}
-        write_json(out / "bench_train.json", result)
+        BenchTrainRecord.from_dict(result).write(out / BenchTrainRecord.FILE)
         return result
     quantized = cfg.precision.quantize
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
@@ -100,9 +100,9 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
     limit = cfg.precision.contract.train_loss_drift
     result["drift_limit"] = limit
     result["drift_verdict"] = {name: "pass" if drift <= limit else "fail" for name, drift in result["drift"].items()}
-    result["amdahl"] = amdahl.check(result, read_json(out / "microbench.json"), profiled_range=op.profiled_range,
+    result["amdahl"] = amdahl.check(result, MicrobenchRecord.read(out / MicrobenchRecord.FILE).to_dict(), profiled_range=op.profiled_range,
                                     model_problem=op.model_problem(cfg))
-    write_json(out / "bench_train.json", result)
+    BenchTrainRecord.from_dict(result).write(out / BenchTrainRecord.FILE)
     broken = [f"loss drift of {name} exceeds train_loss_drift={limit:g}"
               for name, verdict in result["drift_verdict"].items() if verdict != "pass"]
     broken += [f"quality of {name}: {'; '.join(q['failed'])}"

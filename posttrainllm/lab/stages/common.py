@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from posttrainllm.config import LabConfig
-from posttrainllm.files import read_json
 from posttrainllm.lab import parity, runner
 from posttrainllm.measure import device as devices
 from posttrainllm.opdefs import NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors
 from posttrainllm.lab.oracle import contract_for, reference_outputs
 from posttrainllm.track import failures
+from posttrainllm.track.records import ParityRecord, ReferenceRecord
 
 
 INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
@@ -56,16 +56,16 @@ GRADIENT_BASELINE_RULE = ("each gradient's baseline is, element by element, the 
                           "a flash backward recomputes it from the stored logsumexp)")
 
 
-def load_reference(out: Path) -> dict[str, Any]:
-    return torch.load(out / "reference.pt", weights_only=True)
+def load_reference(out: Path) -> ReferenceRecord:
+    return ReferenceRecord.read(out / ReferenceRecord.FILE)
 
 
 def refusals(out: Path) -> dict[str, str]:
     """Why each path that did not pass parity gets no speed: FAILED_PARITY, or that it cannot run here and why
     (none where no parity stage ran: a curve of the paths it is given)."""
     found: dict[str, str] = {}
-    recorded = read_json(out / "parity.json")["paths"] if (out / "parity.json").exists() else {}
-    for name, p in recorded.items():
+    record = ParityRecord.read_optional(out / ParityRecord.FILE)
+    for name, p in (record.paths if record else {}).items():
         if p["verdict"] == failures.CANNOT_RUN_HERE:
             gap = p["cannot_run_here"]
             found[name] = f"{failures.CANNOT_RUN_HERE}: {gap['reason']} (runs on {gap['runs_on']}): no speed"
@@ -133,14 +133,15 @@ def backward_note(impl: Impl) -> str:
 
 def passed_parity(out: Path) -> dict[str, bool]:
     """Which paths may carry speed numbers: the reference, and every path whose parity verdict is pass."""
-    verdicts = {name: p["verdict"] == "pass" for name, p in read_json(out / "parity.json")["paths"].items()}
+    verdicts = {name: p["verdict"] == "pass" for name, p in ParityRecord.read(out / ParityRecord.FILE).paths.items()}
     return {REFERENCE: True, **verdicts}
 
 
 def parity_paths(op: OpDef, cfg: LabConfig, out: Path) -> dict[str, Impl]:
     """The point's paths with each one's backward as parity.json recorded it (a user path's result may declare
     it forward-only) and, for a path that launched Triton kernels (a user's), kind "triton" when interpreted."""
-    recorded = read_json(out / "parity.json")["paths"] if (out / "parity.json").exists() else {}
+    record = ParityRecord.read_optional(out / ParityRecord.FILE)
+    recorded = record.paths if record else {}
     paths = {}
     for name, impl in runner.paths(op, cfg).items():
         entry = recorded.get(name, {})

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from posttrainllm.config import LabConfig
-from posttrainllm.files import write_json
 from posttrainllm.lab import runner
 from posttrainllm.lab.isolation import guards, rooms
 from posttrainllm.measure import device as devices
@@ -23,6 +22,7 @@ from posttrainllm.lab.oracle import gradients
 from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
 from posttrainllm.track import failures
+from posttrainllm.track.records import KernelRecord
 from posttrainllm.lab.stages.common import load_reference, to_cpu
 
 
@@ -52,7 +52,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     shutil.rmtree(out / failures.TRACEBACKS, ignore_errors=True)  # an earlier run's: none of them describe this one
     (out / failures.TRACEBACKS).mkdir(parents=True)  # a DVC out of this stage: there even when no path raised
     ref = load_reference(out)
-    main_case = Case(**ref["records"][0]["case"])
+    main_case = Case(**ref.records[0]["case"])
     outputs: dict[str, list[Tensors] | None] = {}
     report: dict[str, Any] = {"device": device, "triton_interpreted": devices.triton_interpreted(), "paths": {}}
     # in a child process, beside this stage's own work, where one of ours is Triton; for paths whose kernels are
@@ -74,19 +74,19 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
             launched: Counter = Counter()
             raised: list[dict[str, Any]] = []  # its located failures (track/failures.py), the first recorded
             try:
-                backward = run.declared_backward(ref["records"][0], cfg, device)
+                backward = run.declared_backward(ref.records[0], cfg, device)
                 entry["backward"] = backward
                 impl = dataclasses.replace(impl, backward=backward)
                 run = runner.runner_for(impl)
                 results = []
-                for record in ref["records"]:
+                for record in ref.records:
                     got, violations = _run_case(run, record, case_config(Case(**record["case"]), cfg), device,
                                                 launched, raised)
                     results.append(got)
                     entry["violations"] += [f"{record['case']['name']}: {v}" for v in violations]
                 outputs[impl.name] = results
                 # bitwise: the main case again (determinism) and its rows in other batches (lab/invariance.py)
-                entry["invariance"] = invariance.measure(op, impl, ref["records"][0], results[0],
+                entry["invariance"] = invariance.measure(op, impl, ref.records[0], results[0],
                                                          case_config(main_case, cfg), device)
             except Exception as exc:  # a kernel that cannot run is a failed path, reported, not a crash
                 outputs[impl.name] = None
@@ -118,8 +118,9 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     if replaced:  # the peers call what was bound when the lab started (opdefs/base.py LIBRARY), not these
         report["library_replaced"] = {"functions": replaced, "note": LIBRARY_REPLACED_NOTE}
     torch.save(outputs, out / "kernel.pt")
-    write_json(out / "kernel.json", report)
-    return report
+    record = KernelRecord.from_dict(report)
+    record.write(out / KernelRecord.FILE)
+    return record.to_dict()
 
 
 NOTHING_TO_COMPILE = ("no path launched a Triton kernel in this stage's calls (the worker counts a user path's "

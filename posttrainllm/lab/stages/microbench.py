@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from posttrainllm.config import LabConfig
-from posttrainllm.files import write_json
 from posttrainllm.lab import parity, runner
 from posttrainllm.lab.isolation import rooms
 from posttrainllm.measure import calibrate, roofline
@@ -27,6 +26,7 @@ from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one mad
 from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
 from posttrainllm.opdefs.base import point_dtype as _dtype
 from posttrainllm.track.provenance import git_revision
+from posttrainllm.track.records import MicrobenchRecord
 from posttrainllm.lab.stages.common import (FAILED_PARITY, INTERPRETER_NOT_SPEED, check_path, runs_interpreted, to_cpu,
                                             backward_note, parity_paths, passed_parity, refusals,
                                             worst_gradient_baseline)
@@ -314,7 +314,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     for name, impl in runner.paths(op, cfg).items():  # after every timed call and curve size (compiled: per signature)
         if impl.evidence is not None and name in report["paths"]:
             report["paths"][name]["evidence"] = impl.evidence()
-    write_json(out / "microbench.json", report)
+    MicrobenchRecord.from_dict(report).write(out / MicrobenchRecord.FILE)
     with open(out / "timings.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["op", "impl", "mode", "rep", "ms", "device", "threads", "problem"])
         writer.writeheader()

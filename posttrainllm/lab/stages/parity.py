@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from posttrainllm.config import LabConfig
-from posttrainllm.files import read_json, write_json
 from posttrainllm.lab import parity, runner
 from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
 from posttrainllm.track import failures
+from posttrainllm.track.records import KernelRecord, ParityRecord
 from posttrainllm.lab.stages.common import (ADVERSARIAL_NOTE, ContractBroken, GRADIENT_BASELINE_RULE, check_path,
                                             load_reference, backward_note)
 
@@ -31,8 +31,8 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
     op = op_for(cfg)
     ref = load_reference(out)
     kernel_outputs = torch.load(out / "kernel.pt", weights_only=True)
-    kernel_report = read_json(out / "kernel.json")
-    records = ref["records"]
+    kernel_report = KernelRecord.read(out / KernelRecord.FILE)
+    records = ref.records
     case_names = [r["case"]["name"] for r in records]
     report: dict[str, Any] = {"precision": cfg.precision.name, "contract": asdict(cfg.precision.contract),
                               "lse_contract": asdict(cfg.precision.lse_contract),
@@ -51,13 +51,13 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
                                f"count (op.max_error_only): {cfg.op.max_error_only.reason}")
     report["invariance"] = {"required": list(cfg.parity.require), "determinism_rule": invariance.DETERMINISM_RULE,
                             "batch_rule": invariance.BATCH_RULE, "properties_rule": invariance.PROPERTIES_RULE}
-    if kernel_report["device"] != "cuda":
+    if kernel_report.device != "cuda":
         report["invariance"]["note"] = invariance.INTERPRETED_NOTE
-    if cfg.precision.allow_tf32 and kernel_report["device"] != "cuda":
+    if cfg.precision.allow_tf32 and kernel_report.device != "cuda":
         report["notes"].append("tf32 requested, but CPU torch and Triton's interpreter compute true fp32 here")
     for impl in runner.optimized(op, cfg):
         outputs = kernel_outputs.get(impl.name)
-        entry = kernel_report["paths"].get(impl.name, {"error": "not run by the kernel stage"})
+        entry = kernel_report.paths.get(impl.name, {"error": "not run by the kernel stage"})
         impl = dataclasses.replace(impl, backward=entry.get("backward", impl.backward))  # as its result declared
         gap = (entry.get("failure") or {}).get("cannot_run_here")
         if outputs is None and gap:  # not wrong: this machine lacks what it needs (track/failures.py CANNOT_RUN)
@@ -115,10 +115,11 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
     first = next(iter(broken), None)
     report["first_failure"] = f"{first}: {broken[first][0]}" if first else None
     report["headline"] = parity_headline(cfg.precision.name, broken, apart)
-    write_json(out / "parity.json", report)
+    record = ParityRecord.from_dict(report)
+    record.write(out / ParityRecord.FILE)
     if broken:
         raise ContractBroken(report["headline"])
-    return report
+    return record.to_dict()
 
 
 def parity_headline(precision: str, broken: dict[str, list[str]], apart: dict[str, dict[str, str]]) -> str:

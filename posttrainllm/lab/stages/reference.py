@@ -18,6 +18,7 @@ from posttrainllm.opdefs import NO_BACKWARD, REFERENCE, case_config
 from posttrainllm.lab.oracle import cast_floats, reference_outputs, upstream_gradient
 from posttrainllm.opdefs import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.opdefs.base import point_dtype as _dtype
+from posttrainllm.track.records import ReferenceRecord
 from posttrainllm.lab.stages.common import to_cpu, worst_gradient_baseline
 
 
@@ -81,4 +82,4 @@ def run_reference(cfg: LabConfig, out: Path) -> None:
                 exact = reference_outputs(op, cfg, cast_floats(plain, torch.float64), case)
                 records[-1]["unquantized"] = to_cpu({k: v for k, v in exact.items() if k in out_names})
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"op": op.name, "dtype": cfg.precision.dtype, "records": records}, out / "reference.pt")
+    ReferenceRecord(op=op.name, dtype=cfg.precision.dtype, records=records).write(out / ReferenceRecord.FILE)
