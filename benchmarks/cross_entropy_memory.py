@@ -2,7 +2,7 @@
 import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch
-from posttrainllm.lab import runner, stages
+from posttrainllm.lab import oracle, runner
 from posttrainllm.lab.configure import load
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.ops.registry import get_op
@@ -13,7 +13,7 @@ op = get_op("cross_entropy")
 case = next(c for c in op.cases(cfg) if c.main)
 print(op.problem(case))
 x = op.make_inputs(case, torch.float32, "cpu")
-g = stages.upstream_gradient(case, op.reference.fn(x, cfg)["out"])
+g = oracle.upstream_gradient(case, op.reference.fn(x, cfg)["out"])
 for name, impl in op.paths(cfg).items():
     with torch.no_grad():
         f = peak_bytes(lambda: impl.fn(x, cfg), "cpu", warmup=0)["peak_bytes"]

@@ -1,4 +1,4 @@
-"""DVC stage 'bench_train' of one sweep point: python pipelines/bench_train.py POINT (see posttrainllm/lab/stages.py)."""
+"""DVC stage 'bench_train' of one sweep point: python pipelines/bench_train.py POINT (posttrainllm/lab/stages/bench_train.py)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""DVC stage 'kernel' of one sweep point: python pipelines/kernel.py POINT (see posttrainllm/lab/stages.py)."""
+"""DVC stage 'kernel' of one sweep point: python pipelines/kernel.py POINT (posttrainllm/lab/stages/kernel.py)."""
 
 import sys
 

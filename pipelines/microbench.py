@@ -1,4 +1,4 @@
-"""DVC stage 'microbench' of one sweep point: python pipelines/microbench.py POINT (see posttrainllm/lab/stages.py)."""
+"""DVC stage 'microbench' of one sweep point: python pipelines/microbench.py POINT (posttrainllm/lab/stages/microbench.py)."""
 
 import sys
 

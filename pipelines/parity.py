@@ -1,4 +1,4 @@
-"""DVC stage 'parity' of one sweep point: python pipelines/parity.py POINT (see posttrainllm/lab/stages.py)."""
+"""DVC stage 'parity' of one sweep point: python pipelines/parity.py POINT (posttrainllm/lab/stages/parity.py)."""
 
 import sys
 

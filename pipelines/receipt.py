@@ -1,4 +1,4 @@
-"""DVC stage 'receipt' of one sweep point: python pipelines/receipt.py POINT (see posttrainllm/lab/stages.py)."""
+"""DVC stage 'receipt' of one sweep point: python pipelines/receipt.py POINT (posttrainllm/lab/stages/receipt.py)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""DVC stage 'reference' of one sweep point: python pipelines/reference.py POINT (see posttrainllm/lab/stages.py)."""
+"""DVC stage 'reference' of one sweep point: python pipelines/reference.py POINT (posttrainllm/lab/stages/reference.py)."""
 
 import sys
 

@@ -173,14 +173,16 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
     """reference -> kernel -> parity -> microbench (-> bench-train) -> receipt, in this process."""
     from posttrainllm.measure import calibrate
     from posttrainllm.track import report
-    from posttrainllm.lab import stages
+    from posttrainllm.lab.stages import bench_train as bench_train_stage, kernel as kernel_stage, \
+        microbench as microbench_stage, parity as parity_stage, reference as reference_stage
+    from posttrainllm.lab.stages.common import ContractBroken
     from posttrainllm.measure import device as devices
 
     times = _StageTimes()
     lab = _point(cfg, "train" if train else "bench")
     device = devices.prepare(lab.device.name, lab.bench.threads)
     try:
-        stages.check_memory(lab, device)  # before the point's folder is touched
+        reference_stage.check_memory(lab, device)  # before the point's folder is touched
     except ConfigError as exc:
         _fail_config(exc)
     if train:
@@ -192,19 +194,19 @@ def _run_point(cfg: DictConfig, *, train: bool) -> None:
     # would decide which speeds are possible (docs/timing.md: what the receipt combines is what was written)
     calibration = times.run("calibration", calibrate.load_or_measure, Path(lab.run.out_dir) / "calibration.json",
                             devices.resolve(lab.device.name))
-    times.run("reference", stages.run_reference, lab, out)
-    times.run("kernel", stages.run_kernel, lab, out)
+    times.run("reference", reference_stage.run_reference, lab, out)
+    times.run("kernel", kernel_stage.run_kernel, lab, out)
     try:
-        parity = times.run("parity", stages.run_parity, lab, out)
+        parity = times.run("parity", parity_stage.run_parity, lab, out)
         if parity["headline"]:  # nothing broke, yet some path cannot run here: named apart
             _cannot_run.append(f"{lab.run.name}: {parity['headline']}")
-    except stages.ContractBroken as exc:  # its line counts what broke and, apart, what cannot run here
+    except ContractBroken as exc:  # its line counts what broke and, apart, what cannot run here
         _broken.append(f"{lab.run.name}: {exc}")
-    times.run("microbench", stages.run_microbench, lab, out, calibration)  # a broken path gets no timing
+    times.run("microbench", microbench_stage.run_microbench, lab, out, calibration)  # a broken path gets no timing
     if train:
         try:
-            times.run("bench-train", stages.run_bench_train, lab, out)  # Amdahl needs the microbench's speedups
-        except stages.ContractBroken as exc:
+            times.run("bench-train", bench_train_stage.run_bench_train, lab, out)  # Amdahl needs the microbench's speedups
+        except ContractBroken as exc:
             _broken.append(f"{lab.run.name}: {exc}")
     receipt = times.run("receipt", _record, lab)
     print(report.point_table(receipt))

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from posttrainllm.lab import invariance, stages
+from posttrainllm.lab import invariance, oracle
 from posttrainllm.lab.configure import load
 from posttrainllm.ops.registry import case_config, get_op
 
@@ -19,7 +19,7 @@ for name in ["attention", "decode_attention", "matmul", "moe", "rmsnorm", "rope"
     device = cfg.device.name
     inputs = op.make_inputs(case, torch.float32, device)
     ccfg = case_config(case, cfg)
-    grad_out = stages.upstream_gradient(case, op.reference.fn(inputs, ccfg)["out"].detach())
+    grad_out = oracle.upstream_gradient(case, op.reference.fn(inputs, ccfg)["out"].detach())
     record = {"case": case.__dict__, "inputs": inputs, "grad_out": grad_out}
     for impl in op.optimized(cfg):
         t = time.perf_counter()

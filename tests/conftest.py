@@ -170,9 +170,9 @@ def kernel_mutant(tmp_path, module: str, original: str, planted: str):
 
 def parity_report(cfg, out) -> dict:
     """reference -> kernel -> parity of one point into `out`; parity.json (written also when a contract broke)."""
-    from posttrainllm.lab import stages
+    from posttrainllm.lab.stages import reference as reference_stage
 
-    stages.run_reference(cfg, out)
+    reference_stage.run_reference(cfg, out)
     return kernel_and_parity(cfg, out)
 
 
@@ -212,9 +212,9 @@ def without_compile_child(monkeypatch):
     """The kernel stage without its compile child (lab/compile.py: a second process that imports torch and Triton and
     compiles the point's kernels for a GPU, ~4 s of CPU per stage): for tests of what parity concludes, which never read
     kernel.json's `compile` section (tests/test_compile.py runs the stage with it)."""
-    from posttrainllm.lab import stages
+    from posttrainllm.lab.stages import kernel as kernel_stage
 
-    monkeypatch.setattr(stages, "_start_compile", lambda op, cfg, out: None)
+    monkeypatch.setattr(kernel_stage, "_start_compile", lambda op, cfg, out: None)
 
 
 @pytest.fixture(scope="session")
@@ -225,7 +225,7 @@ def shared_reference(tmp_path_factory):
     `kernel_and_parity(cfg, out)`."""
     import shutil
 
-    from posttrainllm.lab import stages
+    from posttrainllm.lab.stages import reference as reference_stage
     from posttrainllm.lab.configure import load
 
     folders = {}
@@ -233,7 +233,7 @@ def shared_reference(tmp_path_factory):
     def copy_into(args, out):
         if tuple(args) not in folders:
             folders[tuple(args)] = tmp_path_factory.mktemp("reference")
-            stages.run_reference(load(list(args)), folders[tuple(args)])
+            reference_stage.run_reference(load(list(args)), folders[tuple(args)])
         out.mkdir(parents=True, exist_ok=True)
         shutil.copy(folders[tuple(args)] / "reference.pt", out / "reference.pt")
         return load(list(args))
@@ -245,12 +245,12 @@ def kernel_and_parity(cfg, out) -> dict:
     """parity_report's kernel -> parity on a reference already in `out` (shared_reference)."""
     import json
 
-    from posttrainllm.lab import stages
+    from posttrainllm.lab.stages import common as stage_common, kernel as kernel_stage, parity as parity_stage
 
-    stages.run_kernel(cfg, out)
+    kernel_stage.run_kernel(cfg, out)
     try:
-        stages.run_parity(cfg, out)
-    except stages.ContractBroken:
+        parity_stage.run_parity(cfg, out)
+    except stage_common.ContractBroken:
         pass
     return json.loads((out / "parity.json").read_text())
 

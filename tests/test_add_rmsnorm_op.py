@@ -13,7 +13,8 @@ from conftest import kernel_and_parity, kernel_mutant
 import torch
 
 from posttrainllm.config import ConfigError
-from posttrainllm.lab import oracle, stages
+from posttrainllm.lab import oracle
+from posttrainllm.lab.stages import common as stage_common, kernel as kernel_stage, parity as parity_stage
 from posttrainllm.lab.configure import load
 from posttrainllm.ops.registry import get_op
 from posttrainllm.ops.add_rmsnorm import definition, reference
@@ -90,9 +91,9 @@ KERNEL_CAUGHT = {
 def _parity_fails(fn, tmp_path, monkeypatch, shared_reference) -> dict:
     monkeypatch.setitem(definition.IMPLS, "triton", dataclasses.replace(definition.IMPLS["triton"], fn=fn))
     cfg = shared_reference([*QUICK, "precision=fp32"], tmp_path)
-    stages.run_kernel(cfg, tmp_path)
-    with pytest.raises(stages.ContractBroken, match="triton broke the fp32 contract"):
-        stages.run_parity(cfg, tmp_path)
+    kernel_stage.run_kernel(cfg, tmp_path)
+    with pytest.raises(stage_common.ContractBroken, match="triton broke the fp32 contract"):
+        parity_stage.run_parity(cfg, tmp_path)
     report = json.loads((tmp_path / "parity.json").read_text())
     assert report["paths"]["triton"]["verdict"] == "fail" and report["paths"]["torch"]["verdict"] == "pass"
     return report["paths"]["triton"]

@@ -14,7 +14,7 @@ SMALL = ["parity.seeds=[0]", "bench.reps=3", "bench.min_time_s=0.5", "shape.curv
 @pytest.fixture
 def gpu(monkeypatch, tmp_path):
     """`auto` (and `cuda`) resolve to a GPU; nothing may start: the stages and the commands' jobs raise."""
-    from posttrainllm.lab import stages
+    import importlib
 
     monkeypatch.setattr(devices, "resolve", lambda name: "cuda" if name in ("auto", "cuda") else name)
     monkeypatch.setattr(devices, "check_available", lambda name: None)
@@ -22,8 +22,8 @@ def gpu(monkeypatch, tmp_path):
     def forbidden(*args, **kwargs):
         raise AssertionError("work started before approval")
 
-    for name in ("run_reference", "run_kernel", "run_parity", "run_microbench", "run_bench_train"):
-        monkeypatch.setattr(stages, name, forbidden)
+    for stage in ("reference", "kernel", "parity", "microbench", "bench_train"):
+        monkeypatch.setattr(importlib.import_module(f"posttrainllm.lab.stages.{stage}"), f"run_{stage}", forbidden)
     monkeypatch.delenv(approval.ENV, raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path

@@ -129,17 +129,17 @@ def test_peak_for_a_quantized_precision_is_its_formats_peak():
 
 
 def test_an_fp8_path_at_the_fp8_peak_is_not_refused_as_impossible(fake_device, monkeypatch):
-    from posttrainllm.lab import stages
+    from posttrainllm.lab.stages import microbench as microbench_stage
 
     monkeypatch.setattr(cal, "NO_FAST_KERNEL", {})
     calibration = cal.calibrate("cpu", budget_s=6.5)  # fp8 measured at 900 GFLOP/s, bf16 at 400
     flops, fraction = 2 * 4096**3, 0.5  # bench.impossible_below
     peak, _ = cal.peak_for(calibration, "bfloat16", False, "float8_e4m3fn")
-    floor_s = stages.roofline_floor_s(flops, calibration, peak)
+    floor_s = microbench_stage.roofline_floor_s(flops, calibration, peak)
     assert floor_s == pytest.approx(flops / 900e9)
 
     def check(rate):
-        return stages.impossible(flops / rate * 1e3, flops, calibration, peak, fraction)
+        return microbench_stage.impossible(flops / rate * 1e3, flops, calibration, peak, fraction)
 
     # At the fp8 peak: 2.25x the bf16 peak, which a floor at the bf16 peak would have refused.
     assert check(900e9) is None

@@ -83,13 +83,13 @@ def test_a_conf_folder_alone_above_is_no_project(tmp_path):
 
 
 def test_outside_any_project_a_command_says_where_it_writes(tmp_path, monkeypatch, calibration, capsys):
-    from posttrainllm.lab import stages
+    from posttrainllm.lab.stages import reference as reference_stage
 
     def stop(*args, **kwargs):  # the line came before anything was written; nothing more is needed here
         raise KeyboardInterrupt
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(stages, "run_reference", stop)
+    monkeypatch.setattr(reference_stage, "run_reference", stop)
     assert cli._project_root(tmp_path) is None
     _calibrated(tmp_path / "mine", calibration)
     assert cli.main(["bench", "op=rmsnorm", "device=cpu", "run.log_mlflow=false", "run.out_dir=mine"]) == 130
@@ -102,12 +102,12 @@ def test_outside_any_project_a_command_says_where_it_writes(tmp_path, monkeypatc
 
 
 def test_ctrl_c_in_process_is_one_line_exit_130_and_no_receipt(project, monkeypatch, calibration, capsys):
-    from posttrainllm.lab import stages
+    from posttrainllm.lab.stages import kernel as kernel_stage
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(stages, "run_kernel", interrupted)
+    monkeypatch.setattr(kernel_stage, "run_kernel", interrupted)
     _calibrated(project / "runs" / "bench", calibration)
     assert cli.main(["bench", "op=rmsnorm", "device=cpu", "run.name=cut", "run.log_mlflow=false"]) == 130
     err = capsys.readouterr().err

@@ -15,7 +15,7 @@ import pytest
 
 from posttrainllm import cli
 from posttrainllm.config import CompareConfig
-from posttrainllm.lab import stages
+from posttrainllm.lab.stages import microbench as microbench_stage
 from posttrainllm.measure import roofline
 from posttrainllm.measure.timing import summarize
 from posttrainllm.track import compare, replay
@@ -34,7 +34,7 @@ DOUBLED = 2.0  # sdpa's samples x2, the reference's not: a path that really doub
 
 def edited_copy(point, folder, edit):
     """A copy of `point` whose raw samples are `edit(impl, mode, samples)`, and every number the microbench stage
-    derives from them made again as it makes them (lab/stages.py run_microbench): the summaries
+    derives from them made again as it makes them (lab/stages/microbench.py run_microbench): the summaries
     (measure.timing.summarize), GFLOP/s and GB/s, the roofline, the speedup and band against the reference; then
     metrics.json. So the copy adds up (replay.verify), as a real run that measured those samples would. Its
     curve.csv stays the point's."""
@@ -64,7 +64,7 @@ def edited_copy(point, folder, edit):
             stored.update(again.summary())
             stored["gflops_per_s"] = flops / (stored["median_ms"] / 1e3) / 1e9
         seconds = entry["median_ms"] / 1e3
-        costs = entry["costs"]  # the path's own cost model (lab/stages.py places each path at its own traffic)
+        costs = entry["costs"]  # the path's own cost model (lab/stages/microbench.py places each path at its own traffic)
         entry["gbytes_per_s"] = costs["bytes"] / seconds / 1e9
         for place, flops, nbytes, timed in ((entry, costs["flops"], costs["bytes"], entry),
                                             (entry["forward_backward"], costs["train_flops"], costs["train_bytes"],
@@ -82,7 +82,7 @@ def edited_copy(point, folder, edit):
             continue
         for stored, ref in ((entry, reference), (entry["forward_backward"], reference["forward_backward"])):
             stored["speedup_vs_reference"] = ref["median_ms"] / stored["median_ms"]
-            stored["vs_reference"] = stages.compare(stored, ref)
+            stored["vs_reference"] = microbench_stage.compare(stored, ref)
     (folder / "receipt.json").write_text(json.dumps(receipt, indent=2))
     (folder / "metrics.json").write_text(json.dumps(receipts.metrics(receipt), indent=2))
     return folder

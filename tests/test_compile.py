@@ -148,16 +148,16 @@ def test_a_user_triton_kernel_is_compiled_and_a_user_path_without_one_says_so():
 def test_the_kernel_stage_compiles_user_paths_once_they_launched_triton(tmp_path, name, file, kernels):
     """With user paths alone (op.only), the kernel stage starts the compile child only where their calls launched
     Triton: a PyTorch path's loop starts no compiler, and its receipt says why there are no rows."""
-    from posttrainllm.lab import stages
+    from posttrainllm.lab.stages import kernel as kernel_stage, reference as reference_stage
     from posttrainllm.lab.configure import load
 
     cfg = load(["op=rmsnorm", "device=cpu", "parity.seeds=[0]", "shape.seq_len=16", "shape.edge_seq_lens=[]",
                 f'op.user_impls=["{name}={EXPLOITS / file}:rmsnorm"]', f"op.only=[{name}]",
                 f"run.out_dir={tmp_path}", f"run.name={name}"])
-    stages.run_reference(cfg, tmp_path / name)
-    report = stages.run_kernel(cfg, tmp_path / name)["compile"]
+    reference_stage.run_reference(cfg, tmp_path / name)
+    report = kernel_stage.run_kernel(cfg, tmp_path / name)["compile"]
     assert [row["kernel"] for row in report["rows"]] == kernels
-    assert report.get("note") == (None if kernels else stages.NOTHING_TO_COMPILE)
+    assert report.get("note") == (None if kernels else kernel_stage.NOTHING_TO_COMPILE)
 
 
 def test_the_cli_writes_compile_json_and_refuses_an_unknown_target(tmp_path, monkeypatch, capsys):

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError
-from posttrainllm.lab import runner, stages
+from posttrainllm.lab import runner
+from posttrainllm.lab.stages import common as stage_common, kernel as kernel_stage, parity as parity_stage
+from posttrainllm.lab import oracle
 from posttrainllm.lab.configure import load
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.model.train import Variant, bench_train
@@ -106,9 +108,9 @@ def test_planted_bugs_are_caught(precision, tmp_path, monkeypatch, shared_refere
         monkeypatch.setitem(cross_entropy.IMPLS, name, _mutant_path(tmp_path, name, original, planted))
     out = tmp_path / "point"
     cfg = shared_reference([*QUICK, f"precision={precision}"], out)
-    stages.run_kernel(cfg, out)
-    with pytest.raises(stages.ContractBroken, match=f"broke the {precision} contract"):
-        stages.run_parity(cfg, out)
+    kernel_stage.run_kernel(cfg, out)
+    with pytest.raises(stage_common.ContractBroken, match=f"broke the {precision} contract"):
+        parity_stage.run_parity(cfg, out)
     report = json.loads((out / "parity.json").read_text())
     assert report["paths"]["torch"]["verdict"] == report["paths"]["triton"]["verdict"] == "pass"
     for name in PLANTED:
@@ -133,7 +135,7 @@ def test_the_memory_the_microbench_measures_reflects_the_logits():
     op = get_op("cross_entropy")
     case = next(c for c in op.cases(cfg) if c.main)
     inputs = op.make_inputs(case, torch.float32, "cpu")
-    grad_out = stages.upstream_gradient(case, op.reference.fn(inputs, cfg)["out"])
+    grad_out = oracle.upstream_gradient(case, op.reference.fn(inputs, cfg)["out"])
     peaks = {}
     for name in ("reference", "triton"):
         impl = op.impls[name]

@@ -1,9 +1,9 @@
 """A path above the calibrated FLOP peak: the peak is doubted (remeasured at the path's own size and dtype) before a
-speed is refused (calibrate.LOCAL_RULE, lab/stages.py _placed), on this CPU's real GEMMs."""
+speed is refused (calibrate.LOCAL_RULE, lab/stages/microbench.py _placed), on this CPU's real GEMMs."""
 
 import torch
 
-from posttrainllm.lab.stages import _placed
+from posttrainllm.lab.stages.microbench import _placed
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.timing import measure
 

@@ -638,7 +638,7 @@ def test_receipt_records_stamps_that_agree_and_a_changed_revision_alone_is_fine(
 
 def test_a_stage_whose_contract_broke_is_stamped_and_the_sweep_runs_on(planned, monkeypatch, capsys):
     from posttrainllm.lab import pipeline
-    from posttrainllm.lab.stages import ContractBroken
+    from posttrainllm.lab.stages.common import ContractBroken
 
     def broken(cfg, sweep):
         cfg.precision.contract.atol  # a read, recorded

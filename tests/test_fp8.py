@@ -14,7 +14,8 @@ from conftest import kernel_and_parity, kernel_mutant, parity_report
 
 from posttrainllm import cli
 from posttrainllm.config import ConfigError, Contract
-from posttrainllm.lab import parity, stages
+from posttrainllm.lab import parity
+from posttrainllm.lab.stages import microbench as microbench_stage
 from posttrainllm.lab.configure import load
 from posttrainllm.ops.registry import OPS
 from posttrainllm.ops.matmul import definition as matmul
@@ -248,7 +249,7 @@ def test_an_fp8_points_roofline_is_drawn_against_the_fp8_peak_or_none(tmp_path):
     bf16 = {"float32": 1e11, "bfloat16": 4e11}
     for flops, peak in ((bf16, None), ({**bf16, "float8_e4m3fn": 9e11}, 9e11)):  # not measured: no roof, not bf16's
         (out / "roofline.png").unlink(missing_ok=True)
-        micro = stages.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": flops, "copy_bytes_per_s": 1e10}})
+        micro = microbench_stage.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": flops, "copy_bytes_per_s": 1e10}})
         assert micro["peaks"]["gemm_flops_per_s"] == peak
         assert (micro["paths"]["scaled_mm"]["roofline"] is None) == (peak is None)
         assert (out / "roofline.png").stat().st_size > 0  # drawn either way: a DVC out of the microbench stage

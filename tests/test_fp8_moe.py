@@ -13,7 +13,8 @@ from conftest import kernel_and_parity, kernel_mutant, parity_report
 
 from posttrainllm import cli
 from posttrainllm.config import ConfigError
-from posttrainllm.lab import stages
+from posttrainllm.lab.stages import bench_train as bench_train_stage
+from posttrainllm.lab import oracle
 from posttrainllm.lab.configure import load
 from posttrainllm.ops.moe import definition as moe
 from posttrainllm.ops.base import Case
@@ -61,7 +62,7 @@ def test_the_reference_quantizes_h_over_the_routed_rows_as_a_grouped_gemm_does(s
     """fp8_moe (dense, float64) against the recipe written per expert: each expert's routed rows only, h quantized
     per row or with one scale over every routed row (T·k rows: not the dense E·T), then the routing weight."""
     case = _case(scaling, seed=2, tokens=9)
-    x = stages.cast_floats(moe.OP.make_inputs(case, torch.bfloat16, "cpu"), torch.float64)
+    x = oracle.cast_floats(moe.OP.make_inputs(case, torch.bfloat16, "cpu"), torch.float64)
     deq = {name: quantize.dequantize_fp8(x[name], x[f"{name}_scale"], torch.float64)
            for name in ("x", "w_gate", "w_up", "w_down")}
     idx, weight = x["route_idx"], x["route_weight"]
@@ -205,7 +206,7 @@ def test_bench_train_refuses_op_moe_under_fp8_in_one_line_before_anything_runs(t
     assert list(tmp_path.iterdir()) == []
     cfg = load(["op=moe", "precision=fp8_rowwise", "device=cpu"])  # the stage refuses it too (a DVC bench_train)
     with pytest.raises(ConfigError, match="^bench-train under precision fp8_rowwise: op=moe's fp8 paths are forward"):
-        stages._train_quantized(cfg, None, {}, "cpu", stages.quality_base_dir(cfg))
+        bench_train_stage._train_quantized(cfg, None, {}, "cpu", bench_train_stage.quality_base_dir(cfg))
 
 
 def test_torch_scaled_grouped_mm_is_absent_and_named_and_the_costs_count_one_byte_weights():

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from posttrainllm.lab import pipeline, stages
+from posttrainllm.lab import pipeline
+from posttrainllm.lab.stages import common as stage_common, microbench as microbench_stage
 from posttrainllm.lab.configure import load
-from posttrainllm.track import receipt, stamp
+from posttrainllm.track import receipt, records, stamp
 from posttrainllm.track.stamp import file_sha256
 
 POINT = "baseline"
@@ -42,11 +43,16 @@ def planned(tmp_path, monkeypatch):
     cfg, _ = pipeline.load_point(POINT)
     folder = tmp_path / "runs" / POINT
     folder.mkdir(parents=True)
-    parity = {"verdict": "pass", "precision": "fp32", "contract": json.loads(json.dumps(
-        asdict(cfg.precision.contract))), "lse_contract": None, "paths": {}, "rule": "", "notes": []}
-    (folder / "parity.json").write_text(json.dumps(parity))
-    (folder / "microbench.json").write_text(json.dumps(
-        {"paths": {"reference": {"valid": True, "median_ms": 2.0, "noisy": False, "memory": {"peak_bytes": 64}}, "sdpa": {"valid": True, "median_ms": 1.0, "noisy": False, "memory": {"peak_bytes": 64}}}}))
+    records.ParityRecord(verdict="pass", precision="fp32", contract=json.loads(json.dumps(
+        asdict(cfg.precision.contract))), lse_contract=None, paths={}, rule="", backward_rule="", cases=[], notes=[],
+        invariance={}, first_failure=None, headline="").write(folder / "parity.json")
+    timed = {"valid": True, "noisy": False, "memory": {"peak_bytes": 64}}
+    records.MicrobenchRecord(
+        paths={"reference": {**timed, "median_ms": 2.0}, "sdpa": {**timed, "median_ms": 1.0}}, device="cpu", threads=1,
+        case="main", problem="", flops=1.0, bytes=1.0, train_flops=3.0, flops_formula="", bytes_formula="",
+        backward_formula="", noisy_rule="", band_rule="", roofline_rule="", peaks={}, timed_result_rule="",
+        impossible_rule="", rotation_rule="", state_rule="", calibration={}, above_roof_rule="",
+        last_level_cache_bytes=None, cost_models="", curve={}).write(folder / "microbench.json")
     made = stamp.stage_stamp("parity", POINT, {"device": "cpu"}, [], outputs=(folder / "parity.json",))
     stamp.write_stamp(folder, made)
     return cfg, folder
@@ -63,7 +69,7 @@ def test_a_receipt_of_untouched_files_finds_nothing(planned):
 def test_a_report_rewritten_after_its_stage_fails_the_receipt_and_takes_every_speed(planned):
     cfg, folder = planned
     report = json.loads((folder / "parity.json").read_text())
-    (folder / "parity.json").write_text(json.dumps({**report, "verdict": "pass", "note": "rewritten"}))
+    (folder / "parity.json").write_text(json.dumps({**report, "verdict": "pass", "notes": ["rewritten"]}))
     built = receipt.build(cfg)
     problems = built["integrity"]["problems"]
     assert len(problems) == 1 and problems[0].startswith("parity.json changed since the parity stage wrote it")
@@ -112,10 +118,10 @@ def test_no_path_but_the_reference_is_timed_against_a_rewritten_calibration(tmp_
                 "op.only=[torch]"])
     parity_report(cfg, tmp_path)
     calibration = {"peaks": {"gemm_flops_per_s": {"float32": 1e11}, "copy_bytes_per_s": 1e10}, "sha256": "ab" * 32}
-    micro = stages.run_microbench(cfg, tmp_path, calibration, "runs/calibration.json is not what the calibrate "
+    micro = microbench_stage.run_microbench(cfg, tmp_path, calibration, "runs/calibration.json is not what the calibrate "
                                                               "stage wrote")
     assert micro["calibration"]["problem"].startswith("runs/calibration.json is not")
     assert micro["paths"]["reference"]["valid"] is True
     timed = {name: entry for name, entry in micro["paths"].items()  # Triton here is interpreted: never timed
-             if name != "reference" and stages.INTERPRETER_NOT_SPEED not in entry.get("reason", "")}
+             if name != "reference" and stage_common.INTERPRETER_NOT_SPEED not in entry.get("reason", "")}
     assert timed and all(not e["valid"] and "calibrate stage wrote: its peaks" in e["reason"] for e in timed.values())

@@ -13,7 +13,7 @@ from conftest import parity_report
 from posttrainllm.config import ConfigError
 from posttrainllm.lab import invariance
 from posttrainllm.lab.configure import load
-from posttrainllm.lab.stages import upstream_gradient
+from posttrainllm.lab.oracle import upstream_gradient
 from posttrainllm.lab.sweep import stage_deps
 from posttrainllm.ops.registry import case_config, get_op
 from posttrainllm.track import receipt as receipts

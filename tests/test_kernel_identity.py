@@ -112,8 +112,8 @@ def test_a_planned_point_lists_the_kernel_file_and_an_edit_reruns_the_stages_tha
 
 
 def test_a_kernel_file_the_plan_did_not_list_refuses_the_stamp_and_says_plan_again():
-    ran = {"stage": "kernel", "sources": {"posttrainllm/lab/stages.py": "a", "/site/lib/ops/rope.py": "b"}}
-    listed = {"sources": {"posttrainllm/lab/stages.py": "a"}, "params": {}}
+    ran = {"stage": "kernel", "sources": {"posttrainllm/lab/stages/kernel.py": "a", "/site/lib/ops/rope.py": "b"}}
+    listed = {"sources": {"posttrainllm/lab/stages/kernel.py": "a"}, "params": {}}
     with pytest.raises(stamp.StampMismatch, match=r"ran with /site/lib/ops/rope.py.*plan the sweep again"):
         stamp.check_inputs(ran, listed, "runs/inputs/mine/kernel.json")
     with pytest.raises(stamp.StampMismatch, match="add it to posttrainllm/lab/sweep.py"):

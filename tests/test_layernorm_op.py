@@ -12,7 +12,7 @@ from conftest import kernel_and_parity, kernel_mutant
 import torch
 
 from posttrainllm.config import ConfigError
-from posttrainllm.lab import stages
+from posttrainllm.lab.stages import common as stage_common, kernel as kernel_stage, parity as parity_stage
 from posttrainllm.lab.configure import load
 from posttrainllm.ops.registry import get_op
 from posttrainllm.ops.layernorm import definition, reference
@@ -87,9 +87,9 @@ def test_planted_bug_is_caught(bug, tmp_path, monkeypatch, shared_reference):
 
     monkeypatch.setitem(definition.IMPLS, "triton", dataclasses.replace(definition.IMPLS["triton"], fn=fn))
     cfg = shared_reference([*QUICK, "precision=fp32"], tmp_path)
-    stages.run_kernel(cfg, tmp_path)
-    with pytest.raises(stages.ContractBroken, match="triton broke the fp32 contract"):
-        stages.run_parity(cfg, tmp_path)
+    kernel_stage.run_kernel(cfg, tmp_path)
+    with pytest.raises(stage_common.ContractBroken, match="triton broke the fp32 contract"):
+        parity_stage.run_parity(cfg, tmp_path)
     report = json.loads((tmp_path / "parity.json").read_text())
     triton = report["paths"]["triton"]
     assert triton["verdict"] == "fail" and report["paths"]["torch"]["verdict"] == "pass"

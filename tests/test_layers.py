@@ -50,7 +50,9 @@ def test_imports_point_downward_only():
 def test_the_stages_do_not_import_triton_before_the_device_is_prepared():
     """TRITON_INTERPRET=1 is read when triton first loads; a stage that imports it early gets GPU-mode kernels."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import sys, importlib, posttrainllm.lab.pipeline, posttrainllm.lab.stages, posttrainllm.ops.registry as r\n"
+    stages = ", ".join(f"posttrainllm.lab.stages.{s}" for s in ("common", "reference", "kernel", "parity",
+                                                                 "microbench", "bench_train", "receipt"))
+    code = (f"import sys, importlib, posttrainllm.lab.pipeline, {stages}, posttrainllm.ops.registry as r\n"
             "for name in r.OP_PACKAGES: importlib.import_module(f'posttrainllm.ops.{name}.reference')\n"
             "print('triton' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrainllm.lab import runner, stages
+from posttrainllm.lab import runner
+from posttrainllm.lab.stages import common as stage_common, kernel as kernel_stage, reference as reference_stage
 from posttrainllm.lab.configure import load
 from posttrainllm.ops.registry import REFERENCE, Case, case_config, get_op
 
@@ -43,7 +44,7 @@ def _library_verdicts(op_name: str, precision: str, tmp: Path) -> dict[str, dict
     """Every peer (PyTorch's own function) and the reference through the reference, kernel and parity checks."""
     cfg = load([f"op={op_name}", f"precision={precision}", "device=cpu", *OPS[op_name]])
     op = get_op(op_name)
-    stages.run_reference(cfg, tmp)
+    reference_stage.run_reference(cfg, tmp)
     records = torch.load(tmp / "reference.pt", weights_only=True)["records"]
     verdicts = {}
     for impl in runner.optimized(op, cfg):
@@ -51,11 +52,11 @@ def _library_verdicts(op_name: str, precision: str, tmp: Path) -> dict[str, dict
             continue
         outputs, broken = [], []
         for record in records:
-            got, violations = stages._run_case(runner.runner_for(impl), record, case_config(Case(**record["case"]), cfg), "cpu",
+            got, violations = kernel_stage._run_case(runner.runner_for(impl), record, case_config(Case(**record["case"]), cfg), "cpu",
                                                Counter(), [])
             outputs.append(got)
             broken += violations
-        result = stages._check_path(op, impl, cfg, records, outputs)
+        result = stage_common.check_path(op, impl, cfg, records, outputs)
         verdicts[impl.name] = {"verdict": "fail" if broken else result["verdict"],
                                "failed": broken + result["failed_cases"][:3]}
     return verdicts
@@ -66,7 +67,7 @@ def _library_verdicts(op_name: str, precision: str, tmp: Path) -> dict[str, dict
 def test_pytorch_own_functions_pass_every_contract(op_name, precision, tmp_path):
     try:
         verdicts = _library_verdicts(op_name, precision, tmp_path)
-    except stages.DidNotRun as exc:
+    except kernel_stage.DidNotRun as exc:
         if PINNED and PINNED_BELOW_HARDWARE in str(exc):
             pytest.skip(f"ATEN_CPU_CAPABILITY={PINNED}: {exc} (PyTorch's oneDNN kernels pack for the hardware's "
                         "AMX/VNNI units, not the pinned capability: this CPU cannot run the peer pinned so low)")

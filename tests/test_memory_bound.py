@@ -8,7 +8,9 @@ import torch
 from posttrainllm import cli
 from posttrainllm.config import ConfigError
 from posttrainllm.lab.configure import load
-from posttrainllm.lab import stages
+from posttrainllm.lab.stages import reference as reference_stage
+from posttrainllm.lab import oracle
+from posttrainllm.measure import device as stage_devices
 from posttrainllm.ops.registry import get_op
 
 
@@ -24,11 +26,11 @@ def test_a_point_that_cannot_fit_is_refused_before_anything_is_written(tmp_path,
 def test_the_budget_is_a_fraction_of_what_is_available(monkeypatch):
     cfg = load(["device=cpu", "shape.seq_len=4096", "tile=b64"])
     need = get_op("attention").reference_bytes(next(c for c in get_op("attention").cases(cfg) if c.main), cfg)
-    monkeypatch.setattr(stages.devices, "available_memory_bytes", lambda device: 4 * need)
-    assert stages.check_memory(cfg, "cpu")["estimated_bytes"] == need  # 4x need at fraction 0.5: fits
-    monkeypatch.setattr(stages.devices, "available_memory_bytes", lambda device: int(1.5 * need))
+    monkeypatch.setattr(stage_devices, "available_memory_bytes", lambda device: 4 * need)
+    assert reference_stage.check_memory(cfg, "cpu")["estimated_bytes"] == need  # 4x need at fraction 0.5: fits
+    monkeypatch.setattr(stage_devices, "available_memory_bytes", lambda device: int(1.5 * need))
     with pytest.raises(ConfigError, match="over its budget"):
-        stages.check_memory(cfg, "cpu")
+        reference_stage.check_memory(cfg, "cpu")
 
 
 @pytest.mark.parametrize("arch", ["mha", "gqa", "mqa"])
@@ -38,9 +40,9 @@ def test_the_oracle_in_pieces_equals_the_oracle_in_one(arch):
     op = get_op("attention")
     case = next(c for c in op.cases(cfg) if c.main)
     x = {k: v.double() for k, v in op.make_inputs(case, torch.float32, "cpu").items()}
-    grad_out = stages.upstream_gradient(case, op.reference.fn(x, cfg)["out"])
-    pieces = stages.reference_outputs(op, cfg, x, case, grad_out)
-    whole = stages.reference_outputs(dataclasses.replace(op, oracle_chunks=lambda case: [{}]), cfg, x, case, grad_out)
+    grad_out = oracle.upstream_gradient(case, op.reference.fn(x, cfg)["out"])
+    pieces = oracle.reference_outputs(op, cfg, x, case, grad_out)
+    whole = oracle.reference_outputs(dataclasses.replace(op, oracle_chunks=lambda case: [{}]), cfg, x, case, grad_out)
     assert len(op.oracle_chunks(case)) == 2 * cfg.architecture.n_kv_heads
     assert set(pieces) == set(whole) == {"out", "lse", "grad_q", "grad_k", "grad_v"}
     for name in whole:

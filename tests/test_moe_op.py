@@ -15,7 +15,8 @@ import torch
 from posttrainllm.config import ConfigError
 
 from posttrainllm.lab.configure import load
-from posttrainllm.lab import stages
+from posttrainllm.lab.stages import (common as stage_common, kernel as kernel_stage, microbench as microbench_stage,
+                                     parity as parity_stage)
 from posttrainllm.model.train import Variant, bench_train
 from posttrainllm.model.transformer import ModelConfig, MoEMLP, Transformer, moe_aux_loss
 from posttrainllm.ops.registry import get_op
@@ -126,9 +127,9 @@ def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch, shared_ref
 
     monkeypatch.setitem(moe.IMPLS, "triton", dataclasses.replace(moe.IMPLS["triton"], fn=fn))
     cfg = shared_reference([*QUICK, f"precision={precision}"], tmp_path)
-    stages.run_kernel(cfg, tmp_path)
-    with pytest.raises(stages.ContractBroken, match=f"triton broke the {precision} contract"):
-        stages.run_parity(cfg, tmp_path)
+    kernel_stage.run_kernel(cfg, tmp_path)
+    with pytest.raises(stage_common.ContractBroken, match=f"triton broke the {precision} contract"):
+        parity_stage.run_parity(cfg, tmp_path)
     report = json.loads((tmp_path / "parity.json").read_text())
     triton = report["paths"]["triton"]
     assert triton["verdict"] == "fail"
@@ -216,7 +217,7 @@ def test_the_expert_curve_holds_active_parameters_and_checks_each_size_before_ti
         return {"out": out + 1.0 if x["w_gate"].shape[0] == 8 else out}
 
     monkeypatch.setitem(moe.IMPLS, "sparse", dataclasses.replace(sparse, fn=wrong_with_eight_experts))
-    report = stages._curve(cfg, op, tmp_path, "cpu", ["reference", "sparse"],
+    report = microbench_stage._curve(cfg, op, tmp_path, "cpu", ["reference", "sparse"],
                            {"peaks": {"gemm_flops_per_s": {}, "copy_bytes_per_s": 1e10}}, None)
     rows = pd.read_csv(tmp_path / "curve.csv").set_index(["impl", "x_name", "x_value"])
     assert rows.loc[("sparse", "experts", 8), "check"].startswith("failed parity")

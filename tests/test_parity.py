@@ -16,7 +16,9 @@ import torch
 from posttrainllm.config import Contract
 
 from posttrainllm.lab.configure import load
-from posttrainllm.lab import parity, stages
+from posttrainllm.lab import parity
+from posttrainllm.lab.stages import (common as stage_common, kernel as kernel_stage, parity as parity_stage,
+                                     reference as reference_stage)
 from posttrainllm.ops.attention import definition as attention
 from posttrainllm.ops.matmul import definition as matmul
 from posttrainllm.ops.base import Impl
@@ -67,7 +69,7 @@ def honest_report(tmp_path_factory):
     def get(precision: str) -> dict:
         if precision not in reports:
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(stages, "_start_compile", lambda op, cfg, out: None)
+                patch.setattr(kernel_stage, "_start_compile", lambda op, cfg, out: None)
                 reports[precision] = parity_report(load([*ATTENTION, f"precision={precision}"]),
                                                    tmp_path_factory.mktemp(f"honest_{precision}"))
         return reports[precision]
@@ -120,9 +122,9 @@ def test_planted_attention_bug_is_caught(bug, precision, tmp_path, monkeypatch, 
     args = [*ONE_HEAD, f"precision={precision}", *(["shape.edge_seq_lens=[]"] if bug in IN_BOUNDS_ONLY else [])]
     cfg = shared_reference(args, tmp_path)
     monkeypatch.setitem(attention.IMPLS, "triton", _flash_impl(mutant))
-    stages.run_kernel(cfg, tmp_path)
-    with pytest.raises(stages.ContractBroken, match=f"triton broke the {precision} contract"):
-        stages.run_parity(cfg, tmp_path)
+    kernel_stage.run_kernel(cfg, tmp_path)
+    with pytest.raises(stage_common.ContractBroken, match=f"triton broke the {precision} contract"):
+        parity_stage.run_parity(cfg, tmp_path)
     report = json.loads((tmp_path / "parity.json").read_text())  # written before the stage raised
     assert report["paths"]["triton"]["verdict"] == "fail"
     assert report["paths"]["sdpa"]["verdict"] == "pass"
@@ -338,7 +340,6 @@ def test_a_geometry_that_raises_is_the_paths_failure_not_the_points(tmp_path, mo
     on the path and the kernel stage still runs every path (the point is not lost)."""
     import json
 
-    from posttrainllm.lab import stages
     from posttrainllm.ops.registry import get_op
 
     op = get_op("matmul")
@@ -348,8 +349,8 @@ def test_a_geometry_that_raises_is_the_paths_failure_not_the_points(tmp_path, mo
 
     monkeypatch.setattr(op, "geometry", broken)
     cfg = load(["device=cpu", "op=matmul", "parity.seeds=[0]"])
-    stages.run_reference(cfg, tmp_path)
-    report = stages.run_kernel(cfg, tmp_path)
+    reference_stage.run_reference(cfg, tmp_path)
+    report = kernel_stage.run_kernel(cfg, tmp_path)
     assert report["paths"]["triton"]["geometry"] == {"error": "RuntimeError: autotune: no config fits"}
     assert "error" not in report["paths"]["triton"]  # its cases still ran
     assert json.loads((tmp_path / "kernel.json").read_text())["paths"]["triton"]["geometry"]["error"]

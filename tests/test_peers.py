@@ -14,7 +14,7 @@ from conftest import parity_report
 from torch._dynamo.utils import counters
 
 from posttrainllm.config import LabConfig
-from posttrainllm.lab import stages
+from posttrainllm.lab.stages import microbench as microbench_stage
 from posttrainllm.lab.configure import load
 from posttrainllm.ops.registry import get_op
 from posttrainllm.ops import peers
@@ -83,7 +83,7 @@ def test_a_size_that_ran_eagerly_gets_no_compiled_time(tmp_path, monkeypatch):
     kernel = json.loads((tmp_path / "kernel.json").read_text())["paths"]["compiled"]
     assert kernel["evidence"]["signatures"] and all(s["graphs"] >= 1 for s in kernel["evidence"]["signatures"].values())
     calibration = {"peaks": {"gemm_flops_per_s": {"float32": 1e11}, "copy_bytes_per_s": 1e10}}
-    micro = stages.run_microbench(cfg, tmp_path, calibration)
+    micro = microbench_stage.run_microbench(cfg, tmp_path, calibration)
     assert micro["paths"]["compiled"]["valid"] and micro["paths"]["compiled"]["forward_backward"]["median_ms"] > 0
     seen = micro["paths"]["compiled"]["evidence"]["signatures"]
     compiled = {label: s for label, s in seen.items() if "a(32, 32)" not in label}

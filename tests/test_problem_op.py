@@ -18,7 +18,7 @@ from conftest import parity_report
 
 from posttrainllm import cli
 from posttrainllm.config import PROJECT_ROOT, ConfigError
-from posttrainllm.lab import stages
+from posttrainllm.lab.stages import bench_train as bench_train_stage, microbench as microbench_stage
 from posttrainllm.lab.configure import load
 from posttrainllm.ops.registry import op_for
 from posttrainllm.ops.problem.definition import template
@@ -168,7 +168,7 @@ def test_bench_train_records_every_path_as_not_trained_with_why(tmp_path):
     cfg = load(_point("relu", "op.sizes.batch_size=4", "op.sizes.dim=32",
                       f'op.user_impls=["honest={NEW / "relu_honest.py"}:ModelNew"]'))
     parity_report(cfg, tmp_path)
-    train = stages.run_bench_train(cfg, tmp_path)
+    train = bench_train_stage.run_bench_train(cfg, tmp_path)
     assert set(train["skipped"]) == {"reference", "honest"} and train["impls"] == {}
     assert "no model hook" in train["not_trained"] and train["skipped"]["honest"] == train["not_trained"]
     assert json.loads((tmp_path / "bench_train.json").read_text())["not_trained"] == train["not_trained"]
@@ -223,7 +223,7 @@ def test_an_honest_model_new_gets_a_speed(tmp_path):
     report = parity_report(cfg, tmp_path)
     assert report["paths"]["honest"]["verdict"] == "pass"
     calibration = {"peaks": {"gemm_flops_per_s": {"float32": 1e11}, "copy_bytes_per_s": 1e10}}
-    micro = stages.run_microbench(cfg, tmp_path, calibration)
+    micro = microbench_stage.run_microbench(cfg, tmp_path, calibration)
     entry = micro["paths"]["honest"]
     assert entry["valid"] and entry["median_ms"] > 0 and entry["forward_backward"]["median_ms"] > 0
     assert micro["describe"]["file"] == "tests/problems/gemm_swish_clamp.py"

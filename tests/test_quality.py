@@ -152,7 +152,7 @@ def _fp8_config(base_dir, extra=()):
 
 def _train_fp8(base_dir, extra=(), cfg=None):
     """bench-train's quantized part on the point, the base from base_dir/base (as a DVC stage passes it)."""
-    from posttrainllm.lab import stages
+    from posttrainllm.lab.stages import bench_train as bench_train_stage
     from posttrainllm.model.train import Variant
     from posttrainllm.model.transformer import ModelConfig
     from posttrainllm.ops.registry import get_op
@@ -165,7 +165,7 @@ def _train_fp8(base_dir, extra=(), cfg=None):
     variants = [Variant("bf16"), Variant("reference", linear=op.model_hooks(paths["reference"], cfg).linear)]
     common = dict(variants=variants, steps=cfg.train.steps, warmup_steps=1, batch_size=cfg.train.batch_size,
                   seq_len=cfg.train.seq_len, lr=cfg.train.lr, seed=0, device="cpu", skipped={})
-    return stages._train_quantized(cfg, model_cfg, common, "cpu", base_dir / "base")
+    return bench_train_stage._train_quantized(cfg, model_cfg, common, "cpu", base_dir / "base")
 
 
 def test_fp8_training_is_scored_held_out_and_decoded_by_the_base(base_dir):

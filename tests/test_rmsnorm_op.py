@@ -13,7 +13,7 @@ from conftest import kernel_and_parity, kernel_mutant
 import torch
 
 from posttrainllm.config import ConfigError
-from posttrainllm.lab import stages
+from posttrainllm.lab.stages import common as stage_common, kernel as kernel_stage, parity as parity_stage
 from posttrainllm.lab.configure import load
 from posttrainllm.model.train import Variant, bench_train
 from posttrainllm.model.transformer import ModelConfig
@@ -100,9 +100,9 @@ def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch, shared_ref
 
     monkeypatch.setitem(rmsnorm.IMPLS, "triton", dataclasses.replace(rmsnorm.IMPLS["triton"], fn=fn))
     cfg = shared_reference([*QUICK, f"precision={precision}"], tmp_path)
-    stages.run_kernel(cfg, tmp_path)
-    with pytest.raises(stages.ContractBroken, match=f"triton broke the {precision} contract"):
-        stages.run_parity(cfg, tmp_path)
+    kernel_stage.run_kernel(cfg, tmp_path)
+    with pytest.raises(stage_common.ContractBroken, match=f"triton broke the {precision} contract"):
+        parity_stage.run_parity(cfg, tmp_path)
     report = json.loads((tmp_path / "parity.json").read_text())
     triton = report["paths"]["triton"]
     assert triton["verdict"] == "fail" and report["paths"]["torch"]["verdict"] == "pass"

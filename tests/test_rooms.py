@@ -13,7 +13,9 @@ import pytest
 import torch
 from conftest import parity_report
 
-from posttrainllm.lab import runner, stages
+from posttrainllm.lab import runner
+from posttrainllm.lab.stages import microbench as microbench_stage
+from posttrainllm.lab import oracle
 from posttrainllm.lab.isolation import rooms
 from posttrainllm.lab.configure import load
 from posttrainllm.ops.registry import Impl, get_op
@@ -114,7 +116,7 @@ def test_timed_repetitions_rotate_over_distinct_input_sets():
     assert not any(torch.equal(sets[0][1]["x"], s["x"]) for _, s in sets[1:])  # distinct values too
     seen: list[int] = []
     with torch.no_grad():
-        upstream = [stages.upstream_gradient(c, op.reference.fn(s, cfg)["out"]) for c, s in sets]
+        upstream = [oracle.upstream_gradient(c, op.reference.fn(s, cfg)["out"]) for c, s in sets]
     mine = [rooms.fresh(s, "cpu") for _, s in sets]
     runner.runner_for(_spy(seen)).time(op, cfg, case, mine, upstream, "cpu", SETTINGS)
     assert len(set(seen)) == 4  # forward and forward + backward each saw every set
@@ -169,12 +171,12 @@ def test_a_memoized_backward_loses_its_forward_backward_speed():
     memo = Impl("memo", "peer", lambda x, cfg: {"out": Memo.apply(x["x"], x["weight"])})
     inputs = op.make_inputs(case, torch.float32, "cpu")
     with torch.no_grad():
-        upstream = stages.upstream_gradient(case, op.reference.fn(inputs, cfg)["out"])
-    assert stages._timed_result_check(op, cfg, case, memo, inputs) is None  # its forward is honest
-    reason = stages._timed_result_check(op, cfg, case, memo, inputs, grad_out=upstream)
+        upstream = oracle.upstream_gradient(case, op.reference.fn(inputs, cfg)["out"])
+    assert microbench_stage._timed_result_check(op, cfg, case, memo, inputs) is None  # its forward is honest
+    reason = microbench_stage._timed_result_check(op, cfg, case, memo, inputs, grad_out=upstream)
     assert reason.startswith("timed result check failed on new values in the same buffers (forward + backward)")
     honest = Impl("plain", "peer", op.reference.fn)
-    assert stages._timed_result_check(op, cfg, case, honest, inputs, grad_out=upstream) is None
+    assert microbench_stage._timed_result_check(op, cfg, case, honest, inputs, grad_out=upstream) is None
 
 
 def test_too_few_input_sets_is_refused_naming_the_floor():

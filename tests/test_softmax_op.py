@@ -12,7 +12,8 @@ from conftest import kernel_and_parity, kernel_mutant
 import torch
 
 from posttrainllm.config import ConfigError
-from posttrainllm.lab import stages
+from posttrainllm.lab.stages import (bench_train as bench_train_stage, common as stage_common, kernel as kernel_stage,
+                                     parity as parity_stage)
 from posttrainllm.lab.configure import load
 from posttrainllm.ops.registry import get_op
 from posttrainllm.ops.softmax import definition as softmax
@@ -65,9 +66,9 @@ def test_planted_bug_is_caught(bug, tmp_path, monkeypatch, shared_reference):
 
     monkeypatch.setitem(softmax.IMPLS, "triton", dataclasses.replace(softmax.IMPLS["triton"], fn=fn))
     cfg = shared_reference([*QUICK, "precision=fp32"], tmp_path)
-    stages.run_kernel(cfg, tmp_path)
-    with pytest.raises(stages.ContractBroken, match="triton broke the fp32 contract"):
-        stages.run_parity(cfg, tmp_path)
+    kernel_stage.run_kernel(cfg, tmp_path)
+    with pytest.raises(stage_common.ContractBroken, match="triton broke the fp32 contract"):
+        parity_stage.run_parity(cfg, tmp_path)
     report = json.loads((tmp_path / "parity.json").read_text())
     triton = report["paths"]["triton"]
     assert triton["verdict"] == "fail" and report["paths"]["torch"]["verdict"] == "pass"
@@ -111,7 +112,7 @@ def test_costs_cases_and_config_rules():
 def test_bench_train_trains_nothing_and_says_why(tmp_path):
     """No layer of the lab's transformer is a softmax of its own: the record names the reason for every path."""
     cfg = load(["op=softmax", "device=cpu"])
-    result = stages.run_bench_train(cfg, tmp_path)
+    result = bench_train_stage.run_bench_train(cfg, tmp_path)
     assert result["not_trained"] == softmax.NO_MODEL
     assert set(result["skipped"]) == {"reference", "torch", "triton"}
     assert json.loads((tmp_path / "bench_train.json").read_text())["not_trained"] == softmax.NO_MODEL

@@ -12,7 +12,7 @@ from conftest import kernel_and_parity, kernel_mutant
 import torch
 
 from posttrainllm.config import itemsize
-from posttrainllm.lab import stages
+from posttrainllm.lab.stages import common as stage_common, kernel as kernel_stage, parity as parity_stage
 from posttrainllm.lab.configure import load
 from posttrainllm.measure.roofline import MEMORY, roofline
 from posttrainllm.model.train import Variant, bench_train
@@ -79,9 +79,9 @@ def test_planted_bug_is_caught(bug, precision, tmp_path, monkeypatch, shared_ref
 
     monkeypatch.setitem(swiglu.IMPLS, "triton", dataclasses.replace(swiglu.IMPLS["triton"], fn=fn))
     cfg = shared_reference([*QUICK, f"precision={precision}"], tmp_path)
-    stages.run_kernel(cfg, tmp_path)
-    with pytest.raises(stages.ContractBroken, match=f"triton broke the {precision} contract"):
-        stages.run_parity(cfg, tmp_path)
+    kernel_stage.run_kernel(cfg, tmp_path)
+    with pytest.raises(stage_common.ContractBroken, match=f"triton broke the {precision} contract"):
+        parity_stage.run_parity(cfg, tmp_path)
     triton = json.loads((tmp_path / "parity.json").read_text())["paths"]["triton"]
     assert triton["verdict"] == "fail"
     caught_by, untouched, only_cases = PLANTED_OUTPUTS[bug]

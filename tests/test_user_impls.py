@@ -16,7 +16,9 @@ import torch
 from conftest import parity_report
 
 from posttrainllm.config import PROJECT_ROOT, ConfigError
-from posttrainllm.lab import stages
+from posttrainllm.lab.stages import (bench_train as bench_train_stage, common as stage_common, kernel as kernel_stage,
+                                     microbench as microbench_stage, parity as parity_stage,
+                                     reference as reference_stage)
 from posttrainllm.lab.configure import load
 from posttrainllm.ops.registry import get_op
 from posttrainllm.track.report import point_table
@@ -45,7 +47,7 @@ def test_a_triton_kernel_from_outside_is_judged_and_not_timed_under_the_interpre
     assert path["user"]["sha256"] == hashlib.sha256((EXAMPLES / "triton_attention.py").read_bytes()).hexdigest()
     kernel = json.loads((tmp_path / "kernel.json").read_text())
     assert kernel["paths"]["attention"]["kind"] == "user"
-    paths = stages.parity_paths(get_op("attention"), load([*ATTENTION, *small, f"op.user_impls=[{spec}]"]), tmp_path)
+    paths = stage_common.parity_paths(get_op("attention"), load([*ATTENTION, *small, f"op.user_impls=[{spec}]"]), tmp_path)
     assert paths["attention"].kind == "triton"  # it launched Triton: interpreted, the microbench will not time it
 
 
@@ -68,11 +70,11 @@ def test_a_pytorch_function_goes_through_every_stage(tmp_path):
     out = tmp_path / "p"
     parity_report(cfg, out)
     calibration = {"peaks": {"gemm_flops_per_s": {"float32": 1e11}, "copy_bytes_per_s": 1e10}}
-    micro = stages.run_microbench(cfg, out, calibration)
+    micro = microbench_stage.run_microbench(cfg, out, calibration)
     entry = micro["paths"]["sdpa_attention"]
     assert entry["valid"] and {"median_ms", "reps"} <= set(entry["forward_backward"]) and "first_call_ms" in entry
     assert {r["impl"] for r in __import__("csv").DictReader(open(out / "curve.csv"))} >= {"sdpa_attention"}
-    train = stages.run_bench_train(cfg, out)
+    train = bench_train_stage.run_bench_train(cfg, out)
     assert "sdpa_attention" in train["impls"] and train["drift_verdict"]["sdpa_attention"] == "pass"
 
 
@@ -89,12 +91,12 @@ def test_a_forward_only_result_is_not_an_error(tmp_path):
     report = parity_report(cfg, out)
     assert report["paths"]["matmul"]["verdict"] == "pass" and report["paths"]["matmul"]["backward"] == "none"
     assert set(report["paths"]["matmul"]["worst"]) == {"out"}
-    micro = stages.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": {"float32": 1e11},
+    micro = microbench_stage.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": {"float32": 1e11},
                                                        "copy_bytes_per_s": 1e10}})
     assert micro["paths"]["matmul"]["valid"]
     assert micro["paths"]["matmul"]["forward_backward"]["reason"].startswith("none: a forward-only path")
-    train = stages.run_bench_train(cfg, out)
-    assert train["variants"] == ["reference"] and train["skipped"] == {"matmul": stages.FORWARD_ONLY}
+    train = bench_train_stage.run_bench_train(cfg, out)
+    assert train["variants"] == ["reference"] and train["skipped"] == {"matmul": bench_train_stage.FORWARD_ONLY}
     table = train_table({"point": "p", "config": {"architecture": {"name": "mha"}}, "bench_train": train})
     row = next(line for line in table.splitlines() if line.lstrip().startswith("matmul"))
     assert row.rstrip().endswith("forward-only: not trained (no backward to train with)") and "NaN" not in table
@@ -129,7 +131,7 @@ def test_a_stored_result_for_seen_inputs_gets_no_speed(tmp_path):
     out = tmp_path / "p"
     report = parity_report(cfg, out)
     assert report["paths"]["matmul"]["verdict"] == "pass"  # every parity case has buffers of its own
-    micro = stages.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": {"float32": 1e11},
+    micro = microbench_stage.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": {"float32": 1e11},
                                                        "copy_bytes_per_s": 1e10}})
     entry = micro["paths"]["matmul"]
     assert not entry["valid"], entry
@@ -139,14 +141,14 @@ def test_a_stored_result_for_seen_inputs_gets_no_speed(tmp_path):
 
 def test_a_time_under_the_roofline_floor_is_impossible():
     calibration = {"peaks": {"gemm_flops_per_s": {"float32": 1e10, "bfloat16": 1e11}, "copy_bytes_per_s": 1e10}}
-    own = stages.roofline_floor_s(2e9, calibration, peak_flops=1e10)
+    own = microbench_stage.roofline_floor_s(2e9, calibration, peak_flops=1e10)
     assert own == pytest.approx(2e9 / 1e10)  # the point's own precision's peak (fp32), not bf16's
-    assert stages.roofline_floor_s(2e9, calibration) == pytest.approx(2e9 / 1e11)  # none given: the best of any
+    assert microbench_stage.roofline_floor_s(2e9, calibration) == pytest.approx(2e9 / 1e11)  # none given: the best of any
     fp32 = dict(flops=2e9, calibration=calibration, peak_flops=1e10, fraction=0.5)
-    assert stages.impossible(0.4 * own * 1e3, **fp32).startswith("impossible: forward median")
-    assert stages.impossible(0.6 * own * 1e3, **fp32) is None
+    assert microbench_stage.impossible(0.4 * own * 1e3, **fp32).startswith("impossible: forward median")
+    assert microbench_stage.impossible(0.6 * own * 1e3, **fp32) is None
     # at 0.4 x the fp32 floor, a floor at bf16's peak (10x higher) would have let it pass
-    assert stages.impossible(0.4 * own * 1e3, **{**fp32, "peak_flops": None}) is None
+    assert microbench_stage.impossible(0.4 * own * 1e3, **{**fp32, "peak_flops": None}) is None
 
 
 @pytest.mark.parametrize("body, reason", [
@@ -271,16 +273,16 @@ def test_an_import_that_fails_is_the_paths_failure_located_at_its_line(tmp_path)
 def test_an_import_that_needs_a_gpu_cannot_run_here_and_breaks_no_contract(source, pattern, tmp_path):
     spec = _write(tmp_path, "needs_gpu.py", source + "\n\ndef matmul(a, b):\n    return a @ b\n")
     cfg = load([*MATMUL, f"op.user_impls=[{spec}:matmul]", MINE])
-    stages.run_reference(cfg, tmp_path)
-    stages.run_kernel(cfg, tmp_path)
-    report = stages.run_parity(cfg, tmp_path)  # no ContractBroken: nothing broke
+    reference_stage.run_reference(cfg, tmp_path)
+    kernel_stage.run_kernel(cfg, tmp_path)
+    report = parity_stage.run_parity(cfg, tmp_path)  # no ContractBroken: nothing broke
     path = report["paths"]["matmul"]
     assert path["verdict"] == "cannot run here" and path["failed_cases"] == []
     assert path["cannot_run_here"]["pattern"] == pattern and "GPU" in path["cannot_run_here"]["runs_on"]
     assert path["error"]["where"]["file"] == spec and (tmp_path / path["error"]["traceback"]).is_file()
     assert report["verdict"] == "pass" and report["first_failure"] is None
     assert report["headline"].startswith("1 cannot run here (not a broken contract): matmul (")
-    assert stages.refusals(tmp_path) == {"matmul": f"cannot run here: {path['cannot_run_here']['reason']} (runs on "
+    assert stage_common.refusals(tmp_path) == {"matmul": f"cannot run here: {path['cannot_run_here']['reason']} (runs on "
                                                    f"{path['cannot_run_here']['runs_on']}): no speed"}
     receipt = {"point": "p", "parity": report, "microbench": {"paths": {}}, "config": {"precision": {"name": "fp32"}},
                "provenance": {"machine": {"device_name": "cpu", "threads": 1}}}
@@ -298,10 +300,10 @@ def test_the_headline_counts_broken_paths_and_those_that_cannot_run_here_apart(t
     libdev = _triton(tmp_path, "libdev.py", TRITON_LIBDEVICE)
     specs = [f"wrong={wrong}:matmul", f"raises={raises}:matmul", f"scalar={scalar}:matmul", f"libdev={libdev}:matmul"]
     cfg = load([*MATMUL, "op.user_impls=[" + ",".join(f'"{s}"' for s in specs) + "]"])
-    stages.run_reference(cfg, tmp_path)
-    stages.run_kernel(cfg, tmp_path)
-    with pytest.raises(stages.ContractBroken) as caught:
-        stages.run_parity(cfg, tmp_path)
+    reference_stage.run_reference(cfg, tmp_path)
+    kernel_stage.run_kernel(cfg, tmp_path)
+    with pytest.raises(stage_common.ContractBroken) as caught:
+        parity_stage.run_parity(cfg, tmp_path)
     report = json.loads((tmp_path / "parity.json").read_text())
     verdicts = {name: p["verdict"] for name, p in report["paths"].items()}
     assert verdicts == {"torch": "pass", "triton": "pass", "wrong": "fail", "raises": "fail",

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from conftest import parity_report
 
-from posttrainllm.lab import stages
+from posttrainllm.lab.stages import (bench_train as bench_train_stage, kernel as kernel_stage,
+                                     microbench as microbench_stage, reference as reference_stage)
 from posttrainllm.lab.configure import load
 from posttrainllm.lab.isolation import worker as workers
 
@@ -68,7 +69,7 @@ def test_an_honest_path_runs_in_another_process_passes_and_gets_a_speed_from_out
     kernel = json.loads((out / "kernel.json").read_text())["paths"]["matmul"]
     assert kernel["worker_start_s"] > 0
 
-    micro = stages.run_microbench(cfg, out, CALIBRATION)
+    micro = microbench_stage.run_microbench(cfg, out, CALIBRATION)
     entry = micro["paths"]["matmul"]
     assert entry["valid"], entry.get("reason")
     pids = [int(line) for line in (tmp_path / "honest.pid").read_text().split()]  # each stage's worker: its own
@@ -85,7 +86,7 @@ def test_an_honest_path_runs_in_another_process_passes_and_gets_a_speed_from_out
     curve = (out / "curve.csv").read_text()
     assert any(line.startswith("matmul,matmul,user,") and ",True," in line for line in curve.splitlines())
 
-    train = stages.run_bench_train(cfg, out)
+    train = bench_train_stage.run_bench_train(cfg, out)
     assert train["drift_verdict"]["matmul"] == "pass"
     note = train["user_paths"]
     assert "includes its round trips" in note["note"]
@@ -137,7 +138,7 @@ def test_what_a_path_does_to_torch_and_time_at_import_stays_in_its_worker(tmp_pa
               torch.is_anomaly_enabled())
     report = parity_report(cfg, out)
     assert report["paths"]["attention"]["verdict"] == "pass"
-    micro = stages.run_microbench(cfg, out, CALIBRATION)
+    micro = microbench_stage.run_microbench(cfg, out, CALIBRATION)
     after = (F.scaled_dot_product_attention, torch.Tensor.copy_, time.perf_counter, torch.get_num_threads(),
              torch.is_anomaly_enabled())
     assert after == before
@@ -187,7 +188,7 @@ def matmul(a, b):
 def test_a_memoizing_path_passes_parity_and_gets_no_speed(tmp_path):
     cfg, out = _point(tmp_path, "memo.py", MEMO, "matmul", [*MATMUL, MINE])
     assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"  # one call per shape there
-    entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
+    entry = microbench_stage.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
     assert not entry["valid"]
     # its stage's worker is fresh: the warm-up's first set stores, the second gets the stored answer (checked)
     assert entry["reason"].startswith("warm-up batch 1, set 2 of ") and "a stored or skipped result?" in entry["reason"]
@@ -226,7 +227,7 @@ def test_memory_outside_torch_is_counted_and_outputs_held_from_import_are_named(
     """NumPy's buffers count (tracemalloc, the resident set); a peak below the outputs' own bytes is not a figure."""
     cfg, out = _point(tmp_path, "numpy_mm.py", NUMPY, "matmul", [*MATMUL, MINE])
     assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"
-    entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
+    entry = microbench_stage.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
     assert entry["valid"], entry.get("reason")
     assert entry["memory"]["allocator_bytes"] < entry["memory"]["output_bytes"] <= entry["memory"]["peak_bytes"]
 
@@ -236,7 +237,7 @@ def test_memory_outside_torch_is_counted_and_outputs_held_from_import_are_named(
     cfg, out = _point(tmp_path / "held", "held.py", HELD, "matmul", [*MATMUL, MINE, "shape.m=256",
                                                                       "shape.n=256"])
     assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"
-    entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
+    entry = microbench_stage.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
     assert not entry["valid"] and "median_ms" not in entry, entry["memory"]
     assert "is below the 262144 B of the outputs it returned: a figure that cannot be true" in entry["reason"]
 
@@ -257,7 +258,7 @@ def matmul(a, b):
 def test_a_worker_clock_that_disagrees_with_the_labs_gets_no_speed(tmp_path):
     cfg, out = _point(tmp_path, "clock.py", SLOW_CLOCK, "matmul", [*MATMUL, MINE])
     assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"
-    entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
+    entry = microbench_stage.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
     assert not entry["valid"] and "replaced __main__._clock" in entry["reason"], entry
 
 
@@ -341,7 +342,7 @@ def test_two_runs_draw_and_record_different_timing_seeds_and_parity_stays_reprod
     runs = []
     for _ in range(2):
         parity = parity_report(cfg, out)["paths"]["matmul"]
-        entry = stages.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
+        entry = microbench_stage.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
         assert entry["valid"], entry.get("reason")
         runs.append((parity["worst"], {m: entry["outside"][m]["timing_seeds"]["base"] for m in entry["outside"]}))
     (parity_a, seeds_a), (parity_b, seeds_b) = runs
@@ -420,8 +421,8 @@ def test_a_compile_childs_grandchild_holding_its_output_neither_holds_the_stage_
     returns when the child ends, not when a process it left lets go of a pipe."""
     cfg, out = _point(tmp_path, "forker.py", COMPILE_FORKER.replace("PIDS", str(tmp_path / "pids.txt")), "matmul",
                       MATMUL)  # the built-in Triton paths beside it: the kernel stage starts its compile child
-    stages.run_reference(cfg, out)
-    stages.run_kernel(cfg, out)
+    reference_stage.run_reference(cfg, out)
+    kernel_stage.run_kernel(cfg, out)
     lines = (tmp_path / "pids.txt").read_text().split() if (tmp_path / "pids.txt").exists() else []
     assert lines and "slept" not in lines, lines  # it was in the compile child, and did not sleep its 20 s out
     for _ in range(100):

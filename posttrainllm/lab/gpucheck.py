@@ -46,7 +46,10 @@ from typing import Any
 
 from posttrainllm.measure import calibrate, ncu
 from posttrainllm.track import receipt
-from posttrainllm.lab import approval, heads, stages
+from posttrainllm.lab import approval, heads
+from posttrainllm.lab.stages import bench_train as bench_train_stage, kernel as kernel_stage, \
+    microbench as microbench_stage, parity as parity_stage, reference as reference_stage
+from posttrainllm.lab.stages.common import ContractBroken
 from posttrainllm.lab import sweep
 from posttrainllm.measure import device as devices
 from posttrainllm.config import ConfigError, LabConfig, SweepConfig
@@ -103,17 +106,17 @@ def run_point(cfg: Any, calibration: dict[str, Any], sweep_info: dict[str, Any],
     out = point_dir(cfg)
     status = "pass"
     try:
-        stages.run_reference(cfg, out)
-        stages.run_kernel(cfg, out)
+        reference_stage.run_reference(cfg, out)
+        kernel_stage.run_kernel(cfg, out)
         try:
-            stages.run_parity(cfg, out)
-        except stages.ContractBroken as exc:
+            parity_stage.run_parity(cfg, out)
+        except ContractBroken as exc:
             status = f"contract broken: {exc}"
-        stages.run_microbench(cfg, out, calibration)
+        microbench_stage.run_microbench(cfg, out, calibration)
         if train:
             heads.ensure_quality_base(cfg)  # a quantized point's quality gate decodes with it
-            stages.run_bench_train(cfg, out)
-    except stages.ContractBroken as exc:
+            bench_train_stage.run_bench_train(cfg, out)
+    except ContractBroken as exc:
         status = f"contract broken: {exc}"
     except Exception as exc:  # e.g. out of memory at one point: record it, keep the others
         status = f"error: {type(exc).__name__}: {exc}".splitlines()[0]

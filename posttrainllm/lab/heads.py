@@ -54,7 +54,7 @@ NOT_MEMORY_BOUND = ("a decode step here moves {gbps:.2f} GB/s of weights and KV 
 
 
 INTERPRETED = ("the decode attention is Triton through its interpreter (TRITON_INTERPRET=1): tokens checked, "
-               "timings not speed (left out, as lab/stages.py does for interpreted paths)")
+               "timings not speed (left out, as lab/stages/ does for interpreted paths)")
 PREALLOCATED = ("the KV cache is preallocated for prompt + new tokens (+ K + 1 when verifying), so peak memory does "
                 "not grow with the tokens generated; kv_cache_bytes is the cache's share of it")
 TREE_ATTENTION = ("posttrainllm.ops.decode_attention.reference.masked_chunk_attention: the tree verification's explicit ancestor mask "
@@ -205,7 +205,7 @@ def ensure_base(cfg: LabConfig) -> tuple[dict[str, Any], bool]:
 def ensure_quality_base(cfg: LabConfig) -> None:
     """`posttrainllm bench-train` under a quantized precision: train the draft-heads base where there is none, with
     the settings DVC's train_base stage uses (conf/ as it is: architecture mha, heads k3), into heads.out_dir
-    (lab/stages.py quality_base_dir: the trained model the quality gate decodes with)."""
+    (lab/stages/bench_train.py quality_base_dir: the trained model the quality gate decodes with)."""
     from posttrainllm.lab.configure import load
 
     if cfg.precision.quantize is None or (base_dir(cfg) / "base.json").exists():

@@ -1,6 +1,6 @@
 """The reference's answers a path is checked against: its outputs, extra outputs and input gradients for a case,
 in float64 (the oracle) or in the point's precision (the baseline), and the upstream gradient dO every backward
-of a case is fed. The parity stage (lab/stages.py) and the timing from outside (lab/isolation/outside.py) both use them."""
+of a case is fed. The parity stage (lab/stages/) and the timing from outside (lab/isolation/outside.py) both use them."""
 
 from __future__ import annotations
 

@@ -61,22 +61,18 @@ def load_point(point: str, params_path: Path = PARAMS) -> tuple[LabConfig, dict[
     return cfg, sweep
 
 
-def _record(cfg: LabConfig, sweep: dict[str, Any]) -> Any:
-    from posttrainllm.track import receipt  # MLflow's code: imported by the receipt stage only
-
-    return receipt.record(cfg, sweep=sweep)
-
-
 def _stage(name: str) -> Callable[[LabConfig, dict[str, Any]], Any]:
-    from posttrainllm.lab import stages
+    """The stage's work: its own module (lab/stages/<name>.py) alone is imported, so its process loads no other's."""
+    import importlib
 
+    module = importlib.import_module(f"posttrainllm.lab.stages.{name}")
     table: dict[str, Callable[[LabConfig, dict[str, Any]], Any]] = {
-        "reference": lambda cfg, _: stages.run_reference(cfg, point_dir(cfg)),
-        "kernel": lambda cfg, _: stages.run_kernel(cfg, point_dir(cfg)),
-        "parity": lambda cfg, _: _parity(cfg),
-        "microbench": lambda cfg, _: stages.run_microbench(cfg, point_dir(cfg), *calibration(cfg.run.name)),
-        "bench_train": lambda cfg, _: stages.run_bench_train(cfg, point_dir(cfg), quality_base=HEADS_BASE),
-        "receipt": _record,
+        "reference": lambda cfg, _: module.run_reference(cfg, point_dir(cfg)),
+        "kernel": lambda cfg, _: module.run_kernel(cfg, point_dir(cfg)),
+        "parity": lambda cfg, _: _parity(module, cfg),
+        "microbench": lambda cfg, _: module.run_microbench(cfg, point_dir(cfg), *calibration(cfg.run.name)),
+        "bench_train": lambda cfg, _: module.run_bench_train(cfg, point_dir(cfg), quality_base=HEADS_BASE),
+        "receipt": lambda cfg, sweep: module.run_receipt(cfg, sweep),
     }
     return table[name]
 
@@ -96,12 +92,10 @@ def calibration(point: str) -> tuple[dict[str, Any], str | None]:
     return {**json.loads(data), "sha256": now}, problem
 
 
-def _parity(cfg: LabConfig) -> dict[str, Any]:
-    """The parity stage; where nothing broke yet some path cannot run here, its line (a broken contract's line,
-    ContractBroken, names them too)."""
-    from posttrainllm.lab import stages
-
-    report = stages.run_parity(cfg, point_dir(cfg))
+def _parity(module: Any, cfg: LabConfig) -> dict[str, Any]:
+    """The parity stage (`module`: lab/stages/parity.py); where nothing broke yet some path cannot run here, its
+    line (a broken contract's line, ContractBroken, names them too)."""
+    report = module.run_parity(cfg, point_dir(cfg))
     if report["headline"]:
         print(f"posttrainllm: parity {cfg.run.name}: {report['headline']}", file=sys.stderr)
     return report
@@ -206,7 +200,7 @@ def run_stage(stage: str, argv: list[str]) -> int:
     stage read; it is written whenever the stage's own files are (also after a broken contract
     or an MLflow failure). The receipt stage refuses stamps that disagree (exit 2, one line).
     """
-    from posttrainllm.lab.stages import ContractBroken
+    from posttrainllm.lab.stages.common import ContractBroken
 
     if len(argv) != 1:
         print(f"usage: python pipelines/{stage}.py POINT", file=sys.stderr)

@@ -283,8 +283,9 @@ CORE_SOURCES = (
     "posttrainllm/lab/__init__.py",
     "posttrainllm/lab/configure.py",
     "posttrainllm/lab/pipeline.py",
-    "posttrainllm/lab/stages.py",
-    "posttrainllm/lab/oracle.py",  # the reference's answers (stages.py, outside.py)
+    "posttrainllm/lab/stages/__init__.py",  # each stage loads its own module (STAGE_SOURCES) and these
+    "posttrainllm/lab/stages/common.py",
+    "posttrainllm/lab/oracle.py",  # the reference's answers (the stages, outside.py)
     "posttrainllm/lab/isolation",  # worker, user paths, outside timing, rooms, guards
     "posttrainllm/track/failures.py",  # a failed path located, and whether it cannot run here
     "posttrainllm/lab/parity.py",
@@ -299,18 +300,23 @@ CORE_SOURCES = (
     "posttrainllm/track/__init__.py",
     "posttrainllm/track/provenance.py",
     "posttrainllm/track/receipt.py",
+    "posttrainllm/track/records.py",  # the stages' typed records: one writer, one reader each
     "posttrainllm/track/store.py",
     "posttrainllm/track/stamp.py",
 )
 STAGE_SOURCES = {
-    "kernel": ("posttrainllm/lab/compile.py", "posttrainllm/measure/sass.py",  # its `compile` section
+    "reference": ("posttrainllm/lab/stages/reference.py",),
+    "kernel": ("posttrainllm/lab/stages/kernel.py", "posttrainllm/ops/launches.py",  # the guards count launches
+               "posttrainllm/lab/compile.py", "posttrainllm/measure/sass.py",  # its `compile` section
                "posttrainllm/lab/invariance.py"),  # determinism and batch invariance, measured
-    "parity": ("posttrainllm/lab/invariance.py",),  # ... and judged
-    "microbench": ("posttrainllm/lab/approval.py",  # a GPU times only with approval (POSTTRAINLLM_APPROVE=1)
+    "parity": ("posttrainllm/lab/stages/parity.py", "posttrainllm/lab/invariance.py"),  # ... and judged
+    "microbench": ("posttrainllm/lab/stages/microbench.py",
+                   "posttrainllm/lab/approval.py",  # a GPU times only with approval (POSTTRAINLLM_APPROVE=1)
                    "posttrainllm/measure", "posttrainllm/track/plots.py"),
-    "bench_train": ("posttrainllm/lab/approval.py", "posttrainllm/model"),
+    "bench_train": ("posttrainllm/lab/stages/bench_train.py", "posttrainllm/lab/approval.py", "posttrainllm/model"),
     # the figures every view shows (best peer, flags), tagged on its MLflow run; the end-to-end band's rule
-    "receipt": ("posttrainllm/track/derived.py", "posttrainllm/model/__init__.py", "posttrainllm/model/amdahl.py",
+    "receipt": ("posttrainllm/lab/stages/receipt.py", "posttrainllm/track/derived.py", "posttrainllm/model/__init__.py",
+                "posttrainllm/model/amdahl.py",
                 # the sweep's table on its MLflow run (receipt.py _sweep_table): the report's summary
                 "posttrainllm/track/report.py", "posttrainllm/measure/sass.py"),
 }

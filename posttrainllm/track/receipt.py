@@ -27,7 +27,7 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 from posttrainllm.measure import device as devices
-from posttrainllm.track import derived, store
+from posttrainllm.track import derived, records, store
 from posttrainllm.track.derived import quality_failures, verdict  # what a receipt's figures say
 from posttrainllm.track.provenance import git_revision, project_root
 from posttrainllm.track.stamp import STAMPS
@@ -53,8 +53,11 @@ def artifact_location(uri: str) -> str | None:
     return None  # a tracking server decides
 
 
-def _read_optional(path: Path) -> Any:
-    return read_json(path) if path.exists() else None
+def _read_record(kind: type[records.Record], out: Path) -> dict[str, Any] | None:
+    """A stage's record in the point's folder as the receipt keeps it (its dict), None where the stage did not run;
+    read through its one reader (track/records.py), which checks its schema version."""
+    record = kind.read_optional(out / kind.FILE)
+    return None if record is None else record.to_dict()
 
 
 def _parity_summary(report: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -91,7 +94,7 @@ def build(cfg: LabConfig, *, sweep: dict[str, Any] | None = None, overrides: lis
     if stamps:
         stamp.check_consistent({**stamps, "receipt": {"sources": stamp.loaded_sources()}}, out / stamp.STAMPS)
     device = devices.resolve(cfg.device.name)
-    parity_report = _read_optional(out / "parity.json")
+    parity_report = _read_record(records.ParityRecord, out)
     receipt = {
         "schema": SCHEMA,
         "point": cfg.run.name,
@@ -101,10 +104,10 @@ def build(cfg: LabConfig, *, sweep: dict[str, Any] | None = None, overrides: lis
         "provenance": {**git_revision(), "machine": devices.fingerprint(device),
                        "triton_interpreted": devices.triton_interpreted()},
         "config": point_config(cfg),
-        "kernel": _read_optional(out / "kernel.json"),
+        "kernel": _read_record(records.KernelRecord, out),
         "parity": _parity_summary(parity_report),
-        "microbench": _read_optional(out / "microbench.json"),
-        "bench_train": _read_optional(out / "bench_train.json"),
+        "microbench": _read_record(records.MicrobenchRecord, out),
+        "bench_train": _read_record(records.BenchTrainRecord, out),
         "stamps": stamps,
     }
     receipt["integrity"] = {"rule": INTEGRITY_RULE,

@@ -43,6 +43,7 @@ from typing import Any
 
 from posttrainllm.files import read_json
 from posttrainllm.track.failures import CANNOT_RUN_HERE
+from posttrainllm.track.records import ParityRecord
 from posttrainllm.measure.timing import summarize
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -196,7 +197,7 @@ def _close(a: Any, b: Any) -> bool:
 
 
 def _band(a: dict[str, Any], b: dict[str, Any]) -> str:
-    """microbench's BAND_RULE (posttrainllm/lab/stages.py compare), from two stored summaries."""
+    """microbench's BAND_RULE (posttrainllm/lab/stages/microbench.py compare), from two stored summaries."""
     if a["p80_ms"] < b["p20_ms"]:
         return "faster"
     if a["p20_ms"] > b["p80_ms"]:
@@ -323,7 +324,7 @@ def _failed_cases_problems(name: str, path: dict[str, Any], cases: list[dict[str
     """The receipt's failed_cases of a path against what parity.json's cases give again.
 
     failed_cases is the path's violations (a guard or an output check: a write into an input, a wrong dtype,
-    a raise; lab/stages.py run_parity), then one line per failing case and output, "<case>/<output>: <reason>",
+    a raise; lab/stages/parity.py run_parity), then one line per failing case and output, "<case>/<output>: <reason>",
     in the cases' order. Those lines are recomputed; the violations are what the guards saw, not a figure to
     recompute: they only have to be listed first (the path's own "violations" where the receipt stores them,
     else whatever precedes the recomputed lines), and they make the verdict a fail (checked by the caller).
@@ -352,7 +353,8 @@ def verify_parity(receipt: dict[str, Any], folder: Path) -> list[str]:
     def contract(output: str) -> dict[str, Any]:
         return parity["lse_contract"] if output == "lse" and parity.get("lse_contract") else parity["contract"]
 
-    full = read_json(folder / "parity.json") if (folder / "parity.json").exists() else None
+    stored = ParityRecord.read_optional(folder / ParityRecord.FILE)
+    full = None if stored is None else stored.to_dict()
     verdicts = {}
     for name, path in parity["paths"].items():
         for output, worst in path["worst"].items():

@@ -9,7 +9,7 @@ Paths (one function each: checked, timed and trained as every projection of the 
     user paths  op.user_impls, in the natural signature SIGNATURE (lab/isolation/user.py)
 
 Under a quantized precision (precision=fp8, fp8_rowwise: precision.quantize) the inputs are A_q, a_scale, B_q,
-b_scale, quantized once per case by posttrainllm.ops.reference (make_inputs), and the paths are forward-only
+b_scale, quantized once per case by posttrainllm.ops.quantize (make_inputs), and the paths are forward-only
 (gradients of a quantized GEMM are a recipe's: e5m2 dY with its own scaling):
     reference   posttrainllm.ops.matmul.reference.fp8_matmul: dequantize, then the product (float64: the oracle)
     scaled_mm   torch._scaled_mm, where it runs on the point's device and scaling (scaled_mm_refusal; absent
