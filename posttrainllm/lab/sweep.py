@@ -272,7 +272,9 @@ def op_definition_sources() -> list[str]:
     return sorted(path.relative_to(PROJECT_ROOT).as_posix() for path in files)
 
 
-NOT_LOADED = ("signatures.py",)  # the docs' signature table (python -m posttrainllm.ops.signatures): no stage's
+# the docs' signature table (python -m posttrainllm.ops.signatures): no stage's; the launch counter: the kernel
+# stage's guards' alone (STAGE_SOURCES)
+NOT_LOADED = ("signatures.py", "launches.py")
 
 
 # Every point stage loads these, besides its own script pipelines/<stage>.py
