@@ -61,7 +61,7 @@ def test_help_says_what_the_command_does_then_the_config(project, capsys, comman
     assert "Common overrides" in intro and f"Example:\n  posttrainllm {command}" in intro
     assert config  # then Hydra's own help: the whole config
     if command == "bench":  # the groups' options, read from conf/
-        assert "op=attention|attention_noncausal|" in intro and "precision=bf16|" in intro
+        assert "|attention|attention_noncausal|" in intro and "precision=bf16|" in intro
 
 
 def test_in_a_subfolder_of_the_project_a_command_refuses_and_names_the_root(project, capsys):

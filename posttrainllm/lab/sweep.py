@@ -301,6 +301,7 @@ CORE_SOURCES = (
     *op_definition_sources(),  # every op's definition: validating a config applies the ops' rules
     "posttrainllm/track/__init__.py",
     "posttrainllm/track/provenance.py",
+    "posttrainllm/track/found.py",  # where receipts are (receipt.py re-exports its names)
     "posttrainllm/track/receipt.py",
     "posttrainllm/track/records.py",  # the stages' typed records: one writer, one reader each
     "posttrainllm/track/store.py",

@@ -255,7 +255,7 @@ def compiled(receipt: dict[str, Any], path: str = "triton") -> dict[str, Any]:
 
 def point_failed(receipt: dict[str, Any]) -> bool:
     """A point failed when a path broke its numerical contract, its loss drift limit or its quality gate."""
-    from posttrainllm.track.receipt import verdict
+    from posttrainllm.track.derived import verdict
 
     return verdict(receipt) != "pass"
 
@@ -499,7 +499,7 @@ def read_folders(folders: list[Path], root: Path | None = None
     import os
 
     from posttrainllm.files import read_json
-    from posttrainllm.track.receipt import HEADS_SCHEMA, SCHEMA, receipt_files
+    from posttrainllm.track.found import HEADS_SCHEMA, SCHEMA, receipt_files
 
     found = [path.resolve() for folder in folders for path in receipt_files(folder)]
     if not found:
