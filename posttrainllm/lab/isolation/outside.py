@@ -265,20 +265,9 @@ def _schedstat(path: str) -> tuple[int, int] | None:
         return None
 
 
-def _ticks(path: str) -> int:
-    """utime + stime of /proc/<...>/stat, in clock ticks (0 where unreadable)."""
-    try:
-        with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 def _scheduled(pid: int) -> dict[str, Any]:
-    """RUN_QUEUE_RULE's readings now: the worker's main thread's (run, waited) ns, the ns its other live threads have
-    run, and the clock ticks of all its threads but the main one, those that ended included (the process's own
-    count keeps them)."""
+    """RUN_QUEUE_RULE's readings now: the worker's main thread's (run, waited) ns and the ns its other threads have
+    run."""
     others = 0
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -286,15 +275,7 @@ def _scheduled(pid: int) -> dict[str, Any]:
                 others += (_schedstat(f"/proc/{pid}/task/{tid}/schedstat") or (0, 0))[0]
     except OSError:
         pass
-    return {"worker": _schedstat(f"/proc/{pid}/task/{pid}/schedstat"), "others_ran": others,
-            "others_ticks": _ticks(f"/proc/{pid}/stat") - _ticks(f"/proc/{pid}/task/{pid}/stat")}
-
-
-def _others_s(before: dict[str, Any], after: dict[str, Any]) -> float:
-    """Seconds the worker's threads other than its main one ran between two readings: the larger of its live
-    threads' count (ns) and the ticks of every thread but the main one (ended threads included)."""
-    return max((after["others_ran"] - before["others_ran"]) / 1e9,
-               (after.get("others_ticks", 0) - before.get("others_ticks", 0)) / os.sysconf("SC_CLK_TCK"))
+    return {"worker": _schedstat(f"/proc/{pid}/task/{pid}/schedstat"), "others_ran": others}
 
 
 def _waited_s(before: dict[str, Any], after: dict[str, Any], span: float) -> float:
@@ -303,7 +284,7 @@ def _waited_s(before: dict[str, Any], after: dict[str, Any], span: float) -> flo
     OTHER_THREADS_SHARE of the span (work beside the main thread: the wall span stands)."""
     if before["worker"] is None or after["worker"] is None:
         return 0.0
-    if _others_s(before, after) > OTHER_THREADS_SHARE * span:
+    if (after["others_ran"] - before["others_ran"]) / 1e9 > OTHER_THREADS_SHARE * span:
         return 0.0
     return min(max((after["worker"][1] - before["worker"][1]) / 1e9, 0.0), span)
 
@@ -487,8 +468,7 @@ def _strays(worker: Any, since: dict[Any, float] | None = None,
     by over IDLE_CPU_S (a pool waiting for work uses none), or at one lab thread its other threads' by over
     OTHER_THREADS_SHARE of the timed spans `spans_s` (capped at IDLE_CPU_S)."""
     now: dict[Any, float] = {pid: workers.cpu_s([pid]) for pid in workers.descendants_of(worker.pid)}
-    threads = _scheduled(worker.pid)
-    now["threads"], now["threads_ticks"] = threads["others_ran"] / 1e9, threads["others_ticks"]
+    now["threads"] = _scheduled(worker.pid)["others_ran"] / 1e9
     adopted = workers.strays()
     if adopted:
         workers.end_strays()
@@ -496,14 +476,12 @@ def _strays(worker: Any, since: dict[Any, float] | None = None,
                 "they could compute outside the timed span or take the cores the lab times others on (PROCESS_RULE);"
                 " ended: no speed"), now
     if since is not None:
-        children = [pid for pid in now if isinstance(pid, int)]
+        children = [pid for pid in now if pid != "threads"]
         used = sum(now[pid] - since.get(pid, 0.0) for pid in children)
         if used > IDLE_CPU_S:
             return (f"processes beside its worker (pids {', '.join(map(str, children))}) used {used:.3f} s of CPU "
                     "while it was timed (PROCESS_RULE): no speed"), now
-        threads = _others_s({"others_ran": since["threads"] * 1e9, "others_ticks": since["threads_ticks"]},
-                            {"others_ran": now["threads"] * 1e9, "others_ticks": now["threads_ticks"]})
-        allowed = min(IDLE_CPU_S, OTHER_THREADS_SHARE * spans_s)
+        threads, allowed = now["threads"] - since.get("threads", 0.0), min(IDLE_CPU_S, OTHER_THREADS_SHARE * spans_s)
         if worker.threads == 1 and threads > allowed:
             return (f"threads beside its worker's main thread used {threads * 1e3:.1f} ms of CPU while it was timed "
                     f"(allowed {allowed * 1e3:.1f} ms at one lab thread; THREAD_RULE): no speed"), now
