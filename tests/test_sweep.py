@@ -153,13 +153,15 @@ def test_a_point_stage_depends_on_its_ops_kernel_only_where_it_runs_it():
     for stage in ("reference", "parity", "receipt"):
         assert _kernels(stage, "attention") == common and _kernels(stage, "moe") == common
     for stage in ("kernel", "microbench", "bench_train"):
-        assert _kernels(stage, "attention") == [*common, attention]
-        assert _kernels(stage, "moe") == [*common, "posttrainllm/ops/moe/kernels.py"]
-        assert _kernels(stage, "decode_attention") == [*common, "posttrainllm/ops/decode_attention/kernels.py"]
+        base = [*common, *(["posttrainllm/ops/launches.py"] if stage == "kernel" else [])]  # the guards' counter
+        assert _kernels(stage, "attention") == [*base, attention]
+        assert _kernels(stage, "moe") == [*base, "posttrainllm/ops/moe/kernels.py"]
+        assert _kernels(stage, "decode_attention") == [*base, "posttrainllm/ops/decode_attention/kernels.py"]
         # matmul's autotuner asks ops/attention/kernels.py for the device's shared memory
-        assert _kernels(stage, "matmul", tile="auto") == [*common, matmul, attention]
-        assert _kernels(stage, "matmul", workgroup="auto") == [*common, matmul, attention]
-    assert _kernels("kernel", "matmul") == [*common, matmul, attention]  # the launch geometry's AUTO_CPU_NOTE
+        assert _kernels(stage, "matmul", tile="auto") == [*base, matmul, attention]
+        assert _kernels(stage, "matmul", workgroup="auto") == [*base, matmul, attention]
+    # the launch geometry's AUTO_CPU_NOTE
+    assert _kernels("kernel", "matmul") == [*common, "posttrainllm/ops/launches.py", matmul, attention]
     assert _kernels("microbench", "matmul") == _kernels("bench_train", "matmul") == [*common, matmul]
 
 
