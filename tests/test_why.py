@@ -57,8 +57,10 @@ def test_every_point_says_what_its_op_does_to_the_training_step(sweep_runs):
         sentence = fields["e2e_sentence"]
         assert f"attention is {fields['e2e_share']:.0%} of the measured training step" in sentence, name
         assert "Amdahl 1/((1-f) + f/s) predicts" in sentence and "measured" in sentence, name
-        assert ": they agree" in sentence or "measured below predicted" in sentence or \
-            "measured above predicted" in sentence, name
+        # every verdict amdahl.sentence can give; which one a run gets depends on its timings (noise included)
+        verdicts = (": they agree", "they do not agree by the band", "measured below predicted",
+                    "measured above predicted")
+        assert any(verdict in sentence for verdict in verdicts), (name, sentence)
         assert report.point_table(receipt).splitlines()[-1] == f"step: {sentence}"
     summary = report.summary_table(receipts)
     for name, receipt in receipts.items():  # the row's own path (ours, else the best peer), or why it has none
