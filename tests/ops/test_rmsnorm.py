@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from posttrainllm.ops.rmsnorm import reference
-from posttrainllm.ops.rmsnorm.kernels import MAX_BLOCK_C, backward_programs, rmsnorm, rmsnorm_launch
+from posttrainllm.ops.rmsnorm.kernels import backward_programs, rmsnorm, rmsnorm_launch
+from posttrainllm.ops.rows import MAX_BLOCK_C
 
 EPS = 1e-5
 # y and dx are rounded once to the dtype; dW is an fp32 sum rounded once
@@ -88,8 +89,8 @@ def test_strided_rows_stride_zero_dy_and_another_weight_dtype(device):
 def test_launch_geometry():
     """One forward program per row; the backward's P programs take groups of rows, none of them empty."""
     launch = rmsnorm_launch(37, 100, num_warps=4)
-    assert launch == {"grid": [37], "block_c": 128, "num_warps": 4, "backward_grid": [4], "rows_per_program": 10,
-                      "dw_partials": [4, 100]}
+    assert launch == {"grid": [37], "block_c": 128, "blocks_per_row": 1, "num_warps": 4, "backward_grid": [4],
+                      "rows_per_program": 10, "dw_partials": [4, 100]}
     json.dumps(launch)
     assert backward_programs(5, None) == (3, 2)  # 4 programs of 2 rows would leave one empty
     assert backward_programs(1, 132) == (1, 1)

@@ -27,8 +27,8 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from posttrainllm.ops import use_bf16_emulation
+from posttrainllm.ops.rows import cdiv, check_grads, check_rows, row_launch, row_outputs, unit_stride
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_R = 16  # rows per step of the dW kernel
 
 
@@ -122,50 +122,19 @@ def _add_rmsnorm_backward_dw_kernel(
 
 def add_rmsnorm_launch(n_rows: int, n_cols: int, *, block_c: int, num_warps: int) -> dict:
     """Dispatch geometry: one program per row (forward, dx and dr), one per column block (dW)."""
-    for name, size in (("rows", n_rows), ("C", n_cols)):
-        if size < 1:
-            raise ValueError(f"{name}={size} must be >= 1")
-    if block_c < 16 or block_c & (block_c - 1):
-        raise ValueError(f"block_c={block_c} must be a power of two >= 16")
-    if num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"num_warps={num_warps} must be a power of two")
-    return {"grid": [n_rows], "block_c": block_c, "blocks_per_row": triton.cdiv(n_cols, block_c),
-            "dw_grid": [triton.cdiv(n_cols, block_c)], "block_r": BLOCK_R, "num_warps": num_warps}
-
-
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """Rows may be strided (a stride-0 dY of .sum() too); the columns must be contiguous."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    if x.ndim != 2:
-        raise ValueError(f"expected 2-D x (rows, C), got {tuple(x.shape)}")
-    if residual.shape != x.shape:
-        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
-    if weight.shape != (x.shape[1],):
-        raise ValueError(f"weight {tuple(weight.shape)} does not match x's C={x.shape[1]}: expected ({x.shape[1]},)")
-    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype} not supported; choose one of {SUPPORTED_DTYPES}")
-        if t.device != x.device:
-            raise ValueError(f"device mismatch: x is on {x.device}, {name} is on {t.device}")
-    if not eps > 0:
-        raise ValueError(f"eps={eps!r} must be > 0 (it keeps an all-zero row finite)")
+    return {**row_launch(n_rows, n_cols, block_c=block_c, num_warps=num_warps),
+            "dw_grid": [cdiv(n_cols, block_c)], "block_r": BLOCK_R}
 
 
 def add_rmsnorm_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                         block_c: int, num_warps: int = 4, emulate_bf16: bool | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y and h (rows, C) in x's dtype, rstd (rows,) fp32. emulate_bf16: None = only under the interpreter."""
-    _check(x, residual, weight, eps)
-    x, residual = _unit_stride(x), _unit_stride(residual)
+    check_rows(x, per_row={"residual": residual}, per_column={"weight": weight}, eps=eps)
+    x, residual = unit_stride(x), unit_stride(residual)
     n_rows, n_cols = x.shape
     launch = add_rmsnorm_launch(n_rows, n_cols, block_c=block_c, num_warps=num_warps)
-    upcast = use_bf16_emulation(x.dtype, emulate_bf16)
-    out_dtype = torch.float32 if upcast else x.dtype
-    y = torch.empty((n_rows, n_cols), device=x.device, dtype=out_dtype)
-    h = torch.empty((n_rows, n_cols), device=x.device, dtype=out_dtype)
+    y, h = row_outputs(x, 2, use_bf16_emulation(x.dtype, emulate_bf16))
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     _add_rmsnorm_forward_kernel[tuple(launch["grid"])](
         x, residual, weight.contiguous(), y, h, rstd, n_cols, x.stride(0), residual.stride(0), y.stride(0),
@@ -177,16 +146,11 @@ def add_rmsnorm_backward(dy: torch.Tensor, dh: torch.Tensor, x: torch.Tensor, re
                          weight: torch.Tensor, rstd: torch.Tensor, *, block_c: int, num_warps: int = 4,
                          emulate_bf16: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dx and dr (rows, C) in x's dtype and dW (C,) in weight's dtype, from dy, dh and the saved rstd."""
-    for name, t in (("dy", dy), ("dh", dh)):
-        if t.shape != x.shape:
-            raise ValueError(f"{name} {tuple(t.shape)} does not match x {tuple(x.shape)}")
-    dy, dh, x, residual = _unit_stride(dy), _unit_stride(dh), _unit_stride(x), _unit_stride(residual)
+    check_grads("x", x, dy=dy, dh=dh)
+    dy, dh, x, residual = unit_stride(dy), unit_stride(dh), unit_stride(x), unit_stride(residual)
     n_rows, n_cols = x.shape
     launch = add_rmsnorm_launch(n_rows, n_cols, block_c=block_c, num_warps=num_warps)
-    upcast = use_bf16_emulation(x.dtype, emulate_bf16)
-    out_dtype = torch.float32 if upcast else x.dtype
-    dx = torch.empty((n_rows, n_cols), device=x.device, dtype=out_dtype)
-    dr = torch.empty((n_rows, n_cols), device=x.device, dtype=out_dtype)
+    dx, dr = row_outputs(x, 2, use_bf16_emulation(x.dtype, emulate_bf16))
     _add_rmsnorm_backward_dx_kernel[tuple(launch["grid"])](
         dy, dh, x, residual, weight.contiguous(), rstd, dx, dr, n_cols, dy.stride(0), dh.stride(0), x.stride(0),
         residual.stride(0), dx.stride(0), dr.stride(0), BLOCK_C=block_c, num_warps=num_warps)

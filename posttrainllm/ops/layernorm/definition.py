@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-from posttrainllm.config import ConfigError, LabConfig, itemsize
+from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
 from posttrainllm.ops.peers import compiled
+from posttrainllm.ops.rows import refuse_tile_auto
 import posttrainllm.ops.layernorm.reference as reference  # the module (not the package: its OP is this file)
 
 _LAYER_NORM = torch.nn.functional.layer_norm  # bound at import: a later replacement of torch's changes no peer
@@ -167,9 +168,7 @@ def _model_problem(cfg: LabConfig) -> str:
 
 def _check_config(cfg: LabConfig) -> None:
     """BLOCK_C is tile.block_n (a power of two >= 16, TileConfig); tile=auto tunes nothing here."""
-    if cfg.tile.autotune:
-        raise ConfigError("tile=auto: op=layernorm has no autotuner; choose a fixed tile (b16, b32, b64, b128: "
-                          "tile.block_n is the columns a program loads at once)")
+    refuse_tile_auto(cfg, "layernorm")
 
 
 def _reference_bytes(case: Case, cfg: LabConfig) -> int:

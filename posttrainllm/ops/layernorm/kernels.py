@@ -28,8 +28,8 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from posttrainllm.ops import use_bf16_emulation
+from posttrainllm.ops.rows import cdiv, check_grads, check_rows, row_launch, row_outputs, unit_stride
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_R = 16  # rows per step of the dW/dB kernel
 
 
@@ -135,47 +135,19 @@ def _layernorm_backward_dwdb_kernel(
 
 def layernorm_launch(n_rows: int, n_cols: int, *, block_c: int, num_warps: int) -> dict:
     """Dispatch geometry: one program per row (forward, dx), one per column block (dW and dB)."""
-    for name, size in (("rows", n_rows), ("C", n_cols)):
-        if size < 1:
-            raise ValueError(f"{name}={size} must be >= 1")
-    if block_c < 16 or block_c & (block_c - 1):
-        raise ValueError(f"block_c={block_c} must be a power of two >= 16")
-    if num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"num_warps={num_warps} must be a power of two")
-    return {"grid": [n_rows], "block_c": block_c, "blocks_per_row": triton.cdiv(n_cols, block_c),
-            "dwdb_grid": [triton.cdiv(n_cols, block_c)], "block_r": BLOCK_R, "num_warps": num_warps}
-
-
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """Rows may be strided (a stride-0 dY of .sum() too); the columns must be contiguous."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> None:
-    if x.ndim != 2:
-        raise ValueError(f"expected 2-D x (rows, C), got {tuple(x.shape)}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t.shape != (x.shape[1],):
-            raise ValueError(f"{name} {tuple(t.shape)} does not match x's C={x.shape[1]}: expected ({x.shape[1]},)")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype} not supported; choose one of {SUPPORTED_DTYPES}")
-        if t.device != x.device:
-            raise ValueError(f"device mismatch: x is on {x.device}, {name} is on {t.device}")
-    if not eps > 0:
-        raise ValueError(f"eps={eps!r} must be > 0 (it keeps a constant row finite)")
+    return {**row_launch(n_rows, n_cols, block_c=block_c, num_warps=num_warps),
+            "dwdb_grid": [cdiv(n_cols, block_c)], "block_r": BLOCK_R}
 
 
 def layernorm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, *, block_c: int,
                       num_warps: int = 4, emulate_bf16: bool | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y (rows, C) in x's dtype, mean and rstd (rows,) fp32. emulate_bf16: None = only under the interpreter."""
-    _check(x, weight, bias, eps)
-    x = _unit_stride(x)
+    check_rows(x, per_column={"weight": weight, "bias": bias}, eps=eps, eps_keeps="a constant row finite")
+    x = unit_stride(x)
     n_rows, n_cols = x.shape
     launch = layernorm_launch(n_rows, n_cols, block_c=block_c, num_warps=num_warps)
-    upcast = use_bf16_emulation(x.dtype, emulate_bf16)
-    y = torch.empty((n_rows, n_cols), device=x.device, dtype=torch.float32 if upcast else x.dtype)
+    (y,) = row_outputs(x, 1, use_bf16_emulation(x.dtype, emulate_bf16))
     mean = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     _layernorm_forward_kernel[tuple(launch["grid"])](
@@ -188,13 +160,11 @@ def layernorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
                        mean: torch.Tensor, rstd: torch.Tensor, *, block_c: int, num_warps: int = 4,
                        emulate_bf16: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dx (rows, C) in x's dtype, dW and dB (C,) in weight's and bias's dtypes, from the saved mean and rstd."""
-    if dy.shape != x.shape:
-        raise ValueError(f"dy {tuple(dy.shape)} does not match x {tuple(x.shape)}")
-    dy, x = _unit_stride(dy), _unit_stride(x)
+    check_grads("x", x, dy=dy)
+    dy, x = unit_stride(dy), unit_stride(x)
     n_rows, n_cols = x.shape
     launch = layernorm_launch(n_rows, n_cols, block_c=block_c, num_warps=num_warps)
-    upcast = use_bf16_emulation(x.dtype, emulate_bf16)
-    dx = torch.empty((n_rows, n_cols), device=x.device, dtype=torch.float32 if upcast else x.dtype)
+    (dx,) = row_outputs(x, 1, use_bf16_emulation(x.dtype, emulate_bf16))
     _layernorm_backward_dx_kernel[tuple(launch["grid"])](
         dy, x, weight.contiguous(), mean, rstd, dx, n_cols, dy.stride(0), x.stride(0), dx.stride(0),
         BLOCK_C=block_c, num_warps=num_warps)

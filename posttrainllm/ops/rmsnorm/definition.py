@@ -28,13 +28,13 @@ from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_
 from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
                                    seeded_randn)
 from posttrainllm.ops.peers import compiled
+from posttrainllm.ops.rows import MAX_BLOCK_C
 import posttrainllm.ops.rmsnorm.reference as reference
 
 _RMS_NORM = LIBRARY["torch.nn.functional.rms_norm"]  # bound at start (base.LIBRARY)
 
 INPUT_KINDS = ("large", "small", "zero_rows")
 SCALES = {"normal": 1.0, "large": 1e4, "small": 1e-4, "zero_rows": 1.0}
-MAX_C = 65536  # ops/rmsnorm/kernels.py MAX_BLOCK_C: one row per program (not imported: that module imports triton)
 
 
 def _reference(x: Tensors, cfg: LabConfig) -> Tensors:
@@ -162,12 +162,12 @@ def _model_problem(cfg: LabConfig) -> str:
 
 
 def _check_config(cfg: LabConfig) -> None:
-    """A row lives in one program: C (d_model and the edge sizes) at most MAX_C, BLOCK_C being its next power
+    """A row lives in one program: C (d_model and the edge sizes) at most MAX_BLOCK_C (ops/rows.py, the kernel's bound), BLOCK_C being its next power
     of two."""
     for where, hidden in [("architecture.d_model", cfg.architecture.d_model),
                           *(("shape.edge_seq_lens", e) for e in cfg.shape.edge_seq_lens)]:
-        if next_power_of_two(hidden) > MAX_C:
-            raise ConfigError(f"{where}={hidden}: an rmsnorm row must fit one program (C <= {MAX_C})")
+        if next_power_of_two(hidden) > MAX_BLOCK_C:
+            raise ConfigError(f"{where}={hidden}: an rmsnorm row must fit one program (C <= {MAX_BLOCK_C})")
 
 
 def _reference_bytes(case: Case, cfg: LabConfig) -> int:

@@ -28,9 +28,8 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from posttrainllm.ops import use_bf16_emulation
+from posttrainllm.ops.rows import check_grads, check_rows, row_launch, row_outputs, unit_stride
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MAX_BLOCK_C = 65536  # one whole row lives in one program's registers
 INTERPRETER_PROGRAMS = 4  # backward programs off the GPU: the interpreter runs them one after another
 
 
@@ -97,18 +96,11 @@ def backward_programs(n_rows: int, sm_count: int | None) -> tuple[int, int]:
 
 
 def rmsnorm_launch(n_rows: int, n_cols: int, *, num_warps: int, sm_count: int | None = None) -> dict:
-    """Dispatch geometry: one forward program per row, P backward programs over groups of rows."""
-    for name, size in (("rows", n_rows), ("C", n_cols)):
-        if size < 1:
-            raise ValueError(f"{name}={size} must be >= 1")
-    block_c = triton.next_power_of_2(n_cols)
-    if block_c > MAX_BLOCK_C:
-        raise ValueError(f"C={n_cols}: a row must fit one program (BLOCK_C={block_c} > {MAX_BLOCK_C})")
-    if num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"num_warps={num_warps} must be a power of two")
+    """Dispatch geometry: one forward program per whole row (BLOCK_C = C's next power of two), P backward programs
+    over groups of rows."""
+    launch = row_launch(n_rows, n_cols, block_c=None, num_warps=num_warps)
     programs, per_program = backward_programs(n_rows, sm_count)
-    return {"grid": [n_rows], "block_c": block_c, "num_warps": num_warps,
-            "backward_grid": [programs], "rows_per_program": per_program,
+    return {**launch, "backward_grid": [programs], "rows_per_program": per_program,
             "dw_partials": [programs, n_cols]}  # fp32, summed by torch
 
 
@@ -116,38 +108,17 @@ def _sm_count(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """Rows may be strided (a stride-0 dY of .sum() too); the columns must be contiguous."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    if x.ndim != 2:
-        raise ValueError(f"expected 2-D x (rows, C), got {tuple(x.shape)}")
-    if weight.shape != (x.shape[1],):
-        raise ValueError(f"weight {tuple(weight.shape)} does not match x's C={x.shape[1]}: expected ({x.shape[1]},)")
-    for name, t in (("x", x), ("weight", weight)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype} not supported; choose one of {SUPPORTED_DTYPES}")
-    if x.device != weight.device:
-        raise ValueError(f"device mismatch: x is on {x.device}, weight is on {weight.device}")
-    if not eps > 0:
-        raise ValueError(f"eps={eps!r} must be > 0 (it keeps an all-zero row finite)")
-
-
 def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, *, num_warps: int = 4,
                     emulate_bf16: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """y (rows, C) in x's dtype and rstd (rows,) fp32. emulate_bf16: None = only under the interpreter."""
-    _check(x, weight, eps)
-    x = _unit_stride(x)
-    weight = weight.contiguous()
+    check_rows(x, per_column={"weight": weight}, eps=eps)
+    x = unit_stride(x)
     (n_rows, n_cols) = x.shape
     launch = rmsnorm_launch(n_rows, n_cols, num_warps=num_warps)
-    upcast = use_bf16_emulation(x.dtype, emulate_bf16)
-    y = torch.empty((n_rows, n_cols), device=x.device, dtype=torch.float32 if upcast else x.dtype)
+    (y,) = row_outputs(x, 1, use_bf16_emulation(x.dtype, emulate_bf16))
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     _rmsnorm_forward_kernel[tuple(launch["grid"])](
-        x, weight, y, rstd, n_cols, x.stride(0), y.stride(0), float(eps),
+        x, weight.contiguous(), y, rstd, n_cols, x.stride(0), y.stride(0), float(eps),
         BLOCK_C=launch["block_c"], num_warps=num_warps,
     )
     return y.to(x.dtype), rstd
@@ -156,13 +127,11 @@ def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, *, num_wa
 def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *,
                      num_warps: int = 4, emulate_bf16: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dx (rows, C) in x's dtype and dW (C,) in weight's dtype from the forward's saved rstd."""
-    if dy.shape != x.shape:
-        raise ValueError(f"dy {tuple(dy.shape)} does not match x {tuple(x.shape)}")
-    dy, x = _unit_stride(dy), _unit_stride(x)
+    check_grads("x", x, dy=dy)
+    dy, x = unit_stride(dy), unit_stride(x)
     (n_rows, n_cols) = x.shape
     launch = rmsnorm_launch(n_rows, n_cols, num_warps=num_warps, sm_count=_sm_count(x.device))
-    upcast = use_bf16_emulation(x.dtype, emulate_bf16)
-    dx = torch.empty((n_rows, n_cols), device=x.device, dtype=torch.float32 if upcast else x.dtype)
+    (dx,) = row_outputs(x, 1, use_bf16_emulation(x.dtype, emulate_bf16))
     dw_partial = torch.empty(launch["dw_partials"], device=x.device, dtype=torch.float32)  # every row written
     _rmsnorm_backward_kernel[tuple(launch["backward_grid"])](
         dy, x, weight.contiguous(), rstd, dx, dw_partial,

@@ -29,6 +29,7 @@ import torch
 from posttrainllm.config import ConfigError, LabConfig, itemsize
 from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
 from posttrainllm.ops.peers import compiled
+from posttrainllm.ops.rows import refuse_tile_auto
 import posttrainllm.ops.softmax.reference as reference
 
 INPUT_KINDS = ("large", "tiny", "constant")
@@ -152,9 +153,7 @@ def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
 
 def _check_config(cfg: LabConfig) -> None:
     """BLOCK_C is tile.block_n (a power of two >= 16, TileConfig); tile=auto tunes nothing here."""
-    if cfg.tile.autotune:
-        raise ConfigError("tile=auto: op=softmax has no autotuner; choose a fixed tile (b16, b32, b64, b128: "
-                          "tile.block_n is the columns a program loads at once)")
+    refuse_tile_auto(cfg, "softmax")
 
 
 def _reference_bytes(case: Case, cfg: LabConfig) -> int:

@@ -26,8 +26,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from posttrainllm.ops import use_bf16_emulation
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from posttrainllm.ops.rows import check_grads, check_rows, row_launch, row_outputs, unit_stride
 
 
 @triton.jit
@@ -85,39 +84,17 @@ def _softmax_backward_kernel(
 
 def softmax_launch(n_rows: int, n_cols: int, *, block_c: int, num_warps: int) -> dict:
     """Dispatch geometry: one program per row, forward and backward, each walking its row in BLOCK_C blocks."""
-    for name, size in (("rows", n_rows), ("C", n_cols)):
-        if size < 1:
-            raise ValueError(f"{name}={size} must be >= 1")
-    if block_c < 16 or block_c & (block_c - 1):
-        raise ValueError(f"block_c={block_c} must be a power of two >= 16")
-    if num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"num_warps={num_warps} must be a power of two")
-    return {"grid": [n_rows], "block_c": block_c, "blocks_per_row": triton.cdiv(n_cols, block_c),
-            "num_warps": num_warps}
-
-
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """Rows may be strided (a stride-0 dY of .sum() too); the columns must be contiguous."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _check(x: torch.Tensor) -> None:
-    if x.ndim != 2:
-        raise ValueError(f"expected 2-D x (rows, C), got {tuple(x.shape)}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"x dtype {x.dtype} not supported; choose one of {SUPPORTED_DTYPES}")
+    return row_launch(n_rows, n_cols, block_c=block_c, num_warps=num_warps)
 
 
 def softmax_forward(x: torch.Tensor, *, block_c: int, num_warps: int = 4,
                     emulate_bf16: bool | None = None) -> torch.Tensor:
     """y (rows, C) in x's dtype. emulate_bf16: None = only under the interpreter."""
-    _check(x)
-    x = _unit_stride(x)
-    n_rows, n_cols = x.shape
-    launch = softmax_launch(n_rows, n_cols, block_c=block_c, num_warps=num_warps)
-    upcast = use_bf16_emulation(x.dtype, emulate_bf16)
-    y = torch.empty((n_rows, n_cols), device=x.device, dtype=torch.float32 if upcast else x.dtype)
-    _softmax_forward_kernel[tuple(launch["grid"])](x, y, n_cols, x.stride(0), y.stride(0), BLOCK_C=block_c,
+    check_rows(x)
+    x = unit_stride(x)
+    launch = softmax_launch(*x.shape, block_c=block_c, num_warps=num_warps)
+    (y,) = row_outputs(x, 1, use_bf16_emulation(x.dtype, emulate_bf16))
+    _softmax_forward_kernel[tuple(launch["grid"])](x, y, x.shape[1], x.stride(0), y.stride(0), BLOCK_C=block_c,
                                                     num_warps=num_warps)
     return y.to(x.dtype)
 
@@ -125,14 +102,11 @@ def softmax_forward(x: torch.Tensor, *, block_c: int, num_warps: int = 4,
 def softmax_backward(dy: torch.Tensor, y: torch.Tensor, *, block_c: int, num_warps: int = 4,
                      emulate_bf16: bool | None = None) -> torch.Tensor:
     """dx (rows, C) in y's dtype from the forward's saved y."""
-    if dy.shape != y.shape:
-        raise ValueError(f"dy {tuple(dy.shape)} does not match y {tuple(y.shape)}")
-    dy, y = _unit_stride(dy), _unit_stride(y)
-    n_rows, n_cols = y.shape
-    launch = softmax_launch(n_rows, n_cols, block_c=block_c, num_warps=num_warps)
-    upcast = use_bf16_emulation(y.dtype, emulate_bf16)
-    dx = torch.empty((n_rows, n_cols), device=y.device, dtype=torch.float32 if upcast else y.dtype)
-    _softmax_backward_kernel[tuple(launch["grid"])](dy, y, dx, n_cols, dy.stride(0), y.stride(0), dx.stride(0),
+    check_grads("y", y, dy=dy)
+    dy, y = unit_stride(dy), unit_stride(y)
+    launch = softmax_launch(*y.shape, block_c=block_c, num_warps=num_warps)
+    (dx,) = row_outputs(y, 1, use_bf16_emulation(y.dtype, emulate_bf16))
+    _softmax_backward_kernel[tuple(launch["grid"])](dy, y, dx, y.shape[1], dy.stride(0), y.stride(0), dx.stride(0),
                                                      BLOCK_C=block_c, num_warps=num_warps)
     return dx.to(y.dtype)
 
