@@ -39,6 +39,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from posttrainllm.ops.rows import check_block, check_sizes, check_warps
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -97,15 +99,9 @@ def _cross_entropy_kernel(
 
 def cross_entropy_launch(N: int, C: int, V: int, *, chunk_size: int, block_v: int, num_warps: int) -> dict:
     """Dispatch geometry: ceil(N / chunk_size) chunks, each one kernel launch of one program per row."""
-    for name, size in (("N", N), ("C", C), ("V", V)):
-        if size < 1:
-            raise ValueError(f"{name}={size} must be >= 1")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
-    if block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"block_v={block_v} must be a power of two >= 16")
-    if num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"num_warps={num_warps} must be a power of two")
+    check_sizes(N=N, C=C, V=V, chunk_size=chunk_size)
+    check_block("block_v", block_v)
+    check_warps(num_warps)
     chunk = min(chunk_size, N)
     return {"chunks": triton.cdiv(N, chunk), "chunk_rows": chunk, "grid_per_chunk": [chunk], "block_v": block_v,
             "vocab_blocks": triton.cdiv(V, block_v), "num_warps": num_warps,

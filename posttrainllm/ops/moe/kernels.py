@@ -50,6 +50,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from posttrainllm.ops import use_bf16_emulation
+from posttrainllm.ops.rows import check_block, check_sizes
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INPUT_PRECISIONS = ("ieee", "tf32")
@@ -489,11 +490,6 @@ def plan(route_idx: torch.Tensor, route_weight: torch.Tensor, n_experts: int, bl
                 block_rows.to(torch.int32), expert_blocks.to(torch.int32), counts)
 
 
-def _check_block(name: str, value: int) -> None:
-    if value < 16 or value & (value - 1):
-        raise ValueError(f"{name}={value} must be a power of two >= 16")
-
-
 def moe_launch(n_tokens: int, d_model: int, ffn: int, n_experts: int, top_k: int, *, block_m: int, block_n: int,
                block_k: int, num_warps: int, num_stages: int) -> dict:
     """Dispatch geometry. The row blocks depend on the routing; the grids take their bound (row_blocks_max).
@@ -502,10 +498,8 @@ def moe_launch(n_tokens: int, d_model: int, ffn: int, n_experts: int, top_k: int
     2^31); what the kernels still address in 32 bits (inside one expert's weights, the plan's row indices) and a
     grid past CUDA's dimensions are refused here, naming the limit."""
     for name, block in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        _check_block(name, block)
-    for name, size in (("T", n_tokens), ("d", d_model), ("f", ffn), ("E", n_experts), ("k", top_k)):
-        if size < 1:
-            raise ValueError(f"{name}={size} must be >= 1")
+        check_block(name, block)
+    check_sizes(T=n_tokens, d=d_model, f=ffn, E=n_experts, k=top_k)
     if top_k > n_experts:
         raise ValueError(f"top_k={top_k} must be <= n_experts={n_experts}")
     max_blocks = row_blocks_max(n_tokens * top_k, n_experts, block_m)
