@@ -26,6 +26,7 @@ other norms (before attention, the final one) stay the model's RMSNorm. The rece
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -72,13 +73,15 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 
 IMPLS = {
     REFERENCE: Impl(REFERENCE, "reference", _reference, outputs=OUTPUTS,
-                    backend="posttrainllm.ops.add_rmsnorm.reference.add_rmsnorm"),
+                    backend="posttrainllm.ops.add_rmsnorm.reference.add_rmsnorm", cost_model="materialised"),
+    # torch's rms_norm: composite aten ops on the CPU, a fused kernel on CUDA: no model, placed at the floor
     "torch": Impl("torch", "peer", _torch, outputs=OUTPUTS, backend="x + r, then torch.nn.functional.rms_norm"),
     "triton": Impl("triton", "triton", _triton, outputs=OUTPUTS, geometry=_triton_geometry,
                    backend="posttrainllm.ops.add_rmsnorm.kernels.add_rmsnorm",
                    kernels={"forward": ("_add_rmsnorm_forward_kernel",),
                             "backward": ("_add_rmsnorm_backward_dx_kernel", "_add_rmsnorm_backward_dw_kernel")},
-                   promises=("deterministic", "batch_invariant")),  # a program owns its row or columns; no atomics
+                   promises=("deterministic", "batch_invariant"),  # a program owns its row or columns; no atomics
+                   cost_model="triton"),
 }
 
 
@@ -131,6 +134,57 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
                  "6*rows*C", "(4*rows*C + C)*itemsize + 4*rows (read x, r, w; write y, h; rstd fp32)",
                  "backward = 3 x forward (18*rows*C: dx = dr = rstd*(g - h_hat*mean(g*h_hat)) + dh, g = dy*w, "
                  "dW = sum dy*h_hat); bytes: (6*rows*C + 2*C)*itemsize + 4*rows")
+
+
+
+# --- each kind of path's own traffic (OpDef.path_costs; Impl.cost_model names one) --------------------------
+#
+# E = rows·C elements, R = rows, s the point's itemsize, c = 4 (the fp32 the reference and the kernels compute in).
+
+
+def _materialised(case: Case, cfg: LabConfig) -> Costs:
+    """The readable reference (reference.add_rmsnorm) as eager PyTorch runs it, every aten op reading its inputs and
+    writing its outputs (measure/traffic.py counts the same, tests/test_traffic.py).
+
+    forward, in c: x + r (2·E, E), h² (E, E), its mean (E, R), + eps and rsqrt (2·R, 2·R), h·rstd (E + R, E), ·w
+    (E + C, E): c·(10·E + 6·R + C). backward: those ops' gradients, dh's add into h's and dW's sum over rows:
+    c·(28·E + 10·R + 2·C). A 16-bit point adds the casts of x, r, w, y and h: (4·E + C)·(s + c) forward; backward
+    the same less one in-place (rows, C) add the fp32 graph runs and the 16-bit one does not (2·E·c).
+    Working set: x, r, w, y and h in s, and two (rows, C) in c alive at once (h·rstd and the next)."""
+    rows, hidden, size = case.dims["rows"], case.dims["hidden"], itemsize(cfg.precision.dtype)
+    e, c = rows * hidden, 4
+    casts = 0 if size == c else (4 * e + hidden) * (size + c)
+    forward = c * (10 * e + 6 * rows + hidden) + casts
+    backward = c * (28 * e + 10 * rows + 2 * hidden) + (0 if size == c else casts - 2 * e * c)
+    return dataclasses.replace(
+        _costs(case, cfg), bytes=forward,
+        bytes_formula="c*(10*E + 6*R + C)" + ("" if size == c else " + (4*E + C)*(s + c) (casts)")
+                      + " (E = rows*C, R = rows, c = 4)",
+        train_bytes=forward + backward,
+        train_bytes_formula="forward + c*(28*E + 10*R + 2*C)" + ("" if size == c else
+                                                                 " + (4*E + C)*(s + c) - 2*E*c (casts)"),
+        working_set=(4 * e + hidden) * size + 2 * e * c, working_set_formula="(4*E + C)*s + 2*E*c",
+        model="materialised",
+        note="h, h², h·rstd and the product written and read in fp32, one eager op at a time (no cache between them)")
+
+
+def _triton_costs(case: Case, cfg: LabConfig) -> Costs:
+    """The Triton kernels: forward the floor (pass 2 re-reads x and r from the cache). backward, two kernels: dx/dr
+    (dy, dh, x, r, w, rstd read; dx and dr written) and dW, one program per column block reading dy, x, r and rstd
+    again from memory and writing fp32 dW (4·C), cast to a 16-bit weight's dtype (C·(c + s)):
+    (9·E + C)·s + 8·R + 4·C."""
+    rows, hidden, size = case.dims["rows"], case.dims["hidden"], itemsize(cfg.precision.dtype)
+    e, c = rows * hidden, 4
+    floor = _costs(case, cfg)
+    backward = (9 * e + hidden) * size + 8 * rows + 4 * hidden + (0 if size == c else hidden * (c + size))
+    return dataclasses.replace(
+        floor, train_bytes=floor.bytes + backward,
+        train_bytes_formula="forward + (9*E + C)*s + 8*R + 4*C" + ("" if size == c else " + C*(c + s)"),
+        working_set=floor.bytes, working_set_formula="= bytes (x, r, w, y, h, rstd)", model="triton",
+        note="one kernel forward; the backward's dW kernel reads dy, x and r a second time")
+
+
+PATH_COSTS = {"materialised": _materialised, "triton": _triton_costs}
 
 
 def _curve_sizes(cfg: LabConfig) -> list[int]:
@@ -214,6 +268,7 @@ OP = OpDef(
     make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
     model_problem=_model_problem, profiled_range="rmsnorm",  # the model's norm range, which the fused call runs in
     check_config=_check_config, reference_bytes=_reference_bytes, curve_sizes=_curve_sizes,
+    path_costs=PATH_COSTS,
     differentiable_outputs=OUTPUTS, model_overrides=lambda cfg: {"norm_eps": cfg.op.eps},
     optional_peers={"compiled": compiled("add_rmsnorm", _reference, _make_inputs,
                                          "posttrainllm.ops.add_rmsnorm.reference.add_rmsnorm")},

@@ -26,6 +26,7 @@ Shapes: h (N, C), weight (V, C) in the point's dtype; targets (N,) int64 (not di
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -93,7 +94,9 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 
 
 IMPLS = {
-    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.cross_entropy.reference.linear_cross_entropy"),
+    REFERENCE: Impl(REFERENCE, "reference", _reference, cost_model="materialised",
+                    backend="posttrainllm.ops.cross_entropy.reference.linear_cross_entropy"),
+    # torch's chunked path: its chunks are its own (not modelled), placed at the floor
     **({"torch": Impl("torch", "peer", _torch, backend="torch.nn.functional.linear_cross_entropy "
                       "(LinearCrossEntropyOptions(): chunked), on fp32 h and weight")}
        if TORCH_FUSED is not None and TORCH_OPTIONS is not None else {}),
@@ -102,7 +105,8 @@ IMPLS = {
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry,
                    backend="posttrainllm.ops.cross_entropy.fused_linear_cross_entropy",
                    kernels={"forward": ("_cross_entropy_kernel",), "backward": ("_cross_entropy_kernel",)},
-                   promises=("deterministic",)),  # no atomics: every sum in one order (lab/invariance.py checks)
+                   promises=("deterministic",),  # no atomics: every sum in one order (lab/invariance.py checks)
+                   cost_model="chunked"),
 }
 
 
@@ -187,6 +191,74 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
     return Costs(flops, (n * c + v * c) * size + n * 8 + 4, (4 * n * c * v + 2 * n * v) / flops,
                  "2*N*C*V + 4*N*V", "(N*C + V*C)*itemsize + N*8 + 4 (no logits)",
                  "backward = (4*N*C*V + 2*N*V) / forward: dH and dW (2*N*C*V each), dlogits (2*N*V)")
+
+
+
+# --- each kind of path's own traffic (OpDef.path_costs; Impl.cost_model names one) --------------------------
+#
+# N tokens, C width, V vocabulary; s the point's itemsize, c = 4 (the fp32 logits).
+
+
+def _materialised(case: Case, cfg: LabConfig) -> Costs:
+    """The readable reference (reference.linear_cross_entropy) as eager PyTorch runs it, every aten op reading its
+    inputs and writing its outputs (measure/traffic.py counts the same, tests/test_traffic.py).
+
+    forward, in c: the (N, V) logits h·Wᵀ (N·C + V·C read, N·V written), log_softmax (N·V, N·V), nll_loss (N·V and
+    the int64 targets read, the loss written): c·(N·C + V·C + 4·N·V) + 8·N + 8. backward: nll's and log_softmax's
+    gradients over (N, V) and the two GEMMs dH, dW: c·(2·N·C + 2·V·C + 7·N·V) + 8·N + 16. A 16-bit point adds the
+    casts of h and W to fp32 and of their gradients back: (N·C + V·C)·(s + c) each way. Working set: h and W, and
+    the (N, V) logits and log-probabilities in fp32. At label_smoothing = 0 (smoothing's extra pass is not counted)."""
+    d, size = case.dims, itemsize(cfg.precision.dtype)
+    n, cw, v, c = d["tokens"], d["d_model"], d["vocab"], 4
+    casts = 0 if size == c else (n * cw + v * cw) * (size + c)
+    forward = c * (n * cw + v * cw + 4 * n * v) + 8 * n + 8 + casts
+    backward = c * (2 * n * cw + 2 * v * cw + 7 * n * v) + 8 * n + 16 + casts
+    cast = "" if size == c else " + (N*C + V*C)*(s + c) (casts)"
+    return dataclasses.replace(
+        _costs(case, cfg), bytes=forward, bytes_formula=f"c*(N*C + V*C + 4*N*V) + 8*N + 8{cast} (c = 4)",
+        train_bytes=forward + backward, train_bytes_formula=f"forward + c*(2*N*C + 2*V*C + 7*N*V) + 8*N + 16{cast}",
+        working_set=(n * cw + v * cw) * (size if size == c else size + c) + 2 * c * n * v,
+        working_set_formula="(N*C + V*C)*s (+ their fp32 copies) + 2*N*V*c (logits, log-probabilities)",
+        model="materialised",
+        note="the (N, V) logits and log-probabilities written and read in fp32, forward and backward"
+             + ("" if cfg.op.label_smoothing == 0 else "; smoothing's pass over the log-probabilities not counted"))
+
+
+def _chunked(case: Case, cfg: LabConfig) -> Costs:
+    """The fused kernel (kernels.fused_linear_cross_entropy) over K = ceil(N / chunk_size) chunks of r rows: each
+    chunk's GEMM reads its h rows and the whole W, so W is read K times; only r·V fp32 logits live at once.
+
+    forward (no gradients): the GEMMs (s·(N·C + K·V·C) read, 4·N·V logits written), the kernel (the logits once,
+    int64 targets, the row losses), their sum: s·(N·C + K·V·C) + 8·N·V + 16·N + 4.
+    forward + backward (the gradients are computed in the forward call): the logits GEMM; the kernel reading them
+    and overwriting them with their gradient (8·N·V); at 16 bits that gradient's copy in s ((4 + s)·N·V); dH =
+    dlogits·W (g·N·V + K·s·V·C read, 4·N·C written, g = s at 16 bits, else 4); dW += dlogitsᵀ·h (g·N·V + s·N·C
+    read, the fp32 dW read and written per chunk, 8·K·V·C, zeroed first, 4·V·C); the backward scales dH and dW in
+    place (8·N·C + 8·V·C + 8) and casts them at 16 bits ((4 + s)·(N·C + V·C)).
+    The GEMMs' operands are read once each (CUDA's 16-bit GEMM with an fp32 result; the CPU's fp32 slabs of 16-bit
+    operands add copies not modelled)."""
+    d, size = case.dims, itemsize(cfg.precision.dtype)
+    n, cw, v = d["tokens"], d["d_model"], d["vocab"]
+    rows = min(cfg.op.chunk_size, n)
+    k = -(-n // rows)
+    narrow = size != 4
+    g = size if narrow else 4
+    forward = size * (n * cw + k * v * cw) + 8 * n * v + 16 * n + 4
+    train = (size * (2 * n * cw + 2 * k * v * cw) + (12 + 2 * g) * n * v + 12 * n * cw + (8 * k + 12) * v * cw
+             + 16 * n + 12 + ((4 + size) * (n * v + n * cw + v * cw) if narrow else 0))
+    return dataclasses.replace(
+        _costs(case, cfg), bytes=forward,
+        bytes_formula=f"s*(N*C + K*V*C) + 8*N*V + 16*N + 4 (K = ceil(N/chunk_size) = {k}: W read per chunk)",
+        train_bytes=train,
+        train_bytes_formula="s*(2*N*C + 2*K*V*C) + (12 + 2*g)*N*V + 12*N*C + (8*K + 12)*V*C + 16*N + 12"
+                            + (" + (4 + s)*(N*V + N*C + V*C) (16-bit copies; g = s)" if narrow else " (g = 4)"),
+        working_set=(n * cw + v * cw) * size + 4 * rows * v + 12 * n,
+        working_set_formula="(N*C + V*C)*s + 4*r*V + 12*N (one chunk's r = min(chunk_size, N) rows of logits)",
+        model="chunked",
+        note=f"chunks of {rows} rows (op.chunk_size): W re-read per chunk, no (N, V) in memory")
+
+
+PATH_COSTS = {"materialised": _materialised, "chunked": _chunked}
 
 
 def _describe(case: Case, inputs: Tensors, cfg: LabConfig, measure: Any = None) -> dict[str, Any]:
@@ -291,7 +363,7 @@ OP = OpDef(
     name="cross_entropy", x_name="tokens", input_names=("h", "weight", "targets"), impls=IMPLS, cases=_cases,
     make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
     model_problem=_model_problem, profiled_range="cross_entropy", check_config=_check_config,
-    reference_bytes=_reference_bytes, row_ndim={"out": 0}, nondiff_inputs=("targets",),
+    reference_bytes=_reference_bytes, path_costs=PATH_COSTS, row_ndim={"out": 0}, nondiff_inputs=("targets",),
     curve_sizes=lambda cfg: list(cfg.shape.ce_curve),
     extra_curves=(CurveAxis("vocab", lambda cfg: list(cfg.shape.ce_vocab_curve), _vocab_curve_case),),
     describe=_describe, point_impls=_impls_for,

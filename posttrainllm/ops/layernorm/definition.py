@@ -28,6 +28,7 @@ bias's gradient is checked by parity, not trained); the receipt says so (model_p
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -72,13 +73,15 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 
 
 IMPLS = {
-    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.layernorm.reference.layernorm"),
-    "torch": Impl("torch", "peer", _torch, backend="torch.nn.functional.layer_norm"),
+    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.layernorm.reference.layernorm",
+                    cost_model="materialised"),
+    "torch": Impl("torch", "peer", _torch, backend="torch.nn.functional.layer_norm", cost_model="fused"),
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry,
                    backend="posttrainllm.ops.layernorm.kernels.layernorm",
                    kernels={"forward": ("_layernorm_forward_kernel",),
                             "backward": ("_layernorm_backward_dx_kernel", "_layernorm_backward_dwdb_kernel")},
-                   promises=("deterministic", "batch_invariant")),  # a program owns its row or columns; no atomics
+                   promises=("deterministic", "batch_invariant"),  # a program owns its row or columns; no atomics
+                   cost_model="triton"),
 }
 
 
@@ -133,6 +136,66 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
                  "8*rows*C", "(2*rows*C + 2*C)*itemsize + 8*rows (mean, rstd: fp32)",
                  "backward = 2.125 x forward (17*rows*C: dx = rstd*(g - mean(g) - x_hat*mean(g*x_hat)), g = dy*w, "
                  "dW = sum dy*x_hat, dB = sum dy); bytes: (3*rows*C + 3*C)*itemsize + 8*rows")
+
+
+
+# --- each kind of path's own traffic (OpDef.path_costs; Impl.cost_model names one) --------------------------
+#
+# E = rows·C elements, R = rows, s the point's itemsize, c = 4 (the fp32 the reference and the kernels compute in).
+
+
+def _materialised(case: Case, cfg: LabConfig) -> Costs:
+    """The readable reference (reference.layernorm) as eager PyTorch runs it, every aten op reading its inputs and
+    writing its outputs (measure/traffic.py counts the same, tests/test_traffic.py).
+
+    forward, in c: the mean (E, R), x − mean (E + R, E), its square (E, E) and mean (E, R), + eps and rsqrt
+    (2·R, 2·R), ·rstd (E + R, E), ·w (E + C, E), + b (E + C, E): c·(12·E + 8·R + 2·C). backward: those ops'
+    gradients and dW, dB's sums over rows: c·(31·E + 12·R + 3·C). A 16-bit point adds the casts of x, w, b and y
+    (and their gradients): (2·E + 2·C)·(s + c) each way. Working set: x, w, b and y in s, and two (rows, C) in c
+    alive at once (x − mean and the next)."""
+    rows, hidden, size = case.dims["rows"], case.dims["hidden"], itemsize(cfg.precision.dtype)
+    e, c = rows * hidden, 4
+    casts = 0 if size == c else (2 * e + 2 * hidden) * (size + c)
+    forward = c * (12 * e + 8 * rows + 2 * hidden) + casts
+    backward = c * (31 * e + 12 * rows + 3 * hidden) + casts
+    cast = "" if size == c else " + (2*E + 2*C)*(s + c) (casts)"
+    return dataclasses.replace(
+        _costs(case, cfg), bytes=forward, bytes_formula=f"c*(12*E + 8*R + 2*C){cast} (E = rows*C, R = rows, c = 4)",
+        train_bytes=forward + backward, train_bytes_formula=f"forward + c*(31*E + 12*R + 3*C){cast}",
+        working_set=(2 * e + 2 * hidden) * size + 2 * e * c, working_set_formula="(2*E + 2*C)*s + 2*E*c",
+        model="materialised",
+        note="x − mean, its square and the products written and read in fp32, one eager op at a time (no cache "
+             "between them)")
+
+
+def _fused(case: Case, cfg: LabConfig) -> Costs:
+    """One kernel each way (torch's native_layer_norm and its backward): forward the floor; backward, dy, x, w,
+    mean and rstd read, dx, dW and dB written once: (3·E + 3·C)·s + 8·R."""
+    rows, hidden, size = case.dims["rows"], case.dims["hidden"], itemsize(cfg.precision.dtype)
+    floor = _costs(case, cfg)
+    return dataclasses.replace(
+        floor, train_bytes=floor.bytes + (3 * rows * hidden + 3 * hidden) * size + 8 * rows,
+        train_bytes_formula="forward + (3*E + 3*C)*s + 8*R", working_set=floor.bytes,
+        working_set_formula="= bytes (x, w, b, y, mean, rstd)", model="fused", note="one kernel each way")
+
+
+def _triton_costs(case: Case, cfg: LabConfig) -> Costs:
+    """The Triton kernels: forward the floor (a row's passes after the first read it from the cache). backward,
+    two kernels: dx (dy, x, w, mean, rstd read; dx written) and dW/dB, one program per column block reading dy, x,
+    mean and rstd again from memory and writing fp32 dW and dB (8·C), cast to a 16-bit weight's dtype (2·C·(c + s)):
+    (5·E + C)·s + 16·R + 8·C."""
+    rows, hidden, size = case.dims["rows"], case.dims["hidden"], itemsize(cfg.precision.dtype)
+    e, c = rows * hidden, 4
+    floor = _costs(case, cfg)
+    backward = (5 * e + hidden) * size + 16 * rows + 8 * hidden + (0 if size == c else 2 * hidden * (c + size))
+    return dataclasses.replace(
+        floor, train_bytes=floor.bytes + backward,
+        train_bytes_formula="forward + (5*E + C)*s + 16*R + 8*C" + ("" if size == c else " + 2*C*(c + s)"),
+        working_set=floor.bytes, working_set_formula="= bytes (x, w, b, y, mean, rstd)", model="triton",
+        note="one kernel forward; the backward's dW/dB kernel reads dy and x a second time")
+
+
+PATH_COSTS = {"materialised": _materialised, "fused": _fused, "triton": _triton_costs}
 
 
 def _curve_sizes(cfg: LabConfig) -> list[int]:
@@ -213,6 +276,7 @@ OP = OpDef(
     make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
     model_problem=_model_problem, profiled_range="rmsnorm",  # the model's norm slot: posttrainllm::rmsnorm
     check_config=_check_config, reference_bytes=_reference_bytes, curve_sizes=_curve_sizes,
+    path_costs=PATH_COSTS,
     model_overrides=lambda cfg: {"norm_eps": cfg.op.eps},
     optional_peers={"compiled": compiled("layernorm", _reference, _make_inputs,
                                          "posttrainllm.ops.layernorm.reference.layernorm")},

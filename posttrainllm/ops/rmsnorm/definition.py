@@ -19,6 +19,7 @@ shows) and all-zero rows (eps keeps them finite: y = 0, dx = rstd·w·dy).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -49,6 +50,11 @@ def _on_cuda(cfg: LabConfig) -> bool:
     return cfg.device.name == "cuda" or (cfg.device.name == "auto" and torch.cuda.is_available())
 
 
+def _sm_count(cfg: LabConfig) -> int | None:
+    """The point's GPU's SM count (the backward's programs); None off CUDA."""
+    return torch.cuda.get_device_properties(0).multi_processor_count if _on_cuda(cfg) else None
+
+
 def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
     from posttrainllm.ops.rmsnorm.kernels import rmsnorm
 
@@ -60,18 +66,20 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
     tile and workgroup=auto tune nothing here: the row is the block, and workgroup's num_warps runs."""
     from posttrainllm.ops.rmsnorm.kernels import rmsnorm_launch
 
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count if _on_cuda(cfg) else None
     return rmsnorm_launch(case.dims["rows"], case.dims["hidden"], num_warps=cfg.workgroup.num_warps,
-                          sm_count=sm_count)
+                          sm_count=_sm_count(cfg))
 
 
 IMPLS = {
-    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.rmsnorm.reference.rmsnorm"),
+    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.rmsnorm.reference.rmsnorm",
+                    cost_model="materialised"),
+    # torch's rms_norm: composite aten ops on the CPU, a fused kernel on CUDA: no model, placed at the floor
     "torch": Impl("torch", "peer", _torch, backend="torch.nn.functional.rms_norm"),
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry,
                    backend="posttrainllm.ops.rmsnorm.rmsnorm",
                    kernels={"forward": ("_rmsnorm_forward_kernel",), "backward": ("_rmsnorm_backward_kernel",)},
-                   promises=("deterministic", "batch_invariant")),  # no atomics; a program owns its rows (checked)
+                   promises=("deterministic", "batch_invariant"),  # no atomics; a program owns its rows (checked)
+                   cost_model="triton"),
 }
 
 
@@ -129,6 +137,57 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
                  "4*rows*C", "(2*rows*C + C)*itemsize + 4*rows (rstd, fp32)",
                  "backward = 2.25 x forward (9*rows*C: dx = rstd*(g - x_hat*mean(g*x_hat)), g = dy*w, "
                  "dW += dy*x_hat); bytes ~1.5 x forward: (3*rows*C + C)*itemsize + 4*rows + 8*P*C partials")
+
+
+
+# --- each kind of path's own traffic (OpDef.path_costs; Impl.cost_model names one) --------------------------
+#
+# E = rows·C elements, R = rows, s the point's itemsize, c = 4 (the fp32 the reference and the kernel compute in).
+
+
+def _materialised(case: Case, cfg: LabConfig) -> Costs:
+    """The readable reference (reference.rmsnorm) as eager PyTorch runs it, every aten op reading its inputs and
+    writing its outputs (measure/traffic.py counts the same, tests/test_traffic.py).
+
+    forward, in c: x² (E, E), its mean (E, R), + eps and rsqrt (2·R, 2·R), x·rstd (E + R, E), ·w (E + C, E):
+    c·(7·E + 6·R + C). backward: the products', the mean's and the square's gradients, and dW's sum over rows:
+    c·(23·E + 10·R + 2·C). A 16-bit point adds the casts of x, w and y (and their gradients): (2·E + C)·(s + c)
+    each way. Working set: x, w and y in s, and two (rows, C) in c alive at once (x·rstd and its product)."""
+    rows, hidden, size = case.dims["rows"], case.dims["hidden"], itemsize(cfg.precision.dtype)
+    e, c = rows * hidden, 4
+    casts = 0 if size == c else (2 * e + hidden) * (size + c)
+    forward = c * (7 * e + 6 * rows + hidden) + casts
+    backward = c * (23 * e + 10 * rows + 2 * hidden) + casts
+    cast = "" if size == c else " + (2*E + C)*(s + c) (casts)"
+    return dataclasses.replace(
+        _costs(case, cfg), bytes=forward, bytes_formula=f"c*(7*E + 6*R + C){cast} (E = rows*C, R = rows, c = 4)",
+        train_bytes=forward + backward, train_bytes_formula=f"forward + c*(23*E + 10*R + 2*C){cast}",
+        working_set=(2 * e + hidden) * size + 2 * e * c, working_set_formula="(2*E + C)*s + 2*E*c",
+        model="materialised",
+        note="x², x·rstd and the product written and read in fp32, one eager op at a time (no cache between them)")
+
+
+def _triton_costs(case: Case, cfg: LabConfig) -> Costs:
+    """The Triton kernel: forward, x and w read, y and rstd written once (the floor). backward, one pass: x, dy, w
+    and rstd read, dx written, and P programs' (C,) fp32 dW partials written and summed by torch (8·P·C + 4·C);
+    a 16-bit weight's dW cast (C·(c + s)). P: the backward's programs (kernels.backward_programs, on this device)."""
+    from posttrainllm.ops.rmsnorm.kernels import backward_programs
+
+    rows, hidden, size = case.dims["rows"], case.dims["hidden"], itemsize(cfg.precision.dtype)
+    e, c = rows * hidden, 4
+    programs, _ = backward_programs(rows, _sm_count(cfg))
+    floor = _costs(case, cfg)
+    backward = (3 * e + hidden) * size + 4 * rows + 8 * programs * hidden + 4 * hidden
+    backward += 0 if size == c else hidden * (c + size)
+    return dataclasses.replace(
+        floor, train_bytes=floor.bytes + backward,
+        train_bytes_formula="forward + (3*E + C)*s + 4*R + 8*P*C + 4*C" + ("" if size == c else " + C*(c + s)")
+                            + f" (P = {programs} programs' dW partials)",
+        working_set=floor.bytes, working_set_formula="= bytes (x, w, y, rstd)", model="triton",
+        note=f"one kernel each way; the backward's dW from {programs} programs' fp32 partials")
+
+
+PATH_COSTS = {"materialised": _materialised, "triton": _triton_costs}
 
 
 def _curve_sizes(cfg: LabConfig) -> list[int]:
@@ -210,6 +269,7 @@ OP = OpDef(
     name="rmsnorm", x_name="rows", input_names=("x", "weight"), impls=IMPLS, cases=_cases, make_inputs=_make_inputs,
     problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks, model_problem=_model_problem,
     profiled_range="rmsnorm", check_config=_check_config, reference_bytes=_reference_bytes, curve_sizes=_curve_sizes,
+    path_costs=PATH_COSTS,
     model_overrides=lambda cfg: {"norm_eps": cfg.op.eps},
     optional_peers={"compiled": compiled("rmsnorm", _reference, _make_inputs, "posttrainllm.ops.rmsnorm.reference.rmsnorm")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,

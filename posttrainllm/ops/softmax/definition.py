@@ -22,6 +22,7 @@ so nothing is trained, and the record says why (NO_MODEL).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -85,12 +86,13 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 
 IMPLS = {
     REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.softmax.reference.softmax",
-                    train_refusal=NO_MODEL),
-    "torch": Impl("torch", "peer", _torch, backend="torch.softmax", train_refusal=NO_MODEL),
+                    train_refusal=NO_MODEL, cost_model="materialised"),
+    "torch": Impl("torch", "peer", _torch, backend="torch.softmax", train_refusal=NO_MODEL, cost_model="fused"),
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry, backend="posttrainllm.ops.softmax.softmax",
                    kernels={"forward": ("_softmax_forward_kernel",), "backward": ("_softmax_backward_kernel",)},
                    train_refusal=NO_MODEL,
-                   promises=("deterministic", "batch_invariant")),  # a program owns its row; no atomics (checked)
+                   promises=("deterministic", "batch_invariant"),  # a program owns its row; no atomics (checked)
+                   cost_model="fused"),
 }
 
 
@@ -140,6 +142,47 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
     return Costs(5 * rows * cols, 2 * rows * cols * size, 0.8, "5*rows*C", "2*rows*C*itemsize (read x, write y)",
                  "backward = 0.8 x forward (4*rows*C: dx = y*(dy - sum(y*dy))); bytes 1.5 x forward: "
                  "3*rows*C*itemsize (read y, dy; write dx)")
+
+
+
+# --- each kind of path's own traffic (OpDef.path_costs; Impl.cost_model names one) --------------------------
+#
+# E = rows·C elements, R = rows, s the point's itemsize, c = 4 (the fp32 the reference and the kernels compute in).
+
+
+def _materialised(case: Case, cfg: LabConfig) -> Costs:
+    """The readable reference (reference.softmax) as eager PyTorch runs it, every aten op reading its inputs and
+    writing its outputs (measure/traffic.py counts the same, tests/test_traffic.py).
+
+    forward, in c: amax (E read, R written), z − max (E + R, E), exp (E, E), the sum (E, R), e / sum (E + R, E):
+    c·(8·E + 4·R). backward: the quotient's, exp's, the subtraction's and amax's (its (rows, C) bool masks, 3·E)
+    gradients: c·(25·E + 14·R) + 3·E. A 16-bit point adds the casts to c and back: 2·E·(s + c) each way.
+    Working set: x and y in s, and two (rows, C) in c alive at once (e and the quotient)."""
+    rows, cols, size = case.dims["rows"], case.dims["cols"], itemsize(cfg.precision.dtype)
+    e, c = rows * cols, 4
+    casts = 0 if size == c else 2 * e * (size + c)
+    forward = c * (8 * e + 4 * rows) + casts
+    backward = c * (25 * e + 14 * rows) + 3 * e + casts
+    cast = "" if size == c else " + 2*E*(s + c) (casts)"
+    return dataclasses.replace(
+        _costs(case, cfg), bytes=forward, bytes_formula=f"c*(8*E + 4*R){cast} (E = rows*C, R = rows, c = 4)",
+        train_bytes=forward + backward, train_bytes_formula=f"forward + c*(25*E + 14*R) + 3*E{cast}",
+        working_set=2 * e * (size + c), working_set_formula="2*E*(s + c)", model="materialised",
+        note="exp(x - max) and the quotient written and read in fp32, one eager op at a time (no cache between them)")
+
+
+def _fused(case: Case, cfg: LabConfig) -> Costs:
+    """One kernel each way (the Triton kernel, torch.softmax): x read and y written once, forward; y and dy read,
+    dx written, backward. A row's second pass re-reads it from the cache (C·s bytes), not from memory."""
+    rows, cols, size = case.dims["rows"], case.dims["cols"], itemsize(cfg.precision.dtype)
+    e = rows * cols
+    return dataclasses.replace(
+        _costs(case, cfg), train_bytes=5 * e * size, train_bytes_formula="forward + 3*E*s (read y, dy; write dx)",
+        working_set=2 * e * size, working_set_formula="2*E*s (x, y)", model="fused",
+        note="one kernel each way; a row's passes after the first read it from the cache")
+
+
+PATH_COSTS = {"materialised": _materialised, "fused": _fused}
 
 
 def _curve_case(cfg: LabConfig, s: int) -> Case:
@@ -195,7 +238,7 @@ OP = OpDef(
     name="softmax", x_name="seq_len", input_names=("x",), impls=IMPLS, cases=_cases, make_inputs=_make_inputs,
     problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
     model_problem=lambda cfg: "none: " + NO_MODEL, profiled_range="softmax", check_config=_check_config,
-    reference_bytes=_reference_bytes,
+    reference_bytes=_reference_bytes, path_costs=PATH_COSTS,
     optional_peers={"compiled": compiled("softmax", _reference, _make_inputs, "posttrainllm.ops.softmax.reference.softmax")},
     gradient_baselines=(("y*(dy - sum(y*dy))", _closed_form),),
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE, no_model=NO_MODEL,
