@@ -133,3 +133,182 @@ def test_decode_reference_model_is_the_counted_traffic(heads, kv_heads, q_len, k
     assert costs.model == "materialised" and costs.bytes == forward.total
     split = decode_attention.OP.costs_of(decode_attention.IMPLS["triton"], case, cfg)
     assert split.model == "split" and costs.bytes > 2 * split.bytes
+
+
+# --- the row ops and the cross-entropy: each path's own model in its op's definition -----------------------
+
+from posttrainllm.ops.add_rmsnorm import definition as add_rmsnorm  # noqa: E402
+from posttrainllm.ops.add_rmsnorm import reference as add_rmsnorm_reference  # noqa: E402
+from posttrainllm.ops.cross_entropy import definition as cross_entropy  # noqa: E402
+from posttrainllm.ops.cross_entropy import reference as cross_entropy_reference  # noqa: E402
+from posttrainllm.ops.layernorm import definition as layernorm  # noqa: E402
+from posttrainllm.ops.layernorm import reference as layernorm_reference  # noqa: E402
+from posttrainllm.ops.rmsnorm import definition as rmsnorm  # noqa: E402
+from posttrainllm.ops.rmsnorm import reference as rmsnorm_reference  # noqa: E402
+from posttrainllm.ops.softmax import definition as softmax  # noqa: E402
+from posttrainllm.ops.softmax import reference as softmax_reference  # noqa: E402
+
+EPS = 1e-5
+
+
+def _op_cfg(op: str, dtype: str) -> LabConfig:
+    cfg = load([f"op={op}", "device=cpu"])
+    return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, dtype=dtype))
+
+
+def _counted_traffic(fn, shapes: list[tuple[int, ...]], dtype: torch.dtype, extra=()) -> tuple[int, int]:
+    """(forward, forward + backward) bytes of `fn(*inputs, *extra)` on standard-normal inputs of `shapes`, every
+    output given a gradient."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in shapes]
+    with counted() as forward:
+        out = fn(*xs, *extra)
+    outs = out if isinstance(out, tuple) else (out,)
+    grads = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
+    with counted() as backward:
+        torch.autograd.backward(outs, grads)
+    return forward.total, forward.total + backward.total
+
+
+# op module, its reference called on the inputs, the inputs' shapes of a (rows, C) case, the case's dims
+ROW_OPS = {
+    "softmax": (softmax, softmax_reference.softmax, lambda r, c: [(r, c)], lambda r, c: dict(rows=r, cols=c)),
+    "rmsnorm": (rmsnorm, lambda x, w: rmsnorm_reference.rmsnorm(x, w, EPS), lambda r, c: [(r, c), (c,)],
+                lambda r, c: dict(rows=r, hidden=c)),
+    "layernorm": (layernorm, lambda x, w, b: layernorm_reference.layernorm(x, w, b, EPS),
+                  lambda r, c: [(r, c), (c,), (c,)], lambda r, c: dict(rows=r, hidden=c)),
+    "add_rmsnorm": (add_rmsnorm, lambda x, r, w: add_rmsnorm_reference.add_rmsnorm(x, r, w, EPS),
+                    lambda r, c: [(r, c), (r, c), (c,)], lambda r, c: dict(rows=r, hidden=c)),
+}
+
+
+def _row_mismatch(name: str, model, dtype: str, shapes=((6, 40), (17, 3), (1, 129))) -> list[str]:
+    """Where `model` (a path_costs entry) is not the counted traffic of the op's reference: one line per miss."""
+    module, fn, input_shapes, dims = ROW_OPS[name]
+    cfg, misses = _op_cfg(name, dtype), []
+    for rows, cols in shapes:
+        costs = model(Case("t", 0, dims(rows, cols), True), cfg)
+        counted_bytes = _counted_traffic(fn, input_shapes(rows, cols), getattr(torch, dtype))
+        if (costs.bytes, costs.train_bytes) != counted_bytes:
+            misses.append(f"{name} {dtype} {rows}x{cols}: model {(costs.bytes, costs.train_bytes)}, "
+                          f"counted {counted_bytes}")
+    return misses
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("name", list(ROW_OPS))
+def test_row_reference_model_is_the_counted_traffic(name, dtype):
+    module = ROW_OPS[name][0]
+    assert module.IMPLS["reference"].cost_model == "materialised"
+    assert _row_mismatch(name, module.PATH_COSTS["materialised"], dtype) == []
+
+
+def test_a_planted_wrong_model_is_caught():
+    """A reference model that leaves out a term (rmsnorm's per-column reads: C) or stops scaling with the vocabulary
+    (the cross-entropy's N·V) is not the counted traffic."""
+    right = rmsnorm.PATH_COSTS["materialised"]
+
+    def no_columns(case, cfg):
+        costs = right(case, cfg)
+        return dataclasses.replace(costs, bytes=costs.bytes - 4 * case.dims["hidden"])
+
+    assert len(_row_mismatch("rmsnorm", no_columns, "float32")) == 3
+    ce_right = cross_entropy.PATH_COSTS["materialised"]
+
+    def fixed_vocab(case, cfg):
+        return ce_right(dataclasses.replace(case, dims={**case.dims, "vocab": 16}), cfg)
+
+    assert _ce_mismatch(ce_right, "float32") == []
+    assert len(_ce_mismatch(fixed_vocab, "float32")) == 3  # no shape there has V = 16
+
+
+@pytest.mark.parametrize("name", list(ROW_OPS))
+def test_row_reference_moves_more_than_the_kernel_by_the_factor_the_models_give(name):
+    """At rows = 4096, C = 1024 (fp32): the reference's passes over (rows, C) in fp32 against the kernel's one read
+    of each input and one write of each output. Forward, the factor is the count of the reference's (rows, C) passes
+    over the kernel's: softmax 8/2, rmsnorm 7/2, layernorm 12/2, add_rmsnorm 10/4 (the per-row and per-column terms
+    are < 0.2% here); forward + backward the reference sits further above still."""
+    module, dims = ROW_OPS[name][0], ROW_OPS[name][3]
+    cfg, case = _op_cfg(name, "float32"), Case("t", 0, dims(4096, 1024), True)
+    ref = module.OP.costs_of(module.IMPLS["reference"], case, cfg)
+    mine = module.OP.costs_of(module.IMPLS["triton"], case, cfg)
+    factor = {"softmax": 8 / 2, "rmsnorm": 7 / 2, "layernorm": 12 / 2, "add_rmsnorm": 10 / 4}[name]
+    assert ref.bytes / mine.bytes == pytest.approx(factor, rel=2e-3)
+    assert mine.model != FLOOR and mine.bytes == module.OP.costs(case, cfg).bytes  # its forward reaches the floor
+    assert ref.train_bytes / mine.train_bytes > factor
+    assert ref.live_bytes > mine.live_bytes and ref.flops == mine.flops  # same math, lower intensity
+    for costs in (ref, mine):  # the receipt's record names each figure's formula
+        record = costs.record()
+        assert record["model"] == costs.model and record["bytes_formula"] and record["train_bytes_formula"]
+        assert record["working_set_formula"] and record["train_flops_per_byte"] is not None
+
+
+@pytest.mark.parametrize("name", [*ROW_OPS, "cross_entropy"])
+def test_a_path_without_a_model_is_placed_at_the_floor_and_says_so(name):
+    """A user's path and the compiled peer declare no model: the floor, saying so (attention's convention); a
+    name the op does not model is refused with the valid ones."""
+    module = cross_entropy if name == "cross_entropy" else ROW_OPS[name][0]
+    cfg = _op_cfg(name, "float32")
+    case = module.OP.cases(cfg)[0]
+    compiled_peer = module.OP.optional_peers["compiled"](cfg)
+    for impl in (Impl("mine", "user", module.IMPLS["reference"].fn), compiled_peer):
+        costs = module.OP.costs_of(impl, case, cfg)
+        assert costs.model == FLOOR and costs.note == FLOOR_NOTE
+        assert costs.bytes == module.OP.costs(case, cfg).bytes and costs.train_bytes is None
+    with pytest.raises(ValueError, match="valid choices are materialised"):
+        module.OP.costs_of(Impl("mine", "user", module.IMPLS["reference"].fn, cost_model="magic"), case, cfg)
+
+
+def _ce_case(tokens: int, d_model: int, vocab: int) -> Case:
+    return Case("t", 0, dict(tokens=tokens, d_model=d_model, vocab=vocab), True)
+
+
+def _ce_mismatch(model, dtype: str, shapes=((6, 8, 3), (5, 9, 17), (16, 4, 40))) -> list[str]:
+    cfg, misses = _op_cfg("cross_entropy", dtype), []
+    for n, c, v in shapes:
+        costs = model(_ce_case(n, c, v), cfg)
+        targets = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(1))
+        counted_bytes = _counted_traffic(cross_entropy_reference.linear_cross_entropy, [(n, c), (v, c)],
+                                         getattr(torch, dtype), extra=(targets,))
+        if (costs.bytes, costs.train_bytes) != counted_bytes:
+            misses.append(f"{n}x{c}x{v}: model {(costs.bytes, costs.train_bytes)}, counted {counted_bytes}")
+    return misses
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cross_entropy_reference_model_is_the_counted_traffic(dtype):
+    assert cross_entropy.IMPLS["reference"].cost_model == "materialised"
+    assert _ce_mismatch(cross_entropy.PATH_COSTS["materialised"], dtype) == []
+
+
+def test_cross_entropy_reference_moves_more_than_the_chunked_kernel_by_the_factor_the_models_give():
+    """N = 2048 tokens, C = 256, V = 32768, fp32, chunks of 1024 rows (K = 2): the reference moves the (N, V) logits
+    4 times forward (16·N·V) where the chunked kernel writes and reads each chunk's once (8·N·V) and re-reads W per
+    chunk (4·K·V·C): the forward factor is (16·N·V + 4·(N·C + V·C)) / (8·N·V + 4·(N·C + K·V·C)) ~ 1.8, and both
+    grow with V while the kernel's working set holds one chunk's logits, not N·V."""
+    cfg = _op_cfg("cross_entropy", "float32")
+    cfg = dataclasses.replace(cfg, op=dataclasses.replace(cfg.op, chunk_size=1024))
+    n, c, v, k = 2048, 256, 32768, 2
+    case = _ce_case(n, c, v)
+    ref = cross_entropy.OP.costs_of(cross_entropy.IMPLS["reference"], case, cfg)
+    fused = cross_entropy.OP.costs_of(cross_entropy.IMPLS["triton"], case, cfg)
+    assert fused.model == "chunked" and f"K = ceil(N/chunk_size) = {k}" in fused.bytes_formula
+    expected = (16 * n * v + 4 * (n * c + v * c) + 8 * n + 8) / (8 * n * v + 4 * (n * c + k * v * c) + 16 * n + 4)
+    assert ref.bytes / fused.bytes == pytest.approx(expected) and expected > 1.8
+    assert ref.train_bytes > fused.train_bytes
+    # the (N, V) logits and log-probabilities against one chunk's logits and the (N,) losses and targets
+    assert ref.live_bytes - fused.live_bytes == 2 * 4 * n * v - 4 * 1024 * v - 12 * n
+    wider = _ce_case(n, c, 2 * v)  # every model scales with V
+    for impl in (cross_entropy.IMPLS["reference"], cross_entropy.IMPLS["triton"]):
+        costs, twice = (cross_entropy.OP.costs_of(impl, x, cfg) for x in (case, wider))
+        assert twice.bytes > 1.9 * costs.bytes and twice.train_bytes > 1.9 * costs.train_bytes
+
+
+def test_chunked_traffic_is_a_function_of_the_chunk():
+    """Halving chunk_size doubles the chunks that re-read W: forward, s·V·C more per extra chunk, nothing else."""
+    cfg = _op_cfg("cross_entropy", "bfloat16")
+    case = _ce_case(64, 32, 100)
+    big, small = (cross_entropy.PATH_COSTS["chunked"](case, dataclasses.replace(cfg, op=dataclasses.replace(
+        cfg.op, chunk_size=size))) for size in (32, 16))
+    assert small.bytes - big.bytes == 2 * (4 - 2) * 100 * 32  # K 2 -> 4, W (V·C) in bf16 per chunk
+    assert small.train_bytes > big.train_bytes

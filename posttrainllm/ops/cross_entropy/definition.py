@@ -205,18 +205,18 @@ def _materialised(case: Case, cfg: LabConfig) -> Costs:
 
     forward, in c: the (N, V) logits h·Wᵀ (N·C + V·C read, N·V written), log_softmax (N·V, N·V), nll_loss (N·V and
     the int64 targets read, the loss written): c·(N·C + V·C + 4·N·V) + 8·N + 8. backward: nll's and log_softmax's
-    gradients over (N, V) and the two GEMMs dH, dW: c·(2·N·C + 2·V·C + 7·N·V) + 8·N + 16. A 16-bit point adds the
+    gradients over (N, V) and the two GEMMs dH, dW: c·(2·N·C + 2·V·C + 7·N·V) + 8·N + 8. A 16-bit point adds the
     casts of h and W to fp32 and of their gradients back: (N·C + V·C)·(s + c) each way. Working set: h and W, and
     the (N, V) logits and log-probabilities in fp32. At label_smoothing = 0 (smoothing's extra pass is not counted)."""
     d, size = case.dims, itemsize(cfg.precision.dtype)
     n, cw, v, c = d["tokens"], d["d_model"], d["vocab"], 4
     casts = 0 if size == c else (n * cw + v * cw) * (size + c)
     forward = c * (n * cw + v * cw + 4 * n * v) + 8 * n + 8 + casts
-    backward = c * (2 * n * cw + 2 * v * cw + 7 * n * v) + 8 * n + 16 + casts
+    backward = c * (2 * n * cw + 2 * v * cw + 7 * n * v) + 8 * n + 8 + casts
     cast = "" if size == c else " + (N*C + V*C)*(s + c) (casts)"
     return dataclasses.replace(
         _costs(case, cfg), bytes=forward, bytes_formula=f"c*(N*C + V*C + 4*N*V) + 8*N + 8{cast} (c = 4)",
-        train_bytes=forward + backward, train_bytes_formula=f"forward + c*(2*N*C + 2*V*C + 7*N*V) + 8*N + 16{cast}",
+        train_bytes=forward + backward, train_bytes_formula=f"forward + c*(2*N*C + 2*V*C + 7*N*V) + 8*N + 8{cast}",
         working_set=(n * cw + v * cw) * (size if size == c else size + c) + 2 * c * n * v,
         working_set_formula="(N*C + V*C)*s (+ their fp32 copies) + 2*N*V*c (logits, log-probabilities)",
         model="materialised",
