@@ -312,3 +312,24 @@ def test_chunked_traffic_is_a_function_of_the_chunk():
         cfg.op, chunk_size=size))) for size in (32, 16))
     assert small.bytes - big.bytes == 2 * (4 - 2) * 100 * 32  # K 2 -> 4, W (V·C) in bf16 per chunk
     assert small.train_bytes > big.train_bytes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens,d_model,ffn,experts,top_k", [(6, 8, 12, 4, 2), (5, 3, 7, 6, 1), (9, 4, 4, 2, 2)])
+def test_moe_dense_reference_model_is_the_counted_traffic(dtype, tokens, d_model, ffn, experts, top_k):
+    """The dense reference runs every expert on every token: its model is the count, and at the lab's top-k it moves
+    more than the floor, which reads only the touched experts' weights."""
+    from posttrainllm.ops.moe import definition as moe
+    from posttrainllm.ops.moe import reference as moe_reference
+
+    cfg = _op_cfg("moe", dtype)
+    case = Case("t", 0, dict(tokens=tokens, d_model=d_model, ffn=ffn, experts=experts, top_k=top_k), True)
+    gen = torch.Generator().manual_seed(0)
+    route_idx = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    counted_bytes = _counted_traffic(
+        lambda x, wg, wu, wd, rw: moe_reference.moe_dense(x, wg, wu, wd, route_idx, rw),
+        [(tokens, d_model), (experts, d_model, ffn), (experts, d_model, ffn), (experts, ffn, d_model),
+         (tokens, top_k)], getattr(torch, dtype))
+    costs = moe.OP.costs_of(moe.IMPLS["reference"], case, cfg)
+    assert costs.model == "dense" and (costs.bytes, costs.train_bytes) == counted_bytes
+    assert moe.OP.costs_of(moe.IMPLS["triton"], case, cfg).model == FLOOR  # no model declared yet: the floor

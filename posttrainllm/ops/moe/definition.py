@@ -143,7 +143,8 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 
 
 IMPLS = {
-    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.moe.reference.moe_dense"),
+    REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.moe.reference.moe_dense",
+                    cost_model="dense"),
     "sparse": Impl("sparse", "peer", _sparse, backend="posttrainllm.ops.moe.reference.moe_sparse (per-expert loop)"),
     **({"grouped_mm": Impl("grouped_mm", "peer", _grouped_mm, backend="torch.nn.functional.grouped_mm")}
        if GROUPED_MM is not None else {}),
@@ -367,6 +368,39 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
                  "backward = 2 x forward (dX and dW of gate, up and down)")
 
 
+
+# --- each kind of path's own traffic (OpDef.path_costs; Impl.cost_model names one) --------------------------
+
+
+def _dense(case: Case, cfg: LabConfig) -> Costs:
+    """The dense reference (reference.moe_dense) as eager PyTorch runs it, in the point's dtype s, every aten op
+    reading its inputs and writing its outputs (measure/traffic.py counts the same, tests/test_traffic.py): every
+    expert on every token, so (E, T, f) and (E, T, d) tensors and all E experts' weights, not the touched ones.
+
+    forward: the (T, E) gate (zeros, scatter: 4·T·E·s and the routing T·k·(8 + s)); x·W_gate and x·W_up (E·T·f
+    each written, E·d·f read), SwiGLU's (E, T, f) passes, ·W_down (E·T·d written), the gate's einsum over E:
+    s·(12·E·T·f + 2·E·T·d + 7·E·d·f + 4·T·E + 3·T·d) + T·k·(8 + s). forward + backward: s·(31·E·T·f + 6·E·T·d +
+    17·E·d·f + 7·T·E + 12·T·d) + 2·T·k·(8 + s) (the route weights' gradient gathered back from the (T, E) gate).
+    FLOPs: all E experts, E/k x the active. Working set: the weights and two (E, T, f) alive at once."""
+    d, size = case.dims, itemsize(cfg.precision.dtype)
+    t, dm, f, n_exp, k = d["tokens"], d["d_model"], d["ffn"], d["experts"], d["top_k"]
+    forward = (size * (12 * n_exp * t * f + 2 * n_exp * t * dm + 7 * n_exp * dm * f + 4 * t * n_exp + 3 * t * dm)
+               + t * k * (8 + size))
+    train = (size * (31 * n_exp * t * f + 6 * n_exp * t * dm + 17 * n_exp * dm * f + 7 * t * n_exp + 12 * t * dm)
+             + 2 * t * k * (8 + size))
+    return Costs(2 * t * n_exp * 3 * dm * f, forward, 2.0, "2*T*E*3*d*f (every expert on every token)",
+                 "s*(12*E*T*f + 2*E*T*d + 7*E*d*f + 4*T*E + 3*T*d) + T*k*(8 + s)",
+                 "backward = 2 x forward (dX and dW of gate, up and down)", train_bytes=train,
+                 train_bytes_formula="s*(31*E*T*f + 6*E*T*d + 17*E*d*f + 7*T*E + 12*T*d) + 2*T*k*(8 + s)",
+                 working_set=size * (3 * n_exp * dm * f + 2 * n_exp * t * f + 2 * t * dm),
+                 working_set_formula="s*(3*E*d*f + 2*E*T*f + 2*T*d)", model="dense",
+                 note="all E experts on every token, (E, T, f) tensors written and read one eager op at a time")
+
+
+# the sparse loop, torch's grouped GEMM and the Triton kernels declare none yet: placed at the floor, saying so
+PATH_COSTS = {"dense": _dense}
+
+
 def _describe(case: Case, inputs: Tensors, cfg: LabConfig, measure: Any = None) -> dict[str, Any]:
     """What the microbench records beyond time: the routing's histogram and the sparse-vs-dense cost gap."""
     d = case.dims
@@ -497,7 +531,7 @@ OP = OpDef(
     name="moe", x_name="tokens", input_names=("x", "w_gate", "w_up", "w_down", "route_weight", "route_idx"),
     impls=IMPLS, cases=_cases, make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case,
     model_hooks=_model_hooks, model_problem=_model_problem, profiled_range="moe", check_config=_check_config,
-    reference_bytes=_reference_bytes, nondiff_inputs=("route_idx",), input_checks=_router_check,
+    reference_bytes=_reference_bytes, path_costs=PATH_COSTS, nondiff_inputs=("route_idx",), input_checks=_router_check,
     curve_sizes=lambda cfg: list(cfg.shape.moe_curve), model_overrides=_model_overrides,
     extra_curves=(CurveAxis("experts", lambda cfg: list(cfg.shape.moe_expert_curve), _expert_curve_case),),
     describe=_describe,  # the weight and routing-weight gradients' max_error_only: conf/op/moe.yaml
