@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from posttrainllm import rules
 from posttrainllm.track import derived
 
 
@@ -78,7 +79,8 @@ def test_the_receipt_reads_each_paths_regime_from_its_curve(baseline):
     measured and predicted regimes; the reference's bytes grow as S² (its (S, S) tensors), the fused ones' slower."""
     curve = baseline["microbench"]["curve"]
     read = {(e["impl"], e["mode"]): e for e in curve["regimes"]}
-    assert "slope = d log(time) / d log(x)" in curve["regime_rule"]
+    assert curve["regime_rule"] == {"id": "regime", "overhead_fraction": 0.5, "slope_tolerance": 0.25}
+    assert "slope = d log(time) / d log(x)" in rules.text(curve["regime_rule"])
     ref, sdpa = read[("reference", "forward")], read[("sdpa", "forward")]
     assert ref["cost_model"] == "materialised" and sdpa["cost_model"] == "fused"
     for entry in (ref, sdpa):
