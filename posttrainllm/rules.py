@@ -169,17 +169,17 @@ RULES: dict[str, Rule] = {
         "config check refuses a tile by (device.smem_bytes) and its autotuner prunes candidates by; each row's "
         "shared_bytes is what that compiled kernel holds",
         "lab/compile.py"),
-    # an op made from a problem file (ops/problem/definition.py)
+    # an op made from a problem file (its definition, in its op folder)
     "problem_rows": Rule("parity rows along the output's last axis (a 0-d output, a loss: one row)",
-                         "ops/problem/definition.py"),
+                         "the parity rows of an op made from a problem file"),
     "problem_bytes": Rule(
         "bytes: inputs + parameters and buffers + output in the point's dtype: a floor (no intermediate, no "
         "re-read counted)",
-        "ops/problem/definition.py costs"),
+        "the costs of an op made from a problem file"),
     "problem_flops": Rule(
         "FLOPs: torch.utils.flop_counter.FlopCounterMode on the reference (it counts matmuls, convolutions and "
         "attention: elementwise work counts 0); backward multiple from the same count over forward + backward",
-        "ops/problem/definition.py costs"),
+        "the costs of an op made from a problem file"),
     # the receipt and its views (track/)
     "best_peer": Rule(
         "best peer: the peer (kind 'peer' in the op's registry; every SDPA backend is one) with the lowest valid "
@@ -269,7 +269,7 @@ def markdown() -> str:
     lines = [DOCS_HEAD_LINE, "", "# Rules", "", DOCS_INTRO, ""]
     for rid, rule in RULES.items():
         shown = re.sub(r"<(?=[A-Za-z])", r"\\<", rule.text.replace("*", "\\*"))  # markdown: a product, no tag
-        lines += [f"## `{rid}`", "", f"Applied in `{rule.where}`.", "", shown, ""]
+        lines += [f"## `{rid}`", "", f"Applied in: {rule.where}.", "", shown, ""]
         if rule.params:
             lines += [f"- `{name}`: {what}" for name, what in rule.params.items()] + [""]
     return "\n".join(lines)
