@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from posttrainllm import rules
+from posttrainllm.measure.roofline import CLASSIFICATION
+from posttrainllm.measure.timing import NOISY
 from posttrainllm.lab import pipeline
 from posttrainllm.lab.stages import common as stage_common, microbench as microbench_stage
 from posttrainllm.lab.configure import load
@@ -51,10 +54,10 @@ def planned(tmp_path, monkeypatch):
     records.MicrobenchRecord(
         paths={"reference": {**timed, "median_ms": 2.0}, "sdpa": {**timed, "median_ms": 1.0}}, device="cpu", threads=1,
         case="main", problem="", flops=1.0, bytes=1.0, train_flops=3.0, flops_formula="", bytes_formula="",
-        backward_formula="", noisy_rule="noisy", band_rule="band", roofline_rule="roofline_class", peaks={},
-        timed_result_rule="timed_result", impossible_rule="impossible", rotation_rule="rotation",
-        state_rule="torch_state", calibration={}, above_roof_rule="above_roof", last_level_cache_bytes=None,
-        cost_model_rule="cost_model", curve={}).write(folder / "microbench.json")
+        backward_formula="", noisy_rule=NOISY, band_rule="band", roofline_rule=CLASSIFICATION, peaks={},
+        timed_result_rule="timed_result", impossible_rule=rules.cite("impossible", fraction=0.5),
+        rotation_rule=rules.cite("rotation", n=4, seed_step=7919), state_rule="torch_state", calibration={},
+        above_roof_rule="above_roof", last_level_cache_bytes=None, cost_model_rule="cost_model", curve={}).write(folder / "microbench.json")
     made = stamp.stage_stamp("parity", POINT, {"device": "cpu"}, [], outputs=(folder / "parity.json",))
     stamp.write_stamp(folder, made)
     return cfg, folder

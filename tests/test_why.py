@@ -109,3 +109,18 @@ def test_explain_answers_the_three_questions_from_the_receipt_alone(sweep_runs, 
     assert "3. Why a microbenchmark may not move training" in out and "of the measured training step" in out
     assert cli.main(["explain", str(tmp_path / "nowhere")]) == 2
     assert "no receipt at" in capsys.readouterr().err
+
+
+def test_every_rule_the_receipt_names_is_an_id_of_the_table(baseline):
+    """The stages store rules by id (posttrainllm/rules.py), with the run's values beside a rule's id; every id the
+    receipt names is in the table, so each reads as its text."""
+    cited = derived.cited_rules(baseline)
+    assert {"parity_contract", "backward", "determinism", "batch_invariance", "properties", "noisy", "band",
+            "roofline_class", "timed_result", "impossible", "rotation", "torch_state", "above_roof", "cost_model",
+            "curve_check", "regime", "integrity"} <= {rid for rid, _ in cited}
+    assert not [text for _, text in cited if text.startswith("unknown rule")]
+    micro = baseline["microbench"]
+    fraction = baseline["config"]["bench"]["impossible_below"]
+    assert micro["impossible_rule"] == {"id": "impossible", "fraction": fraction}
+    assert rules.text(micro["impossible_rule"]).startswith(f"a median under {fraction:g} x the roofline's")
+    assert micro["band_rule"] == "band" and micro["curve"]["check_rule"] == "curve_check"
