@@ -113,3 +113,20 @@ def test_explain_and_report_html_read_each_cited_rule_from_the_table():
     page = report_page.sweep_page({"baseline": receipt}, PROJECT_ROOT / "runs")
     assert "Rules (7, by id)" in page and "<code>band</code>: faster: p80 &lt; other&#x27;s p20" in page
     assert "<code>made_up_rule</code>: unknown rule" in page and "<code>given</code>" not in page
+
+
+def test_explain_on_a_copied_receipt_naming_an_unknown_rule_says_so_and_reads_the_rest(tmp_path, capsys):
+    """A receipt from another version may name a rule this table lacks: `posttrainllm explain` prints "unknown rule
+    '<id>'" in its place (one line) and answers the rest from the receipt; exit 0."""
+    import json
+
+    from posttrainllm import cli
+
+    receipt = _cited_receipt()
+    receipt["parity"]["rule"] = "renamed_rule"
+    (tmp_path / "receipt.json").write_text(json.dumps(receipt))
+    assert cli.main(["explain", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.strip().startswith("rule:"))
+    assert line.strip().startswith("rule: unknown rule 'renamed_rule'")
+    assert "regime rule: per segment between two measured sizes" in out and "2. Memory traffic per path" in out
