@@ -53,7 +53,7 @@ def test_an_ieee_fp32_dot_uses_no_tensor_cores_and_the_launch_is_specialized(fp3
     from posttrainllm.ops.matmul.config import point_smem_bytes
 
     assert report["smem_bytes"] == {"per_program": point_smem_bytes(_lab("op=matmul", "precision=fp32")),
-                                    "rule": compiling.SMEM_RULE}
+                                    "rule": "shared_memory"}
 
 
 def test_without_the_launch_specialization_the_same_kernel_loads_scalars(fp32_matmul):

@@ -1,5 +1,5 @@
 """A path above the calibrated FLOP peak: the peak is doubted (remeasured at the path's own size and dtype) before a
-speed is refused (calibrate.LOCAL_RULE, lab/stages/microbench.py _placed), on this CPU's real GEMMs."""
+speed is refused (rule "local_peak", lab/stages/microbench.py _placed), on this CPU's real GEMMs."""
 
 import torch
 

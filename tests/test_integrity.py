@@ -1,4 +1,4 @@
-"""A receipt combines what its stages wrote, or it says it does not (track/receipt.py INTEGRITY_RULE).
+"""A receipt combines what its stages wrote, or it says it does not (rule "integrity", posttrainllm/rules.py).
 
 A user path's worker runs as the lab's own user and can rewrite any file it finds: parity.json after the parity
 stage judged it, or runs/calibration.json whose peaks decide which speeds are possible. Each stage's stamp hashes
@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from posttrainllm import rules
+from posttrainllm.measure.roofline import CLASSIFICATION
+from posttrainllm.measure.timing import NOISY
 from posttrainllm.lab import pipeline
 from posttrainllm.lab.stages import common as stage_common, microbench as microbench_stage
 from posttrainllm.lab.configure import load
@@ -44,15 +47,17 @@ def planned(tmp_path, monkeypatch):
     folder = tmp_path / "runs" / POINT
     folder.mkdir(parents=True)
     records.ParityRecord(verdict="pass", precision="fp32", contract=json.loads(json.dumps(
-        asdict(cfg.precision.contract))), lse_contract=None, paths={}, rule="", backward_rule="", cases=[], notes=[],
+        asdict(cfg.precision.contract))), lse_contract=None, paths={}, rule="parity_contract", backward_rule="backward",
+        cases=[], notes=[],
         invariance={}, first_failure=None, headline="").write(folder / "parity.json")
     timed = {"valid": True, "noisy": False, "memory": {"peak_bytes": 64}}
     records.MicrobenchRecord(
         paths={"reference": {**timed, "median_ms": 2.0}, "sdpa": {**timed, "median_ms": 1.0}}, device="cpu", threads=1,
         case="main", problem="", flops=1.0, bytes=1.0, train_flops=3.0, flops_formula="", bytes_formula="",
-        backward_formula="", noisy_rule="", band_rule="", roofline_rule="", peaks={}, timed_result_rule="",
-        impossible_rule="", rotation_rule="", state_rule="", calibration={}, above_roof_rule="",
-        last_level_cache_bytes=None, cost_models="", curve={}).write(folder / "microbench.json")
+        backward_formula="", noisy_rule=NOISY, band_rule="band", roofline_rule=CLASSIFICATION, peaks={},
+        timed_result_rule="timed_result", impossible_rule=rules.cite("impossible", fraction=0.5),
+        rotation_rule=rules.cite("rotation", n=4, seed_step=7919), state_rule="torch_state", calibration={},
+        above_roof_rule="above_roof", last_level_cache_bytes=None, cost_model_rule="cost_model", curve={}).write(folder / "microbench.json")
     made = stamp.stage_stamp("parity", POINT, {"device": "cpu"}, [], outputs=(folder / "parity.json",))
     stamp.write_stamp(folder, made)
     return cfg, folder

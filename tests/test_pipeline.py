@@ -62,7 +62,7 @@ def test_every_stage_of_every_point_ran(project):
         assert receipt["bench_train"]["impls"]["sdpa"]["losses"]
         assert set(receipt["stamps"]) == {"reference", "kernel", "parity", "microbench", "bench_train"}
         assert (root / "runs" / point / "stamps" / "receipt.json").exists()
-        # what the receipt combined is what each stage wrote (receipt.INTEGRITY_RULE), checked on what DVC left
+        # what the receipt combined is what each stage wrote (rule "integrity"), checked on what DVC left
         assert receipt["integrity"]["problems"] == []
         assert set(receipt["stamps"]["microbench"]["outputs"]) == {"microbench.json", "timings.csv", "curve.csv"}
         calibration = file_sha256(root / "runs" / "calibration.json")

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from posttrainllm import rules
 from posttrainllm.track import derived
 
 
@@ -78,7 +79,8 @@ def test_the_receipt_reads_each_paths_regime_from_its_curve(baseline):
     measured and predicted regimes; the reference's bytes grow as S² (its (S, S) tensors), the fused ones' slower."""
     curve = baseline["microbench"]["curve"]
     read = {(e["impl"], e["mode"]): e for e in curve["regimes"]}
-    assert "slope = d log(time) / d log(x)" in curve["regime_rule"]
+    assert curve["regime_rule"] == {"id": "regime", "overhead_fraction": 0.5, "slope_tolerance": 0.25}
+    assert "slope = d log(time) / d log(x)" in rules.text(curve["regime_rule"])
     ref, sdpa = read[("reference", "forward")], read[("sdpa", "forward")]
     assert ref["cost_model"] == "materialised" and sdpa["cost_model"] == "fused"
     for entry in (ref, sdpa):
@@ -107,3 +109,18 @@ def test_explain_answers_the_three_questions_from_the_receipt_alone(sweep_runs, 
     assert "3. Why a microbenchmark may not move training" in out and "of the measured training step" in out
     assert cli.main(["explain", str(tmp_path / "nowhere")]) == 2
     assert "no receipt at" in capsys.readouterr().err
+
+
+def test_every_rule_the_receipt_names_is_an_id_of_the_table(baseline):
+    """The stages store rules by id (posttrainllm/rules.py), with the run's values beside a rule's id; every id the
+    receipt names is in the table, so each reads as its text."""
+    cited = derived.cited_rules(baseline)
+    assert {"parity_contract", "backward", "determinism", "batch_invariance", "properties", "noisy", "band",
+            "roofline_class", "timed_result", "impossible", "rotation", "torch_state", "above_roof", "cost_model",
+            "curve_check", "regime", "integrity"} <= {rid for rid, _ in cited}
+    assert not [text for _, text in cited if text.startswith("unknown rule")]
+    micro = baseline["microbench"]
+    fraction = baseline["config"]["bench"]["impossible_below"]
+    assert micro["impossible_rule"] == {"id": "impossible", "fraction": fraction}
+    assert rules.text(micro["impossible_rule"]).startswith(f"a median under {fraction:g} x the roofline's")
+    assert micro["band_rule"] == "band" and micro["curve"]["check_rule"] == "curve_check"

@@ -36,19 +36,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from posttrainllm import rules
 from posttrainllm.measure import sass
 from posttrainllm.files import shown
 from posttrainllm.lab.isolation.user import distribution_of
 
-RULE = ("each Triton launch of the point's main case (forward, then backward) captured where Triton binds it and "
-        "specialized by Triton's own binder as a GPU launch of the same arguments is (unit strides constant, "
-        "16-divisible pointers and integers marked), never run; compiled with triton.compile for each target; "
-        + sass.RULE)
 NOT_TRITON = "launches no Triton kernel here"
 INDUCTOR = "a torch.compile peer: its Triton kernels are Inductor's, generated on the device at run time"
-SMEM_RULE = ("shared memory per program of the point's tile by the op's one formula (ops/<op>/config.py), the one "
-             "its config check refuses a tile by (device.smem_bytes) and its autotuner prunes candidates by; each "
-             "row's shared_bytes is what that compiled kernel holds")
 AUTOTUNE_NOTE = ("tile/workgroup=auto: every candidate configuration the launchers' autotuner would time on a GPU "
                  "of each target (pruned by the launcher's shared-memory estimate against the target's per-block "
                  "limit, as the device's reported limit prunes it there) is compiled, none timed; a tuned kernel "
@@ -336,12 +330,13 @@ def compile_in_process(config: dict[str, Any], targets: list[str], specialized: 
 
     cfg = validate_schema(config)
     op = op_for(cfg)
-    report: dict[str, Any] = {"op": op.name, "targets": targets, "rule": RULE, "paths": {}, "rows": []}
+    report: dict[str, Any] = {"op": op.name, "targets": targets, "rule": rules.cite("compile_counters"), "paths": {},
+                              "rows": []}
     tuned = cfg.tile.autotune or cfg.workgroup.autotune
     if tuned:
         report["note"] = AUTOTUNE_NOTE
     elif op.smem_bytes is not None:  # the fixed tile's estimate, beside each compiled kernel's own shared_bytes
-        report["smem_bytes"] = {"per_program": op.smem_bytes(cfg), "rule": SMEM_RULE}
+        report["smem_bytes"] = {"per_program": op.smem_bytes(cfg), "rule": rules.cite("shared_memory")}
     # the autotuned branch prunes by the target's shared memory: one capture per target (none compiled: one capture)
     captures = [([t], sass.TARGETS[t].shared_per_block) for t in targets] if tuned and targets else [(targets, None)]
     for impl in runner.optimized(op, cfg):
@@ -450,7 +445,8 @@ def finish(child: subprocess.Popen, result: Path, targets: list[str], started: f
         child.output.close()
     if not result.exists():
         tail = (err or out or "").strip().splitlines()[-1:] or [f"exit {child.returncode}"]
-        return {"targets": targets, "rule": RULE, "error": f"the compile process failed: {tail[0]}",
+        return {"targets": targets, "rule": rules.cite("compile_counters"),
+                "error": f"the compile process failed: {tail[0]}",
                 "paths": {}, "rows": []}
     report = json.loads(result.read_text())
     report["seconds"] = round(time.perf_counter() - started, 2)

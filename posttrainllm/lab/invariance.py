@@ -4,11 +4,11 @@ Parity (lab/parity.py) asks whether a path is the same function as the float64 m
 two checks ask for equality, bit for bit, where a tolerance hides what matters to post-training (the trainer and
 the sampler computing the "same" log-probabilities with other batch sizes and reduction orders):
 
-Determinism (DETERMINISM_RULE)
+Determinism (rule "determinism", posttrainllm/rules.py)
     The point's main case runs again twice, each time on the same values in fresh buffers, forward and (its own
     backward) gradients: with the kernel stage's own run, 3 runs. Each output and gradient of runs 2 and 3 is
     compared bitwise with run 1's: equal or not, the max |difference| and the first row that differs.
-Batch invariance (BATCH_RULE)
+Batch invariance (rule "batch_invariance")
     The op says what one row is and which dim of each input and output is its batch (OpDef.batch_axis). The main
     case's first and last rows are computed alone (a batch of one each), in the main case's batch (run 1), and in
     two other batches (sizes N+1 and N+2, the rows at other positions, every other row a companion drawn from
@@ -17,7 +17,7 @@ Batch invariance (BATCH_RULE)
     running backward in every batch would triple the cost). An op with no forward output of a row's own
     (cross-entropy's loss is a mean) compares its batched inputs' gradients instead; an op whose math depends on
     the batch's size (BatchAxis.fixed_size) keeps the main size and moves the rows.
-Declared and required (PROPERTIES_RULE)
+Declared and required (rule "properties")
     A path promises properties (Impl.promises; a user path as its function's `promises` attribute, read in its
     worker); a point requires them (parity.require). A promised or required property that does not hold fails
     the path's parity with its first differing row; one neither promised nor required is reported, never judged.
@@ -36,23 +36,15 @@ from typing import Any
 
 import torch
 
+from posttrainllm import rules
 from posttrainllm.config import PROPERTIES, LabConfig
 from posttrainllm.lab.isolation import rooms
 from posttrainllm.ops.registry import Case, Impl, OpDef, Tensors
 
 DETERMINISTIC, BATCH_INVARIANT = PROPERTIES
 RUNS = 3  # the kernel stage's run and two more
+DETERMINISM = rules.cite("determinism", runs=RUNS)  # the rule as a result cites it
 COMPANION_SEED = 524_287  # companions draw from case.seed + this (away from parity's, timing's and rooms' seeds)
-DETERMINISM_RULE = (f"the main case run {RUNS} times on the same values, each in fresh buffers, forward and (its own "
-                    "backward) gradients; every output of runs 2.. compared bitwise with run 1's")
-BATCH_RULE = ("the main case's first and last rows (OpDef.batch_axis: what a row is, each tensor's batch dim) "
-              "computed alone, in the main batch, and in batches of N+1 and N+2 at other positions among companions "
-              "drawn from another seed (an op whose math depends on the batch's size keeps N and moves them); each "
-              "row's forward outputs (where none is a row's, as a mean loss: its batched inputs' gradients) compared "
-              "bitwise with the main batch's")
-PROPERTIES_RULE = ("a property a path promises (Impl.promises, a user function's `promises`) or the point requires "
-                   "(parity.require) and does not hold fails its parity with the first differing row; one neither "
-                   "promised nor required is reported, never judged")
 INTERPRETED_NOTE = ("on a CPU, determinism and batch invariance are properties of the code under Triton's interpreter "
                     "and PyTorch's CPU kernels, not of a GPU's")
 MEASURE = {DETERMINISTIC: "determinism", BATCH_INVARIANT: "batch_invariance"}  # where each property is measured
@@ -110,7 +102,7 @@ def _summary(outputs: dict[str, dict[str, Any]]) -> bool:
 
 def determinism(impl: Impl, inputs: Tensors, grad_out: torch.Tensor | None, first: Tensors, cfg: LabConfig,
                 device: str, row_ndim: dict[str, int], case: str) -> dict[str, Any]:
-    """DETERMINISM_RULE: runs 2.. of the main case against run 1 (`first`, the kernel stage's outputs)."""
+    """Rule "determinism": runs 2.. of the main case against run 1 (`first`, the kernel stage's outputs)."""
     outputs: dict[str, dict[str, Any]] = {}
     for run in range(2, RUNS + 1):
         again = run_once(impl, inputs, grad_out, cfg, device)
@@ -165,7 +157,7 @@ def _assemble(layout: list[tuple[str, int]], sources: dict[str, Tensors], dims: 
 
 def batch_invariance(op: OpDef, impl: Impl, case: Case, inputs: Tensors, grad_out: torch.Tensor | None,
                      main: Tensors, cfg: LabConfig, device: str) -> dict[str, Any]:
-    """BATCH_RULE for one path on the main case (`main`: its outputs there, the kernel stage's run 1)."""
+    """Rule "batch_invariance" for one path on the main case (`main`: its outputs there, the kernel stage's run 1)."""
     from posttrainllm.ops.base import point_dtype as _dtype
 
     axis = op.batch_axis
@@ -250,7 +242,7 @@ def _first_difference(measured: dict[str, Any]) -> str:
 
 def judge(measured: dict[str, Any], promised: tuple[str, ...] | list[str] | None,
           required: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """PROPERTIES_RULE: per property, whether it holds, whether it is judged (promised, required) and the failures."""
+    """Rule "properties": per property, whether it holds, whether it is judged (promised, required) and the failures."""
     promised = list(promised or [])
     failures = [f"promises: unknown property {p!r}: valid choices are {', '.join(PROPERTIES)}"
                 for p in promised if p not in PROPERTIES]

@@ -125,7 +125,7 @@ def worst_gradient_baseline(op: OpDef, cfg: LabConfig, inputs: Tensors, case: Ca
                             oracle: Tensors, baseline: Tensors) -> None:
     """Each gradient of `baseline` becomes, element by element, the value of whichever readable formulation (the
     reference, op.gradient_baselines) errs more against the oracle: the contract's allowance is relative to the
-    readable math's error, and a flash backward's own formulation is readable math too (GRADIENT_BASELINE_RULE)."""
+    readable math's error, and a flash backward's own formulation is readable math too (rule "gradient_baseline")."""
     for _, formulation in op.gradient_baselines:
         other = reference_outputs(op, cfg, inputs, case, grad_out, formulation=formulation)
         for name in [k for k in baseline if k.startswith(parity.GRADIENT_PREFIX) and k in other]:
@@ -134,9 +134,6 @@ def worst_gradient_baseline(op: OpDef, cfg: LabConfig, inputs: Tensors, case: Ca
             baseline[name] = torch.where(worse, theirs, mine)
 
 
-GRADIENT_BASELINE_RULE = ("each gradient's baseline is, element by element, the larger-error of the op's readable "
-                          "formulations in the point's precision (attention: torch.softmax, and P = exp(S - lse) as "
-                          "a flash backward recomputes it from the stored logsumexp)")
 
 
 def judge_path(op: OpDef, impl: Any, cfg: LabConfig, records: list[dict[str, Any]], outputs: list[Tensors], *,

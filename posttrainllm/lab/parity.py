@@ -68,20 +68,13 @@ from typing import Any, Callable
 
 import torch
 
+from posttrainllm import rules
 from posttrainllm.config import Contract
 
 RELATIVE_DENOMINATOR_FLOOR = 1e-3  # max_rel_err divides by max(|oracle_i|, 1e-3·max|oracle|)
 DEFAULT_ROW_NDIM = {"lse": 0}  # per output name; every other output: 1 (the last dim is the row)
 GRADIENT_PREFIX = "grad_"  # outputs named so are gradients and take contract.grad_row_floor_rel
 
-RULE = ("tensor: max_abs_err <= error_multiple * baseline_max_abs_err + floor_rel * max|oracle|, "
-        "mismatch_frac <= max_mismatch (outside: |err| > atol + atol_rel * max|oracle| + rtol * |oracle|); each row: err_r <= error_multiple * baseline_err_r "
-        "+ floor_rel * max|oracle_r| + row_floor * max|oracle| (row_floor: grad_row_floor_rel for grad_*, "
-        "else row_floor_rel); all finite; with min_sqnr_db, 10*log10(sum oracle^2 / sum err^2) >= min_sqnr_db")
-QUANTIZATION_RULE = ("the quantization's own error, apart from any path's: each case's float64 oracle on the quantized "
-                     "inputs against the same float64 math on the unquantized inputs; SQNR = 10*log10(sum exact^2 / "
-                     "sum (quantized - exact)^2) of each output >= min_sqnr_db, and of each of its rows >= "
-                     "min_row_sqnr_db")
 
 
 def error_metrics(candidate: torch.Tensor, oracle: torch.Tensor, contract: Contract) -> dict[str, float]:
@@ -287,7 +280,7 @@ def check_path(outputs: list[dict[str, torch.Tensor]] | None, oracles: list[dict
 def quantization_check(cases: list[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]], *,
                        min_sqnr_db: float, min_row_sqnr_db: float,
                        row_ndim: dict[str, int] | None = None) -> dict[str, Any]:
-    """QUANTIZATION_RULE over every case: (case name, its oracle on the quantized inputs, the same math on the
+    """Rule "quantization_error" over every case: (case name, its oracle on the quantized inputs, the same math on the
     unquantized ones), for every output the latter has. Per case and output: the SQNR, the worst row's (its index)
     and the verdict; overall the lowest of each and the failures, named."""
     ndims = {**DEFAULT_ROW_NDIM, **(row_ndim or {})}
@@ -317,7 +310,7 @@ def quantization_check(cases: list[tuple[str, dict[str, torch.Tensor], dict[str,
                 failed.append(f"{case}/{output}: {entry['reason']}")
     return {
         "verdict": "fail" if failed or not results else "pass",
-        "rule": QUANTIZATION_RULE, "min_sqnr_db": min_sqnr_db, "min_row_sqnr_db": min_row_sqnr_db,
+        "rule": rules.cite("quantization_error"), "min_sqnr_db": min_sqnr_db, "min_row_sqnr_db": min_row_sqnr_db,
         "sqnr_db": min((r["sqnr_db"] for r in results), default=None),  # the lowest over cases
         "row_min_sqnr_db": min((r["row_min_sqnr_db"] for r in results), default=None),
         "failed_cases": failed,

@@ -141,7 +141,7 @@ class InProcess:
              device: str, settings: dict[str, Any]) -> Timed:
         """The path at the point's shape, in its own buffers (`sets`): forward, forward + backward (with a backward),
         peak memory of one forward, the first call's ms; what it changed of torch's state refuses it
-        (rooms.STATE_RULE). The timed repetitions rotate over `sets` (lab/isolation/rooms.py); the first call and
+        (rule "torch_state"). The timed repetitions rotate over `sets` (lab/isolation/rooms.py); the first call and
         the memory use the first set."""
         with rooms.StateGuard() as guard:  # from the first call on: a path may change torch's state in any call
             with torch.no_grad():

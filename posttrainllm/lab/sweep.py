@@ -282,6 +282,7 @@ CORE_SOURCES = (
     "posttrainllm/__init__.py",
     "posttrainllm/config.py",
     "posttrainllm/files.py",
+    "posttrainllm/rules.py",  # the rules' table: every layer reads it
     "posttrainllm/lab/__init__.py",
     "posttrainllm/lab/configure.py",
     "posttrainllm/lab/pipeline.py",

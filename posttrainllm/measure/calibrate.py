@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from posttrainllm import rules
 from posttrainllm.measure import device as devices
 from posttrainllm.measure.timing import measure
 
@@ -143,16 +144,12 @@ def gemm_rate(dtype_name: str, device: str, share_s: float) -> dict[str, Any]:
 
 
 LOCAL_REPS = 20  # the GEMM at a path's own size: enough calls for its fastest to be the size's roof
-LOCAL_RULE = ("a path above the calibrated FLOP peak has the peak remeasured before its speed is refused: a square "
-              "GEMM of the path's own FLOPs (n = round((flops/2)^(1/3)), at least 16) in the point's dtype, "
-              f"{LOCAL_REPS} warm calls, its fastest call (not the median: the median of a call like the path's own "
-              "sits on it half the time) as the roof at that size; the larger of it and the calibrated peak is the "
-              "FLOP roof, and a path still above it gets no speed")
+LOCAL_PEAK = rules.cite("local_peak", reps=LOCAL_REPS)  # the rule as a result cites it
 
 
 def local_peak(flops: float, dtype_name: str, device: str) -> dict[str, Any]:
-    """LOCAL_RULE: the GEMM rate at a path's own size, where the calibration's (at its ladder's largest size that fit)
-    may be slower: a 128³ GEMM whose operands sit in the cache runs faster on a CPU than the n=1024 one."""
+    """Rule "local_peak": the GEMM rate at a path's own size, where the calibration's (at its ladder's largest size
+    that fit) may be slower: a 128³ GEMM whose operands sit in the cache runs faster on a CPU than the n=1024 one."""
     n = max(16, round((flops / 2) ** (1 / 3)))
     if dtype_name == FP8 or _unsupported(dtype_name, device):
         return {"n": n, "skipped": _unsupported(dtype_name, device) or "fp8 is not remeasured"}
@@ -162,7 +159,7 @@ def local_peak(flops: float, dtype_name: str, device: str) -> dict[str, Any]:
                          max_reps=LOCAL_REPS)
     gemm_flops = 2 * n**3
     return {"n": n, "dtype": dtype_name, "flops": gemm_flops, "flops_per_s": gemm_flops / (timing.median_ms / 1e3),
-            "best_flops_per_s": gemm_flops / (timing.min_ms / 1e3), **timing.summary(), "rule": LOCAL_RULE}
+            "best_flops_per_s": gemm_flops / (timing.min_ms / 1e3), **timing.summary(), "rule": LOCAL_PEAK}
 
 
 def copy_rate(device: str, share_s: float, size_bytes: int | None = None) -> dict[str, Any]:

@@ -11,7 +11,7 @@ Columns
     mode                              "forward", or "forward_backward" (forward, then backward of out)
     check                             "pass", or why the path's output at this x was not trusted
     median, p20, p80, unit            the timing, in `unit` (ms)
-    noisy, reps, threads              timing.NOISY_RULE, timed calls, CPU intra-op threads
+    noisy, reps, threads              rule "noisy", timed calls, CPU intra-op threads
     valid, reason                     False (with the reason) when unchecked, failed, or raised at this x
     peak_bytes                        memory.peak_bytes of one call [B]
     flops                             the op's FLOPs at this x in this mode (its module writes the formula)
@@ -33,6 +33,7 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
+from posttrainllm import rules
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.measure.timing import measure
 
@@ -134,17 +135,8 @@ SLOPE_TOLERANCE = 0.25
 OVERHEAD_SLOPE_FRACTION = 0.5
 COMPUTE, MEMORY, EITHER, OVERHEAD, CACHE, BEYOND = ("compute-bound", "memory-bound", "compute or memory",
                                                     "overhead-bound", "leaves the cache", "beyond the model")
-REGIME_RULE = (
-    "per segment between two measured sizes, slope = d log(time) / d log(x), beside the slopes the path's FLOPs and "
-    "bytes predict (d log(flops) / d log(x), d log(bytes) / d log(x), its cost model). Measured regime: "
-    f"{OVERHEAD} if the time slope is under {OVERHEAD_SLOPE_FRACTION:g} x the smaller predicted slope; "
-    f"'{CACHE}' if its working set passes a cache level (L2, the last-level) within the segment and the time grows "
-    f"faster than both by more than {SLOPE_TOLERANCE:g}; '{BEYOND}' if it does so with no cache crossing; "
-    f"'{EITHER}' where the "
-    f"FLOPs and bytes slopes are within {SLOPE_TOLERANCE:g} of each other (and time follows them); else whichever of "
-    "the two slopes the time slope is nearer. Predicted regime: the roofline's at the segment's larger size "
-    "(intensity against the ridge; a working set within the cache: compute, no DRAM roof). They agree when the "
-    f"measured is the predicted, or '{EITHER}' against either.")
+# the regime rule as a result cites it (its text, with these labels: posttrainllm/rules.py)
+REGIME = rules.cite("regime", overhead_fraction=OVERHEAD_SLOPE_FRACTION, slope_tolerance=SLOPE_TOLERANCE)
 
 
 def _slope(a: float, b: float, xa: float, xb: float) -> float | None:
@@ -199,7 +191,7 @@ def cache_levels(device: str) -> dict[str, int]:
 def read_regime(x: list[float], seconds: list[float], flops: list[float], nbytes: list[float],
                 working_set: list[float], *, cache_bytes: int | None = None,
                 ridge: float | None = None, caches: dict[str, int] | None = None) -> dict[str, Any]:
-    """REGIME_RULE over one path's curve (sizes ascending): its segments, each with the measured and predicted
+    """Rule "regime" over one path's curve (sizes ascending): its segments, each with the measured and predicted
     slopes and regimes and whether they agree, and the size where the working set passes the cache (`cache_bytes`,
     the last-level; `caches`: every level, {name: bytes}, each crossing named per segment)."""
     if len(x) != len(set(x)) or list(x) != sorted(x):

@@ -21,13 +21,15 @@ calibrate.py (measured) or calibrate.published_peaks (datasheet): the caller say
 A working set that fits the last-level cache (`cache_bytes`) is not bound by the DRAM copy roof: its
 attainable rate is the FLOP peak alone, and the result says so. A fraction above 1 cannot be a result:
 above the FLOP peak, the calibration or the timing is wrong; above the copy roof with a working set larger
-than the cache, the byte model or the calibration is. `above_roof` names which (ABOVE_ROOF_RULE), and the
+than the cache, the byte model or the calibration is. `above_roof` names which (rule "above_roof"), and the
 microbench gives such a path no speed.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from posttrainllm import rules
 
 # One kernel launch (CUDA) or one eager op dispatch (PyTorch on CPU) costs a few microseconds.
 DEFAULT_OVERHEAD_S = 10e-6
@@ -37,12 +39,8 @@ OVERHEAD_DOMINATES_BELOW = 2.0
 LOW_FRACTION = 0.05
 
 COMPUTE, MEMORY, OVERHEAD = "compute-bound", "memory-bound", "overhead-bound"
-ABOVE_ROOF_RULE = ("achieved above attainable is not a result: above the calibrated FLOP peak, the calibration or "
-                   "the timing is wrong; above the DRAM copy roof with a working set larger than the last-level "
-                   "cache, the byte model or the calibration is (a cache-resident working set has the FLOP peak "
-                   "alone as its roof)")
-RULE = (f"overhead-bound if seconds < {OVERHEAD_DOMINATES_BELOW:g} x overhead_s or achieved/attainable < "
-        f"{LOW_FRACTION:g}; else compute-bound if flops/bytes >= peak_flops/peak_bytes_per_s; else memory-bound")
+# the classification rule as a result cites it (its text: posttrainllm/rules.py)
+CLASSIFICATION = rules.cite("roofline_class", overhead_multiple=OVERHEAD_DOMINATES_BELOW, low_fraction=LOW_FRACTION)
 
 
 def _si(value: float, unit: str) -> str:
@@ -112,7 +110,7 @@ def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, 
     return {
         "classification": classification,
         "why": why,
-        "above_roof": above,  # None, or why this fraction above 1 cannot be a result (ABOVE_ROOF_RULE)
+        "above_roof": above,  # None, or why this fraction above 1 cannot be a result (rule "above_roof")
         "cache_resident": resident,
         "working_set_bytes": live,
         "roof": roof,  # which roof applies by intensity alone, whatever the classification
@@ -129,5 +127,5 @@ def roofline(flops: float, nbytes: float, seconds: float, *, peak_flops: float, 
         "ceiling_flops_per_s": ceiling,  # the FLOP roof: the fastest format at least as precise
         "peak_bytes_per_s": peak_bytes_per_s,
         "overhead_s": overhead_s,
-        "rule": RULE,
+        "rule": CLASSIFICATION,
     }

@@ -55,11 +55,6 @@ TCGEN05 = ("UTCHMMA", "UTCQMMA", "UTCIMMA", "UTCOMMA", "UTCMMA")  # sm100 tensor
 MMA = ("HMMA", "IMMA", "QMMA", "DMMA", "BMMA")  # warp-level mma.sync (sm80 and later)
 TMA = ("UTMALDG", "UBLKCP", "UTMAPF")
 CP_ASYNC = ("LDGSTS",)
-RULE = ("counters read from the cubin (cuobjdump -res-usage and -sass of Triton's wheel): registers per thread, the "
-        "stack frame ptxas spills to, STL/LDL spill instructions, shared memory (the launch's dynamic plus the "
-        "cubin's static), tensor cores from the MMA instructions, async copies from TMA/LDGSTS; occupancy by the "
-        "CUDA occupancy calculator's rules against the target's per-SM limits; fits: shared memory within the "
-        "target's per-block limit and one block's registers within an SM's")
 
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 _RESOURCES = re.compile(r"(REG|STACK|SHARED|LOCAL):(\d+)")

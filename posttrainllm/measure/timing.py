@@ -3,7 +3,7 @@
 CUDA: CUDA events around each call, with the L2 cache flushed before it (a write
 over a buffer larger than L2), so a small problem does not time a warm cache; the
 events sit inside a device-wide synchronisation, whose wall time cross-checks them
-(STREAM_RULE: work a call launches on another stream is named, never missed).
+(rule "other_streams", posttrainllm/rules.py: work a call launches on another stream is named, never missed).
 CPU: `time.perf_counter` around each call, at a fixed thread count (recorded).
 Both: `warmup` untimed calls, then at least `reps` timed calls and more until
 `min_time_s` has been spent (at most `max_reps`).
@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from posttrainllm import rules
+
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # larger than any current GPU's L2 (H100/H200: 50 MB)
 
 # A measurement is `noisy` (its median is not fit to compare with another's) when its
@@ -31,7 +33,7 @@ L2_FLUSH_BYTES = 256 * 1024 * 1024  # larger than any current GPU's L2 (H100/H20
 # (p80 - p20) / median = 0.017 had CV 0.70 in one run and 0.01 in the next).
 NOISY_SPREAD = 0.20
 NOISY_MIN_SAMPLES = 3
-NOISY_RULE = f"noisy = reps < {NOISY_MIN_SAMPLES} or (p80 - p20) / median > {NOISY_SPREAD}"
+NOISY = rules.cite("noisy", min_samples=NOISY_MIN_SAMPLES, spread=NOISY_SPREAD)  # the rule as a result cites it
 
 
 class _Auto:
@@ -53,10 +55,10 @@ class Timing:
     min_ms: float
     cv: float  # standard deviation / mean of the samples
     iqr_ms: float = 0.0  # p75 - p25
-    noisy: bool = False  # see NOISY_RULE
+    noisy: bool = False  # rule "noisy" (NOISY)
     threads: int | None = None  # torch.get_num_threads() while measuring (CPU intra-op threads)
     flushed: bool = False  # a cache flush ran before every timed call
-    other_streams: str | None = None  # CUDA: why the events missed work on another stream (STREAM_RULE), or None
+    other_streams: str | None = None  # CUDA: why the events missed work on another stream (rule other_streams)
 
     def summary(self) -> dict[str, float | int | bool | None]:
         out = asdict(self)
@@ -73,7 +75,7 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 
 def is_noisy(n: int, median: float, p20: float, p80: float) -> bool:
-    """NOISY_RULE on a summary's numbers."""
+    """The rule "noisy" on a summary's numbers."""
     if n < NOISY_MIN_SAMPLES:
         return True
     return (p80 - p20) / median > NOISY_SPREAD if median > 0 else True
@@ -116,14 +118,11 @@ def _cuda_event_ms(fn: Callable[[], object], walls: list[float] | None = None) -
 # The events time the current stream; the synchronised wall clock times every stream (plus a synchronisation's
 # cost, some microseconds). A wall median beyond the events' by more than both slacks is work on another stream.
 STREAM_SLACK = 0.5  # fraction of the events' median
-STREAM_SLACK_MS = 0.05  # and the synchronisation's own cost
-STREAM_RULE = (f"CUDA: each repetition's events (current stream) sit inside a device-wide synchronisation whose wall "
-               f"time counts every stream; a wall median over (1 + {STREAM_SLACK:g}) x the events' median + "
-               f"{STREAM_SLACK_MS:g} ms is work outside the timed stream: no speed")
+STREAM_SLACK_MS = 0.05  # and the synchronisation's own cost (both: rule "other_streams")
 
 
 def other_streams(event_ms: list[float], wall_ms: list[float]) -> str | None:
-    """STREAM_RULE on one measurement's samples: None, or the reason it timed less than the device did."""
+    """Rule "other_streams" on one measurement's samples: None, or the reason it timed less than the device did."""
     if not event_ms or not wall_ms:
         return None
     events, wall = statistics.median(event_ms), statistics.median(wall_ms)

@@ -4,11 +4,11 @@ The terminal tables (`posttrainllm bench`, `report`, `report --wide`), runs/repo
 all show a point through `point_fields` and `path_fields`, so a best peer, a verdict's deciding tensor or a
 flag is one thing everywhere:
 
-- the best peer, by BEST_PEER_RULE;
+- the best peer, by rule "best_peer" (posttrainllm/rules.py);
 - each path's verdict with the tensor and the rule that decided it, its first failing case, how many cases
   (and rows) failed, the failing rule's own line (with its allowed value) and a hint where the math has one;
 - forward and forward+backward time with their p20-p80 bands, and the speedups against the reference;
-- flags, each with its reason, wherever a figure must not be read as a result: a noisy band (NOISY_RULE), a
+- flags, each with its reason, wherever a figure must not be read as a result: a noisy band (rule "noisy"), a
   roofline fraction above 100% of attainable (the calibration or the timing is wrong), an end-to-end
   prediction its measurement misses beyond the stated band (model/amdahl.py), a speed the bench refused.
 """
@@ -18,11 +18,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from posttrainllm import rules
 from posttrainllm.measure import timing
 from posttrainllm.model import amdahl
 
-BEST_PEER_RULE = ("best peer: the peer (kind 'peer' in the op's registry; every SDPA backend is one) with the "
-                  "lowest valid forward median")
 ABOVE_ROOF = "not a result (above 100%, the calibration or the timing is wrong)"
 # how a failed case's reason (lab/parity.py check_output, lab/stages.py) names the rule that failed it
 RULES = (("non-finite", "non-finite"), ("mismatch_frac", "elementwise count"), ("row ", "row worst error"),
@@ -42,7 +41,7 @@ def _timing(entry: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _noisy_reason(timed: dict[str, Any] | None, what: str) -> str | None:
-    """Why a timing's band is too wide to compare (NOISY_RULE), or None when it is not noisy."""
+    """Why a timing's band is too wide to compare (rule "noisy"), or None when it is not noisy."""
     if not timed or not timed.get("noisy"):
         return None
     median, p20, p80, reps = timed["median_ms"], timed.get("p20_ms"), timed.get("p80_ms"), timed.get("reps")
@@ -53,7 +52,7 @@ def _noisy_reason(timed: dict[str, Any] | None, what: str) -> str | None:
 
 
 def best_peer(receipt: dict[str, Any]) -> str | None:
-    """BEST_PEER_RULE: the peer with the lowest valid forward median, or None."""
+    """Rule "best_peer": the peer with the lowest valid forward median, or None."""
     micro = (receipt.get("microbench") or {}).get("paths") or {}
     kinds = (receipt.get("kernel") or {}).get("paths") or {}
     timed = {name: micro[name]["median_ms"] for name, entry in kinds.items()
@@ -152,7 +151,7 @@ def _above_roof(roof: dict[str, Any], timed: dict[str, Any] | None) -> str:
     return f"roofline {fraction:.0%} of attainable, {ABOVE_ROOF}" + (f": here {which}" if which else "")
 
 
-NOT_MEASURABLE = "no measurable difference"  # lab/stages.py compare: the p20-p80 bands overlap (BAND_RULE)
+NOT_MEASURABLE = "no measurable difference"  # lab/stages.py compare: the p20-p80 bands overlap (rule "band")
 
 
 def measurable(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool:
@@ -264,7 +263,7 @@ def quality_failures(receipt: dict[str, Any]) -> dict[str, str]:
 
 def verdict(receipt: dict[str, Any]) -> str:
     """'pass' when parity passed, every training-loss drift is within its limit, every path passed the quality
-    gate (a quantized precision's) and the receipt found no integrity problem (INTEGRITY_RULE), else 'fail'."""
+    gate (a quantized precision's) and the receipt found no integrity problem (rule "integrity"), else 'fail'."""
     parity = (receipt.get("parity") or {}).get("verdict", "missing")
     drift = (receipt.get("bench_train") or {}).get("drift_verdict") or {}
     return ("pass" if parity == "pass" and all(v == "pass" for v in drift.values()) and not quality_failures(receipt)
@@ -272,7 +271,7 @@ def verdict(receipt: dict[str, Any]) -> str:
 
 
 def point_fields(receipt: dict[str, Any]) -> dict[str, Any]:
-    """A point's headline: its verdict, the best peer (BEST_PEER_RULE) and speedups, ours against it, the
+    """A point's headline: its verdict, the best peer (rule "best_peer") and speedups, ours against it, the
     end-to-end check, and every flag with its path and reason."""
     paths = path_fields(receipt)
     peer = best_peer(receipt)
@@ -302,7 +301,7 @@ def point_fields(receipt: dict[str, Any]) -> dict[str, Any]:
                             measurable(best.get("fb_band"), ours.get("fb_band"))),
         "point": receipt.get("point"), "verdict": verdict(receipt),
         "first_failure": (receipt.get("parity") or {}).get("first_failure"),
-        "best_peer": peer, "best_peer_rule": BEST_PEER_RULE,
+        "best_peer": peer,
         "peer_x": best.get("fwd_x"), "peer_fb_x": best.get("fb_x"),
         "ours_x": ours_vs("fwd"), "ours_fb_x": ours_vs("fb"),
         "ours_of_peak": gflops * 1e9 / peaks["gemm_flops_per_s"]
@@ -314,3 +313,12 @@ def point_fields(receipt: dict[str, Any]) -> dict[str, Any]:
 def point_figure(paths: dict[str, dict[str, Any]], mode: str, names: tuple[str | None, ...]) -> bool:
     """Whether a ratio of these paths' `mode` times is shown at all (both timed validly)."""
     return all(name in paths and paths[name][f"{mode}_ms"] for name in names)
+
+
+def cited_rules(receipt: dict[str, Any]) -> list[tuple[str, str]]:
+    """(id, text) of every rule the point's stages cite by id (posttrainllm/rules.py), in the order they are stored:
+    its kernel's compile report, parity, microbench and integrity (a path's launch geometry is the op's own words,
+    not a rule's id)."""
+    stored = [(receipt.get("kernel") or {}).get("compile"), receipt.get("parity"), receipt.get("microbench"),
+              receipt.get("integrity")]
+    return [(rules.rule_id(cited), rules.text(cited)) for cited in rules.cited_in(stored)]

@@ -8,13 +8,15 @@
     3. the end-to-end effect: the op's share of the measured training step, Amdahl's prediction, the measured
        step speedup with its band, and why they agree or differ (bench-train; track/derived.py).
 
-Nothing is run or recomputed: a figure the receipt does not hold is said to be missing.
+Nothing is run or recomputed: a figure the receipt does not hold is said to be missing. The receipt names its
+rules by id; their text is the package's table (posttrainllm/rules.py), so a receipt copied anywhere reads.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from posttrainllm import rules
 from posttrainllm.measure import curves
 from posttrainllm.track import derived
 
@@ -42,7 +44,7 @@ def contract(receipt: dict[str, Any]) -> list[str]:
     tolerances = ", ".join(f"{k}={v}" for k, v in (parity.get("contract") or {}).items() if v is not None)
     lines = [f"verdict: {parity.get('verdict')}" + (f" (first failure: {parity['first_failure']})"
                                                      if parity.get("first_failure") else ""),
-             f"rule: {parity.get('rule', '-')}",
+             f"rule: {rules.text(parity.get('rule'))}",
              f"tolerances: {tolerances} (precision.contract of precision={precision}, conf/precision/{precision}.yaml: "
              "error_multiple is a multiple of the readable reference math's own error in this precision against "
              "the float64 oracle, so a path is held to what the same math in the same dtype achieves)"]
@@ -70,6 +72,8 @@ def traffic(receipt: dict[str, Any]) -> list[str]:
     cache = micro.get("last_level_cache_bytes")
     lines = [f"floor (inputs read once, outputs written once): {micro.get('bytes')} B = {micro.get('bytes_formula')}; "
              f"FLOPs {micro.get('flops')} = {micro.get('flops_formula')}; last-level cache {_si(cache, 'B')}"]
+    if micro.get("cost_model_rule"):
+        lines.append(f"cost models: {rules.text(micro['cost_model_rule'])}")
     forward: dict[str, int] = {}
     for name, entry in micro["paths"].items():
         costs = entry.get("costs")
@@ -100,7 +104,7 @@ def traffic(receipt: dict[str, Any]) -> list[str]:
     for entry in (micro.get("curve") or {}).get("regimes") or []:
         lines.append("regime: " + curves.regime_text(entry))
     if (micro.get("curve") or {}).get("regime_rule"):
-        lines.append(f"regime rule: {micro['curve']['regime_rule']}")
+        lines.append(f"regime rule: {rules.text(micro['curve']['regime_rule'])}")
     return lines
 
 

@@ -90,7 +90,7 @@ def time_vs_size_figure(df: pd.DataFrame, *, title: str | None = None, regimes: 
     """Median time against x on log-log axes, one line per impl and mode (forward solid, forward + backward
     dashed, one colour per impl), the p20-p80 band shaded; one panel per curve axis (x_name).
 
-    Only valid rows are drawn; noisy points (timing.NOISY_RULE) are hollow markers. With `regimes`
+    Only valid rows are drawn; noisy points (rule "noisy") are hollow markers. With `regimes`
     (measure/curves.py regimes), each forward segment is labelled with its measured regime (REGIME_MARK) and a
     dotted vertical line marks where a path's working set passes the last-level cache. Every path not drawn is
     named under the panels with why (omitted_paths: `omitted`, the curve's skipped paths, and those with no

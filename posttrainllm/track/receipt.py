@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
+from posttrainllm import rules
 from posttrainllm.measure import device as devices
 from posttrainllm.track import derived, records, store
 from posttrainllm.track.derived import quality_failures, verdict  # what a receipt's figures say
@@ -109,7 +110,7 @@ def build(cfg: LabConfig, *, sweep: dict[str, Any] | None = None, overrides: lis
         "bench_train": _read_record(records.BenchTrainRecord, out),
         "stamps": stamps,
     }
-    receipt["integrity"] = {"rule": INTEGRITY_RULE,
+    receipt["integrity"] = {"rule": rules.cite("integrity"),
                             "problems": integrity_problems(cfg, out, stamps, parity_report, receipt["microbench"])}
     withhold_speed(receipt)
     # the user paths' identities (spec, file, sha256, distribution, version), where a reader looks for them
@@ -292,15 +293,11 @@ def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:
         out[prefix] = str(value)
 
 
-INTEGRITY_RULE = ("what the receipt combines is what its stages wrote: every file a stage's stamp hashed is unchanged "
-                  "since, the contract parity judged by is the config's (precision.contract, lse_contract), and the "
-                  "calibration the microbench read is the file the calibrate stage wrote; otherwise the receipt "
-                  "fails and no path gets a speed until the point is rerun (`dvc repro`)")
 
 
 def integrity_problems(cfg: LabConfig, out: Path, stamps: dict[str, Any], parity_report: dict[str, Any] | None,
                        microbench: dict[str, Any] | None) -> list[str]:
-    """INTEGRITY_RULE's findings for one point, one line each (none: [])"""
+    """Rule "integrity"'s findings for one point, one line each (none: [])"""
     from posttrainllm.track import stamp
 
     problems = stamp.check_outputs(stamps, out)
@@ -346,7 +343,7 @@ def _tags(receipt: dict[str, Any]) -> dict[str, str]:
                 tags[f"user.{name}.{key}"] = str(identity[key])
     fields = derived.point_fields(receipt)  # the figures as every view shows them
     tags["best_peer"] = fields["best_peer"] or "none"
-    tags["best_peer.rule"] = derived.BEST_PEER_RULE
+    tags["best_peer.rule"] = rules.text("best_peer")  # a view: the text
     tags["step.effect"] = step_effect(receipt, fields)
     if fields["e2e_sentence"]:
         tags["step.sentence"] = fields["e2e_sentence"][:5000]

@@ -6,8 +6,9 @@ checks the file's `schema_version` against the class's SCHEMA_VERSION and fails 
 a ConfigError: exit 2 in a DVC stage) on a missing file, another version, or keys the record does not have.
 
 The JSON is the stage's result as before, plus a `schema_version` key: the receipt and the views read the
-same keys. Where a part's shape is settled it is a field; where it still grows (a path's entry, the trainer's
-figures) it is a plain dict, until it settles. Optional parts (None) are left out of the file, as the stages
+same keys. A rule is stored by its id (posttrainllm/rules.py `cite`), never as its text. Where a part's shape
+is settled it is a field; where it still grows (a path's entry, the trainer's figures) it is a plain dict,
+until it settles. Optional parts (None) are left out of the file, as the stages
 always left them out. reference.pt (tensors, torch.save) carries the version the same way.
 
 This module sits in track/, below the lab: the stages (lab/stages/) and the receipt (track/receipt.py) both
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from posttrainllm.config import ConfigError
+from posttrainllm.rules import Cited
 from posttrainllm.files import read_json, write_json
 
 VERSION_KEY = "schema_version"
@@ -101,6 +103,7 @@ class Record:
 class KernelRecord(Record):
     """kernel.json: every optimized path run on the reference's inputs, guarded (lab/stages/kernel.py)."""
 
+    SCHEMA_VERSION: ClassVar[int] = 2  # 2: compile's rules by id (posttrainllm/rules.py)
     FILE: ClassVar[str] = "kernel.json"
     STAGE: ClassVar[str] = "kernel"
 
@@ -115,18 +118,19 @@ class KernelRecord(Record):
 class ParityRecord(Record):
     """parity.json: each path against the oracle under the point's contract (lab/stages/parity.py)."""
 
+    SCHEMA_VERSION: ClassVar[int] = 2  # 2: rules by id (posttrainllm/rules.py)
     FILE: ClassVar[str] = "parity.json"
     STAGE: ClassVar[str] = "parity"
 
     precision: str
     contract: dict[str, Any]
     lse_contract: dict[str, Any] | None
-    rule: str
-    backward_rule: str
+    rule: Cited
+    backward_rule: Cited
     cases: list[str]
     paths: dict[str, dict[str, Any]]  # per path: verdict, failed_cases, worst, cases, violations, ...
     notes: list[str]
-    gradient_baseline_rule: str | None = field(default=None, metadata=OPTIONAL)
+    gradient_baseline_rule: Cited | None = field(default=None, metadata=OPTIONAL)
     max_error_only: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
     invariance: dict[str, Any]
     quantization: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
@@ -141,6 +145,7 @@ class ParityRecord(Record):
 class MicrobenchRecord(Record):
     """microbench.json: the timed paths at the point's shape, and the curve (lab/stages/microbench.py)."""
 
+    SCHEMA_VERSION: ClassVar[int] = 2  # 2: rules by id (posttrainllm/rules.py); cost_models is cost_model_rule
     FILE: ClassVar[str] = "microbench.json"
     STAGE: ClassVar[str] = "microbench"
 
@@ -154,19 +159,19 @@ class MicrobenchRecord(Record):
     flops_formula: str
     bytes_formula: str
     backward_formula: str
-    noisy_rule: str
-    band_rule: str
-    roofline_rule: str
+    noisy_rule: Cited
+    band_rule: Cited
+    roofline_rule: Cited
     peaks: dict[str, Any]
     paths: dict[str, dict[str, Any]]  # per path: valid and its reason, or its timing, memory, costs, roofline
-    timed_result_rule: str
-    impossible_rule: str
-    rotation_rule: str
-    state_rule: str
+    timed_result_rule: Cited
+    impossible_rule: Cited
+    rotation_rule: Cited
+    state_rule: Cited
     calibration: dict[str, Any]
-    above_roof_rule: str
+    above_roof_rule: Cited
     last_level_cache_bytes: int | None
-    cost_models: str
+    cost_model_rule: Cited
     notes: list[str] | None = field(default=None, metadata=OPTIONAL)
     describe: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # the op's own (MoE: the routing)
     curve: dict[str, Any]

@@ -197,7 +197,7 @@ def _close(a: Any, b: Any) -> bool:
 
 
 def _band(a: dict[str, Any], b: dict[str, Any]) -> str:
-    """microbench's BAND_RULE (posttrainllm/lab/stages/microbench.py compare), from two stored summaries."""
+    """Rule "band" (posttrainllm/lab/stages/microbench.py compare), from two stored summaries."""
     if a["p80_ms"] < b["p20_ms"]:
         return "faster"
     if a["p20_ms"] > b["p80_ms"]:

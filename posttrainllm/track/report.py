@@ -7,6 +7,7 @@ from typing import Any
 
 import pandas as pd
 
+from posttrainllm import rules
 from posttrainllm.model import amdahl as band_rule
 from posttrainllm.measure import sass
 from posttrainllm.track import derived
@@ -266,7 +267,7 @@ def _failures_first(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def sweep_frame(receipts: dict[str, dict[str, Any]]) -> pd.DataFrame:
-    """One row per point: what it changes, parity verdicts, valid timings of the best peer (derived.BEST_PEER_RULE)
+    """One row per point: what it changes, parity verdicts, valid timings of the best peer (rule "best_peer")
     against the reference and the baseline point, roofline class, crossover, our kernel against that peer, and
     bench-train (drift, Amdahl's predicted vs measured speedup); `flags`: the figures not to read as results."""
     rows = []
@@ -480,7 +481,7 @@ def sweep_markdown(receipts: dict[str, dict[str, Any]]) -> str:
         "`triton_err/allowed`: the worst of the Triton path's outputs and gradients, as a fraction of its "
         "contract's bound (tensor-wide or per row, the larger). Triton timings through the interpreter are never "
         "shown.",
-        f"`peer`: {derived.BEST_PEER_RULE}. `flags`: the figures not to read as results (`posttrainllm report` "
+        f"`peer`: {rules.text('best_peer')}. `flags`: the figures not to read as results (`posttrainllm report` "
         "prints each with its reason).",
         "`amdahl_pred`/`amdahl_meas`: `e2e_path`'s end-to-end step speedup predicted from the microbench and the "
         "op's share of the step (`op_share`), and the measured one.",

@@ -124,6 +124,15 @@ def _train_section(receipt: dict[str, Any]) -> str:
             "</figure>")
 
 
+def _rules_section(receipt: dict[str, Any]) -> str:
+    """The rules the point's results cite by id, each with its text from the package's table (docs/rules.md)."""
+    cited = derived.cited_rules(receipt)
+    if not cited:
+        return ""
+    items = "".join(f"<li><code>{_e(rid)}</code>: {_e(said)}</li>" for rid, said in cited)
+    return f"<details><summary>Rules ({len(cited)}, by id)</summary><ul>{items}</ul></details>"
+
+
 def _point_section(name: str, receipt: dict[str, Any], runs: Path) -> str:
     failed = report.point_failed(receipt)
     parity = receipt.get("parity") or {}
@@ -151,6 +160,7 @@ def _point_section(name: str, receipt: dict[str, Any], runs: Path) -> str:
             + f"<h3>The training step</h3><p>{_e(step)}</p>"
             + f"<h3>Parity per path</h3>{_table(parity_rows(receipt).astype(str))}"
             + _train_section(receipt)
+            + _rules_section(receipt)
             + (f"<h3>Plots</h3><p>{images}</p>" if plots else "<p>No plots in this point's folder.</p>")
             + "</section>")
 

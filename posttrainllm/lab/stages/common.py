@@ -15,7 +15,7 @@ from posttrainllm.config import LabConfig
 from posttrainllm.lab import parity, runner
 from posttrainllm.measure import device as devices
 from posttrainllm.ops.registry import NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors
-from posttrainllm.lab.oracle import GRADIENT_BASELINE_RULE, worst_gradient_baseline  # noqa: F401 (the stages')
+from posttrainllm.lab.oracle import worst_gradient_baseline  # noqa: F401 (the stages')
 from posttrainllm.lab.oracle import judge_path as check_path  # noqa: F401 (parity's, the timed checks')
 from posttrainllm.track import failures
 from posttrainllm.track.records import ParityRecord, ReferenceRecord

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from posttrainllm import rules
 from posttrainllm.config import LabConfig
 from posttrainllm.lab import runner
 from posttrainllm.lab.isolation import guards, rooms
@@ -112,7 +113,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     elif by_launch:
         from posttrainllm.lab import compile as compile_lab
 
-        report["compile"] = {"targets": list(cfg.compile.targets), "rule": compile_lab.RULE, "paths": {},
+        report["compile"] = {"targets": list(cfg.compile.targets), "rule": rules.cite("compile_counters"), "paths": {},
                              "rows": [], "note": NOTHING_TO_COMPILE}
     replaced = replaced_library()
     if replaced:  # the peers call what was bound when the lab started (ops/base.py LIBRARY), not these

@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
+from posttrainllm import rules
 from posttrainllm.config import LabConfig
 from posttrainllm.lab import parity, runner
 from posttrainllm.lab.isolation import rooms
 from posttrainllm.measure import calibrate, roofline
 from posttrainllm.measure import device as devices
-from posttrainllm.measure.timing import NOISY_RULE, Timing, measure
+from posttrainllm.measure.timing import NOISY, Timing, measure
 from posttrainllm.ops.registry import NO_BACKWARD, REFERENCE, Case, Impl, OpDef, Tensors
 from posttrainllm.lab.oracle import cast_floats, each, gradients, reference_outputs, upstream_gradients
 from posttrainllm.ops.registry import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
@@ -32,12 +33,8 @@ from posttrainllm.lab.stages.common import (FAILED_PARITY, INTERPRETER_NOT_SPEED
                                             worst_gradient_baseline)
 
 
-# "faster" needs non-overlapping spread bands: p80 of one below p20 of the other
-BAND_RULE = "faster: p80 < other's p20; slower: p20 > other's p80; else no measurable difference"
-
-
 def compare(a: Timing | dict[str, Any], b: Timing | dict[str, Any]) -> str:
-    """Is `a` faster than `b`? Only when their spread bands do not overlap (BAND_RULE)."""
+    """Is `a` faster than `b`? Only when their spread bands do not overlap (rule "band")."""
     a_p20, a_p80 = (a.p20_ms, a.p80_ms) if isinstance(a, Timing) else (a["p20_ms"], a["p80_ms"])
     b_p20, b_p80 = (b.p20_ms, b.p80_ms) if isinstance(b, Timing) else (b["p20_ms"], b["p80_ms"])
     if a_p80 < b_p20:
@@ -47,35 +44,20 @@ def compare(a: Timing | dict[str, Any], b: Timing | dict[str, Any]) -> str:
     return "no measurable difference"
 
 
-TIMED_RESULT_RULE = ("after timing, each timed path is called on one of its timed input sets and its outputs checked "
-                     "against the float64 oracle; then those buffers are refilled in place with new values (another "
-                     "seed) and the check repeated: a path returning a stored result for inputs it has seen fails "
-                     "and gets no speed. Forward: the output; forward + backward: every output and gradient, "
-                     "under the parity stage's rules")
-
-
-IMPOSSIBLE_RULE = ("a median under {fraction:g} x the roofline's minimum time (the FLOPs of what was timed, forward "
-                   "or forward + backward, at the fastest calibrated GEMM peak among the formats at least as precise "
-                   "as the point's: a path may compute wider, never narrower; where none is calibrated here, the "
-                   "best of any dtype) is refused as impossible; the bytes roof is not "
-                   "used: a working set that fits the caches moves faster than the calibrated DRAM copy bandwidth "
-                   "(torch's rms_norm measured at 1.5x it on a 132 KB point)")
-
-
 FRESH_SEED = 104_729  # added to a case's seed for the refreshed inputs of the timed-result check
 
 
 def roofline_floor_s(flops: float, calibration: dict[str, Any], peak_flops: float | None = None) -> float:
     """The least time the calibrated device allows a call: its FLOPs at `peak_flops`, the fastest GEMM peak among the
     formats at least as precise as the point's (calibrate.floor_peak); where none is calibrated (None), the best GEMM
-    peak of any dtype (IMPOSSIBLE_RULE: why not the bytes at the copy bandwidth)."""
+    peak of any dtype (rule "impossible": why not the bytes at the copy bandwidth)."""
     best = peak_flops or max([v for v in (calibration["peaks"].get("gemm_flops_per_s") or {}).values() if v] or [0.0])
     return flops / best if best else 0.0
 
 
 def impossible(median_ms: float, flops: float, calibration: dict[str, Any], peak_flops: float | None,
                fraction: float, what: str = "forward") -> str | None:
-    """IMPOSSIBLE_RULE on one median: None, or why it cannot be this many FLOPs' time."""
+    """Rule "impossible" on one median: None, or why it cannot be this many FLOPs' time."""
     floor_s = roofline_floor_s(flops, calibration, peak_flops)
     if floor_s and median_ms / 1e3 < fraction * floor_s:
         return (f"impossible: {what} median {median_ms:.4g} ms is under {fraction:g} x the roofline's "
@@ -85,7 +67,7 @@ def impossible(median_ms: float, flops: float, calibration: dict[str, Any], peak
 
 def _timed_result_check(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, inputs: Tensors,
                         grad_out: torch.Tensor | None = None) -> str | None:
-    """TIMED_RESULT_RULE: None if the path computed what was timed, else why not. With `grad_out`, the forward +
+    """Rule "timed_result": None if the path computed what was timed, else why not. With `grad_out`, the forward +
     backward: every output and gradient against the oracle's, as the parity stage checks them."""
     saved = {name: x.clone() for name, x in inputs.items()}
     fresh = op.make_inputs(dataclasses.replace(case, seed=case.seed + FRESH_SEED), _dtype(cfg), str(
@@ -132,22 +114,11 @@ def _check_forward_backward(op: OpDef, cfg: LabConfig, case: Case, impl: Impl, i
     return None if result["verdict"] == "pass" else result["failed_cases"][0]
 
 
-STATE_RULE = ("torch's thread count, grad mode, anomaly detection, default dtype and backends flags are read around "
-              "every timed region: a path that changes them is named, gets no speed, and the state is put back")
-
-
-COST_MODEL_RULE = ("each path is placed on the roofline with its own FLOPs and bytes, from the model the op declares "
-                   "for its kind of path (paths.<name>.costs: the formula beside each figure; the reference's "
-                   "materialised (S, S) traffic, a fused kernel's re-reads per tile); a path that declares none is "
-                   "placed with the op's floor, and its costs say so (model 'floor'). The top-level flops and bytes "
-                   "are the floor; gflops_per_s is the floor's FLOPs per second, gbytes_per_s the path's own bytes")
-
-
 def _placed(flops: float, nbytes: float, seconds: float, working_set: int, *, calibration: dict[str, Any],
             peak_flops: float | None, peak_bandwidth: float, cache_bytes: int | None, floor_flops: float | None,
             precision: tuple, device: str, local: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
     """One timed call on the roofline at its own FLOPs, bytes and working set (the last-level cache is compared
-    with the working set). Above the calibrated FLOP peak, the peak is doubted first (calibrate.LOCAL_RULE):
+    with the working set). Above the calibrated FLOP peak, the peak is doubted first (rule "local_peak"):
     remeasured at the path's own size in the point's dtype, and the call placed against the larger; `peak_used`
     says which peak and why. None where the point's dtype has no calibrated peak."""
     if not peak_flops:
@@ -212,24 +183,25 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     precision = (cfg.precision.dtype, cfg.precision.allow_tf32 and device == "cuda",
                  quantize.format if quantize is not None else None)
     peak_flops, peak_bandwidth = calibrate.peak_for(calibration, *precision)
-    floor_flops = calibrate.floor_peak(calibration, *precision)  # IMPOSSIBLE_RULE's peak
+    floor_flops = calibrate.floor_peak(calibration, *precision)  # the peak of rule "impossible"
     report: dict[str, Any] = {"device": device, "threads": torch.get_num_threads(), "case": case.name,
                               "problem": op.problem(case), "flops": costs.flops, "bytes": costs.bytes,
                               "train_flops": costs.train_flops, "flops_formula": costs.flops_formula,
                               "bytes_formula": costs.bytes_formula, "backward_formula": costs.backward_formula,
-                              "noisy_rule": NOISY_RULE, "band_rule": BAND_RULE, "roofline_rule": roofline.RULE,
+                              "noisy_rule": NOISY, "band_rule": rules.cite("band"),
+                              "roofline_rule": roofline.CLASSIFICATION,
                               "peaks": {"gemm_flops_per_s": peak_flops, "copy_bytes_per_s": peak_bandwidth},
                               "paths": {}}
     settings = dict(warmup=bench.warmup, reps=bench.reps, min_time_s=bench.min_time_s, max_reps=bench.max_reps)
-    report["timed_result_rule"] = TIMED_RESULT_RULE
-    report["impossible_rule"] = IMPOSSIBLE_RULE.format(fraction=bench.impossible_below)
-    report["rotation_rule"] = rooms.ROTATION_RULE.format(n=len(sets))
-    report["state_rule"] = STATE_RULE
+    report["timed_result_rule"] = rules.cite("timed_result")
+    report["impossible_rule"] = rules.cite("impossible", fraction=bench.impossible_below)
+    report["rotation_rule"] = rules.cite("rotation", n=len(sets), seed_step=rooms.INPUT_SET_SEED)
+    report["state_rule"] = rules.cite("torch_state")
     report["calibration"] = {"sha256": calibration.get("sha256"), "problem": calibration_problem}
-    report["above_roof_rule"] = roofline.ABOVE_ROOF_RULE
+    report["above_roof_rule"] = rules.cite("above_roof")
     cache_bytes = devices.last_level_cache_bytes(device)
     report["last_level_cache_bytes"] = cache_bytes
-    report["cost_models"] = COST_MODEL_RULE
+    report["cost_model_rule"] = rules.cite("cost_model")
     local_peaks: dict[int, dict[str, Any]] = {}  # calibrate.local_peak per GEMM size, measured at most once here
     rows, timings = [], {}
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
@@ -290,7 +262,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                                        mine_costs.live_bytes) if mine_costs.train_bytes else None}),
             }
             above = (report["paths"][name]["roofline"] or {}).get("above_roof")
-            if above and name != REFERENCE:  # a fraction above 1 is not a result (roofline.ABOVE_ROOF_RULE)
+            if above and name != REFERENCE:  # a fraction above 1 is not a result (rule "above_roof")
                 report["paths"][name] = {"valid": False, "reason": f"above the roofline: {above}: no speed",
                                          "first_call_ms": first_call_ms}
                 del timings[name]
@@ -419,17 +391,12 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
     found = curves.crossovers(frame, [name for name in timed if name != REFERENCE])
     headline = next(c for c in found if c["x_name"] == op.x_name and c["mode"] == curves.FORWARD)
     return {"x_name": op.x_name, "x_values": sorted(op.curve_sizes(cfg)), "modes": modes, "skipped": skipped,
-            "band_rule": BAND_RULE, "check": CURVE_CHECK,
+            "band_rule": rules.cite("band"), "check_rule": rules.cite("curve_check"),
             "crossover_vs_reference": headline["vs_reference"],  # x_name, forward: what the report shows
             "crossovers": found,  # every axis and mode
-            "regimes": read, "regime_rule": curves.REGIME_RULE,
+            "regimes": read, "regime_rule": curves.REGIME,
             "unchecked_or_failed": sorted({f"{r['impl']}@{r['x_name']}={r['x_value']}" for r in rows
                                            if r["check"] != "pass"})}
-
-
-CURVE_CHECK = ("each size: every timed path's forward output against the float64 oracle under the point's "
-               "contract before timing (a size that fails is timed in no mode); after timing, per mode, the timed-result "
-               "check and the impossible-time floor (a size that fails them keeps no time)")
 
 
 def _check_at(op: OpDef, cfg: LabConfig, case: Case, inputs: Tensors, names: list[str]) -> dict[str, str]:

@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 
+from posttrainllm import rules
 from posttrainllm.config import LabConfig
 from posttrainllm.lab import parity, runner
 from posttrainllm.ops.registry import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
 from posttrainllm.track import failures
 from posttrainllm.track.records import KernelRecord, ParityRecord
-from posttrainllm.lab.stages.common import (ADVERSARIAL_NOTE, ContractBroken, GRADIENT_BASELINE_RULE, check_path,
+from posttrainllm.lab.stages.common import (ADVERSARIAL_NOTE, ContractBroken, check_path,
                                             load_reference, backward_note)
 
 
@@ -36,21 +37,19 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
     case_names = [r["case"]["name"] for r in records]
     report: dict[str, Any] = {"precision": cfg.precision.name, "contract": asdict(cfg.precision.contract),
                               "lse_contract": asdict(cfg.precision.lse_contract),
-                              "rule": parity.RULE + "; forward and backward calls each: inputs unchanged, no aliasing, "
-                                      "a Triton path launched the kernels it names for that direction",
-                              "backward_rule": BACKWARD_RULE,
+                              "rule": rules.cite("parity_contract"), "backward_rule": rules.cite("backward"),
                               "cases": case_names, "paths": {}, "notes": []}
     if any(r["case"]["inputs"] != "normal" for r in records):
         report["notes"].append(ADVERSARIAL_NOTE)
     if op.gradient_baselines:
-        report["gradient_baseline_rule"] = GRADIENT_BASELINE_RULE
+        report["gradient_baseline_rule"] = rules.cite("gradient_baseline")
     exempt = cfg.op.max_error_only.outputs_for(cfg.precision.name)
     if exempt:  # config (conf/op/<op>.yaml op.max_error_only), with its measured reason
         report["max_error_only"] = {"outputs": exempt, "reason": cfg.op.max_error_only.reason}
         report["notes"].append(f"{', '.join(exempt)}: max-error rules only, no elementwise atol/rtol "
                                f"count (op.max_error_only): {cfg.op.max_error_only.reason}")
-    report["invariance"] = {"required": list(cfg.parity.require), "determinism_rule": invariance.DETERMINISM_RULE,
-                            "batch_rule": invariance.BATCH_RULE, "properties_rule": invariance.PROPERTIES_RULE}
+    report["invariance"] = {"required": list(cfg.parity.require), "determinism_rule": invariance.DETERMINISM,
+                            "batch_rule": rules.cite("batch_invariance"), "properties_rule": rules.cite("properties")}
     if kernel_report.device != "cuda":
         report["invariance"]["note"] = invariance.INTERPRETED_NOTE
     if cfg.precision.allow_tf32 and kernel_report.device != "cuda":
@@ -138,6 +137,3 @@ def parity_headline(precision: str, broken: dict[str, list[str]], apart: dict[st
     return "; apart from those, ".join(parts)
 
 
-BACKWARD_RULE = ('each path\'s "backward": "own" (its gradients checked as the forward is), another path\'s name '
-                 '(borrowed: its gradients are that path\'s math, shown as not checked, never a pass) or "none" '
-                 '(forward-only)')

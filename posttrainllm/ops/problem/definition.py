@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from posttrainllm import rules
 from posttrainllm.config import ConfigError, LabConfig, itemsize
 
 if TYPE_CHECKING:
@@ -54,12 +55,6 @@ SCALES = {"signed": 1.0, "large": 1e4, "tiny": 1e-4, "zero_row": 1.0}
 FILE_KIND = "file"
 NO_MODEL = ("a problem file's op has no model hook (no layer of the lab's transformer is this op): bench-train "
             "trains none of its paths; `posttrainllm bench` checks and times them")
-ROWS_RULE = "parity rows along the output's last axis (a 0-d output, a loss: one row)"
-BYTES_RULE = ("bytes: inputs + parameters and buffers + output in the point's dtype: a floor (no intermediate, no "
-              "re-read counted)")
-FLOPS_RULE = ("FLOPs: torch.utils.flop_counter.FlopCounterMode on the reference (it counts matmuls, convolutions "
-              "and attention: elementwise work counts 0); backward multiple from the same count over "
-              "forward + backward")
 
 
 def _bad(file: str, what: str) -> ConfigError:
@@ -463,8 +458,9 @@ class ProblemOp:
             nbytes = sum(t.numel() * (size if t.is_floating_point() else t.element_size())
                          for t in [*x.values(), out])
             self._costs[key] = Costs(int(flops), int(nbytes), float(multiple),
-                                     FLOPS_RULE if counted else FLOPS_RULE + "; it counted 0 here: 1 FLOP per "
-                                     "output element, a floor", BYTES_RULE,
+                                     rules.text("problem_flops") + ("" if counted else "; it counted 0 here: 1 FLOP "
+                                                                    "per output element, a floor"),
+                                     rules.text("problem_bytes"),
                                      "backward: FlopCounterMode over forward + backward, less the forward"
                                      if counted and train is not None else
                                      "backward: 2 x forward, assumed (FlopCounterMode counted no forward FLOPs)")
@@ -611,4 +607,5 @@ def record(made: ProblemOp) -> dict[str, Any]:
             "inputs": list(made.arg_names), "parameters_and_buffers": list(made.state_names),
             "cases_from_file": [f"file-seed{s}" for s in made.seeds],
             "cases_from_lab": [f"lab-{k}" for k in made.kinds],
-            "rows": ROWS_RULE, "flops": FLOPS_RULE, "bytes": BYTES_RULE}
+            "rows_rule": rules.cite("problem_rows"), "flops_rule": rules.cite("problem_flops"),
+            "bytes_rule": rules.cite("problem_bytes")}

@@ -1,0 +1,132 @@
+"""The lab's rules are one table (posttrainllm/rules.py): results cite them by id, every view and docs/rules.md
+read the text there, and no rule's prose is defined anywhere else in the package."""
+
+import ast
+import copy
+
+import pytest
+
+from posttrainllm import rules
+from posttrainllm.config import PROJECT_ROOT
+from posttrainllm.track import derived, explain, report_page
+from test_report import _receipt
+
+# Rules still written out where they are applied, to move into the table; this set only shrinks
+PROSE_PENDING = {
+    "lab/isolation/outside.py": {"NULL_RULE", "RUN_QUEUE_RULE", "AGREEMENT_RULE", "TIMING_SEED_RULE", "WARMUP_RULE",
+                                 "WAKE_RULE", "PROCESS_RULE", "HEAP_RULE", "THREAD_RULE", "REFILL_RULE",
+                                 "MEMORY_RULE", "SIGNAL_RULE", "RULE"},
+    "lab/isolation/rooms.py": {"ROTATION_RULE"},  # the table's "rotation" is the one microbench cites
+    "lab/isolation/worker.py": {"BYTECODE_RULE"},
+    "model/gap.py": {"RULE"},
+}
+
+
+def test_docs_rules_md_is_the_table_rendered():
+    """docs/rules.md is written by `python -m posttrainllm.rules`: an edit by hand, or a rule changed in the table
+    only, fails here."""
+    assert (PROJECT_ROOT / rules.DOCS).read_text() == rules.markdown()
+    for rid in rules.RULES:
+        assert f"## `{rid}`" in rules.markdown()
+
+
+def test_each_rule_has_a_stable_id_and_names_exactly_its_parameters():
+    for rid, rule in rules.RULES.items():
+        assert rules.ID.fullmatch(rid), rid
+        assert rules.placeholders(rule.text) == set(rule.params), rid
+        assert rule.text and rule.where
+
+
+def _prose_rules() -> dict[str, set[str]]:
+    """Module-level names RULE or *_RULE bound to a string (or a sum of strings) in the package, per file."""
+    found: dict[str, set[str]] = {}
+    package = PROJECT_ROOT / "posttrainllm"
+    for path in package.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.Assign):
+                continue
+            names = {t.id for t in node.targets
+                     if isinstance(t, ast.Name) and (t.id == "RULE" or t.id.endswith("_RULE"))}
+            text = [n for n in ast.walk(node.value) if isinstance(n, (ast.Constant, ast.JoinedStr))
+                    and (not isinstance(n, ast.Constant) or isinstance(n.value, str))]
+            if names and text and not isinstance(node.value, ast.Call):
+                found.setdefault(path.relative_to(package).as_posix(), set()).update(names)
+    return found
+
+
+def test_no_rule_is_written_out_outside_the_table():
+    found = _prose_rules()
+    assert {path: names - PROSE_PENDING.get(path, set()) for path, names in found.items()
+            if names - PROSE_PENDING.get(path, set())} == {}
+    stale = {path: names - found.get(path, set()) for path, names in PROSE_PENDING.items()
+             if names - found.get(path, set())}
+    assert stale == {}, "a pending prose rule is gone: drop it from PROSE_PENDING"
+
+
+def test_a_citation_is_the_id_with_its_parameters_and_reads_as_the_tables_text():
+    assert rules.cite("band") == "band"
+    cited = rules.cite("impossible", fraction=0.5)
+    assert cited == {"id": "impossible", "fraction": 0.5}
+    assert rules.text(cited).startswith("a median under 0.5 x the roofline's minimum time")
+    assert rules.text("band") == rules.RULES["band"].text
+    with pytest.raises(KeyError):
+        rules.cite("no_such_rule")
+    with pytest.raises(TypeError, match="takes \\['fraction'\\]"):
+        rules.cite("impossible")
+    with pytest.raises(TypeError):
+        rules.cite("band", fraction=0.5)
+
+
+def test_an_unknown_id_reads_as_unknown_and_old_prose_reads_as_it_is():
+    assert rules.text("made_up_rule").startswith("unknown rule 'made_up_rule'")
+    assert rules.text({"id": "made_up_rule", "n": 3}).startswith("unknown rule 'made_up_rule'")
+    assert "\n" not in rules.text("made_up_rule")
+    assert rules.text({"id": "impossible"}).startswith("rule 'impossible' stored without its fraction: ")
+    prose = "faster: p80 < other's p20 (a receipt written before rules had ids)"
+    assert rules.text(prose) == prose and rules.text(None) == "-"
+
+
+def _cited_receipt() -> dict:
+    receipt = copy.deepcopy(_receipt("baseline"))
+    receipt["parity"].update(rule=rules.cite("parity_contract"), backward_rule="made_up_rule")
+    receipt["microbench"].update(bytes=1024, bytes_formula="3 x 4 B", flops=10, flops_formula="2MNK",
+                                 band_rule=rules.cite("band"), cost_model_rule=rules.cite("cost_model"),
+                                 impossible_rule=rules.cite("impossible", fraction=0.25))
+    receipt["microbench"]["curve"]["regime_rule"] = rules.cite("regime", overhead_fraction=0.5, slope_tolerance=0.25)
+    receipt["kernel"]["paths"]["triton"]["geometry"] = {"split_rule": "given"}  # the op's own words, not a rule
+    receipt["integrity"] = {"rule": rules.cite("integrity"), "problems": []}
+    return receipt
+
+
+def test_explain_and_report_html_read_each_cited_rule_from_the_table():
+    """A receipt names its rules by id; explain and the page print the text, an unknown id as unknown."""
+    receipt = _cited_receipt()
+    said = explain.explain(receipt)
+    assert f"rule: {rules.RULES['parity_contract'].text}" in said
+    assert "regime rule: per segment between two measured sizes" in said and "under 0.5 x the smaller" in said
+    assert f"cost models: {rules.RULES['cost_model'].text}" in said
+    cited = dict(derived.cited_rules(receipt))
+    assert set(cited) == {"parity_contract", "made_up_rule", "band", "cost_model", "impossible", "regime",
+                          "integrity"}
+    assert cited["made_up_rule"].startswith("unknown rule 'made_up_rule'")
+    assert cited["impossible"].startswith("a median under 0.25 x")
+    page = report_page.sweep_page({"baseline": receipt}, PROJECT_ROOT / "runs")
+    assert "Rules (7, by id)" in page and "<code>band</code>: faster: p80 &lt; other&#x27;s p20" in page
+    assert "<code>made_up_rule</code>: unknown rule" in page and "<code>given</code>" not in page
+
+
+def test_explain_on_a_copied_receipt_naming_an_unknown_rule_says_so_and_reads_the_rest(tmp_path, capsys):
+    """A receipt from another version may name a rule this table lacks: `posttrainllm explain` prints "unknown rule
+    '<id>'" in its place (one line) and answers the rest from the receipt; exit 0."""
+    import json
+
+    from posttrainllm import cli
+
+    receipt = _cited_receipt()
+    receipt["parity"]["rule"] = "renamed_rule"
+    (tmp_path / "receipt.json").write_text(json.dumps(receipt))
+    assert cli.main(["explain", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.strip().startswith("rule:"))
+    assert line.strip().startswith("rule: unknown rule 'renamed_rule'")
+    assert "regime rule: per segment between two measured sizes" in out and "2. Memory traffic per path" in out
