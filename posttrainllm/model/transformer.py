@@ -34,8 +34,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from posttrainllm.model import slots
-from posttrainllm.model.slots import (ADD_NORM, ATTENTION, CACHED_ATTENTION, EXPERTS, LINEAR, LOSS, MLP_ACTIVATION, MOE,
-                                      MLP_KINDS, NORM, ROPE, ROPE_TABLES, ROUTER, TREE_ATTENTION)
+from posttrainllm.model.slots import (ADD_NORM, ATTENTION, CACHED_ATTENTION, EXPERTS, LINEAR, LOSS, MLP_ACTIVATION,
+                                      MLP_KINDS, MOE, NORM, ROPE, ROPE_TABLES, ROUTER, TREE_ATTENTION)
 
 
 @dataclass
