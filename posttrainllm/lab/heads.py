@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -46,7 +46,6 @@ from posttrainllm.model.corpus import Corpus, batch_at, load_corpus, split_tail
 from posttrainllm.model.corpus import prompts as corpus_prompts
 from posttrainllm.model.decode import Generation, first_mismatch, greedy_cached, speculative, speculative_tree
 from posttrainllm.model.heads import MedusaHeads, head_accuracy, self_distillation_loss
-from posttrainllm.model.gap import AttentionFn
 from posttrainllm.model.slots import CACHED_ATTENTION
 from posttrainllm.model.transformer import KVCache, ModelConfig, Transformer
 
@@ -327,7 +326,7 @@ def _summarise(gens: list[Generation], peak: dict[str, Any], K: int, timed: bool
     return entry
 
 
-def decode_attention(cfg: LabConfig) -> tuple[AttentionFn, dict[str, Any]]:
+def decode_attention(cfg: LabConfig) -> tuple[Callable[..., torch.Tensor], dict[str, Any]]:
     """heads.decode_attention as a (q, k, v) -> o function from the decode_attention op's registry, and what it is."""
     from posttrainllm.ops.registry import get_op
 

@@ -11,7 +11,7 @@ reduction orders; any gap makes on-policy training silently off-policy. Here, fo
              bit for bit
 
 Prompts come in batches, each of one length (the KV cache holds one length per batch: ragged batches would need a
-per-row length it does not have). The model's attention switches are restored when done.
+per-row length it does not have). The model's attention slots are restored when done.
 
 Shape legend
     B   batch    P   prompt length    N   new tokens    V   vocab

@@ -13,7 +13,7 @@ Paths (one function each: checked, timed and trained as the gate of every dense 
 
 Why the reference runs in the point's dtype (not fp32 and cast back): reference.py's functions run in their
 inputs' dtype, so that the same call on float64 inputs is the oracle; and this is what the model trains with
-(transformer.reference_swiglu, moe_reference.swiglu_expert). Its 16-bit baseline rounds twice (silu(gate), then the
+(the model's mlp_activation default, model_defaults below; moe_reference.swiglu_expert). Its 16-bit baseline rounds twice (silu(gate), then the
 product) where the fused kernel rounds once, so the contract's allowance is ~1-2 output ulps x error_multiple:
 measured margins of the planted bugs in tests/ops/test_swiglu.py.
 """
