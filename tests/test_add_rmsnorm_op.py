@@ -173,7 +173,7 @@ def test_the_model_hook_fuses_each_block_s_add_and_mlp_norm():
     cfg = load(QUICK)
     op = get_op("add_rmsnorm")
     assert op.model_overrides(load([*QUICK, "op.eps=1e-6"])) == {"norm_eps": 1e-6}
-    add_norm = op.model_hooks(op.impls["reference"], cfg).add_norm
+    add_norm = op.model_hook.fill(op.impls["reference"], cfg)
     x, a, w = torch.randn(2, 3, 64), torch.randn(2, 3, 64), 1 + torch.randn(64) * 0.1
     y, h = add_norm(x, a, w, cfg.op.eps)
     assert torch.equal(h, x + a)
@@ -192,16 +192,19 @@ def test_the_model_trains_with_each_path_as_the_unfused_model_does():
     op = get_op("add_rmsnorm")
     config = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=16, mlp_hidden=64, max_seq_len=8,
                          **op.model_overrides(cfg))
-    hooks = {name: op.model_hooks(op.impls[name], cfg).add_norm for name in op.impls}
+    hooks = {name: op.model_hook.fill(op.impls[name], cfg) for name in op.impls}
     calls = []
     triton_add_norm = hooks["triton"]
     hooks["triton"] = lambda x, a, w, eps: calls.append(x.shape) or triton_add_norm(x, a, w, eps)
-    variants = [Variant("unfused model"), Variant("reference", add_norm=hooks["reference"]),
-                Variant("torch", add_norm=hooks["torch"]),
-                Variant("triton", add_norm=hooks["triton"], interpreted=True, steps=1)]
+    variants = [Variant("unfused model"), Variant("reference", {"add_norm": hooks["reference"]}),
+                Variant("torch", {"add_norm": hooks["torch"]}),
+                Variant("triton", {"add_norm": hooks["triton"]}, interpreted=True, steps=1)]
     result = bench_train(config, variants=variants, steps=2, warmup_steps=0, batch_size=2, seq_len=8, lr=3e-3,
                          seed=0, precision="fp32", device="cpu")
     for name in ("reference", "torch", "triton"):
         assert result["max_step_drift"][name] < 1e-5, (name, result["max_step_drift"])
     assert calls == [(2, 8, 32)] * 2  # the Triton variant's one step: one call per block
-    assert result["impls"]["reference"]["profile"]["rmsnorm"]["calls"] == 5  # the fused call in the norm's range
+    profile = result["impls"]["reference"]["profile"]
+    assert profile["add_norm"]["calls"] == 2 and profile["norm"]["calls"] == 3  # the fused call in its own slot's range
+    unfused = result["impls"]["unfused model"]["profile"]
+    assert unfused["add_norm"]["calls"] == 0 and unfused["norm"]["calls"] == 5  # the add, then the norm slot

@@ -155,16 +155,16 @@ def test_bench_train_reports_drift_within_contract(trained):
 
 
 def test_bench_train_drift_beyond_contract_fails(workdir, monkeypatch, capsys):
-    from posttrainllm.ops.base import ModelHooks
+    from posttrainllm.ops.base import ModelHook
 
     # parity checks the registry function; here only the model's hook is wrong, so only drift can catch it
-    hooks = attention.OP.model_hooks
+    hook = attention.OP.model_hook
 
     def wrong_scale(impl, cfg):
-        right = hooks(impl, cfg).attention
-        return ModelHooks(attention=lambda q, k, v: 1.5 * right(q, k, v)) if impl.name == "sdpa" else hooks(impl, cfg)
+        right = hook.fill(impl, cfg)
+        return (lambda q, k, v: 1.5 * right(q, k, v)) if impl.name == "sdpa" else right
 
-    monkeypatch.setattr(attention.OP, "model_hooks", wrong_scale)
+    monkeypatch.setattr(attention.OP, "model_hook", ModelHook(hook.slot, wrong_scale))
     args = ["bench-train", *QUICK, SDPA_ONLY, "train.steps=3", "train.warmup_steps=1", "run.log_mlflow=false"]
     assert cli.main(args) == 1
     assert "loss drift of sdpa exceeds train_loss_drift=0.0001" in capsys.readouterr().err

@@ -199,16 +199,16 @@ def test_the_models_fused_loss_equals_its_logits_cross_entropy_and_trains():
     logits, _ = model(idx)
     expected = F.cross_entropy(logits.float().view(32, -1), targets.view(32))
     cfg = load(["op=cross_entropy"])
-    hooks = {name: cross_entropy.OP.model_hooks(cross_entropy.IMPLS[name], cfg).loss
+    hooks = {name: cross_entropy.OP.model_hook.fill(cross_entropy.IMPLS[name], cfg)
              for name in ("reference", "torch", "triton")}
     for name, hook in hooks.items():
-        model.set_loss(hook)
+        model.swap("loss", hook)
         none, loss = model(idx, targets)
         assert none is None and abs(loss.item() - expected.item()) < 1e-5, name
 
-    variants = [Variant("reference", loss=hooks["reference"]),
-                Variant("triton", loss=hooks["triton"], interpreted=True, steps=2)]
+    variants = [Variant("reference", {"loss": hooks["reference"]}),
+                Variant("triton", {"loss": hooks["triton"]}, interpreted=True, steps=2)]
     result = bench_train(config, variants=variants, steps=2, warmup_steps=0, batch_size=2, seq_len=16, lr=3e-3,
                          seed=0, precision="fp32", device="cpu")
     assert result["drift"]["triton"] < 1e-5
-    assert result["impls"]["reference"]["profile"]["cross_entropy"]["calls"] == 1
+    assert result["impls"]["reference"]["profile"]["loss"]["calls"] == 1

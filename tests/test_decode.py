@@ -166,7 +166,6 @@ def test_speculative_decoding_through_the_triton_decode_kernel_equals_greedy(mod
 
     from posttrainllm.lab.configure import load
     from posttrainllm.lab.heads import decode_attention
-    from posttrainllm.model.transformer import reference_chunk_attention
 
     fn, info = decode_attention(load(["device=cpu", "heads.decode_attention=triton"]))
     assert info["path"] == "triton" and info["timed"] is not info["triton_interpreted"]
@@ -179,15 +178,16 @@ def test_speculative_decoding_through_the_triton_decode_kernel_equals_greedy(mod
         chunks.append(q.shape[2])
         return fn(q, k, v)
 
-    model.set_decode_attention(counted)
+    default = model.slot("cached_attention")
+    model.swap("cached_attention", counted)
     try:
         assert greedy_cached(model, prompt, 8)[1].tokens == want.tokens
         assert speculative(model, heads, prompt, 8).tokens == want.tokens
         mutant = kernel_mutant(tmp_path, "decode_attention", "limit = query + SK - SQ", "limit = query")
-        model.set_decode_attention(lambda q, k, v: mutant.decode_attention(q, k, v))  # top-left: wrong in a cache
+        model.swap("cached_attention", lambda q, k, v: mutant.decode_attention(q, k, v))  # top-left: wrong in a cache
         assert greedy_cached(model, prompt, 8)[1].tokens != want.tokens
     finally:
-        model.set_decode_attention(reference_chunk_attention)
+        model.swap("cached_attention", default)
     assert {1, 3} <= set(chunks)  # one-token steps and K + 1 = 3 position verifications ran through the kernel
 
 

@@ -3,7 +3,8 @@
 import torch
 
 from posttrainllm.model.gap import compare, measure_gap
-from posttrainllm.model.transformer import ModelConfig, Transformer, reference_attention, reference_chunk_attention
+from posttrainllm.model.slots import defaults
+from posttrainllm.model.transformer import ModelConfig, Transformer
 
 TINY = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, max_seq_len=64)
 
@@ -53,6 +54,7 @@ def test_compare_counts_equal_bits_and_the_largest_difference():
 
 def test_every_pair_is_measured_and_a_batch_dependent_decode_path_is_named_by_its_gap():
     model = Transformer(TINY, seed=0).eval()
+    reference_attention, reference_chunk_attention = defaults()["attention"], defaults()["cached_attention"]
     gap = measure_gap(model, _prompts(), 6, {"reference": reference_chunk_attention, "split_by_batch": split_by_batch},
                       {"reference": reference_attention, "sdpa": lambda q, k, v: torch.nn.functional
                        .scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)})
@@ -66,6 +68,6 @@ def test_every_pair_is_measured_and_a_batch_dependent_decode_path_is_named_by_it
     assert planted["bitwise_fraction"] < honest["bitwise_fraction"]
     assert ("why_not_bitwise" in gap) == (not honest["bitwise"])
     # the model attends as before
-    assert all(b.attn.attention_fn is reference_attention and b.attn.decode_attention_fn is reference_chunk_attention
+    assert all(b.attn.fns["attention"] is reference_attention and b.attn.fns["cached_attention"] is reference_chunk_attention
                for b in model.blocks)
 

@@ -141,7 +141,7 @@ def test_the_model_hook_makes_every_norm_a_layernorm():
     cfg = load(QUICK)
     op = get_op("layernorm")
     assert op.model_overrides(load([*QUICK, "op.eps=1e-6"])) == {"norm_eps": 1e-6}
-    norm = op.model_hooks(op.impls["reference"], cfg).norm
+    norm = op.model_hook.fill(op.impls["reference"], cfg)
     x, w = torch.randn(2, 3, 64), 1 + torch.randn(64) * 0.1
     torch.testing.assert_close(norm(x, w, cfg.op.eps), torch.nn.functional.layer_norm(x, (64,), w, None, 1e-5))
     with pytest.raises(ValueError, match="norm eps=0.001 is not op.eps=1e-05"):
@@ -159,15 +159,15 @@ def test_the_model_trains_a_layernorm_transformer_with_each_path():
     op = get_op("layernorm")
     config = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16, mlp_hidden=64, max_seq_len=8,
                          **op.model_overrides(cfg))
-    hooks = {name: op.model_hooks(op.impls[name], cfg).norm for name in op.impls}
+    hooks = {name: op.model_hook.fill(op.impls[name], cfg) for name in op.impls}
     calls = []
     triton_norm = hooks["triton"]
     hooks["triton"] = lambda x, weight, eps: calls.append(x.shape) or triton_norm(x, weight, eps)
-    variants = [Variant("reference", norm=hooks["reference"]), Variant("torch", norm=hooks["torch"]),
-                Variant("triton", norm=hooks["triton"], interpreted=True, steps=1), Variant("rmsnorm model")]
+    variants = [Variant("reference", {"norm": hooks["reference"]}), Variant("torch", {"norm": hooks["torch"]}),
+                Variant("triton", {"norm": hooks["triton"]}, interpreted=True, steps=1), Variant("rmsnorm model")]
     result = bench_train(config, variants=variants, steps=2, warmup_steps=0, batch_size=2, seq_len=8, lr=3e-3,
                          seed=0, precision="fp32", device="cpu")
     assert result["drift"]["torch"] < 1e-5 and result["drift"]["triton"] < 1e-5
     assert result["max_step_drift"]["rmsnorm model"] > 1e-4  # the model's own norms: another model, other losses
     assert calls == [(2, 8, 32)] * 3  # the Triton variant's one step: (B, T, C) through the hook, 3 norms
-    assert result["impls"]["reference"]["profile"]["rmsnorm"]["calls"] == 3  # the model's norm range
+    assert result["impls"]["reference"]["profile"]["norm"]["calls"] == 3  # the model's norm slot's range

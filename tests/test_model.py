@@ -2,17 +2,19 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from posttrainllm.ops.attention import reference
 from posttrainllm.config import LabConfig
-from posttrainllm.model.transformer import ModelConfig, Transformer, apply_rope, rope_tables
+from posttrainllm.model.transformer import ModelConfig, Transformer
 from posttrainllm.ops.registry import get_op
+from posttrainllm.ops.rope.reference import rope as apply_rope, rope_tables
 
 
 def attention_hook(name: str):
     """The model's attention call for a registry implementation: what bench-train swaps in."""
     op = get_op("attention")
-    return op.model_hooks(op.impls[name], LabConfig()).attention
+    return op.model_hook.fill(op.impls[name], LabConfig())
 
 
 IMPLS = {"reference": None, "sdpa": attention_hook("sdpa")}  # None: the model's default, the reference math
@@ -45,7 +47,7 @@ def test_reference_and_sdpa_agree_in_fp32(name, kw):
     grads_ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
 
-    model.set_attention(attention_hook("sdpa"))
+    model.swap("attention", attention_hook("sdpa"))
     logits_sdpa, loss_sdpa = model(idx, targets)
     loss_sdpa.backward()
     torch.testing.assert_close(logits_sdpa, logits_ref, atol=1e-5, rtol=1e-5)
@@ -91,7 +93,7 @@ def test_rope_score_depends_only_on_offset():
 
 @pytest.mark.parametrize("impl", ["reference", "sdpa"])
 def test_causal_future_tokens_do_not_change_earlier_logits(impl):
-    model = Transformer(tiny(), seed=0, attention=IMPLS[impl])
+    model = Transformer(tiny(), seed=0, fills={"attention": IMPLS[impl]} if IMPLS[impl] else {})
     idx = tokens(B=2, T=20)
     changed = idx.clone()
     changed[:, 12] = (changed[:, 12] + 1) % 256
@@ -147,15 +149,15 @@ def test_attention_is_the_function_handed_in():
         calls.append(q.shape)
         return reference.attention(q, k, v, causal=True)
 
-    model = Transformer(tiny(), seed=0, attention=spy)
+    model = Transformer(tiny(), seed=0, fills={"attention": spy})
     logits, _ = model(tokens(T=8))
     assert calls == [(4, 4, 8, 16)] * 2  # one call per layer, q: (B, nh, T, hs)
-    model.set_attention(reference.attention)
+    model.swap("attention", reference.attention)
     torch.testing.assert_close(model(tokens(T=8))[0], logits, atol=0, rtol=0)
 
 
 def test_bf16_autocast_forward_runs_and_tracks_fp32():
-    model = Transformer(tiny(), seed=0, attention=attention_hook("sdpa"))
+    model = Transformer(tiny(), seed=0, fills={"attention": attention_hook("sdpa")})
     idx, targets = tokens(), tokens(seed=1)
     with torch.no_grad():
         _, loss32 = model(idx, targets)
@@ -176,25 +178,22 @@ def test_the_trained_function_is_the_registry_function(monkeypatch):
         return sdpa.fn(x, cfg)
 
     import dataclasses
-    hook = op.model_hooks(dataclasses.replace(sdpa, fn=counted), LabConfig()).attention
-    Transformer(tiny(), seed=0, attention=hook)(tokens(T=8))
+    hook = op.model_hook.fill(dataclasses.replace(sdpa, fn=counted), LabConfig())
+    Transformer(tiny(), seed=0, fills={op.model_hook.slot: hook})(tokens(T=8))
     assert len(calls) == 2  # one per layer
 
 
-def test_every_op_of_the_block_has_a_switch_that_the_model_calls():
-    """norm, rope, swiglu and the fused head + loss: each switch is called, and the readable default twin of
-    each gives the model's own loss (a switch the model ignored, or called twice as often, is caught)."""
+def test_every_slot_of_the_block_is_one_that_the_model_calls():
+    """norm, rope, the MLP activation and the fused head + loss: each slot is called, and the readable default twin
+    of each gives the model's own loss (a slot the model ignored, or called twice as often, is caught)."""
     import torch.nn.functional as F
-
-    from posttrainllm.model.transformer import (ModelConfig, Transformer, apply_rope, reference_norm,
-                                                reference_swiglu)
 
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=48,
                       max_seq_len=16)
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     model = Transformer(cfg, seed=0)
     _, want = model(idx, idx)
-    calls = {"norm": 0, "rope": 0, "swiglu": 0, "loss": 0}
+    calls = {"norm": 0, "rope": 0, "mlp_activation": 0, "loss": 0}
 
     def counted(name, fn):
         def call(*args):
@@ -202,11 +201,42 @@ def test_every_op_of_the_block_has_a_switch_that_the_model_calls():
             return fn(*args)
         return call
 
-    model.set_norm(counted("norm", reference_norm))
-    model.set_rope(counted("rope", apply_rope))
-    model.set_swiglu(counted("swiglu", reference_swiglu))
-    model.set_loss(counted("loss", lambda h, w, y: F.cross_entropy((h @ w.t()).float(), y)))
+    for slot in ("norm", "rope", "mlp_activation"):
+        model.swap(slot, counted(slot, model.slot(slot)))  # the default, counted
+    model.swap("loss", counted("loss", lambda h, w, y: F.cross_entropy((h @ w.t()).float(), y)))
     logits, got = model(idx, idx)
     assert logits is None  # the fused loss makes no logits
     torch.testing.assert_close(got, want)
-    assert calls == {"norm": 2 * 2 + 1, "rope": 2 * 2, "swiglu": 2, "loss": 1}
+    assert calls == {"norm": 2 * 2 + 1, "rope": 2 * 2, "mlp_activation": 2, "loss": 1}
+
+
+def test_a_swap_names_a_slot_of_this_model():
+    """An unknown slot (an op's name is not one) is refused with the valid ones; a slot this architecture does not
+    call (the experts of a dense model) is refused rather than swapped into nothing."""
+    model = Transformer(tiny(), seed=0)
+    with pytest.raises(ValueError, match=r"unknown model slot 'matmul': valid choices are attention, .*linear"):
+        model.swap("matmul", torch.nn.functional.linear)
+    with pytest.raises(ValueError, match="calls no experts slot"):
+        model.swap("experts", lambda *args: None)
+    moe = Transformer(tiny(mlp="moe"), seed=0)
+    with pytest.raises(ValueError, match="calls no mlp_activation slot"):
+        moe.swap("mlp_activation", lambda gate, up: gate)
+
+
+def test_the_model_knows_its_defaults_from_the_ops_and_every_hook_fills_a_slot(monkeypatch):
+    """Each op-declared default is the op's readable math, one op per slot, covering every slot the model does not
+    default itself; every op with a model hook fills one of the model's slots; a slot declared twice is refused."""
+    import dataclasses
+
+    from posttrainllm.model import slots
+    from posttrainllm.ops import registry
+    from posttrainllm.ops.rmsnorm import reference as rmsnorm_reference
+
+    assert slots.defaults()["norm"] is rmsnorm_reference.rmsnorm and slots.defaults()["linear"] is F.linear
+    assert set(slots.defaults()) == {*slots.SLOTS, slots.ROPE_TABLES}
+    for op in registry.OPS.values():
+        assert (op.model_hook is None) == (op.no_model is not None), op.name
+        assert op.model_hook is None or op.model_hook.slot in slots.SLOTS, op.name
+    monkeypatch.setitem(registry.OPS, "other", dataclasses.replace(registry.OPS["rmsnorm"], name="other"))
+    with pytest.raises(ValueError, match="'norm' default is declared by both rmsnorm and other"):
+        registry.model_defaults()

@@ -167,14 +167,14 @@ def test_moe_model_trains_with_each_expert_path_and_counts_its_routing():
     assert torch.isfinite(loss) and moe_aux_loss(model) > 0
 
     cfg = load(["op=moe", "tile=b16"])
-    hooks = {name: moe.OP.model_hooks(moe.IMPLS[name], cfg).moe for name in ("reference", "sparse", "triton")}
-    variants = [Variant("reference", moe=hooks["reference"]), Variant("sparse", moe=hooks["sparse"]),
-                Variant("triton", moe=hooks["triton"], interpreted=True, steps=1)]
+    hooks = {name: moe.OP.model_hook.fill(moe.IMPLS[name], cfg) for name in ("reference", "sparse", "triton")}
+    variants = [Variant("reference", {"experts": hooks["reference"]}), Variant("sparse", {"experts": hooks["sparse"]}),
+                Variant("triton", {"experts": hooks["triton"]}, interpreted=True, steps=1)]
     result = bench_train(config, variants=variants, steps=2, warmup_steps=0, batch_size=2, seq_len=16, lr=3e-3,
                          seed=0, precision="fp32", device="cpu")
     assert result["drift"]["sparse"] < 1e-5 and result["drift"]["triton"] < 1e-5
     reference_run = result["impls"]["reference"]
-    assert reference_run["profile"]["moe"]["calls"] == 1 and reference_run["profile"]["moe"]["fraction"] > 0
+    assert reference_run["profile"]["experts"]["calls"] == 1 and reference_run["profile"]["experts"]["fraction"] > 0
     routing = reference_run["moe_routing"]
     assert routing["dropped"] == [0] and routing["dropped_counted_over_steps"] == 2
     assert routing["assignments"] == [2 * 16 * 2] and sum(routing["tokens_per_expert"][0]) == 64

@@ -103,7 +103,7 @@ def _step_with_ranges() -> None:
     from torch.profiler import record_function
 
     x = torch.randn(64, 64, requires_grad=True)
-    with record_function("posttrainllm::matmul"):
+    with record_function("posttrainllm::linear"):
         y = x @ x
     with record_function("posttrainllm::attention"):
         z = torch.softmax(y, -1)
@@ -116,7 +116,7 @@ def test_cpu_profiles_print_no_kineto_lines(capfd):
     capfd.readouterr()
     assert memory.peak_bytes(lambda: torch.ones(1 << 20).sum(), "cpu")["peak_bytes"] >= 4 << 20
     profile = profile_step(_step_with_ranges, cuda=False)
-    assert profile["step_us"] > 0 and profile["matmul"]["calls"] == 1 and profile["matmul"]["backward_us"] > 0
+    assert profile["step_us"] > 0 and profile["linear"]["calls"] == 1 and profile["linear"]["backward_us"] > 0
     out, err = capfd.readouterr()
     assert "USDT" not in err + out and "profiler_start" not in err + out
 

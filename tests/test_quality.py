@@ -162,7 +162,7 @@ def _train_fp8(base_dir, extra=(), cfg=None):
     model_cfg = ModelConfig(vocab_size=256, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
                             n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, mlp_hidden=a.mlp_hidden, max_seq_len=64)
     paths = op.paths(cfg)
-    variants = [Variant("bf16"), Variant("reference", linear=op.model_hooks(paths["reference"], cfg).linear)]
+    variants = [Variant("bf16"), Variant("reference", {"linear": op.model_hook.fill(paths["reference"], cfg)})]
     common = dict(variants=variants, steps=cfg.train.steps, warmup_steps=1, batch_size=cfg.train.batch_size,
                   seq_len=cfg.train.seq_len, lr=cfg.train.lr, seed=0, device="cpu", skipped={})
     return bench_train_stage._train_quantized(cfg, model_cfg, common, "cpu", base_dir / "base")

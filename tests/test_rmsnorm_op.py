@@ -142,29 +142,29 @@ def test_the_eps_trained_is_the_eps_checked():
     cfg = load(QUICK)
     assert cfg.op.eps == ModelConfig().norm_eps == 1e-5
     assert rmsnorm.OP.model_overrides(load([*QUICK, "op.eps=1e-6"])) == {"norm_eps": 1e-6}
-    hook = rmsnorm.OP.model_hooks(rmsnorm.IMPLS["reference"], cfg).norm
+    hook = rmsnorm.OP.model_hook.fill(rmsnorm.IMPLS["reference"], cfg)
     x, weight = torch.randn(2, 3, 8), torch.rand(8) + 0.5
-    from posttrainllm.model.transformer import reference_norm
+    from posttrainllm.model.slots import defaults
 
-    torch.testing.assert_close(hook(x, weight, 1e-5), reference_norm(x, weight, 1e-5))  # (B, T, C) in and out
+    torch.testing.assert_close(hook(x, weight, 1e-5), defaults()["norm"](x, weight, 1e-5))  # (B, T, C) in and out
     with pytest.raises(ValueError, match="eps=1e-06 is not op.eps=1e-05"):
         hook(x, weight, 1e-6)
 
 
 def test_the_model_trains_with_each_path_and_profiles_its_norms():
-    """Reference, torch and Triton RMSNorm in the same model: the same losses, every norm in the rmsnorm range."""
+    """Reference, torch and Triton RMSNorm in the same model: the same losses, every norm in the norm slot's range."""
     cfg = load(["op=rmsnorm", "device=cpu"])
     config = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16, mlp_hidden=64, max_seq_len=8,
                          **rmsnorm.OP.model_overrides(cfg))
-    hooks = {name: rmsnorm.OP.model_hooks(rmsnorm.IMPLS[name], cfg).norm for name in rmsnorm.IMPLS}
+    hooks = {name: rmsnorm.OP.model_hook.fill(rmsnorm.IMPLS[name], cfg) for name in rmsnorm.IMPLS}
     calls = []
     triton_norm = hooks["triton"]
     hooks["triton"] = lambda x, weight, eps: calls.append(x.shape) or triton_norm(x, weight, eps)
-    variants = [Variant("reference", norm=hooks["reference"]), Variant("torch", norm=hooks["torch"]),
-                Variant("triton", norm=hooks["triton"], interpreted=True, steps=1)]
+    variants = [Variant("reference", {"norm": hooks["reference"]}), Variant("torch", {"norm": hooks["torch"]}),
+                Variant("triton", {"norm": hooks["triton"]}, interpreted=True, steps=1)]
     result = bench_train(config, variants=variants, steps=2, warmup_steps=0, batch_size=2, seq_len=8, lr=3e-3,
                          seed=0, precision="fp32", device="cpu")
     assert result["drift"]["torch"] < 1e-5 and result["drift"]["triton"] < 1e-5
     assert calls == [(2, 8, 32)] * 3  # the Triton variant's one step: (B, T, C) through the hook, 3 norms
-    profile = result["impls"]["reference"]["profile"]["rmsnorm"]
+    profile = result["impls"]["reference"]["profile"]["norm"]
     assert profile["calls"] == 3 and profile["fraction"] > 0  # 2 per block + the final norm

@@ -120,9 +120,9 @@ def test_the_triton_rope_trains_the_model_as_the_reference_does():
     """The hook rotates every q and k of the model (a transposed view of the projection) through `impl.fn`."""
     config = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_hidden=64, max_seq_len=16)
     cfg = load([*QUICK, "tile=b16"])
-    hooks = {name: rope.OP.model_hooks(rope.IMPLS[name], cfg).rope for name in ("reference", "triton")}
-    variants = [Variant("reference", rope=hooks["reference"]),
-                Variant("triton", rope=hooks["triton"], interpreted=True, steps=2)]
+    hooks = {name: rope.OP.model_hook.fill(rope.IMPLS[name], cfg) for name in ("reference", "triton")}
+    variants = [Variant("reference", {"rope": hooks["reference"]}),
+                Variant("triton", {"rope": hooks["triton"]}, interpreted=True, steps=2)]
     result = bench_train(config, variants=variants, steps=2, warmup_steps=0, batch_size=2, seq_len=16, lr=3e-3,
                          seed=0, precision="fp32", device="cpu")
     assert result["drift"]["triton"] < 1e-5

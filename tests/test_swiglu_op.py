@@ -133,13 +133,13 @@ def test_the_model_trains_with_the_triton_gate_in_every_dense_mlp():
     model = Transformer(config, seed=0)
     assert any(isinstance(m, SwiGLU) for m in model.modules())
     cfg = load(["op=swiglu", "tile=b16"])
-    hooks = {name: swiglu.OP.model_hooks(swiglu.IMPLS[name], cfg).swiglu for name in ("reference", "triton")}
+    hooks = {name: swiglu.OP.model_hook.fill(swiglu.IMPLS[name], cfg) for name in ("reference", "triton")}
     gate, up = torch.randn(2, 3, 48), torch.randn(2, 3, 48)
     torch.testing.assert_close(hooks["triton"](gate, up), torch.nn.functional.silu(gate) * up)
-    variants = [Variant("reference", swiglu=hooks["reference"]),
-                Variant("triton", swiglu=hooks["triton"], interpreted=True, steps=1)]
+    variants = [Variant("reference", {"mlp_activation": hooks["reference"]}),
+                Variant("triton", {"mlp_activation": hooks["triton"]}, interpreted=True, steps=1)]
     result = bench_train(config, variants=variants, steps=2, warmup_steps=0, batch_size=2, seq_len=16, lr=3e-3,
                          seed=0, precision="fp32", device="cpu")
     assert result["drift"]["triton"] < 1e-5
-    profile = result["impls"]["reference"]["profile"]["swiglu"]  # the interpreted variant is not profiled
+    profile = result["impls"]["reference"]["profile"]["mlp_activation"]  # the interpreted variant is not profiled
     assert profile["calls"] == 1 and profile["fraction"] > 0

@@ -19,7 +19,7 @@ RUN = dict(steps=30, warmup_steps=5, batch_size=4, seq_len=32, lr=3e-3, seed=0)
 def attention_variants(names: list[str]) -> list[Variant]:
     """Variants from the attention registry, swapped in by the op's own model hook (as bench-train does)."""
     op = get_op("attention")
-    return [Variant(name, attention=op.model_hooks(op.impls[name], LabConfig()).attention) for name in names]
+    return [Variant(name, {op.model_hook.slot: op.model_hook.fill(op.impls[name], LabConfig())}) for name in names]
 
 
 def sdpa_repeat_kv(q, k, v):
@@ -35,7 +35,7 @@ def corpus():
 
 @pytest.fixture(scope="module")
 def fp32_result(corpus):
-    variants = [*attention_variants(["reference", "sdpa"]), Variant("sdpa_repeat_kv", attention=sdpa_repeat_kv)]
+    variants = [*attention_variants(["reference", "sdpa"]), Variant("sdpa_repeat_kv", {"attention": sdpa_repeat_kv})]
     return bench_train(TINY, variants=variants, precision="fp32", device="cpu", corpus=corpus, **RUN)
 
 
@@ -143,14 +143,18 @@ def test_bench_train_on_cuda(precision, corpus):
     assert r["drift"]["sdpa"] < (1e-3 if precision == "fp32" else 5e-2)
 
 
-def test_profiled_step_splits_time_between_attention_and_matmul(fp32_result):
+def test_profiled_step_splits_time_between_the_model_s_slots(fp32_result):
+    from posttrainllm.model.slots import SLOTS
+
     for name, res in fp32_result["impls"].items():
         prof = res["profile"]
+        assert set(prof) == {"step_us", "clock", *SLOTS}  # one entry per slot of the model, by its name
         assert prof["attention"]["calls"] == TINY.n_layers
-        assert prof["matmul"]["calls"] == 7 * TINY.n_layers + 1  # q, k, v, o, gate, up, down per layer + head
-        for op in ("attention", "matmul"):
-            assert prof[op]["forward_us"] > 0 and prof[op]["backward_us"] > 0, (name, op)
-        assert 0 < prof["attention"]["fraction"] + prof["matmul"]["fraction"] < 1
+        assert prof["linear"]["calls"] == 7 * TINY.n_layers + 1  # q, k, v, o, gate, up, down per layer + head
+        for slot in ("attention", "linear"):
+            assert prof[slot]["forward_us"] > 0 and prof[slot]["backward_us"] > 0, (name, slot)
+        assert prof["experts"]["calls"] == prof["cached_attention"]["calls"] == 0  # a dense model, no cache
+        assert 0 < prof["attention"]["fraction"] + prof["linear"]["fraction"] < 1
 
 
 def test_the_baseline_is_repeated_for_its_run_to_run_band(fp32_result):

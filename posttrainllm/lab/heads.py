@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -46,7 +46,8 @@ from posttrainllm.model.corpus import Corpus, batch_at, load_corpus, split_tail
 from posttrainllm.model.corpus import prompts as corpus_prompts
 from posttrainllm.model.decode import Generation, first_mismatch, greedy_cached, speculative, speculative_tree
 from posttrainllm.model.heads import MedusaHeads, head_accuracy, self_distillation_loss
-from posttrainllm.model.transformer import AttentionFn, KVCache, ModelConfig, Transformer, reference_chunk_attention
+from posttrainllm.model.slots import CACHED_ATTENTION
+from posttrainllm.model.transformer import KVCache, ModelConfig, Transformer
 
 NOT_MEMORY_BOUND = ("a decode step here moves {gbps:.2f} GB/s of weights and KV cache, {frac:.1%} of the calibrated "
                     "copy bandwidth: the tiny model is not memory-bound on this device, a step's cost is per-op "
@@ -325,14 +326,14 @@ def _summarise(gens: list[Generation], peak: dict[str, Any], K: int, timed: bool
     return entry
 
 
-def decode_attention(cfg: LabConfig) -> tuple[AttentionFn, dict[str, Any]]:
+def decode_attention(cfg: LabConfig) -> tuple[Callable[..., torch.Tensor], dict[str, Any]]:
     """heads.decode_attention as a (q, k, v) -> o function from the decode_attention op's registry, and what it is."""
     from posttrainllm.ops.registry import get_op
 
     op = get_op("decode_attention")
     impl = op.impls[cfg.heads.decode_attention]  # its built-in registry: op.peers / op.user_impls are a point's
     interpreted = impl.kind == "triton" and devices.triton_interpreted()
-    return op.model_hooks(impl, cfg).attention, {"path": impl.name, "backend": impl.backend,
+    return op.model_hook.fill(impl, cfg), {"path": impl.name, "backend": impl.backend,
                                                  "triton_interpreted": interpreted, "timed": not interpreted}
 
 
@@ -344,9 +345,9 @@ def trainer_sampler_gap(cfg: LabConfig, base: Transformer, eval_prompts: torch.T
     from posttrainllm.ops.registry import get_op
 
     decode, attention = get_op("decode_attention"), get_op("attention")
-    samplers = {name: decode.model_hooks(decode.impls[name], cfg).attention
+    samplers = {name: decode.model_hook.fill(decode.impls[name], cfg)
                 for name in dict.fromkeys(["reference", cfg.heads.decode_attention])}
-    trainers = {name: attention.model_hooks(impl, cfg).attention for name, impl in attention.impls.items()}
+    trainers = {name: attention.model_hook.fill(impl, cfg) for name, impl in attention.impls.items()}
     batches = [eval_prompts, eval_prompts[:, : eval_prompts.shape[1] // 2 + 1]]
     gap = measure_gap(base, batches, cfg.heads.new_tokens, samplers, trainers)
     gap["triton_interpreted"] = devices.triton_interpreted()
@@ -385,7 +386,8 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
         return speculative(base, variants[name], prompt, h.new_tokens)
 
     names = ["greedy", *variants, *(["trained_tree"] if tree else [])]
-    base.set_decode_attention(attention)
+    reference_attention = base.slot(CACHED_ATTENTION)  # the model's default: the readable math
+    base.swap(CACHED_ATTENTION, attention)
     for name in names:  # untimed warmup, every variant alike
         for i in range(min(h.warmup_prompts, h.eval_prompts)):
             run(name, eval_prompts[i:i + 1])
@@ -427,13 +429,13 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
             if found:
                 mismatches.append({"variant": name, "prompt": i, **found})
     if h.decode_attention != "reference":  # the path itself: greedy with it against greedy with the reference
-        base.set_decode_attention(reference_chunk_attention)
+        base.swap(CACHED_ATTENTION, reference_attention)
         for i, got in enumerate(gens["greedy"]):
             want = greedy_cached(base, eval_prompts[i:i + 1], h.new_tokens, keep_logits=True)[1]
             found = first_mismatch(got.tokens, want.tokens, want.logits, h.near_tie)
             if found:
                 mismatches.append({"variant": "greedy vs reference attention", "prompt": i, **found})
-        base.set_decode_attention(attention)
+        base.swap(CACHED_ATTENTION, attention)
     report["mismatches"] = {"count": len(mismatches), "near_ties": sum(bool(m.get("near_tie")) for m in mismatches),
                             "first": mismatches[:10],
                             "rule": "every speculative output must equal plain greedy token for token, and plain "

@@ -171,8 +171,8 @@ def check(train: dict[str, Any], microbench: dict[str, Any], *, profiled_range: 
           model_problem: str) -> dict[str, Any]:
     """Predicted vs measured end-to-end speedup for every trained variant but the baseline.
 
-    f comes from the baseline variant's profiled step (the op's `profiled_range`, forward
-    ranges plus the backward nodes they created); s is the microbench's forward+backward
+    f comes from the baseline variant's profiled step (`profiled_range`: the model slot the op fills,
+    model/slots.py; its forward ranges plus the backward nodes they created); s is the microbench's forward+backward
     speedup of the variant's implementation over the baseline's (a training step runs both).
     Variants are named after the implementations they swap in.
     """

@@ -11,7 +11,7 @@ reduction orders; any gap makes on-policy training silently off-policy. Here, fo
              bit for bit
 
 Prompts come in batches, each of one length (the KV cache holds one length per batch: ragged batches would need a
-per-row length it does not have). The model's attention switches are restored when done.
+per-row length it does not have). The model's attention slots are restored when done.
 
 Shape legend
     B   batch    P   prompt length    N   new tokens    V   vocab
@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from posttrainllm.model.decode import greedy_cached
+from posttrainllm.model.slots import ATTENTION, CACHED_ATTENTION
 from posttrainllm.model.transformer import Transformer
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -74,22 +75,21 @@ def measure_gap(model: Transformer, prompts: list[torch.Tensor], new_tokens: int
     """Every sampler against every trainer on the same batches of prompts: {"pairs": {"<sampler> -> <trainer>":
     compare(...)}, ...}, and where no pair is bitwise, why not (the same attention on both sides differs too:
     the rest of the model; else the attention paths)."""
-    blocks = model.blocks
-    saved = (blocks[0].attn.attention_fn, blocks[0].attn.decode_attention_fn)
+    saved = (model.slot(ATTENTION), model.slot(CACHED_ATTENTION))
     pairs: dict[str, dict[str, Any]] = {}
     try:
         for s_name, s_fn in samplers.items():
-            model.set_decode_attention(s_fn)
+            model.swap(CACHED_ATTENTION, s_fn)
             runs = [sample(model, prompt, new_tokens) for prompt in prompts]
             sampled = torch.cat([lp.reshape(-1) for _, lp in runs])
             for t_name, t_fn in trainers.items():
-                model.set_attention(t_fn)
+                model.swap(ATTENTION, t_fn)
                 scored = torch.cat([score(model, prompt, tokens).reshape(-1)
                                     for prompt, (tokens, _) in zip(prompts, runs)])
                 pairs[f"{s_name} -> {t_name}"] = compare(sampled, scored)
     finally:
-        model.set_attention(saved[0])
-        model.set_decode_attention(saved[1])
+        model.swap(ATTENTION, saved[0])
+        model.swap(CACHED_ATTENTION, saved[1])
     out: dict[str, Any] = {"rule": RULE, "batches": [{"prompts": int(p.shape[0]), "prompt_len": int(p.shape[1])}
                                                      for p in prompts],
                            "new_tokens": new_tokens, "pairs": pairs}

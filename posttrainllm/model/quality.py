@@ -19,12 +19,15 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from posttrainllm.model.decode import greedy_cached
-from posttrainllm.model.transformer import Linear, LinearFn, ModelConfig, Transformer
+from posttrainllm.model.slots import LINEAR
+from posttrainllm.model.transformer import ModelConfig, Transformer
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # the linear slot's contract (model/slots.py)
 
 BASE_FILES = ("base.pt", "base.json")  # what the draft-heads base stage writes (lab/heads.py train_base)
 
@@ -44,18 +47,11 @@ def load_trained_base(folder: Path) -> tuple[Transformer, dict[str, Any]]:
     return model.eval(), identity
 
 
-def set_linear(model: Transformer, fn: LinearFn) -> None:
-    """Every projection of `model` runs `fn` (the Linear modules' switch)."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.linear_fn = fn
-
-
 @torch.no_grad()
 def greedy_tokens(model: Transformer, prompts: torch.Tensor, new_tokens: int, linear: LinearFn,
                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """prompts (B, P) -> the (B, new_tokens) greedy continuation with every projection running `linear`."""
-    set_linear(model, linear)
+    model.swap(LINEAR, linear)
     device = prompts.device.type
     with torch.autocast(device, dtype=dtype):
         return greedy_cached(model, prompts, new_tokens)[0]

@@ -1,13 +1,13 @@
 """bench-train: train the same model with each implementation of an op swapped in, end to end.
 
-A variant is a name and the functions it swaps into the model (its attention call, the
-matmul of every projection), taken by the caller from the op's registry so the function
-trained is the function checked and timed; the first variant is the baseline.
+A variant is a name and the functions it swaps into the model's slots ({slot: fn}, model/slots.py: its
+attention, the matmul of every projection...), taken by the caller from the op's registry through the op's
+model hook so the function trained is the function checked and timed; the first variant is the baseline.
 For every variant: the same initial weights (same seed), the same batches
 (corpus.batch_at, a pure function of (seed, step)), AdamW, `steps` optimizer steps.
 What comes back is the loss at every step and the wall time of every step, so one
 table shows both parity (do the loss curves agree?) and speed (tokens/s), plus one
-extra, profiled step that says which fraction of a step each op takes.
+extra, profiled step that says which fraction of a step each slot of the model takes.
 
 Units and formulas
     step_ms           wall time of forward + backward + optimizer step, ms
@@ -20,7 +20,7 @@ Units and formulas
     tokens_per_s      batch_size * seq_len / (warm_ms_per_step / 1000)
     drift[name]       |loss_name[n-1] - loss_baseline[n-1]|, the loss gap at the variant's last step n
                       (n = steps, or the variant's own `steps`: fewer for Triton through its interpreter)
-    profile[op]       time inside the op's profiler ranges (forward) plus the autograd
+    profile[slot]     time inside the slot's profiler ranges (forward) plus the autograd
                       nodes those ranges created (backward), over the profiled step's time
 """
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -39,19 +39,18 @@ from posttrainllm.model import amdahl
 from posttrainllm.model.corpus import Corpus, batch_at, load_corpus
 from posttrainllm.measure.device import fp32_matmuls
 from posttrainllm.measure.memory import peak_bytes
-from posttrainllm.model.transformer import (AddNormFn, AttentionFn, LinearFn, LossFn, ModelConfig, MoEFn, NormFn,
-                                            RopeFn, SwiGLUFn, Transformer, moe_aux_loss, moe_stats, set_moe)
+from posttrainllm.model.slots import SLOTS
+from posttrainllm.model.transformer import ModelConfig, Transformer, moe_aux_loss, moe_stats
 from posttrainllm.measure.timing import summarize
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# the model's record_function ranges: posttrainllm::<op>
-PROFILED_OPS = ("attention", "matmul", "moe", "rmsnorm", "rope", "swiglu", "cross_entropy")
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One way to run the model: the implementation of each of its ops (None keeps the model's default).
+    """One way to run the model: the functions it swaps into the model's slots ({slot: fn}; a slot not named keeps
+    the model's default).
 
     interpreted: the variant runs Triton through its interpreter, so its step times are not speed.
     steps: train only the first `steps` batches (None: all). Its drift is read at its own last step,
@@ -59,14 +58,7 @@ class Variant:
     """
 
     name: str
-    attention: AttentionFn | None = None
-    linear: LinearFn | None = None
-    moe: MoEFn | None = None  # the routed experts of an MoE MLP (architecture.mlp=moe)
-    norm: NormFn | None = None  # every RMSNorm
-    rope: RopeFn | None = None  # the rotation of q and k
-    swiglu: SwiGLUFn | None = None  # the dense MLP's gate
-    loss: LossFn | None = None  # lm_head + cross-entropy, fused
-    add_norm: AddNormFn | None = None  # each block's residual add after attention + its mlp_norm, fused
+    fills: dict[str, Callable[..., Any]] = field(default_factory=dict)
     interpreted: bool = False
     steps: int | None = None
 
@@ -185,14 +177,7 @@ def _train_one(
 ) -> tuple[dict, int]:
     """Train one variant; timing_only: only its losses and step times (no peak memory, no profiled step)."""
     # Built on CPU then moved, so the initial weights are identical on every device.
-    model = Transformer(model_cfg, seed=seed, attention=variant.attention, linear=variant.linear).to(dev)
-    if variant.moe is not None:
-        set_moe(model, variant.moe)
-    for fn, switch in ((variant.norm, model.set_norm), (variant.rope, model.set_rope),
-                       (variant.swiglu, model.set_swiglu), (variant.loss, model.set_loss),
-                       (variant.add_norm, model.set_add_norm)):
-        if fn is not None:
-            switch(fn)
+    model = Transformer(model_cfg, seed=seed, fills=variant.fills).to(dev)
     model.train()
     optimizer = _adamw(model, lr)
     autocast_dtype = AUTOCAST_DTYPES.get(precision)
@@ -279,9 +264,9 @@ def _routing_summary(steps: list[dict]) -> dict[str, Any]:
 
 
 def profile_step(run_step: Any, *, cuda: bool) -> dict[str, Any]:
-    """One step under the PyTorch profiler: the fraction of its time each op takes.
+    """One step under the PyTorch profiler: the fraction of its time each of the model's slots takes.
 
-    Forward: the op's `posttrainllm::<op>` ranges. Backward: the autograd nodes whose
+    Forward: the slot's `posttrainllm::<slot>` ranges. Backward: the autograd nodes whose
     sequence number belongs to an op recorded inside those ranges (the profiler links a
     backward node to the forward op that created it by that number). Times are CPU time
     on CPU and GPU kernel time on CUDA.
@@ -315,15 +300,15 @@ def profile_step(run_step: Any, *, cuda: bool) -> dict[str, Any]:
     step = next(e for e in events if e.name == "posttrainllm::step")
     total_us = sum(e.self_device_time_total for e in events) if cuda else step.cpu_time_total
     out: dict[str, Any] = {"step_us": total_us, "clock": "cuda kernel time" if cuda else "cpu time"}
-    for op in PROFILED_OPS:
-        ranges = [e for e in events if e.name == f"posttrainllm::{op}"]
+    for name, slot in SLOTS.items():
+        ranges = [e for e in events if e.name == slot.profiler_range]
         forward_ops = {e.sequence_nr for e in events if e.sequence_nr >= 0 and any(
             e.thread == r.thread and r.time_range.start <= e.time_range.start and e.time_range.end <= r.time_range.end
             for r in ranges)}
         backward = [e for e in events
                     if e.name.startswith("autograd::engine::evaluate_function:") and node_nr(e) in forward_ops]
         forward_us, backward_us = sum(spent(r) for r in ranges), sum(spent(e) for e in backward)
-        out[op] = {"calls": len(ranges), "forward_us": forward_us, "backward_us": backward_us,
+        out[name] = {"calls": len(ranges), "forward_us": forward_us, "backward_us": backward_us,
                    "fraction": (forward_us + backward_us) / total_us if total_us else None}
     return out
 

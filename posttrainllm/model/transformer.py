@@ -1,22 +1,18 @@
-"""A small decoder-only transformer (Llama-shaped) whose attention is a switch.
+"""A small decoder-only transformer (Llama-shaped) whose calls are slots.
 
 Pre-norm blocks: x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x)). RoPE on q and k,
 causal self-attention with n_kv_heads <= n_heads (MHA, GQA, MQA), SwiGLU MLP, untied
-head. Two calls are switches looked up by name, so the same weights can be trained
-with the readable reference, PyTorch's fast path, or our Triton kernels, each handed
-in as a function from the op registry (posttrainllm/ops/registry.py):
-
-    attention   (q, k, v) -> o, causal           default: the reference math
-    linear      (x, weight) -> x @ weightᵀ       default: F.linear
-    decode_attention (q, k, v) -> o, a query chunk against the KV cache (bottom-right causal mask)
-                                                 default: the reference math
+head. Its attention, linear layers, norms, rotation, MLP activation, experts and loss are
+slots (model/slots.py: each one's contract), so the same weights can be trained with the
+readable reference, PyTorch's fast path, or our Triton kernels: `swap(slot, fn)`, fn handed
+in by bench-train from an op's registry through the op's model hook.
 
 Generation keeps a KV cache (`KVCache`): `forward(idx, cache=cache)` runs the new tokens at
 positions cache.length.. , appends their keys and values, and attends to everything cached.
 The readable reference is full recomputation without a cache (posttrainllm/model/decode.py).
 
-Each call runs inside a profiler range (posttrainllm::attention, posttrainllm::matmul),
-so train.py can measure the fraction of a step each op takes.
+Each slot's call runs inside its profiler range (posttrainllm::<slot>), so train.py can
+measure the fraction of a step each slot takes.
 
 Speed switches (torch.compile, precision) belong to the runner (train.py), not here.
 
@@ -30,20 +26,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-import posttrainllm.ops.attention.reference as attention_reference
-import posttrainllm.ops.decode_attention.reference as decode_attention_reference
-import posttrainllm.ops.moe.reference as moe_reference
-import posttrainllm.ops.rmsnorm.reference as rmsnorm_reference
-import posttrainllm.ops.rope.reference as rope_reference
-from posttrainllm.ops.rope.reference import ROPE_THETA, rope_tables
-import posttrainllm.ops.swiglu.reference as swiglu_reference
+from posttrainllm.model import slots
+from posttrainllm.model.slots import (ADD_NORM, ATTENTION, CACHED_ATTENTION, EXPERTS, LINEAR, LOSS, MLP_ACTIVATION,
+                                      MLP_KINDS, MOE, NORM, ROPE, ROPE_TABLES, ROUTER, TREE_ATTENTION)
 
 
 @dataclass
@@ -60,7 +52,7 @@ class ModelConfig:
     # MLP's parameter count near a 4x GELU MLP), rounded up to a multiple of 32.
     mlp_hidden: int | None = None
     max_seq_len: int = 256  # size of the RoPE tables; longer inputs are refused, not extrapolated
-    rope_theta: float = ROPE_THETA  # RoPE base: wavelengths from 2*pi up to ~theta*2*pi positions
+    rope_theta: float = 10000.0  # RoPE base (Llama's): wavelengths from 2*pi up to ~theta*2*pi positions
     norm_eps: float = 1e-5  # RMSNorm epsilon; keeps rsqrt finite on an all-zero row
     # mlp="moe": each block's MLP is n_experts routed SwiGLU experts of width expert_hidden (None: mlp_hidden),
     # top_k per token, dropless; the router's load-balancing loss (Switch Transformer, Mixtral) is added to the
@@ -96,8 +88,8 @@ class ModelConfig:
             self.mlp_hidden = 32 * math.ceil(8 * self.d_model / 3 / 32)
         if not isinstance(self.mlp_hidden, int) or self.mlp_hidden <= 0:
             raise ValueError(f"mlp_hidden must be a positive int, got {self.mlp_hidden!r}")
-        if self.mlp not in ("dense", "moe"):
-            raise ValueError(f"mlp must be 'dense' or 'moe', got {self.mlp!r}")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"mlp must be one of {', '.join(MLP_KINDS)}, got {self.mlp!r}")
         if self.expert_hidden is None:
             self.expert_hidden = self.mlp_hidden
         if not 0 < self.top_k <= self.n_experts:
@@ -108,38 +100,21 @@ class ModelConfig:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
 
 
-# --------------------------------------------------------------------------- the switches
-# The model does not know which implementations exist: bench-train hands it the functions
-# from the op registry (posttrainllm/ops/), the same ones parity checked and the
-# microbench timed. Contracts:
-#   attention(q, k, v) -> o    q: (B, nh, T, hs), k and v: (B, nkv, T, hs) -> (B, nh, T, hs), causal, 1/sqrt(hs)
-#   linear(x, weight) -> y     x: (..., in), weight: (out, in) -> (..., out) = x @ weightᵀ
-#   norm(x, weight, eps) -> y  x: (..., C), weight: (C,) -> (..., C) in x's dtype = x / sqrt(mean(x²) + eps) · weight
-#   rope(x, cos, sin) -> y     x: (B, heads, T, hs), cos and sin: (T, hs/2) fp32 -> (B, heads, T, hs), rotate-half
-#   swiglu(gate, up) -> h      gate, up: (..., F) -> silu(gate) · up, (..., F)
-#   loss(h, weight, targets)   h: (N, C), weight: (V, C), targets: (N,) int64 -> mean cross-entropy of h @ weightᵀ
-#                              (the lm_head and the loss in one: a fused path never materialises the logits)
-#   add_norm(x, a, weight, eps) -> (y, h)   x, a: (..., C), weight: (C,) -> h = x + a (the residual stream) and
-#                              y = norm(h) · weight, (..., C) each in x's dtype: a block's residual add and the next
-#                              norm in one (None: the add, then the norm's switch)
-
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-SwiGLUFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-AddNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+# --------------------------------------------------------------------------- the slots
+# The model does not know which implementations exist: bench-train swaps in the functions from an op's registry
+# (posttrainllm/ops/), the same ones parity checked and the microbench timed. Contracts: model/slots.py.
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The default: the readable math, materialising the (T, T) scores."""
-    return attention_reference.attention(q, k, v, causal=True)
+def call_slot(fns: dict[str, Callable[..., Any]], slot: str, *args: Any) -> Any:
+    """fns[slot](*args) inside the slot's profiler range."""
+    with record_function(slots.SLOTS[slot].profiler_range):
+        return fns[slot](*args)
 
 
-def reference_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The default with a cache: q (B, nh, T, hs) are the last T of the k, v (B, nkv, L, hs) positions."""
-    return decode_attention_reference.chunk_attention(q, k, v)
+def slot_defaults(*names: str) -> dict[str, Callable[..., Any] | None]:
+    """What a module's slots run until one is swapped: the model's defaults (slots.defaults)."""
+    every = slots.defaults()
+    return {name: every[name] for name in names}
 
 
 class KVCache:
@@ -179,41 +154,30 @@ class KVCache:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (no bias) whose matmul is the switch `linear_fn`, inside a profiler range."""
+    """nn.Linear (no bias) whose matmul is the linear slot."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
-        self.linear_fn: LinearFn = F.linear
+        self.fns = slot_defaults(LINEAR)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with record_function("posttrainllm::matmul"):
-            return self.linear_fn(x, self.weight)
+        return call_slot(self.fns, LINEAR, x, self.weight)
 
 
 # --------------------------------------------------------------------------- building blocks
 
 
-# The defaults are the readable math of posttrainllm/ops/<op>/reference.py, the one place it is written: the model's
-# RMSNorm in fp32 (x / rms(x) · weight, rounded once), SwiGLU's gate silu(gate) · up, RoPE's rotate-half in fp32.
-reference_norm: NormFn = rmsnorm_reference.rmsnorm
-reference_swiglu: SwiGLUFn = swiglu_reference.swiglu
-
-
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight through the switch `norm_fn` (reference_norm), inside a profiler range."""
+    """x / rms(x) * weight through the norm slot (default: the readable math in fp32, rounded once)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.norm_fn: NormFn = reference_norm
+        self.fns = slot_defaults(NORM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with record_function("posttrainllm::rmsnorm"):
-            return self.norm_fn(x, self.weight, self.eps)
-
-
-apply_rope: RopeFn = rope_reference.rope  # rotate each pair (x[..., i], x[..., i + hs/2]) by its position's angle
+        return call_slot(self.fns, NORM, x, self.weight, self.eps)
 
 
 class CausalSelfAttention(nn.Module):
@@ -224,9 +188,7 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = Linear(config.d_model, config.n_kv_heads * config.head_dim)
         self.v_proj = Linear(config.d_model, config.n_kv_heads * config.head_dim)
         self.o_proj = Linear(config.n_heads * config.head_dim, config.d_model)
-        self.attention_fn: AttentionFn = reference_attention
-        self.decode_attention_fn: AttentionFn = reference_chunk_attention
-        self.rope_fn: RopeFn = apply_rope
+        self.fns = slot_defaults(ROPE, ATTENTION, CACHED_ATTENTION, TREE_ATTENTION)
         # Set by Transformer.forward for the length of one call with a cache: (cache, this layer's index).
         # Block.forward passes only (x, cos, sin), so the cache reaches the attention this way.
         self.cache: tuple[KVCache, int] | None = None
@@ -238,19 +200,18 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        with record_function("posttrainllm::rope"):
-            q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
-        with record_function("posttrainllm::attention"):
-            if self.cache is None:
-                y = self.attention_fn(q, k, v)  # (B, nh, T, hs)
-            else:
-                cache, layer = self.cache
-                k_all, v_all = cache.append(layer, k, v)  # (B, nkv, L + T, hs), L positions cached before
-                if self.tree_mask is None:
-                    y = self.decode_attention_fn(q, k_all, v_all)  # (B, nh, T, hs): the chunk at the end
-                else:  # a tree of candidates: an arbitrary mask, which the decode_attention paths (the Triton
-                    # kernel's bottom-right causal mask) do not take, so always the readable reference math
-                    y = decode_attention_reference.masked_chunk_attention(q, k_all, v_all, self.tree_mask)  # (B, nh, T, hs)
+        with record_function(slots.SLOTS[ROPE].profiler_range):  # one range around q's and k's rotations
+            q, k = self.fns[ROPE](q, cos, sin), self.fns[ROPE](k, cos, sin)
+        if self.cache is None:
+            y = call_slot(self.fns, ATTENTION, q, k, v)  # (B, nh, T, hs)
+        else:
+            cache, layer = self.cache
+            k_all, v_all = cache.append(layer, k, v)  # (B, nkv, L + T, hs), L positions cached before
+            if self.tree_mask is None:  # (B, nh, T, hs): the chunk at the end
+                y = call_slot(self.fns, CACHED_ATTENTION, q, k_all, v_all)
+            else:  # a tree of candidates: an arbitrary mask, which the cached_attention paths (the Triton kernel's
+                # bottom-right causal mask) do not take
+                y = call_slot(self.fns, TREE_ATTENTION, q, k_all, v_all, self.tree_mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh*hs)
         return self.o_proj(y)  # (B, T, C)
 
@@ -263,26 +224,20 @@ class SwiGLU(nn.Module):
         self.gate_proj = Linear(config.d_model, config.mlp_hidden)
         self.up_proj = Linear(config.d_model, config.mlp_hidden)
         self.down_proj = Linear(config.mlp_hidden, config.d_model)
-        self.swiglu_fn: SwiGLUFn = reference_swiglu
+        self.fns = slot_defaults(MLP_ACTIVATION)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, F) each
-        with record_function("posttrainllm::swiglu"):
-            h = self.swiglu_fn(gate, up)  # (B, T, F)
+        h = call_slot(self.fns, MLP_ACTIVATION, gate, up)  # (B, T, F)
         return self.down_proj(h)  # (B, T, C)
-
-
-# moe(x, w_gate, w_up, w_down, route_idx, route_weight) -> y: the routed experts
-#   x (N, C); w_gate, w_up (E, C, Fe); w_down (E, Fe, C); route_idx (N, k) int64; route_weight (N, k) -> (N, C)
-MoEFn = Callable[..., torch.Tensor]
 
 
 class MoEMLP(nn.Module):
     """Routed SwiGLU experts: y = Σ_k route_weight · expert_k(x), dropless (every assignment computed).
 
-    The router runs in fp32 (moe_reference.moe_router: softmax, top-k, renormalised over the k, ties to
-    the lower index); the experts are the switch `moe_fn` (default: the dense reference), inside the
-    profiler range posttrainllm::moe. Each forward keeps its load-balancing loss and its histogram.
+    The router slot runs in fp32 (softmax, top-k, renormalised over the k, ties to the lower index); the experts
+    are the experts slot (default: every expert on every row). Each forward keeps its load-balancing loss and
+    its histogram.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -294,7 +249,7 @@ class MoEMLP(nn.Module):
         self.w_up = nn.Parameter(torch.randn(n_exp, d, f) * 0.02)  # (E, C, Fe)
         # writes into the residual stream: GPT-2's 1/sqrt(2 * n_layers) as for down_proj
         self.w_down = nn.Parameter(torch.randn(n_exp, f, d) * 0.02 / math.sqrt(2 * config.n_layers))  # (E, Fe, C)
-        self.moe_fn: MoEFn = moe_reference.moe_dense
+        self.fns = slot_defaults(ROUTER, EXPERTS)
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.assignments = 0
@@ -303,24 +258,17 @@ class MoEMLP(nn.Module):
         B, T, C = x.shape
         rows = x.reshape(B * T, C)  # (N, C)
         logits = rows.float() @ self.w_router.float()  # (N, E), fp32 whatever the autocast dtype
-        route_idx, route_weight = moe_reference.moe_router(rows.float(), self.w_router.float(), self.top_k)  # (N, k)
+        route_idx, route_weight = call_slot(self.fns, ROUTER, rows.float(), self.w_router.float(), self.top_k)  # (N, k)
         n_exp = self.w_router.shape[1]
         counts = torch.bincount(route_idx.reshape(-1), minlength=n_exp)  # (E,) assignments per expert
         # load balance: E · Σ_e (fraction of assignments to e) · (mean router probability of e)
         self.aux_loss = n_exp * (counts.float() / route_idx.numel() * torch.softmax(logits, -1).mean(0)).sum()
         self.tokens_per_expert, self.assignments = counts.detach(), route_idx.numel()
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        with record_function("posttrainllm::moe"):  # autocast does not reach a custom Function: cast here
-            y = self.moe_fn(rows.to(dtype), self.w_gate.to(dtype), self.w_up.to(dtype), self.w_down.to(dtype),
-                            route_idx, route_weight.to(dtype))  # (N, C)
+        # autocast does not reach a custom Function: cast here
+        y = call_slot(self.fns, EXPERTS, rows.to(dtype), self.w_gate.to(dtype), self.w_up.to(dtype),
+                      self.w_down.to(dtype), route_idx, route_weight.to(dtype))  # (N, C)
         return y.reshape(B, T, C).to(x.dtype)
-
-
-def set_moe(model: nn.Module, fn: MoEFn) -> None:
-    """Run every MoE MLP's experts with another implementation (same weights, same router)."""
-    for module in model.modules():
-        if isinstance(module, MoEMLP):
-            module.moe_fn = fn
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
@@ -351,22 +299,22 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = CausalSelfAttention(config)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = MoEMLP(config) if config.mlp == "moe" else SwiGLU(config)
-        self.add_norm_fn: AddNormFn | None = None  # the attention's residual add and mlp_norm in one (switches)
+        self.mlp = MoEMLP(config) if config.mlp == MOE else SwiGLU(config)
+        self.fns = slot_defaults(ADD_NORM)  # the attention's residual add and mlp_norm in one (None: unfused)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a = self.attn(self.attn_norm(x), cos, sin)  # (B, T, C)
-        if self.add_norm_fn is None:
+        if self.fns[ADD_NORM] is None:
             x = x + a  # (B, T, C)
             return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
-        with record_function("posttrainllm::rmsnorm"):  # the norm's range: the add rides along
-            y, x = self.add_norm_fn(x, a, self.mlp_norm.weight, self.mlp_norm.eps)  # (B, T, C) each
+        y, x = call_slot(self.fns, ADD_NORM, x, a, self.mlp_norm.weight, self.mlp_norm.eps)  # (B, T, C) each
         return x + self.mlp(y)  # (B, T, C)
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, *, seed: int = 0, attention: AttentionFn | None = None,
-                 linear: LinearFn | None = None) -> None:
+    def __init__(self, config: ModelConfig, *, seed: int = 0,
+                 fills: dict[str, Callable[..., Any]] | None = None) -> None:
+        """fills: {slot: fn} swapped in once built (`swap`); the same seed gives the same weights whatever fills."""
         super().__init__()
         self.config = config
         # Initialise under a private RNG state: the same seed gives the same weights
@@ -380,15 +328,13 @@ class Transformer(nn.Module):
             # tying saves nothing, and untied matches the Llama models the kernels target.
             self.lm_head = Linear(config.d_model, config.vocab_size)
             self._init_weights()
-        cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
+        cos, sin = slots.defaults()[ROPE_TABLES](config.max_seq_len, config.head_dim, config.rope_theta)
         # Not persistent: derived from the config, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hs/2)
         self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, hs/2)
-        self.loss_fn: LossFn | None = None  # None: lm_head, then F.cross_entropy on the fp32 logits
-        if attention is not None:
-            self.set_attention(attention)
-        if linear is not None:
-            self.set_linear(linear)
+        self.fns = slot_defaults(LOSS)  # None: lm_head, then F.cross_entropy on the fp32 logits
+        for slot, fn in (fills or {}).items():
+            self.swap(slot, fn)
 
     def _init_weights(self) -> None:
         # GPT-2 init: N(0, 0.02), and the two projections that write into the residual
@@ -401,48 +347,20 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, mean=0.0, std=0.02)
             # 1-D parameters are RMSNorm weights: they stay at 1.
 
-    def set_attention(self, fn: AttentionFn) -> None:
-        """Run the same weights with another attention implementation."""
-        for block in self.blocks:
-            block.attn.attention_fn = fn
+    def swap(self, slot: str, fn: Callable[..., Any]) -> None:
+        """Run the same weights with `fn` in `slot` (model/slots.py: its contract), in every module that calls it.
+        An unknown slot, or one this architecture does not call (experts in a dense model), is refused."""
+        slots.check(slot)
+        modules = [module for module in self.modules() if slot in getattr(module, "fns", {})]
+        if not modules:
+            raise ValueError(f"this model calls no {slot} slot (mlp={self.config.mlp!r})")
+        for module in modules:
+            module.fns[slot] = fn
 
-    def set_decode_attention(self, fn: AttentionFn) -> None:
-        """Attend with another chunk-against-cache implementation when a KV cache is given."""
-        for block in self.blocks:
-            block.attn.decode_attention_fn = fn
-
-    def set_linear(self, fn: LinearFn) -> None:
-        """Run every projection (q, k, v, o, MLP, head) with another matmul."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.linear_fn = fn
-
-    def set_norm(self, fn: NormFn) -> None:
-        """Every RMSNorm (the blocks' two and the final one) with another implementation."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.norm_fn = fn
-
-    def set_add_norm(self, fn: AddNormFn) -> None:
-        """Each block's residual add after attention and its mlp_norm as one function (AddNormFn)."""
-        for block in self.blocks:
-            block.add_norm_fn = fn
-
-    def set_rope(self, fn: RopeFn) -> None:
-        """Rotate q and k with another RoPE implementation."""
-        for block in self.blocks:
-            block.attn.rope_fn = fn
-
-    def set_swiglu(self, fn: SwiGLUFn) -> None:
-        """The dense MLPs' gate with another SwiGLU implementation (an MoE MLP's experts: set_moe)."""
-        for module in self.modules():
-            if isinstance(module, SwiGLU):
-                module.swiglu_fn = fn
-
-    def set_loss(self, fn: LossFn) -> None:
-        """The lm_head and the cross-entropy as one function (a fused path never makes the logits):
-        forward(idx, targets) then returns (None, loss)."""
-        self.loss_fn = fn
+    def slot(self, slot: str) -> Callable[..., Any] | None:
+        """What runs in `slot` now (the same in every module that calls it: `swap` sets them all)."""
+        slots.check(slot)
+        return next(module.fns[slot] for module in self.modules() if slot in getattr(module, "fns", {}))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -457,7 +375,7 @@ class Transformer(nn.Module):
         tree = (depth (T,) int64, visible (T, T) bool), with a cache only: idx is a flattened tree of
         candidates (posttrainllm/model/decode.py `speculative_tree`); entry i sits at RoPE position
         cache.length + depth[i] and attends to every cached position plus the entries visible[i] marks
-        (its ancestors and itself), through decode_attention_reference.masked_chunk_attention. Its keys and values still
+        (its ancestors and itself), through the tree_attention slot. Its keys and values still
         fill the cache slots [length, length + T) in flattened order: the caller compacts them.
         """
         B, T = idx.shape
@@ -493,13 +411,12 @@ class Transformer(nn.Module):
         """idx, targets: (B, T) int64 -> logits (B, T, V), mean cross-entropy (or None). See `hidden` for the cache."""
         B, T = idx.shape
         h = self.hidden(idx, cache)  # (B, T, C)
-        if targets is not None and self.loss_fn is not None:  # the head and the loss fused: no logits
-            with record_function("posttrainllm::cross_entropy"):
-                return None, self.loss_fn(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
+        if targets is not None and self.fns[LOSS] is not None:  # the head and the loss fused: no logits
+            return None, call_slot(self.fns, LOSS, h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
         logits = self.lm_head(h)  # (B, T, V)
         if targets is None:
             return logits, None
         # Loss in fp32 whatever the autocast dtype: log-softmax over V is precision-sensitive.
-        with record_function("posttrainllm::cross_entropy"):
+        with record_function(slots.SLOTS[LOSS].profiler_range):
             loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
         return logits, loss

@@ -11,7 +11,7 @@ An op module (attention.py, matmul.py) builds one `OpDef`:
     costs         forward FLOPs and minimal bytes, with the backward's FLOP multiple
     curve_case    the problem at one size of the measured curve (x_name: its axis)
     extra_curves  more curve axes, if any (MoE: experts at fixed active parameters)
-    model_hooks   how bench-train swaps an implementation into the model
+    model_hook    the model slot a path fills in bench-train, and the path as that slot's function
     check_config  the op's own config rules (a tile that does not fit its problem)
 
 Adding an op is adding a folder ops/<op>/ and one line in ops/registry.py; the stages,
@@ -222,19 +222,13 @@ class Costs:
 
 
 @dataclass(frozen=True)
-class ModelHooks:
-    """The model's switches for one implementation, None = the model's default (contracts: model/transformer.py)."""
+class ModelHook:
+    """How bench-train swaps one of the op's paths into the model: the model slot it fills (a name of
+    model/slots.py SLOTS, the model's own role: its attention, its linear layers, its norm...) and `fill(impl, cfg)`,
+    the path as a function of that slot's contract. The slot's profiler range is the op's share of a step."""
 
-    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    # moe(x, w_gate, w_up, w_down, route_idx, route_weight) -> (T, d): the routed experts of an MoE MLP
-    moe: Callable[..., torch.Tensor] | None = None
-    norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None  # norm(x, weight, eps)
-    rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # rope(x, cos, sin)
-    swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # swiglu(gate, up)
-    loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # loss(h, weight, y)
-    # add_norm(x, a, weight, eps) -> (y, h): a block's residual add h = x + a and the next norm of h, in one
-    add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    slot: str
+    fill: Callable[[Impl, LabConfig], Callable[..., Any]]
 
 
 @dataclass(frozen=True)
@@ -257,9 +251,8 @@ class OpDef:
     problem: Callable[[Case], str]
     costs: Callable[[Case, LabConfig], Costs]
     curve_case: Callable[[LabConfig, int], Case]
-    model_hooks: Callable[[Impl, LabConfig], ModelHooks]
+    model_hook: ModelHook | None  # None: no slot of the model is this op (`no_model` says why)
     model_problem: Callable[[LabConfig], str]
-    profiled_range: str  # the model's profiler range for this op: posttrainllm::<profiled_range>
     check_config: Callable[[LabConfig], None]
     # Shared memory per program of the point's tile, by the op's one formula (ops/<op>/config.py), which its config
     # check and its autotuner's pruning read too; the compile report shows it. None: the op declares none
@@ -286,6 +279,9 @@ class OpDef:
     curve_sizes: Callable[[LabConfig], list[int]] = lambda cfg: list(cfg.shape.curve)
     # More measured curves over other axes (MoE: experts at fixed active parameters), in the same curve.csv
     extra_curves: tuple[CurveAxis, ...] = ()
+    # The op's readable math the model runs where nothing is swapped in, by slot (model/slots.py: rmsnorm's for the
+    # norm); each slot's default is declared by one op
+    model_defaults: dict[str, Callable[..., Any]] = field(default_factory=dict)
     # ModelConfig fields bench-train sets for this op (MoE: an MoE MLP for the expert hook to swap into)
     model_overrides: Callable[[LabConfig], dict[str, Any]] = lambda cfg: {}
     # Extra measurements of the point's own case for the microbench report (MoE: tokens per expert)

@@ -8,9 +8,10 @@ Importing this module imports the op definitions, never their Triton kernels (lo
 from __future__ import annotations
 
 import importlib
+from typing import Any, Callable
 
 from posttrainllm.config import ConfigError, LabConfig
-from posttrainllm.ops.base import (NO_BACKWARD, OWN_BACKWARD, REFERENCE, Case, Costs, Impl, ModelHooks, OpDef,
+from posttrainllm.ops.base import (NO_BACKWARD, OWN_BACKWARD, REFERENCE, Case, Costs, Impl, ModelHook, OpDef,
                                    Tensors, case_config, replaced_library)
 
 # The op packages, one line per op: each exposes OP (its OpDef)
@@ -41,6 +42,18 @@ def get_op(name: str) -> OpDef:
         raise ConfigError(f"unknown op {name!r}: valid choices are {', '.join(OPS)}") from None
 
 
+def model_defaults() -> dict[str, Callable[..., Any]]:
+    """The model's default math by slot, as the ops declare it (OpDef.model_defaults): one op per slot."""
+    found: dict[str, Callable[..., Any]] = {}
+    owner: dict[str, str] = {}
+    for op in OPS.values():
+        for slot, fn in op.model_defaults.items():
+            if slot in found:
+                raise ValueError(f"the model's {slot!r} default is declared by both {owner[slot]} and {op.name}")
+            found[slot], owner[slot] = fn, op.name
+    return found
+
+
 PROBLEM = "problem"  # op=problem: an op made from a problem file at config time (ops/problem/, op.file)
 
 
@@ -53,5 +66,5 @@ def op_for(cfg: LabConfig) -> OpDef:
     return get_op(cfg.op.name)
 
 
-__all__ = ["NO_BACKWARD", "OPS", "OP_PACKAGES", "OWN_BACKWARD", "REFERENCE", "Case", "Costs", "Impl", "ModelHooks",
-           "OpDef", "Tensors", "case_config", "get_op", "op_for", "replaced_library"]
+__all__ = ["NO_BACKWARD", "OPS", "OP_PACKAGES", "OWN_BACKWARD", "REFERENCE", "Case", "Costs", "Impl", "ModelHook",
+           "OpDef", "Tensors", "case_config", "get_op", "model_defaults", "op_for", "replaced_library"]

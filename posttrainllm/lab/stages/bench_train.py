@@ -81,11 +81,8 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
         if impl.backward == NO_BACKWARD and quantized is None:  # a quantized path trains by the recipe's backward
             skipped[name] = FORWARD_ONLY
             continue
-        hooks = op.model_hooks(impl, cfg)
         interpreted = runs_interpreted(impl)
-        variants.append(Variant(name, attention=hooks.attention, linear=hooks.linear, moe=hooks.moe, norm=hooks.norm,
-                                rope=hooks.rope, swiglu=hooks.swiglu, loss=hooks.loss, add_norm=hooks.add_norm,
-                                interpreted=interpreted,
+        variants.append(Variant(name, {op.model_hook.slot: op.model_hook.fill(impl, cfg)}, interpreted=interpreted,
                                 steps=min(train.interpreted_steps, train.steps) if interpreted else None))
     trained = {v.name: runner.runner_for(paths[v.name]) for v in variants if v.name in paths}
     before = {name: run.before_training() for name, run in trained.items()}  # before any clock (a worker's start)
@@ -101,9 +98,10 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
     limit = cfg.precision.contract.train_loss_drift
     result["drift_limit"] = limit
     result["drift_verdict"] = {name: "pass" if drift <= limit else "fail" for name, drift in result["drift"].items()}
-    result["amdahl"] = amdahl.check(result, MicrobenchRecord.read(out / MicrobenchRecord.FILE).to_dict(), profiled_range=op.profiled_range,
-                                    model_problem=op.model_problem(cfg))
-    result["model_problem"] = op.model_problem(cfg)  # what the op's hook swapped into the model, in words
+    model_problem = op.model_problem(cfg)  # what the op's hook swapped into the model, in words
+    result["amdahl"] = amdahl.check(result, MicrobenchRecord.read(out / MicrobenchRecord.FILE).to_dict(),
+                                    profiled_range=op.model_hook.slot, model_problem=model_problem)
+    result["model_problem"] = model_problem
     BenchTrainRecord.from_dict(result).write(out / BenchTrainRecord.FILE)
     broken = [f"loss drift of {name} exceeds train_loss_drift={limit:g}"
               for name, verdict in result["drift_verdict"].items() if verdict != "pass"]
@@ -148,9 +146,10 @@ def _train_quantized(cfg: LabConfig, model_cfg: Any, common: dict[str, Any], dev
                           "trained_on": f"the corpus's first {1 - gate.heldout_frac:.0%} ({head.n_bytes} bytes); "
                                         f"held-out loss over {gate.heldout_batches} batches of the rest"}
     base = base.to(device)
-    paths = runner.paths(op_for(cfg), cfg)
+    op = op_for(cfg)
+    paths = runner.paths(op, cfg)
     names = [v.name for v in common["variants"][1:]]
-    linears = {name: op_for(cfg).model_hooks(paths[name], cfg).linear for name in names}
+    linears = {name: op.model_hook.fill(paths[name], cfg) for name in names}  # the linear slot's (trains_quantized)
     interpreted = {name for name in names if runs_interpreted(paths[name])}
     greedy = quality.greedy_section(base, held_prompts, gate.new_tokens, linears, torch.nn.functional.linear)
     greedy["base"] = identity

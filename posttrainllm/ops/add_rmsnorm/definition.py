@@ -20,19 +20,19 @@ unless upcast), of ~1e-4 (mean(h²) ~1e-8 << eps: where eps sits shows) and rows
 alone keeps y finite, and a kernel that normalises x or r instead of their sum shows).
 
 bench-train: in every block of the model, the residual add after attention and the MLP's norm become this op's
-path (ModelHooks.add_norm: y feeds the MLP, h the residual stream), with the model built at norm_eps = op.eps; the
+path (the model's add_norm slot: y feeds the MLP, h the residual stream), with the model built at norm_eps = op.eps; the
 other norms (before attention, the final one) stay the model's RMSNorm. The receipt says so (model_problem).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
+from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef, Tensors,
                                       seeded_randn)
 from posttrainllm.ops.peers import compiled
 from posttrainllm.ops.rows import refuse_tile_auto
@@ -196,7 +196,7 @@ def _curve_case(cfg: LabConfig, x: int) -> Case:
     return _case(x, cfg.architecture.d_model, cfg.parity.seeds[0], True)
 
 
-def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
+def _fill(impl: Impl, cfg: LabConfig) -> Callable[..., torch.Tensor]:
     """Each block's add + norm runs `impl.fn` on the rows of x and a (..., C) -> (rows, C), a cast to x's dtype (the
     residual stream's: the unfused model's x + a promotes to it too) and the norm's weight likewise. The model's eps
     must be op.eps: bench-train builds it so (model_overrides); any other refuses."""
@@ -211,7 +211,7 @@ def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
                        "weight": weight.to(x.dtype)}, cfg)
         return got["out"].reshape(x.shape), got["h"].reshape(x.shape)
 
-    return ModelHooks(add_norm=add_norm)
+    return add_norm
 
 
 def _model_problem(cfg: LabConfig) -> str:
@@ -265,8 +265,8 @@ def _adapt(fn: Any) -> Any:
 
 OP = OpDef(
     name="add_rmsnorm", x_name="rows", input_names=("x", "residual", "weight"), impls=IMPLS, cases=_cases,
-    make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
-    model_problem=_model_problem, profiled_range="rmsnorm",  # the model's norm range, which the fused call runs in
+    make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hook=ModelHook("add_norm", _fill),
+    model_problem=_model_problem,
     check_config=_check_config, reference_bytes=_reference_bytes, curve_sizes=_curve_sizes,
     path_costs=PATH_COSTS,
     differentiable_outputs=OUTPUTS, model_overrides=lambda cfg: {"norm_eps": cfg.op.eps},

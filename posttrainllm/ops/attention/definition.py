@@ -21,13 +21,13 @@ the flash forward writes it in the same launch, and no other path computes it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
+from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef, Tensors,
                                    seeded_randn, softmax_scale)
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.attention.config as op_config
@@ -506,14 +506,19 @@ def _curve_case(cfg: LabConfig, x: int) -> Case:
 # --- the model --------------------------------------------------------------------------
 
 
-def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
+def _fill(impl: Impl, cfg: LabConfig) -> Callable[..., torch.Tensor]:
     """The model's causal self-attention calls `impl.fn` itself: the function checked and timed."""
     causal_cfg = dataclasses.replace(cfg, op=dataclasses.replace(cfg.op, causal=True))
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return impl.fn({"q": q, "k": k, "v": v}, causal_cfg)["out"]
 
-    return ModelHooks(attention=attention)
+    return attention
+
+
+def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The model's default attention: the readable math, causal, materialising the (T, T) scores."""
+    return reference.attention(q, k, v, causal=True)
 
 
 def _model_problem(cfg: LabConfig) -> str:
@@ -631,8 +636,8 @@ def _reference_bytes(case: Case, cfg: LabConfig) -> int:
 
 OP = OpDef(
     name="attention", x_name="seq_len", input_names=("q", "k", "v"), impls=IMPLS, cases=_cases,
-    make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
-    model_problem=_model_problem, profiled_range="attention", check_config=op_config.check_config,
+    make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hook=ModelHook("attention", _fill),
+    model_problem=_model_problem, model_defaults={"attention": _causal_reference}, check_config=op_config.check_config,
     smem_bytes=op_config.point_smem_bytes,
     oracle_extra=_oracle_extra, row_ndim={"lse": 0},
     # Near one-hot rows stress the forward's online softmax. Their gradients cancel (dS = P∘(dP − D) with

@@ -27,13 +27,13 @@ Shapes: h (N, C), weight (V, C) in the point's dtype; targets (N,) int64 (not di
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.ops.base import (REFERENCE, BatchAxis, Case, Costs, CurveAxis, Impl, ModelHooks, OpDef, Tensors,
+from posttrainllm.ops.base import (REFERENCE, BatchAxis, Case, Costs, CurveAxis, Impl, ModelHook, OpDef, Tensors,
                                    seeded_randn)
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.cross_entropy.reference as reference
@@ -293,7 +293,7 @@ def _vocab_curve_case(cfg: LabConfig, x: int) -> Case:
 # --- the model --------------------------------------------------------------------------
 
 
-def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
+def _fill(impl: Impl, cfg: LabConfig) -> Callable[..., torch.Tensor]:
     """The model's lm_head and loss run `impl.fn` on (the flattened hidden states, lm_head.weight, targets).
 
     Under 16-bit autocast h and weight are cast here, as the lm_head's F.linear would cast them; the path then
@@ -307,7 +307,7 @@ def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
         with torch.autocast(device, enabled=False):
             return impl.fn({"h": h, "weight": weight, "targets": targets}, cfg)["out"]
 
-    return ModelHooks(loss=loss)
+    return loss
 
 
 def _model_problem(cfg: LabConfig) -> str:
@@ -361,8 +361,8 @@ def _adapt(fn: Any) -> Any:
 
 OP = OpDef(
     name="cross_entropy", x_name="tokens", input_names=("h", "weight", "targets"), impls=IMPLS, cases=_cases,
-    make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
-    model_problem=_model_problem, profiled_range="cross_entropy", check_config=_check_config,
+    make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hook=ModelHook("loss", _fill),
+    model_problem=_model_problem, check_config=_check_config,
     reference_bytes=_reference_bytes, path_costs=PATH_COSTS, row_ndim={"out": 0}, nondiff_inputs=("targets",),
     curve_sizes=lambda cfg: list(cfg.shape.ce_curve),
     extra_curves=(CurveAxis("vocab", lambda cfg: list(cfg.shape.ce_vocab_curve), _vocab_curve_case),),

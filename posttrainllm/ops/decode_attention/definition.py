@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
+from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef, Tensors,
                                    check_smem, seeded_randn, softmax_scale)
 from posttrainllm.ops.attention.definition import SCALE_CASE_FACTOR, train_case
 from posttrainllm.ops.peers import compiled
@@ -239,13 +239,13 @@ def _curve_case(cfg: LabConfig, x: int) -> Case:
 # --- the model --------------------------------------------------------------------------
 
 
-def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
+def _fill(impl: Impl, cfg: LabConfig) -> Callable[..., torch.Tensor]:
     """bench-train's full-sequence causal attention is the chunk Sq == Sk: the same function, checked and timed."""
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return impl.fn({"q": q, "k": k, "v": v}, cfg)["out"]
 
-    return ModelHooks(attention=attention)
+    return attention
 
 
 def _model_problem(cfg: LabConfig) -> str:
@@ -307,8 +307,10 @@ def _adapt(fn: Any) -> Any:
 OP = OpDef(
     name="decode_attention", x_name="kv_len", input_names=("q", "k", "v"), impls=IMPLS, cases=_cases,
     make_inputs=_make_inputs, problem=_problem, costs=_costs, path_costs=PATH_COSTS, curve_case=_curve_case,
-    model_hooks=_model_hooks,
-    model_problem=_model_problem, profiled_range="attention", check_config=_check_config,
+    model_hook=ModelHook("attention", _fill),  # the training forward's attention is the chunk Sq == Sk
+    model_problem=_model_problem,
+    model_defaults={"cached_attention": decode_attention_reference.chunk_attention,
+                    "tree_attention": decode_attention_reference.masked_chunk_attention}, check_config=_check_config,
     reference_bytes=_reference_bytes, gradient_baselines=(("exp(S - lse)", _reference_from_lse),),
     optional_peers={"compiled": compiled("decode_attention", _reference, _make_inputs,
                                          "posttrainllm.ops.decode_attention.reference.chunk_attention")},

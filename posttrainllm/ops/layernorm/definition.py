@@ -29,12 +29,12 @@ bias's gradient is checked by parity, not trained); the receipt says so (model_p
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef, Tensors, seeded_randn
 from posttrainllm.ops.peers import compiled
 from posttrainllm.ops.rows import refuse_tile_auto
 import posttrainllm.ops.layernorm.reference as reference  # the module (not the package: its OP is this file)
@@ -207,7 +207,7 @@ def _curve_case(cfg: LabConfig, x: int) -> Case:
     return _case(x, cfg.architecture.d_model, cfg.parity.seeds[0], True)
 
 
-def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
+def _fill(impl: Impl, cfg: LabConfig) -> Callable[..., torch.Tensor]:
     """Every norm of the model runs `impl.fn` on the rows of x (..., C) -> (rows, C), its weight cast to x's dtype
     and a zero bias (the model's norms have none: the bias's gradient is checked by parity, not trained). The
     model's eps must be op.eps: bench-train builds it so (model_overrides)."""
@@ -220,7 +220,7 @@ def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
         bias = torch.zeros(x.shape[-1], device=x.device, dtype=x.dtype)  # not a parameter: no gradient asked
         return impl.fn({"x": rows, "weight": weight.to(x.dtype), "bias": bias}, cfg)["out"].reshape(x.shape)
 
-    return ModelHooks(norm=norm)
+    return norm
 
 
 def _model_problem(cfg: LabConfig) -> str:
@@ -273,8 +273,8 @@ def _adapt(fn: Any) -> Any:
 
 OP = OpDef(
     name="layernorm", x_name="rows", input_names=("x", "weight", "bias"), impls=IMPLS, cases=_cases,
-    make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
-    model_problem=_model_problem, profiled_range="rmsnorm",  # the model's norm slot: posttrainllm::rmsnorm
+    make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hook=ModelHook("norm", _fill),
+    model_problem=_model_problem,
     check_config=_check_config, reference_bytes=_reference_bytes, curve_sizes=_curve_sizes,
     path_costs=PATH_COSTS,
     model_overrides=lambda cfg: {"norm_eps": cfg.op.eps},

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.ops.base import (LIBRARY, NO_BACKWARD, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef,
+from posttrainllm.ops.base import (LIBRARY, NO_BACKWARD, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef,
                                    Tensors, seeded_randn)
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.matmul.config as op_config
@@ -337,7 +337,7 @@ def _curve_case(cfg: LabConfig, x: int) -> Case:
     return Case(f"{x}x{x}x{x}-seed{seed}", seed, dict(m=x, n=x, k=x), True, quantize=_recipe(cfg))
 
 
-def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
+def _fill(impl: Impl, cfg: LabConfig) -> Callable[..., torch.Tensor]:
     """Every projection x @ Wᵀ of the model runs `impl.fn` on (rows of x, Wᵀ).
 
     Autocast does not reach a custom autograd.Function, so 16-bit autocast casts both operands
@@ -352,8 +352,8 @@ def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     if cfg.precision.quantize is not None:
-        return ModelHooks(linear=_fp8_linear(impl, cfg))
-    return ModelHooks(linear=linear)
+        return _fp8_linear(impl, cfg)
+    return linear
 
 
 def _fp8_linear(impl: Impl, cfg: LabConfig) -> Any:
@@ -437,9 +437,9 @@ def _adapt(fn: Any) -> Any:
 
 OP = OpDef(
     name="matmul", x_name="size", input_names=("a", "b"), impls=IMPLS, cases=_cases, make_inputs=_make_inputs,
-    problem=_problem, costs=_costs, path_costs=PATH_COSTS, curve_case=_curve_case, model_hooks=_model_hooks,
+    problem=_problem, costs=_costs, path_costs=PATH_COSTS, curve_case=_curve_case, model_hook=ModelHook("linear", _fill),
     model_problem=_model_problem,
-    profiled_range="matmul", check_config=op_config.check_config, smem_bytes=op_config.point_smem_bytes,
+    check_config=op_config.check_config, smem_bytes=op_config.point_smem_bytes,
     reference_bytes=_reference_bytes,
     curve_sizes=lambda cfg: list(cfg.shape.matmul_curve or cfg.shape.curve),
     optional_peers={"compiled": compiled("matmul", _reference, _make_inputs, "posttrainllm.ops.matmul.reference.matmul")},

@@ -35,13 +35,13 @@ route_idx (T, k) int64 (not differentiable) -> out (T, d).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize
-from posttrainllm.ops.base import (NO_BACKWARD, REFERENCE, BatchAxis, Case, Costs, CurveAxis, Impl, ModelHooks, OpDef,
+from posttrainllm.ops.base import (NO_BACKWARD, REFERENCE, BatchAxis, Case, Costs, CurveAxis, Impl, ModelHook, OpDef,
                                    Tensors, check_fp8_config, check_smem, seeded_randn)
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.moe.reference as moe_reference
@@ -441,14 +441,14 @@ def _expert_curve_case(cfg: LabConfig, x: int) -> Case:
 # --- the model --------------------------------------------------------------------------
 
 
-def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
+def _fill(impl: Impl, cfg: LabConfig) -> Callable[..., torch.Tensor]:
     """Each MoE MLP's experts run `impl.fn` on its rows, its weights and its router's routing."""
 
     def moe(x, w_gate, w_up, w_down, route_idx, route_weight):
         tensors = dict(zip(EXPERTS, (x, w_gate, w_up, w_down, route_idx, route_weight)))
         return impl.fn(tensors, cfg)["out"]
 
-    return ModelHooks(moe=moe)
+    return moe
 
 
 def _model_problem(cfg: LabConfig) -> str:
@@ -530,7 +530,8 @@ def _adapt(fn: Any) -> Any:
 OP = OpDef(
     name="moe", x_name="tokens", input_names=("x", "w_gate", "w_up", "w_down", "route_weight", "route_idx"),
     impls=IMPLS, cases=_cases, make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case,
-    model_hooks=_model_hooks, model_problem=_model_problem, profiled_range="moe", check_config=_check_config,
+    model_hook=ModelHook("experts", _fill), model_problem=_model_problem,
+    model_defaults={"experts": moe_reference.moe_dense, "router": moe_reference.moe_router}, check_config=_check_config,
     reference_bytes=_reference_bytes, path_costs=PATH_COSTS, nondiff_inputs=("route_idx",), input_checks=_router_check,
     curve_sizes=lambda cfg: list(cfg.shape.moe_curve), model_overrides=_model_overrides,
     extra_curves=(CurveAxis("experts", lambda cfg: list(cfg.shape.moe_expert_curve), _expert_curve_case),),

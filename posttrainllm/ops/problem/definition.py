@@ -577,14 +577,11 @@ def problem_op(cfg: LabConfig) -> OpDef:
                      backend=f"Model of {problem.shown} (torch.func.functional_call; float64: the oracle)")
     sizes_line = " ".join(f"{k}={v}" for k, v in made.sizes.items())
 
-    def model_hooks(impl: Any, cfg: LabConfig) -> Any:
-        raise ConfigError(NO_MODEL)
-
     op = OpDef(
         name=NAME, x_name=made.x_name, input_names=made.input_names, impls={REFERENCE: reference},
         cases=made.cases, make_inputs=made.make_inputs, problem=made.describe_case, costs=made.costs,
-        curve_case=made.curve_case, model_hooks=model_hooks,
-        model_problem=lambda cfg: "none: " + NO_MODEL, profiled_range=NAME, check_config=lambda cfg: None,
+        curve_case=made.curve_case, model_hook=None,
+        model_problem=lambda cfg: "none: " + NO_MODEL, check_config=lambda cfg: None,
         row_ndim={"out": 1}, reference_bytes=made.reference_bytes, nondiff_inputs=made.nondiff,
         curve_sizes=made.curve_sizes,
         optional_peers={"compiled": compiled(f"{NAME}-{problem.sha256[:12]}-{sizes_line}", reference_fn,

@@ -20,13 +20,13 @@ shows) and all-zero rows (eps keeps them finite: y = 0, dx = rstd·w·dy).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
-from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors,
+from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef, Tensors,
                                    seeded_randn)
 from posttrainllm.ops.peers import compiled
 from posttrainllm.ops.rows import MAX_BLOCK_C
@@ -199,7 +199,7 @@ def _curve_case(cfg: LabConfig, x: int) -> Case:
     return _case(x, cfg.architecture.d_model, cfg.parity.seeds[0], True)
 
 
-def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
+def _fill(impl: Impl, cfg: LabConfig) -> Callable[..., torch.Tensor]:
     """Every RMSNorm of the model runs `impl.fn` on the rows of x (..., C) -> (rows, C) and its weight, cast to
     x's dtype (the pair parity checked; the same dtype in this model, whose residual stream stays fp32 under
     autocast). The model's eps must be op.eps: bench-train builds it so (model_overrides); any other refuses."""
@@ -211,7 +211,7 @@ def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
         rows = x.reshape(-1, x.shape[-1])  # (rows, C)
         return impl.fn({"x": rows, "weight": weight.to(x.dtype)}, cfg)["out"].reshape(x.shape)
 
-    return ModelHooks(norm=norm)
+    return norm
 
 
 def _model_problem(cfg: LabConfig) -> str:
@@ -267,8 +267,8 @@ def _adapt(fn: Any) -> Any:
 
 OP = OpDef(
     name="rmsnorm", x_name="rows", input_names=("x", "weight"), impls=IMPLS, cases=_cases, make_inputs=_make_inputs,
-    problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks, model_problem=_model_problem,
-    profiled_range="rmsnorm", check_config=_check_config, reference_bytes=_reference_bytes, curve_sizes=_curve_sizes,
+    problem=_problem, costs=_costs, curve_case=_curve_case, model_hook=ModelHook("norm", _fill), model_problem=_model_problem,
+    model_defaults={"norm": reference.rmsnorm}, check_config=_check_config, reference_bytes=_reference_bytes, curve_sizes=_curve_sizes,
     path_costs=PATH_COSTS,
     model_overrides=lambda cfg: {"norm_eps": cfg.op.eps},
     optional_peers={"compiled": compiled("rmsnorm", _reference, _make_inputs, "posttrainllm.ops.rmsnorm.reference.rmsnorm")},

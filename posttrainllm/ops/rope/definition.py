@@ -19,12 +19,12 @@ PyTorch has no RoPE of its own (torch.nn.functional has none), so there is no ea
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef, Tensors, seeded_randn
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.rope.reference as reference
 
@@ -146,14 +146,14 @@ def _reference_bytes(case: Case, cfg: LabConfig) -> int:
 # --- the model --------------------------------------------------------------------------
 
 
-def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
+def _fill(impl: Impl, cfg: LabConfig) -> Callable[..., torch.Tensor]:
     """Every rotation of the model (q with its n_heads, k with its n_kv_heads: two calls per layer) runs `impl.fn`
     on (x, cos, sin) as the model passes them: x a transposed view of the projection, the tables fp32."""
 
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return impl.fn({"x": x, "cos": cos, "sin": sin}, cfg)["out"]
 
-    return ModelHooks(rope=rope)
+    return rope
 
 
 def _model_problem(cfg: LabConfig) -> str:
@@ -198,8 +198,8 @@ def _adapt(fn: Any) -> Any:
 
 OP = OpDef(
     name="rope", x_name="seq_len", input_names=("x", "cos", "sin"), impls=IMPLS, cases=_cases,
-    make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
-    model_problem=_model_problem, profiled_range="rope", check_config=_check_config,
+    make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hook=ModelHook("rope", _fill),
+    model_problem=_model_problem, model_defaults={"rope": reference.rope, "rope_tables": reference.rope_tables}, check_config=_check_config,
     reference_bytes=_reference_bytes, nondiff_inputs=("cos", "sin"),
     optional_peers={"compiled": compiled("rope", _reference, _make_inputs, "posttrainllm.ops.rope.reference.rope")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,

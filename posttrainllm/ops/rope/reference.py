@@ -20,7 +20,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         y[..., i + D/2] = x[..., i] · sin[t, i] + x[..., i + D/2] · cos[t, i]
 
     x: (B, H, T, D); cos, sin: (T, D/2) -> (B, H, T, D) in x's dtype. Computed in fp32 for 16-bit and fp32
-    inputs (as posttrainllm/model/transformer.py `apply_rope`, the model's default), in float64 for float64
+    inputs (this is the model's default rope: definition.py model_defaults), in float64 for float64
     ones (the oracle).
     """
     compute = torch.promote_types(x.dtype, torch.float32)

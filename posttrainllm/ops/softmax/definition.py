@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from posttrainllm.config import ConfigError, LabConfig, itemsize
-from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, OpDef, Tensors, seeded_randn
 from posttrainllm.ops.peers import compiled
 from posttrainllm.ops.rows import refuse_tile_auto
 import posttrainllm.ops.softmax.reference as reference
@@ -190,10 +190,6 @@ def _curve_case(cfg: LabConfig, s: int) -> Case:
     return _case(cfg.shape.batch * s, s, cfg.parity.seeds[0], True)
 
 
-def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
-    raise ConfigError(NO_MODEL)
-
-
 def _check_config(cfg: LabConfig) -> None:
     """BLOCK_C is tile.block_n (a power of two >= 16, TileConfig); tile=auto tunes nothing here."""
     refuse_tile_auto(cfg, "softmax")
@@ -236,8 +232,8 @@ def _adapt(fn: Any) -> Any:
 
 OP = OpDef(
     name="softmax", x_name="seq_len", input_names=("x",), impls=IMPLS, cases=_cases, make_inputs=_make_inputs,
-    problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks,
-    model_problem=lambda cfg: "none: " + NO_MODEL, profiled_range="softmax", check_config=_check_config,
+    problem=_problem, costs=_costs, curve_case=_curve_case, model_hook=None,
+    model_problem=lambda cfg: "none: " + NO_MODEL, check_config=_check_config,
     reference_bytes=_reference_bytes, path_costs=PATH_COSTS,
     optional_peers={"compiled": compiled("softmax", _reference, _make_inputs, "posttrainllm.ops.softmax.reference.softmax")},
     gradient_baselines=(("y*(dy - sum(y*dy))", _closed_form),),

@@ -13,19 +13,19 @@ Paths (one function each: checked, timed and trained as the gate of every dense 
 
 Why the reference runs in the point's dtype (not fp32 and cast back): reference.py's functions run in their
 inputs' dtype, so that the same call on float64 inputs is the oracle; and this is what the model trains with
-(transformer.reference_swiglu, moe_reference.swiglu_expert). Its 16-bit baseline rounds twice (silu(gate), then the
+(the model's mlp_activation default, model_defaults below; moe_reference.swiglu_expert). Its 16-bit baseline rounds twice (silu(gate), then the
 product) where the fused kernel rounds once, so the contract's allowance is ~1-2 output ulps x error_multiple:
 measured margins of the planted bugs in tests/ops/test_swiglu.py.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from posttrainllm.config import LabConfig, itemsize
-from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHooks, OpDef, Tensors, seeded_randn
+from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef, Tensors, seeded_randn
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.moe.reference as moe_reference
 import posttrainllm.ops.swiglu.reference as swiglu_reference
@@ -145,7 +145,7 @@ def _curve_case(cfg: LabConfig, x: int) -> Case:
 # --- the model --------------------------------------------------------------------------
 
 
-def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
+def _fill(impl: Impl, cfg: LabConfig) -> Callable[..., torch.Tensor]:
     """Every dense MLP's gate runs `impl.fn` on its (B·T, F) rows (under autocast gate and up already share the
     autocast dtype: both come out of a Linear)."""
 
@@ -154,7 +154,7 @@ def _model_hooks(impl: Impl, cfg: LabConfig) -> ModelHooks:
         out = impl.fn({"gate": gate.reshape(-1, ffn), "up": up.reshape(-1, ffn)}, cfg)["out"]  # (B·T, F)
         return out.reshape(gate.shape)  # (B, T, F)
 
-    return ModelHooks(swiglu=swiglu)
+    return swiglu
 
 
 def _model_problem(cfg: LabConfig) -> str:
@@ -205,8 +205,8 @@ def _adapt(fn: Any) -> Any:
 
 OP = OpDef(
     name="swiglu", x_name="rows", input_names=("gate", "up"), impls=IMPLS, cases=_cases, make_inputs=_make_inputs,
-    problem=_problem, costs=_costs, curve_case=_curve_case, model_hooks=_model_hooks, model_problem=_model_problem,
-    profiled_range="swiglu", check_config=_check_config, reference_bytes=_reference_bytes,
+    problem=_problem, costs=_costs, curve_case=_curve_case, model_hook=ModelHook("mlp_activation", _fill), model_problem=_model_problem,
+    model_defaults={"mlp_activation": swiglu_reference.swiglu}, check_config=_check_config, reference_bytes=_reference_bytes,
     model_overrides=_model_overrides,
     optional_peers={"compiled": compiled("swiglu", _reference, _make_inputs, "posttrainllm.ops.swiglu.reference.swiglu")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
