@@ -54,7 +54,6 @@ KNOWN_DEBT: set[tuple[str, str]] = {
     *_debt("posttrainllm/ops/moe/fp8.py", "matmul"),
     *_debt("posttrainllm/ops/moe/reference.py", "swiglu"),
     *_debt("posttrainllm/ops/softmax/definition.py", "attention"),
-    *_debt("posttrainllm/ops/swiglu/definition.py", "moe"),
 }
 
 

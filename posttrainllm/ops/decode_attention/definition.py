@@ -28,7 +28,6 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef, Tensors,

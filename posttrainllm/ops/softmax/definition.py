@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from posttrainllm.config import ConfigError, LabConfig, itemsize
+from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, OpDef, Tensors, seeded_randn
 from posttrainllm.ops.peers import compiled
 from posttrainllm.ops.rows import refuse_tile_auto

@@ -27,7 +27,6 @@ import torch
 from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.ops.base import REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef, Tensors, seeded_randn
 from posttrainllm.ops.peers import compiled
-import posttrainllm.ops.moe.reference as moe_reference
 import posttrainllm.ops.swiglu.reference as swiglu_reference
 
 ADVERSARIAL = ("large_gate", "tiny")
