@@ -446,8 +446,13 @@ def test_a_span_leaves_out_its_run_queue_wait_only_when_no_other_thread_worked()
     assert outside._waited_s(before, {**after, "worker": (0, 50_000_000)}, 0.010) == 0.010
     assert outside._waited_s(before, {**after, "others_ran": 1_000_000}, 0.010) == 0.0  # 10% of the span: work
     assert outside._waited_s(before, {**after, "worker": None}, 0.010) == 0.0
+    # the lab's own wait (reading the answer late) comes out too, never leaving the span under what both ran
+    lab_before, lab_after = {**before, "lab": (0, 0)}, {**after, "lab": (500_000, 300_000)}
+    assert outside._waited_s(lab_before, lab_after, 0.010) == pytest.approx(0.0053)
+    assert outside._waited_s(lab_before, {**lab_after, "lab": (500_000, 9_000_000)}, 0.010) == pytest.approx(0.0055)
     reading = outside._scheduled(os.getpid())  # this process: its main thread's run and wait, as the lab reads them
     assert reading["worker"] is not None and reading["worker"][0] > 0
+    assert reading["lab"] is not None and reading["lab"][0] > 0  # the calling thread's own
 
 
 TEMPLATE_MATH = '''
