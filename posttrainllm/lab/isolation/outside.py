@@ -15,9 +15,11 @@ the curve (stages._curve) never call `measure()` on it. Instead, per batch:
    gradient), requires each to match its checksum and checks each against the float64 oracle of its set.
 
 N comes from two warm-up batches timed and checked the same way (WARMUP_RULE). The worker's heap stays mapped
-(HEAP_RULE), as a long-running lab process's does. Fresh sets each batch, and the
-refill after the last batch (REFILL_RULE), make a stored result wrong. Each span leaves out what the worker
-waited on a run queue (RUN_QUEUE_RULE). A path's processes and threads are watched (PROCESS_RULE, THREAD_RULE),
+(HEAP_RULE), as a long-running lab process's does, and each call's results are copied out and freed before the
+next call, as the in-process loop frees them (KEEP_RULE). Fresh sets each batch, and the
+refill after the last batch (REFILL_RULE), make a stored result wrong. Each span leaves out what the worker and the
+lab's thread waited on a run queue (RUN_QUEUE_RULE); a batch not above its null is unreadable, never a sample
+(UNREADABLE_RULE). A path's processes and threads are watched (PROCESS_RULE, THREAD_RULE),
 and so are stops of the lab itself (SIGNAL_RULE). Every set is judged by the parity stage's own rules
 (oracle.judge_path). A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
 """
@@ -98,6 +100,14 @@ HEAP_RULE = ("a worker keeps the memory it frees mapped (glibc: mallopt, the tri
              "without this each of its calls faulted its pages in again (~50 minor faults, +35% a call at attention "
              "tiny) where the lab's in-process loop frees each result and faults none; the last batch is freed "
              "before the clock too; the worker's minor faults per call are recorded (faults_per_call)")
+KEEP_RULE = ("each call's outputs and gradients are copied, after its per-call clock, into buffers the worker made and "
+             "wrote before the batch's clock, and the call's own are freed before the next call: the next call "
+             "allocates where this one did, as in the lab's in-process loop, which frees each result before the next "
+             "call (holding the N results instead put each call's temporaries at new addresses: +5% a call at "
+             "attention tiny, on the thread's CPU clock); the null copies the kept results once more, so the copies "
+             "are no part of a sample; on the CPU no set's inputs are read before its call (CUDA: the L2 is "
+             "flushed, as measure() flushes it): reading them there was work in the span its null, run on warmer "
+             "caches, did not take out")
 THREAD_RULE = ("at one lab thread (bench.threads=1, as torch runs its own work on the calling thread), the worker's "
                f"threads other than its main one may use {OTHER_THREADS_SHARE:.0%} of the timed spans' time in CPU "
                f"(at most {IDLE_CPU_S} s) over a path's whole timing, spans and the gaps between them, threads that "
@@ -119,7 +129,7 @@ MEMORY_RULE = ("a user path's peak memory is one forward call's in its worker: t
 RULE = ("a user path is timed from outside its worker: batches of N >= 4 distinct input sets (fresh each batch) "
         "placed in the worker before the clock, computed in one request the lab's clock spans, every output "
         "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set, and "
-        "what its calls changed of the worker asked after the clock; " + WARMUP_RULE + "; " + WAKE_RULE + "; " + HEAP_RULE + "; " + REFILL_RULE + "; "
+        "what its calls changed of the worker asked after the clock; " + WARMUP_RULE + "; " + WAKE_RULE + "; " + HEAP_RULE + "; " + KEEP_RULE + "; " + REFILL_RULE + "; "
         + AGREEMENT_RULE + "; " + TIMING_SEED_RULE + "; " + PROCESS_RULE + "; " + THREAD_RULE)
 
 
@@ -490,7 +500,7 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
         return UserTiming(None, f"timed batch raised {type(exc).__name__}"
                                 + (f": {text.splitlines()[0]}" if text else ""), report)
     lab_s = sum(samples) * n
-    report.update(batch_size=n, batches=len(samples), unreadable_batches=unreadable, calls=calls, round_trip_ms=round_trip * 1e3,
+    report.update(batch_size=n, batches=len(samples), unreadable_batches=unreadable, calls=n * len(samples), round_trip_ms=round_trip * 1e3,
                   null_batch_ms=statistics.median(min(a, b) for a, b in nulls) * 1e3,
                   own_null_ms=statistics.median(a for a, _ in nulls) * 1e3,
                   clean_null_ms=statistics.median(b for _, b in nulls) * 1e3,
