@@ -106,7 +106,7 @@ for r in range(rounds):
             readable = rep["batches"] * rep["batch_size"]
             left.append((rep["null_batch_ms"] / rep["batch_size"], rep.get("worker_over_lab"),
                          (rep["lab_total_ms"] - rep["worker_total_ms"]) / readable, rep.get("faults_per_call"),
-                         rep["run_queue_share"], rep["unreadable_batches"]))
+                         rep["run_queue_share"], rep.get("unreadable_batches", 0)))
             line.append(f"{user}/{peer} {mode} {timed.timing.median_ms:.3f}/{peer_ms:.3f} ms = {ratio:.2f}x"
                         f"{' (peer moved %.2f->%.3f)' % (before, after) if flipped else ''} (N {rep['batch_size']})")
     workers.close_all()
