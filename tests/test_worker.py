@@ -552,3 +552,40 @@ def test_outside_outputs_are_judged_by_the_parity_stages_own_rules():
     failed = outside._check(op, cfg, sdpa, s, got, True)
     assert failed is not None and failed.startswith("grad_q: ") and "row (0, 1, 5)" in failed, failed
     assert outside._check(op, cfg, sdpa, s, {"out": got["out"]}, False) is None
+
+
+def test_a_batch_not_above_its_null_is_counted_unreadable_never_a_zero_sample(tmp_path, monkeypatch):
+    """outside.UNREADABLE_RULE: load can move a null above its batch's span (a 64³ matmul read "median 0 ms,
+    impossible" so). Such a batch is counted and is no sample; too many and the path gets no speed. The real
+    batches of a real worker, with the null of some raised above their span (what the load did)."""
+    from posttrainllm.lab.isolation import outside
+    from posttrainllm.lab import runner
+    from posttrainllm.measure import device as devices
+    from posttrainllm.ops.registry import get_op
+
+    path = tmp_path / "mm.py"
+    path.write_text("def matmul(a, b):\n    return a @ b\n")
+    cfg = load([*MATMUL, f"op.user_impls=[{path}:matmul]"])
+    op, device = get_op("matmul"), devices.prepare("cpu", 1)
+    case, impl = next(c for c in op.cases(cfg) if c.main), runner.paths(op, cfg)["matmul"]
+    settings = dict(warmup=1, reps=3, min_time_s=0.0, max_reps=12)
+    real, count = outside._batch, [0]
+
+    def loaded(every: int):
+        def batch(*args):
+            span, own, clean, answer = real(*args)
+            count[0] += 1
+            raised = 2 * span if count[0] % every == 0 else None
+            return span, raised or own, raised or clean, answer
+        return batch
+
+    monkeypatch.setattr(outside, "_batch", loaded(every=2))
+    timed = outside.time_user_path(op, cfg, case, impl, "forward", device, settings)
+    assert timed.refused is None, timed.refused
+    assert timed.report["unreadable_batches"] >= 2 and min(timed.timing.samples_ms) > 0, timed.report
+    assert timed.report["batches"] == len(timed.timing.samples_ms) >= outside.BATCHES_MIN
+
+    monkeypatch.setattr(outside, "_batch", loaded(every=1))
+    timed = outside.time_user_path(op, cfg, case, impl, "forward", device, settings)
+    assert timed.timing is None and "UNREADABLE_RULE" in timed.refused, timed.refused
+    assert timed.report["unreadable_batches"] == outside.UNREADABLE_MAX + 1
