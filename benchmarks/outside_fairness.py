@@ -2,17 +2,24 @@
 
     python benchmarks/outside_fairness.py [ROUNDS] [hydra overrides ...]
 
-In one process, round after round (so a load that comes and goes on a shared machine hits both sides alike): the
-reference and the built-in `sdpa` timed in-process as the microbench times them (runner.InProcess.time), then two user
-paths timed from outside their workers as the microbench times them (outside.time_user_path): the unedited
-`new-impl` template (the reference's math) and `examples/torch_attention.py:sdpa_attention` (SDPA). Prints per
-round and as medians over rounds: template / reference and sdpa_attention / sdpa (forward, forward + backward;
-1.00 is fair, above 1 the outside path reads slower), and what is left per call: the batch's null over N and the
-worker's own per-call times against the lab's samples (their difference: the time per call the lab counts that
-the worker's per-call clock does not, which the null does not remove), and the worker's minor page faults per
-call (outside.HEAP_RULE). Figures recorded in docs/timing.md.
+In one process, round after round, and within a round A/B/A for each pair and mode: the in-process peer timed as the
+microbench times it (measure(), rotating over bench.input_sets sets), then the user path timed from outside its worker
+as the microbench times it (outside.time_user_path), then the peer again. The user paths: the unedited `new-impl`
+template (the reference's math) against the reference, and `examples/torch_attention.py:sdpa_attention` against the
+built-in `sdpa`. A shared machine changes speed for seconds at a time (measured: the same loop 0.26 or 0.47 ms a
+call, seconds apart); a ratio is taken against the peer's geometric mean over its two timings around the path's, and
+a round whose two peer timings differ by over 15% is marked (the machine changed speed within it).
+
+Prints per round (with os.getloadavg()) and as medians over rounds: outside / in-process (forward, forward +
+backward; 1.00 is fair, above 1 the outside path reads slower); the same path's math loaded in this process and
+timed in-process, against the peer (what the copy itself costs, not the method); and what is left per call: the
+batch's null over N, the lab's sample beyond the worker's own per-call clock, the share of the spans waited on a
+run queue (subtracted), the unreadable batches and the worker's minor page faults per call. Figures recorded in
+docs/timing.md.
 """
 
+import dataclasses
+import math
 import os
 import statistics
 import subprocess
@@ -32,8 +39,11 @@ from posttrainllm.lab.isolation import outside, rooms  # noqa: E402
 from posttrainllm.lab.configure import load  # noqa: E402
 from posttrainllm.lab.oracle import upstream_gradient  # noqa: E402
 from posttrainllm.measure import device as devices  # noqa: E402
+from posttrainllm.measure.timing import measure  # noqa: E402
 from posttrainllm.ops.registry import get_op  # noqa: E402
 from posttrainllm.lab.isolation import worker as workers  # noqa: E402
+
+FLIP = 0.15  # a round whose two peer timings differ by more: the machine changed speed within it
 
 folder = Path(tempfile.mkdtemp(prefix="outside-fairness-"))
 subprocess.run([sys.executable, "-m", "posttrainllm", "new-impl", "op=attention", str(folder / "template.py")],
@@ -51,41 +61,67 @@ settings = dict(warmup=bench.warmup, reps=bench.reps, min_time_s=bench.min_time_
 sets = rooms.input_sets(op, case, torch.float32, device, bench.input_sets)
 with torch.no_grad():
     grad_outs = [upstream_gradient(c, op.reference.fn(x, cfg)["out"]) for c, x in sets]
-print(f"attention fp32 {op.problem(case)} threads {torch.get_num_threads()} rounds {rounds} {' '.join(overrides)}")
 pairs = [("template", "reference"), ("sdpa_attention", "sdpa")]
+# each user path's math loaded in this process, timed in-process like its peer (what the copy itself costs)
+here = {user: dataclasses.replace(paths[peer], fn=runner.runner_for(paths[user]).loaded_here(op)) for user, peer in pairs}
+
+
+def in_process(impl, mode: str) -> float:
+    """The path timed as the microbench's InProcess runner times it (runner.InProcess.time): its median ms."""
+    run = runner.InProcess(impl)
+    mine = [rooms.fresh(x, device) for _, x in sets]
+    if mode == "forward":
+        with torch.no_grad():
+            return measure(rooms.rotating([lambda x=x: run.forward(x, cfg) for x in mine]), device=device,
+                           **settings).median_ms
+    calls = [run.forward_backward(x, g.clone(), cfg) for x, g in zip(mine, grad_outs)]
+    return measure(rooms.rotating(calls), device=device, **settings).median_ms
+
+
+print(f"attention fp32 {op.problem(case)} threads {torch.get_num_threads()} rounds {rounds} {' '.join(overrides)}; "
+      f"load average {os.getloadavg()[0]:.2f}")
 ratios = {(u, m): [] for u, _ in pairs for m in ("forward", "forward_backward")}
+steady = {key: [] for key in ratios}  # the rounds where the peer's two timings agree within FLIP
+copies = {key: [] for key in ratios}  # the user's math in this process / the peer
 left = []
 for r in range(rounds):
-    inside = {}
-    for name in ("reference", "sdpa"):
-        mine = [rooms.fresh(x, device) for _, x in sets]
-        timed = runner.runner_for(paths[name]).time(op, cfg, case, mine, [g.clone() for g in grad_outs], device,
-                                                    settings)
-        forward, train = timed.forward, timed.train
-        inside[name] = {"forward": forward.median_ms, "forward_backward": train.median_ms}
     line = []
     for user, peer in pairs:
         for mode in ("forward", "forward_backward"):
+            before = in_process(paths[peer], mode)
             timed = outside.time_user_path(op, cfg, case, paths[user], mode, device, settings)
+            after = in_process(paths[peer], mode)
+            copy = in_process(here[user], mode)
+            peer_ms = math.sqrt(before * after)
+            copies[(user, mode)].append(copy / peer_ms)
             if timed.timing is None:
                 line.append(f"{user} {mode}: refused ({timed.refused[:120]})")
                 continue
-            ratio = timed.timing.median_ms / inside[peer][mode]
+            ratio = timed.timing.median_ms / peer_ms
+            flipped = abs(math.log(after / before)) > math.log(1 + FLIP)
             ratios[(user, mode)].append(ratio)
+            if not flipped:
+                steady[(user, mode)].append(ratio)
             rep = timed.report
+            readable = rep["batches"] * rep["batch_size"]
             left.append((rep["null_batch_ms"] / rep["batch_size"], rep.get("worker_over_lab"),
-                         (rep["lab_total_ms"] - rep["worker_total_ms"]) / rep["calls"], rep.get("faults_per_call")))
-            line.append(f"{user}/{peer} {mode} {timed.timing.median_ms:.3f}/{inside[peer][mode]:.3f} ms = {ratio:.2f}x"
-                        f" (N {rep['batch_size']})")
+                         (rep["lab_total_ms"] - rep["worker_total_ms"]) / readable, rep.get("faults_per_call"),
+                         rep["run_queue_share"], rep.get("unreadable_batches", 0)))
+            line.append(f"{user}/{peer} {mode} {timed.timing.median_ms:.3f}/{peer_ms:.3f} ms = {ratio:.2f}x"
+                        f"{' (peer moved %.2f->%.3f)' % (before, after) if flipped else ''} (N {rep['batch_size']})")
     workers.close_all()
-    print(f"round {r + 1}: " + "; ".join(line), flush=True)
-print("median over rounds (outside / in-process; 1.00 is fair):")
-for (user, mode), values in ratios.items():
+    print(f"round {r + 1} (load {os.getloadavg()[0]:.2f}): " + "; ".join(line), flush=True)
+print(f"median over rounds (outside / in-process; 1.00 is fair); load average now {os.getloadavg()[0]:.2f}:")
+for key, values in ratios.items():
+    user, mode = key
     if values:
-        print(f"  {user} {mode}: {statistics.median(values):.3f}x (rounds {', '.join(f'{v:.2f}' for v in values)})")
-print(f"per call: null / N median {statistics.median(x[0] for x in left) * 1e3:.1f} us (subtracted); "
-      f"worker's own per-call sum / lab's samples median "
-      f"{statistics.median([x[1] for x in left if x[1] is not None] or [float('nan')]):.3f}; "
-      f"left in the lab's sample beyond the worker's own per-call clock median "
-      f"{statistics.median(x[2] for x in left) * 1e3:.1f} us; the worker's minor page faults per call median "
-      f"{statistics.median([x[3] for x in left if x[3] is not None] or [float('nan')]):.2f} (HEAP_RULE)")
+        held = (f"{statistics.median(steady[key]):.3f}x over {len(steady[key])}" if steady[key] else "none")
+        print(f"  {user} {mode}: {statistics.median(values):.3f}x (rounds {', '.join(f'{v:.2f}' for v in values)}); "
+              f"the rounds where the peer held its speed: {held}")
+    print(f"    its math in this process / the peer: {statistics.median(copies[key]):.3f}x")
+if left:
+    med = lambda i: statistics.median([x[i] for x in left if x[i] is not None] or [float("nan")])  # noqa: E731
+    print(f"per call: null / N median {med(0) * 1e3:.1f} us (subtracted); worker's own per-call sum / lab's samples "
+          f"median {med(1):.3f}; left in the lab's sample beyond the worker's own per-call clock median "
+          f"{med(2) * 1e3:.1f} us; run-queue share of the spans (subtracted) median {med(4):.3f}; unreadable batches "
+          f"{sum(x[5] for x in left)}; the worker's minor page faults per call median {med(3):.2f} (HEAP_RULE)")

@@ -365,6 +365,10 @@ def test_a_worker_and_every_process_it_started_end_with_it(tmp_path):
             break
         time.sleep(0.05)
     assert len(pids) == 3 and worker.pid not in pids
+    for _ in range(100):  # a grandchild writes its pid before its parent's exit has handed it to the zygote
+        if set(pids) <= set(workers.alive()):
+            break
+        time.sleep(0.05)
     assert set(pids) <= set(workers.alive())  # the count sees them, and the worker
     assert worker.pid in workers.alive()
     workers.close_all()
@@ -446,8 +450,13 @@ def test_a_span_leaves_out_its_run_queue_wait_only_when_no_other_thread_worked()
     assert outside._waited_s(before, {**after, "worker": (0, 50_000_000)}, 0.010) == 0.010
     assert outside._waited_s(before, {**after, "others_ran": 1_000_000}, 0.010) == 0.0  # 10% of the span: work
     assert outside._waited_s(before, {**after, "worker": None}, 0.010) == 0.0
+    # the lab's own wait (reading the answer late) comes out too, never leaving the span under what both ran
+    lab_before, lab_after = {**before, "lab": (0, 0)}, {**after, "lab": (500_000, 300_000)}
+    assert outside._waited_s(lab_before, lab_after, 0.010) == pytest.approx(0.0053)
+    assert outside._waited_s(lab_before, {**lab_after, "lab": (500_000, 9_000_000)}, 0.010) == pytest.approx(0.0055)
     reading = outside._scheduled(os.getpid())  # this process: its main thread's run and wait, as the lab reads them
     assert reading["worker"] is not None and reading["worker"][0] > 0
+    assert reading["lab"] is not None and reading["lab"][0] > 0  # the calling thread's own
 
 
 TEMPLATE_MATH = '''
@@ -543,3 +552,40 @@ def test_outside_outputs_are_judged_by_the_parity_stages_own_rules():
     failed = outside._check(op, cfg, sdpa, s, got, True)
     assert failed is not None and failed.startswith("grad_q: ") and "row (0, 1, 5)" in failed, failed
     assert outside._check(op, cfg, sdpa, s, {"out": got["out"]}, False) is None
+
+
+def test_a_batch_not_above_its_null_is_counted_unreadable_never_a_zero_sample(tmp_path, monkeypatch):
+    """outside.UNREADABLE_RULE: load can move a null above its batch's span (a 64³ matmul read "median 0 ms,
+    impossible" so). Such a batch is counted and is no sample; too many and the path gets no speed. The real
+    batches of a real worker, with the null of some raised above their span (what the load did)."""
+    from posttrainllm.lab.isolation import outside
+    from posttrainllm.lab import runner
+    from posttrainllm.measure import device as devices
+    from posttrainllm.ops.registry import get_op
+
+    path = tmp_path / "mm.py"
+    path.write_text("def matmul(a, b):\n    return a @ b\n")
+    cfg = load([*MATMUL, f"op.user_impls=[{path}:matmul]"])
+    op, device = get_op("matmul"), devices.prepare("cpu", 1)
+    case, impl = next(c for c in op.cases(cfg) if c.main), runner.paths(op, cfg)["matmul"]
+    settings = dict(warmup=1, reps=3, min_time_s=0.0, max_reps=12)
+    real, count = outside._batch, [0]
+
+    def loaded(every: int):
+        def batch(*args):
+            span, own, clean, answer = real(*args)
+            count[0] += 1
+            raised = 2 * span if count[0] % every == 0 else None
+            return span, raised or own, raised or clean, answer
+        return batch
+
+    monkeypatch.setattr(outside, "_batch", loaded(every=2))
+    timed = outside.time_user_path(op, cfg, case, impl, "forward", device, settings)
+    assert timed.refused is None, timed.refused
+    assert timed.report["unreadable_batches"] >= 2 and min(timed.timing.samples_ms) > 0, timed.report
+    assert timed.report["batches"] == len(timed.timing.samples_ms) >= outside.BATCHES_MIN
+
+    monkeypatch.setattr(outside, "_batch", loaded(every=1))
+    timed = outside.time_user_path(op, cfg, case, impl, "forward", device, settings)
+    assert timed.timing is None and "UNREADABLE_RULE" in timed.refused, timed.refused
+    assert timed.report["unreadable_batches"] == outside.UNREADABLE_MAX + 1

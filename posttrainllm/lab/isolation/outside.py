@@ -15,9 +15,11 @@ the curve (stages._curve) never call `measure()` on it. Instead, per batch:
    gradient), requires each to match its checksum and checks each against the float64 oracle of its set.
 
 N comes from two warm-up batches timed and checked the same way (WARMUP_RULE). The worker's heap stays mapped
-(HEAP_RULE), as a long-running lab process's does. Fresh sets each batch, and the
-refill after the last batch (REFILL_RULE), make a stored result wrong. Each span leaves out what the worker
-waited on a run queue (RUN_QUEUE_RULE). A path's processes and threads are watched (PROCESS_RULE, THREAD_RULE),
+(HEAP_RULE), as a long-running lab process's does, and each call's results are copied out and freed before the
+next call, as the in-process loop frees them (KEEP_RULE). Fresh sets each batch, and the
+refill after the last batch (REFILL_RULE), make a stored result wrong. Each span leaves out what the worker and the
+lab's thread waited on a run queue (RUN_QUEUE_RULE); a batch not above its null is unreadable, never a sample
+(UNREADABLE_RULE). A path's processes and threads are watched (PROCESS_RULE, THREAD_RULE),
 and so are stops of the lab itself (SIGNAL_RULE). Every set is judged by the parity stage's own rules
 (oracle.judge_path). A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
 """
@@ -50,6 +52,7 @@ PINGS = 9  # repetitions of the empty call (recorded: round_trip_ms; no figure d
 BATCHES_MIN = 5  # timed batches at least: the figure is the median of one sample per batch
 SET_SEED = 7_919  # set k of a path's timing draws its inputs from a base seed drawn at run time + SET_SEED * (k + 1)
 SEED_OFFSET = 2 * 104_729  # the memory call's set: away from the parity cases' seeds and stages.FRESH_SEED
+UNREADABLE_MAX = 3 * BATCHES_MIN  # UNREADABLE_RULE
 OTHER_THREADS_SHARE = 0.02  # RUN_QUEUE_RULE: the worker's other threads may run this share of a span
 IDLE_CPU_S = 0.05  # PROCESS_RULE: CPU seconds a path's child processes may use over its timing (startup, a pool)
 FORWARD, FORWARD_BACKWARD = "forward", "forward_backward"
@@ -58,17 +61,25 @@ NULL_RULE = ("after each batch the lab times the same request calling nothing: t
              "never loaded a path), handed the same outputs; the smaller is the batch's null: a null the path's own "
              "process slows (a thread or a process that works only while nothing is called) is not subtracted")
 RUN_QUEUE_RULE = ("a span, timed or null, counts the time its work was on a core: the lab subtracts what the worker's "
-                  "main thread waited runnable on a run queue during it (the kernel's schedstat, read from /proc "
-                  "outside the worker, the worker asleep before the clock starts: a wait is credited when its thread "
-                  "next runs), so a batch preempted by other processes on shared cores "
-                  "reads as its calls ran, as the in-process median of single calls does (a call preempted is an "
-                  "outlier there); nothing is subtracted where the worker's other threads ran over "
+                  "main thread and its own thread waited runnable on a run queue during it (the kernel's schedstat, "
+                  "read from /proc, the worker's outside it, the worker asleep before the clock starts: a wait is "
+                  "credited when its thread next runs), so a batch preempted by other processes on shared cores, or "
+                  "a lab that waits for a core to read the answer, reads as its calls ran, as the in-process median "
+                  "of single calls does (a call preempted is an outlier there); a span is never read as less than "
+                  "the two threads ran on a core in it (a wait of the lab's while the worker computed is not its "
+                  "to subtract); nothing is subtracted where the worker's other threads ran over "
                   f"{OTHER_THREADS_SHARE:.0%} of the span (work beside the main thread), or where the kernel does "
                   "not say")
+UNREADABLE_RULE = ("a batch whose span, less its waits, does not stand above its null is unreadable: the load on the "
+                   "cores moved the two spans more than the batch's calls took; it is counted (unreadable_batches), "
+                   "never a sample (a 0 there is no time a call took), and the timing goes on for its "
+                   f"{BATCHES_MIN} samples; over {UNREADABLE_MAX} unreadable batches, no speed: the machine was too "
+                   "loaded to time the path (a path cannot make a batch unreadable to its gain: that needs a span "
+                   "shorter than calling nothing)")
 AGREEMENT_RULE = ("one sample per batch: (the lab's span of the request computing all N sets - that batch's null) / "
                   "N, time.perf_counter after a device synchronize; the figure is the median over the batches; the "
                   "worker's per-call times are recorded (worker_over_lab), never a sample: a path that front-loads or "
-                  "forges them gains nothing. " + NULL_RULE + "; " + RUN_QUEUE_RULE)
+                  "forges them gains nothing. " + NULL_RULE + "; " + RUN_QUEUE_RULE + "; " + UNREADABLE_RULE)
 TIMING_SEED_RULE = ("the timing's input sets are drawn from a base seed the lab draws at run time from the operating "
                     "system's randomness (secrets), per path and mode, recorded after the timing: no source holds "
                     "it, so no set can be computed ahead; parity's seeds stay the configuration's")
@@ -89,11 +100,23 @@ HEAP_RULE = ("a worker keeps the memory it frees mapped (glibc: mallopt, the tri
              "without this each of its calls faulted its pages in again (~50 minor faults, +35% a call at attention "
              "tiny) where the lab's in-process loop frees each result and faults none; the last batch is freed "
              "before the clock too; the worker's minor faults per call are recorded (faults_per_call)")
+KEEP_RULE = ("each call's outputs and gradients are copied, after its per-call clock, into buffers the worker made and "
+             "wrote before the batch's clock, and the call's own are freed before the next call: the next call "
+             "allocates where this one did, as in the lab's in-process loop, which frees each result before the next "
+             "call (holding the N results instead put each call's temporaries at new addresses: +5% a call at "
+             "attention tiny, on the thread's CPU clock); the null copies the kept results once more, so the copies "
+             "are no part of a sample; on the CPU no set's inputs are read before its call (CUDA: the L2 is "
+             "flushed, as measure() flushes it): reading them there was work in the span its null, run on warmer "
+             "caches, did not take out")
 THREAD_RULE = ("at one lab thread (bench.threads=1, as torch runs its own work on the calling thread), the worker's "
                f"threads other than its main one may use {OTHER_THREADS_SHARE:.0%} of the timed spans' time in CPU "
-               f"(at most {IDLE_CPU_S} s) over a path's whole timing, spans and the gaps between them: a thread the path leaves running could compute the placed sets before the "
-               "clock, work beside its calls, or slow the null; over that, no speed. Python threads still running "
-               "its code at a scan are named too (the worker's scan)")
+               f"(at most {IDLE_CPU_S} s) over a path's whole timing, spans and the gaps between them, threads that "
+               "ended included (the process's CPU clock, exact to the ns, less its main thread's; not clock ticks, "
+               "10 ms each, which read an honest compiled path's few threads as 10 ms): a thread the path leaves "
+               "running, or starts and joins in each call, could compute the placed sets before the clock, work "
+               "beside its calls while its main thread waits (a wait RUN_QUEUE_RULE would otherwise take out), or "
+               "slow the null; over that, no speed. Python threads still running its code at a scan are named too "
+               "(the worker's scan)")
 REFILL_RULE = ("after the last batch, new values (another seed) are copied in place into its first set's buffers "
                "in the worker and that set computed again: a result stored by the buffers' address or identity "
                "fails the oracle check there and the path gets no speed")
@@ -106,7 +129,7 @@ MEMORY_RULE = ("a user path's peak memory is one forward call's in its worker: t
 RULE = ("a user path is timed from outside its worker: batches of N >= 4 distinct input sets (fresh each batch) "
         "placed in the worker before the clock, computed in one request the lab's clock spans, every output "
         "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set, and "
-        "what its calls changed of the worker asked after the clock; " + WARMUP_RULE + "; " + WAKE_RULE + "; " + HEAP_RULE + "; " + REFILL_RULE + "; "
+        "what its calls changed of the worker asked after the clock; " + WARMUP_RULE + "; " + WAKE_RULE + "; " + HEAP_RULE + "; " + KEEP_RULE + "; " + REFILL_RULE + "; "
         + AGREEMENT_RULE + "; " + TIMING_SEED_RULE + "; " + PROCESS_RULE + "; " + THREAD_RULE)
 
 
@@ -265,28 +288,50 @@ def _schedstat(path: str) -> tuple[int, int] | None:
         return None
 
 
-def _scheduled(pid: int) -> dict[str, Any]:
-    """RUN_QUEUE_RULE's readings now: the worker's main thread's (run, waited) ns and the ns its other threads have
-    run."""
-    others = 0
+def _process_cpu_ns(pid: int) -> int | None:
+    """The CPU time of every thread a process has run, ended ones included, in ns: its process CPU clock
+    (clock_getcpuclockid, read from outside: MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)), None where the kernel
+    does not give it. Exact, where the utime + stime of /proc/<pid>/stat are clock ticks (10 ms each)."""
     try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            if tid != str(pid):
-                others += (_schedstat(f"/proc/{pid}/task/{tid}/schedstat") or (0, 0))[0]
-    except OSError:
-        pass
-    return {"worker": _schedstat(f"/proc/{pid}/task/{pid}/schedstat"), "others_ran": others}
+        return time.clock_gettime_ns(((~pid) << 3) | 2)
+    except (OSError, OverflowError, AttributeError):
+        return None
+
+
+def _scheduled(pid: int) -> dict[str, Any]:
+    """RUN_QUEUE_RULE's readings now: the worker's main thread's and the lab's calling thread's (run, waited) ns,
+    and the ns the worker's other threads have run (THREAD_RULE): those that ended included, from the process's CPU
+    clock less its main thread's, else its live threads' alone."""
+    main = _schedstat(f"/proc/{pid}/task/{pid}/schedstat")
+    process = _process_cpu_ns(pid)
+    if process is not None and main is not None:
+        others = max(process - main[0], 0)
+    else:
+        others = 0
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                if tid != str(pid):
+                    others += (_schedstat(f"/proc/{pid}/task/{tid}/schedstat") or (0, 0))[0]
+        except OSError:
+            pass
+    return {"worker": main, "others_ran": others,
+            "lab": _schedstat(f"/proc/self/task/{threading.get_native_id()}/schedstat")}
 
 
 def _waited_s(before: dict[str, Any], after: dict[str, Any], span: float) -> float:
-    """RUN_QUEUE_RULE: the seconds of a span the worker's main thread spent runnable but not running (another
-    process had the core), 0 where the kernel does not say or the worker's other threads ran over
-    OTHER_THREADS_SHARE of the span (work beside the main thread: the wall span stands)."""
+    """RUN_QUEUE_RULE: the seconds of a span the worker's main thread and the lab's thread spent runnable but not
+    running (another process had the core), never more than leaves the span at what the two ran on a core; 0 where
+    the kernel does not say or the worker's other threads ran over OTHER_THREADS_SHARE of the span (work beside the
+    main thread: the wall span stands)."""
     if before["worker"] is None or after["worker"] is None:
         return 0.0
     if (after["others_ran"] - before["others_ran"]) / 1e9 > OTHER_THREADS_SHARE * span:
         return 0.0
-    return min(max((after["worker"][1] - before["worker"][1]) / 1e9, 0.0), span)
+    ran, waited = (after["worker"][0] - before["worker"][0]) / 1e9, (after["worker"][1] - before["worker"][1]) / 1e9
+    if before.get("lab") is not None and after.get("lab") is not None:  # the lab's own wait: reading the answer late
+        ran += (after["lab"][0] - before["lab"][0]) / 1e9
+        waited += (after["lab"][1] - before["lab"][1]) / 1e9
+    return min(max(waited, 0.0), max(span - ran, 0.0))
 
 
 def _asleep(pid: int, timeout_s: float = 0.05) -> bool:
@@ -420,23 +465,31 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
         worker_s: list[float] = []
         faults: list[float] = []  # HEAP_RULE: the worker's minor page faults per call in each span
         waits: list[float] = []  # RUN_QUEUE_RULE: the share of each span waited on a run queue (subtracted)
-        spent, calls = 0.0, 0
+        spent, calls, unreadable = 0.0, 0, 0
         while len(samples) < BATCHES_MIN or (calls + n <= settings["max_reps"] and (
                 calls < settings["reps"] or spent < settings["min_time_s"])):
             sets = draw(n)
             put(sets, "timed")
             span, own, clean, answer = _batch(worker, device, sets)
-            failed = checked(sets, answer, f"timed batch {len(samples) + 1}")
+            failed = checked(sets, answer, f"timed batch {len(samples) + unreadable + 1}")
             if failed:
-                return refuse(failed, batch_size=n, batches=len(samples) + 1)
+                return refuse(failed, batch_size=n, batches=len(samples) + unreadable + 1)
             null = min(own, clean)  # NULL_RULE: a null slowed by the path's own process is not subtracted
-            samples.append(max(span - null, 0.0) / n)
+            spent += span
+            calls += n
+            if span <= null:  # UNREADABLE_RULE: counted, never a sample
+                unreadable += 1
+                if unreadable > UNREADABLE_MAX:
+                    return refuse(f"{unreadable} of {unreadable + len(samples)} batches did not stand above their "
+                                  "null (the load on the cores moved the spans more than the calls took; "
+                                  "UNREADABLE_RULE): the machine was too loaded to time it, no speed",
+                                  batch_size=n, batches=len(samples), unreadable_batches=unreadable)
+                continue
+            samples.append((span - null) / n)
             nulls.append((own, clean))
             worker_s.append(sum(answer["samples_s"]))
             faults.append(answer["faults"] / n if answer["faults"] is not None else math.nan)
             waits.append(answer["waited_s"] / answer["span_s"] if answer["span_s"] > 0 else 0.0)
-            spent += span
-            calls += n
         threads = answer["threads"]
         refused = (_refill_check(op, cfg, impl, worker, draw(1)[0], backward)
                    or _strays(worker, before, spans_s=spent + warm_spent)[0])
@@ -447,7 +500,7 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
         return UserTiming(None, f"timed batch raised {type(exc).__name__}"
                                 + (f": {text.splitlines()[0]}" if text else ""), report)
     lab_s = sum(samples) * n
-    report.update(batch_size=n, batches=len(samples), calls=calls, round_trip_ms=round_trip * 1e3,
+    report.update(batch_size=n, batches=len(samples), unreadable_batches=unreadable, calls=n * len(samples), round_trip_ms=round_trip * 1e3,
                   null_batch_ms=statistics.median(min(a, b) for a, b in nulls) * 1e3,
                   own_null_ms=statistics.median(a for a, _ in nulls) * 1e3,
                   clean_null_ms=statistics.median(b for _, b in nulls) * 1e3,

@@ -788,23 +788,16 @@ _FLUSH: list[Any] = []
 
 
 def _prime(tensors: list[torch.Tensor]) -> None:
-    """A call's cache as the lab's in-process timing (measure/timing.py) gives each call: on CUDA the L2 flushed; on
-    the CPU its inputs just read (the in-process loop rotates over a few sets that stay in the caches, where a
-    batch's N distinct sets would not)."""
+    """A call's cache as the lab's in-process timing (measure/timing.py) gives each call: on CUDA the L2 flushed.
+    On the CPU nothing: a set's inputs are read by its call (measured at attention tiny: a call over distinct sets
+    read from the last-level cache runs as one rotating over 4 sets, 0.98x), and reading them before the call put
+    work in the span that its null, run on warmer caches, did not take out (+4% a call; outside.NULL_RULE)."""
     if any(t.is_cuda for t in tensors):
         if not _FLUSH:
             from posttrainllm.measure.timing import l2_flush
 
             _FLUSH.append(l2_flush("cuda"))
         _FLUSH[0]()
-        return
-    with torch.no_grad():
-        for t in tensors:
-            if t.numel():
-                try:
-                    t.detach().sum()
-                except RuntimeError:  # a dtype sum does not take (fp8): a copy reads it as well
-                    t.detach().clone()
 
 
 WAKE_S = 0.002  # lab/isolation/outside.py WAKE_RULE
@@ -858,7 +851,7 @@ def _sync(tensors: list[torch.Tensor]) -> None:
 
 def checksums(answer: dict[str, Any]) -> list[float | None]:
     """Per output and gradient of one answer: the float64 sum of its values (None for no tensor)."""
-    return [float(t.detach().to(torch.float64).sum()) if isinstance(t, torch.Tensor) else None
+    return [float(t.detach().sum(dtype=torch.float64)) if isinstance(t, torch.Tensor) else None
             for t in [*answer["outputs"], *answer["grads"]]]
 
 
@@ -951,7 +944,10 @@ class _Server:
         self.kept: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.batches: dict[str, dict[str, Any]] = {}
         self.last: dict[str, Any] | None = None
-        self.last_results: list[Any] = []
+        self.last_kept: list[dict[str, Any]] = []  # the last batch's answers, in their kept buffers (KEEP_RULE)
+        self.buffers: list[list[torch.Tensor | None]] = []  # KEEP_RULE: per set of the placed batch
+        self.layout: list[tuple[Any, Any, Any]] = []  # the shapes of a set's outputs and gradients, last seen
+        self.scratch: dict[tuple[Any, ...], torch.Tensor] = {}  # KEEP_RULE in the null
         self.last_tensors: list[list[torch.Tensor]] = []
         self.last_backward = False
         self.last_sets: list[tuple[list[torch.Tensor], list[Any], dict[str, Any]]] = []
@@ -1021,17 +1017,53 @@ class _Server:
 
     def put(self, m: dict[str, Any]) -> dict[str, Any]:
         # the last batch (checked by now) freed here, before the clock: not by the next timed run, in its span
-        self.last, self.last_results, self.last_tensors, self.last_sets = None, [], [], []
+        self.last, self.last_kept, self.last_tensors, self.last_sets, self.buffers = None, [], [], [], []
         sets = []
         for s in m["sets"]:
             tensors = [t.requires_grad_() if f and t.is_floating_point() else t for t, f in zip(s["tensors"],
                                                                                            s["flags"])]
             sets.append((tensors, *_join(s["args"], s["kwargs"], tensors)))
         self.batches[m["key"]] = {"sets": sets, "grad_outs": m.get("grad_outs")}
-        if self.heap_kept:  # room for the batch's results and gradients, about its inputs' size, twice over
+        # KEEP_RULE: each set's results are copied into buffers made (and written, so no page faults) here
+        self.buffers = [[torch.zeros(size, dtype=dtype, device=device) if size is not None else None
+                         for size, dtype, device in self.layout] for _ in sets]
+        if self.heap_kept:  # room for the batch's calls, about its inputs' size, twice over
             placed = [t for tensors, _, _ in sets for t in tensors] + list(m.get("grad_outs") or [])
             _reserve(2 * sum(t.numel() * t.element_size() for t in placed if t.device.type == "cpu") + RESERVE_EXTRA)
         return {}
+
+    def _keep(self, i: int, result: Any, grads: list[Any]) -> dict[str, Any]:
+        """KEEP_RULE: a call's outputs and gradients copied into the buffers `put` made for set i (any other made
+        now), after its clock; the caller then drops the call's own, so the next call allocates where this one
+        did, as in the lab's in-process loop, which frees each result before the next call. The set's answer."""
+        outputs: list[torch.Tensor] = []
+        skeleton = _encode(result, outputs)
+        slots = self.buffers[i] if i < len(self.buffers) else []
+        copies = []
+        with torch.no_grad():
+            for j, t in enumerate([*outputs, *grads]):
+                if not isinstance(t, torch.Tensor):
+                    copies.append(None)
+                    continue
+                buffer = slots[j] if j < len(slots) else None
+                if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype or buffer.device != t.device:
+                    buffer = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                copies.append(buffer.copy_(t.detach()))
+        if i == 0:  # the next batch's buffers are made like these
+            self.layout = [(tuple(c.shape), c.dtype, c.device) if c is not None else (None, None, None)
+                           for c in copies]
+        return {"result": skeleton, "outputs": copies[:len(outputs)], "grads": copies[len(outputs):]}
+
+    def _copy_again(self, answer: dict[str, Any]) -> None:
+        """KEEP_RULE in the null: a kept set's outputs and gradients copied once more (into scratch buffers of
+        their shapes, made once), as `_keep` copies them in the timed run."""
+        with torch.no_grad():
+            for t in [*answer["outputs"], *answer["grads"]]:
+                if isinstance(t, torch.Tensor):
+                    key = (tuple(t.shape), t.dtype, t.device)
+                    if key not in self.scratch:
+                        self.scratch[key] = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+                    self.scratch[key].copy_(t)
 
     def run(self, m: dict[str, Any]) -> dict[str, Any]:
         """Compute every set of a batch, each call on the worker's clock; answer with the times and a checksum of
@@ -1043,39 +1075,45 @@ class _Server:
         batch = None if null else self.batches.pop(m["key"])
         backward = (batch["grad_outs"] is not None) if batch else self.last_backward
         sets = batch["sets"] if batch else [(t, (), {}) for t in self.last_tensors]
-        samples, results = [], []
+        samples, kept = [], []
         tampered: set[str] = set()
         _wake()  # null or not: the same, so the lab's null takes it out of the span
         for i, (tensors, args, kwargs) in enumerate(sets):
             for t in tensors if not null else ():
                 t.grad = None
-            _prime(tensors)  # null or not: each call's inputs as the lab's in-process loop leaves its calls' (NULL_RULE)
+            _prime(tensors)  # null or not: CUDA's L2 flushed as measure() flushes it (NULL_RULE)
             with torch.set_grad_enabled(backward and not null):
                 _sync(tensors)
                 start = _clock()
                 if null:
-                    result = self.last_results[i]
+                    result = self.last_kept[i]
                 else:
                     result = self.fn(*args, **kwargs)
                     if backward:
                         _backward(result, batch["grad_outs"][i])
                 _sync(tensors)
                 samples.append(_clock() - start)
-            if not null and torch.get_num_threads() != self.state.get("threads", torch.get_num_threads()):
+            if null:
+                self._copy_again(result)
+                kept.append(result)
+                continue
+            if torch.get_num_threads() != self.state.get("threads", torch.get_num_threads()):
                 tampered.add(f"threads {self.state['threads']} -> {torch.get_num_threads()} in a call")
-            if not null:  # a tensor subclass can compute when read, after the per-call clock: not a timed result
-                tampered.update(f"returned a {type(t).__name__} (a torch.Tensor subclass: it can compute when read, "
-                                "after the clock)" for t in _tensors_in(result) if type(t) is not torch.Tensor
-                                and not isinstance(t, torch.nn.Parameter))
-            results.append(result)
+            # a tensor subclass can compute when read, after the per-call clock: not a timed result
+            tampered.update(f"returned a {type(t).__name__} (a torch.Tensor subclass: it can compute when read, "
+                            "after the clock)" for t in _tensors_in(result) if type(t) is not torch.Tensor
+                            and not isinstance(t, torch.nn.Parameter))
+            kept.append(self._keep(i, result, [t.grad for t in tensors] if backward else []))
+            result = None  # the call's own outputs (and its graph) freed before the next call, as in-process
+            for t in tensors:
+                t.grad = None
         if not null:
-            self.last_results, self.last_backward, self.last_sets = results, backward, sets
+            self.last_kept, self.last_backward, self.last_sets, self.buffers = kept, backward, sets, []
             self.last_tensors = [tensors for tensors, _, _ in sets]
-        answers = [self._answer(r, t, backward) for r, t in zip(results, self.last_tensors)]
-        self.last = {"results": answers, "threads": torch.get_num_threads()}
+        self.last = {"results": kept, "threads": torch.get_num_threads()}
         if not null:
             self.found |= tampered  # handed over by `scan`, after the lab's clock (the span holds no scan)
-        return {"samples_s": samples, "checksums": [checksums(a) for a in answers]}
+        return {"samples_s": samples, "checksums": [checksums(a) for a in kept]}
 
     def scan(self, m: dict[str, Any]) -> dict[str, Any]:
         """What the path's calls changed of this process (outside.py: no speed), asked after the lab's clock:
@@ -1089,12 +1127,9 @@ class _Server:
         gradients the lab sends, so a "null" run here costs what the path's worker's null costs, with no code of
         the path's in this process."""
         self.last_backward = bool(m["backward"])
-        self.last_results = [_rebuild(a["result"], a["outputs"]) for a in m["answers"]]
+        self.last_kept = [{"result": a["result"], "outputs": a["outputs"], "grads": a.get("grads") or []}
+                          for a in m["answers"]]
         self.last_tensors = m["inputs"]
-        for tensors, a in zip(self.last_tensors, m["answers"]):
-            for t, g in zip(tensors, a.get("grads") or []):
-                if g is not None:
-                    t.grad = g
         return {}
 
     def memory(self, m: dict[str, Any]) -> dict[str, Any]:
@@ -1142,12 +1177,6 @@ class _Server:
         grad_outs = [m["grad_out"]] if m.get("grad_out") is not None else None
         self.batches["refill"] = {"sets": [(tensors, args, kwargs)], "grad_outs": grad_outs}
         return self.run({"key": "refill"})
-
-    def _answer(self, result: Any, tensors: list[torch.Tensor], backward: bool) -> dict[str, Any]:
-        outputs: list[torch.Tensor] = []
-        skeleton = _encode(result, outputs)
-        return {"result": skeleton, "outputs": [o.detach() for o in outputs],
-                "grads": [t.grad for t in tensors] if backward else []}
 
     def fetch(self, m: dict[str, Any]) -> dict[str, Any]:
         """The last batch's answers, after the lab's clock has stopped."""
