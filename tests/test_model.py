@@ -6,13 +6,13 @@ import torch
 from posttrainllm.ops.attention import reference
 from posttrainllm.config import LabConfig
 from posttrainllm.model.transformer import ModelConfig, Transformer, apply_rope, rope_tables
-from posttrainllm.ops.registry import get_op
+from posttrainllm.ops.registry import get_op, op_config
 
 
 def attention_hook(name: str):
     """The model's attention call for a registry implementation: what bench-train swaps in."""
     op = get_op("attention")
-    return op.model_hooks(op.impls[name], LabConfig()).attention
+    return op.model_hooks(op.impls[name], LabConfig(op=op_config("attention")())).attention
 
 
 IMPLS = {"reference": None, "sdpa": attention_hook("sdpa")}  # None: the model's default, the reference math
@@ -176,7 +176,7 @@ def test_the_trained_function_is_the_registry_function(monkeypatch):
         return sdpa.fn(x, cfg)
 
     import dataclasses
-    hook = op.model_hooks(dataclasses.replace(sdpa, fn=counted), LabConfig()).attention
+    hook = op.model_hooks(dataclasses.replace(sdpa, fn=counted), LabConfig(op=op_config("attention")())).attention
     Transformer(tiny(), seed=0, attention=hook)(tokens(T=8))
     assert len(calls) == 2  # one per layer
 
