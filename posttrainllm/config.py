@@ -88,10 +88,10 @@ class MaxErrorOnlyConfig:
 
 @dataclass
 class OpConfig:
-    """The keys every op has. An op with keys of its own declares a subclass of this in
-    posttrainllm/ops/<op>/config.py, `Config` (its defaults and its own `__post_init__` checks), and a point's `op`
-    node is merged into the chosen op's class (validate_schema's `op_schema`, picked by op.name in
-    lab/configure.py), so a key of another op is refused by name."""
+    """The keys every op has. An op with keys of its own declares a subclass of this, `Config` in
+    posttrainllm/ops/<op>/config.py (its defaults and its own `__post_init__` checks); a point's `op` node is merged
+    into the chosen op's class (validate_schema's `op_schemas`, by op.name: lab/configure.py), so a key of another
+    op is refused naming the chosen op's keys."""
 
     name: str = MISSING  # the op (ops/registry.py); conf/op/<option>.yaml sets it
     max_error_only: MaxErrorOnlyConfig = field(default_factory=MaxErrorOnlyConfig)

@@ -8,7 +8,7 @@ Importing this module imports the op definitions, never their Triton kernels (lo
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import importlib
 import importlib.util
 
@@ -68,12 +68,16 @@ def op_config(name: str) -> type[OpConfig]:
     return OP_CONFIGS[name]
 
 
+# Each op's config at its defaults, made once: a stage recording its config reads (track/stamp.py) sees none here
+_OP_DEFAULTS = {name: schema(name=name) for name, schema in OP_CONFIGS.items()}
+
+
 def with_op_defaults(cfg: LabConfig, name: str) -> LabConfig:
-    """`cfg` as op `name`'s calls read it: its op node op `name`'s, at that op's defaults where `cfg` is another
-    op's point (a path of one op called at a point of another: the heads' decode attention)."""
-    if cfg.op.name == name:
-        return cfg
-    return dataclasses.replace(cfg, op=op_config(name)(name=name))
+    """`cfg` with op `name`'s config at its defaults: for a path of op `name` called outside a point of that op
+    (the draft heads' decoding, lab/heads.py). Copies, as ops/base.py case_config makes them (no field read)."""
+    made = copy.copy(cfg)
+    made.op = copy.deepcopy(_OP_DEFAULTS[name])
+    return made
 
 
 def op_for(cfg: LabConfig) -> OpDef:
