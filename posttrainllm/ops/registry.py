@@ -69,7 +69,7 @@ def op_config(name: str) -> type[OpConfig]:
 
 
 # Each op's config at its defaults, made once: a stage recording its config reads (track/stamp.py) sees none here
-_OP_DEFAULTS = {name: schema(name=name) for name, schema in OP_CONFIGS.items()}
+_OP_DEFAULTS = {name: cls(name=name) for name, cls in OP_CONFIGS.items()}
 
 
 def with_op_defaults(cfg: LabConfig, name: str) -> LabConfig:
