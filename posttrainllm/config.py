@@ -3,6 +3,9 @@
 `conf/` is the source of truth for values; this file says what a valid value is.
 Hydra composes the YAML; `validate` merges it into the dataclasses below (an
 unknown or typo'd key is refused there) and `__post_init__` checks the bounds.
+The `op` node's schema is the chosen op's: OpConfig holds the keys every op has,
+and an op's own keys are its subclass of it (posttrainllm/ops/<op>/config.py),
+picked by op.name in lab/configure.py (this file imports no op).
 Every failure becomes a `ConfigError` with one line that names the valid choices
 or the violated bound.
 """
@@ -12,11 +15,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_ROOT / "conf"
@@ -41,7 +44,7 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def _power_of_two(x: int) -> bool:
+def power_of_two(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
@@ -85,58 +88,21 @@ class MaxErrorOnlyConfig:
 
 @dataclass
 class OpConfig:
-    name: str = "attention"
-    causal: bool = True
+    """The keys every op has. An op with keys of its own declares a subclass of this, `Config` in
+    posttrainllm/ops/<op>/config.py (its defaults and its own `__post_init__` checks); a point's `op` node is merged
+    into the chosen op's class (validate_schema's `op_schemas`, by op.name: lab/configure.py), so a key of another
+    op is refused naming the chosen op's keys."""
+
+    name: str = MISSING  # the op (ops/registry.py); conf/op/<option>.yaml sets it
     max_error_only: MaxErrorOnlyConfig = field(default_factory=MaxErrorOnlyConfig)
-    # Built-in peers beyond the registry's (`compiled`: the reference under torch.compile; attention's `flex`):
-    # opt-in, as each compiles (seconds per shape on a CPU)
+    # Built-in peers beyond the registry's (`compiled`: the reference under torch.compile; an op's own, such as
+    # FlexAttention): opt-in, as each compiles (seconds per shape on a CPU)
     peers: list[str] = field(default_factory=list)
     # Kernels from outside, `[name=]file.py:attr`, `[name=]module:attr` or `[name=]entry:<name>` (lab/isolation/user.py)
     user_impls: list[str] = field(default_factory=list)
     # Run only these paths (built-in, peer or user, by name) and the reference, the speed baseline; []: every path
     # (ops/base.py OpDef.paths, the one place paths are listed)
     only: list[str] = field(default_factory=list)
-    # --- op=attention, attention_noncausal, decode_attention ---
-    # the softmax scale every path gets (a user path's sm_scale); null: 1/sqrt(head_dim). Parity also checks a case
-    # at another scale (ops/attention/definition.py), so a path that ignores it fails
-    sm_scale: float | None = None
-    # --- op=decode_attention ---
-    # the Triton path's KV pieces: null, as many as fill the device (on a GPU the count follows the batch, and a
-    # row's bits with it); an int, that many KV blocks a piece whatever the batch: the batch-invariant mode
-    kv_split_blocks: int | None = None
-    # --- op=rmsnorm ---
-    # RMSNorm's epsilon, inside the root: x / sqrt(mean(x²) + eps); bench-train's model takes it as its norm_eps
-    eps: float = 1e-5
-    # --- op=cross_entropy (conf/op/cross_entropy.yaml: why these values) ---
-    ignore_index: int = -100  # targets equal to it contribute nothing; the mean divides by the others' count
-    label_smoothing: float = 0.0  # ε in [0, 1]: the target distribution is (1 − ε)·one_hot + ε/V
-    # tokens per chunk of the fused path, (chunk_size, V) fp32 logits alive at once; conf/op/cross_entropy.yaml takes
-    # it from the shape (shape.ce_chunk_size), so that a GPU shape gets a GPU-sized chunk
-    chunk_size: int = 16
-    block_v: int = 256  # the fused kernel's vocabulary block (a power of two >= 16)
-    # --- op=problem (a problem file in KernelBench's format: ops/problem/definition.py, docs/bring-your-own-op.md) ---
-    file: str | None = None  # the problem file: Model, get_inputs, get_init_inputs, module-level int sizes
-    # its size constants set before get_inputs/get_init_inputs run (op.sizes.batch_size=64); {}: the file's,
-    # shrunk on a CPU point until one call fits budget_mib
-    sizes: dict[str, Any] = field(default_factory=dict)
-    x_name: str | None = None  # the size constant the curve runs over; null: batch_size, else the largest
-    input_kinds: list[str] = field(default_factory=lambda: ["signed", "large", "tiny", "zero_row"])  # lab cases
-    budget_mib: float = 8.0  # one call's inputs, parameters and output (fp32) when the lab shrinks the sizes
-
-    def __post_init__(self) -> None:
-        valid = group_options("op")
-        require(self.name in valid, f"op.name={self.name!r}: valid choices are {', '.join(valid)}")
-        require(self.eps > 0, f"op.eps={self.eps}: must be > 0 (it keeps an all-zero row finite)")
-        require(self.sm_scale is None or self.sm_scale > 0, f"op.sm_scale={self.sm_scale}: must be > 0, or null "
-                "(1/sqrt(head_dim))")
-        require(0.0 <= self.label_smoothing <= 1.0, f"op.label_smoothing={self.label_smoothing}: must be in [0, 1]")
-        require(self.chunk_size >= 1, f"op.chunk_size={self.chunk_size}: must be >= 1")
-        require(self.kv_split_blocks is None or self.kv_split_blocks >= 1,
-                f"op.kv_split_blocks={self.kv_split_blocks}: must be >= 1 KV block a piece, or null (fill the device)")
-        require(_power_of_two(self.block_v) and 16 <= self.block_v <= 65536,
-                 f"op.block_v={self.block_v}: must be a power of two in [16, 65536]")
-        require(self.budget_mib > 0, f"op.budget_mib={self.budget_mib}: must be > 0")
-
 
 @dataclass
 class Contract:
@@ -294,7 +260,7 @@ class TileConfig:
             value = getattr(self, key)
             if value is None:
                 continue
-            require(_power_of_two(value) and value >= 16,
+            require(power_of_two(value) and value >= 16,
                      f"tile.{key}={value}: must be a power of two >= 16 (tl.dot needs 16 on the GPU)")
 
     @property
@@ -347,7 +313,7 @@ class ArchitectureConfig:
         require(self.router_aux_coef >= 0, f"architecture.router_aux_coef={self.router_aux_coef}: must be >= 0")
         require(self.n_heads % self.n_kv_heads == 0,
                  f"architecture.n_kv_heads={self.n_kv_heads}: must divide n_heads={self.n_heads}")
-        require(_power_of_two(self.head_dim) and 16 <= self.head_dim <= 128,
+        require(power_of_two(self.head_dim) and 16 <= self.head_dim <= 128,
                  f"architecture.head_dim={self.head_dim}: must be a power of two in [16, 128]")
         require(self.mlp in ("dense", "moe"), f"architecture.mlp={self.mlp!r}: valid choices are dense, moe")
 
@@ -682,14 +648,28 @@ def _one_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def validate_schema(cfg: DictConfig | dict[str, Any]) -> LabConfig:
-    """Merge a composed config into the schema; raise ConfigError with one line on any violation.
+def schema(op_schema: type[OpConfig] = OpConfig, op_name: str | None = None) -> DictConfig:
+    """LabConfig as an OmegaConf schema, its `op` node `op_schema`'s: the chosen op's own keys and defaults."""
+    node = OmegaConf.structured(LabConfig)
+    node.op = OmegaConf.structured(op_schema)
+    if op_name is not None:
+        node.op.name = op_name
+    return node
+
+
+def validate_schema(cfg: DictConfig | dict[str, Any], op_schemas: Callable[[str], type[OpConfig]]) -> LabConfig:
+    """Merge a composed config into the schema, its `op` node into the chosen op's config class (`op_schemas`:
+    op.name -> that OpConfig subclass); raise ConfigError with one line on any violation.
 
     The schema's own rules only: the op's rules (a tile that does not fit its problem, its paths) are
-    checked by posttrainllm.lab.configure, the layer that knows both; use its `load`/`validate`."""
+    checked by posttrainllm.lab.configure, the layer that knows both and gives `op_schemas`; use its
+    `load`/`validate`/`validate_schema`."""
+    op = cfg.get("op") if isinstance(cfg, (dict, DictConfig)) else None
+    name = op.get("name") if isinstance(op, (dict, DictConfig)) else None
+    # no op.name, or not a string: the generic schema, whose merge names what is wrong
+    node = schema(op_schemas(name), name) if isinstance(name, str) else schema()
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(LabConfig), cfg)
-        return OmegaConf.to_object(merged)
+        return OmegaConf.to_object(OmegaConf.merge(node, cfg))
     except ConfigError:
         raise
     except OmegaConfBaseException as exc:
@@ -697,6 +677,8 @@ def validate_schema(cfg: DictConfig | dict[str, Any]) -> LabConfig:
         cause = exc.__cause__ if isinstance(exc.__cause__, ConfigError) else None
         if cause is not None:
             raise cause from None
+        if isinstance(exc, ConfigKeyError) and key and re.match(r"Key '[^']*' not in ", str(exc)):
+            raise ConfigError(_unknown_key_message(key, node)) from None
         where = f" (at {key})" if key else ""
         raise ConfigError(f"{_one_line(exc)}{where}") from None
 
@@ -750,8 +732,10 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
-    # op.sizes.NAME=VALUE names a constant of the problem file, a key conf/ cannot list: added, not overridden
-    overrides = [f"++{o}" if o.startswith("op.sizes.") else o for o in overrides]
+    # An op's keys are its schema's (ops/<op>/config.py), which validate_schema merges the op node into and which
+    # names the chosen op's keys when one is unknown: Hydra adds an op key rather than refusing it (and
+    # op.sizes.NAME=VALUE names a constant of a problem file, a key conf/ cannot list)
+    overrides = [f"++{o}" if o.startswith("op.") else o for o in overrides]
     check_group_choices(overrides)
     try:
         if GlobalHydra.instance().is_initialized():  # inside a @hydra.main app: same conf/ search path
@@ -766,9 +750,10 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         raise ConfigError(f"bad override: {message}") from None
 
 
-def _unknown_key_message(key: str) -> str:
-    """`tile.blok_m` -> 'unknown key tile.blok_m: valid keys of tile are block_k, ...'."""
-    node: Any = OmegaConf.structured(LabConfig)
+def _unknown_key_message(key: str, node: DictConfig | None = None) -> str:
+    """`tile.blok_m` -> 'unknown key tile.blok_m: valid keys of tile are block_k, ...', the keys of `node` (a
+    schema, the chosen op's keys in its op node) or, by default, of LabConfig with the keys every op has."""
+    node = schema() if node is None else node
     path: list[str] = []
     for part in key.split("."):
         if not isinstance(node, DictConfig) or part not in node:
@@ -777,4 +762,6 @@ def _unknown_key_message(key: str) -> str:
     if not isinstance(node, DictConfig):
         return f"unknown key {key}"
     where = f"of {'.'.join(path)} " if path else ""
+    if path == ["op"] and not OmegaConf.is_missing(node, "name"):
+        where = f"of op (op.name={node.name}) "
     return f"unknown key {key}: valid keys {where}are {', '.join(sorted(node.keys()))}"

@@ -1,5 +1,7 @@
 """Config validation: every bad input ends in one line naming the valid choices, exit code 2."""
 
+import dataclasses
+
 import pytest
 
 from posttrainllm import cli
@@ -113,3 +115,106 @@ def test_shared_memory_per_program_is_one_formula_read_by_kernel_check_and_compi
                                           rf"device.smem_bytes={needed - 1}$"):
         load([*overrides, f"device.smem_bytes={needed - 1}"])  # ... one byte less is refused
 
+
+
+# --- the op node: the keys every op has (config.OpConfig) and the chosen op's own (ops/<op>/config.py) ---------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["op=softmax", "op.eps=1e-3"],  # rmsnorm's key, not softmax's
+     "unknown key op.eps: valid keys of op (op.name=softmax) are max_error_only, name, only, peers, user_impls"),
+    (["op.blok=1"], "unknown key op.blok: valid keys of op (op.name=attention) are causal, max_error_only, name, "
+                    "only, peers, sm_scale, user_impls"),
+    (["op=decode_attention", "op.causal=false"],  # attention's: decode attention's mask is always bottom-right
+     "unknown key op.causal: valid keys of op (op.name=decode_attention) are kv_split_blocks, max_error_only, name, "
+     "only, peers, sm_scale, user_impls"),
+    (["op.max_error_only.outputz=[out]"], "unknown key op.max_error_only.outputz: valid keys of op.max_error_only are "
+                                          "outputs, precisions, reason"),
+    (["op=rmsnorm", "op.eps=0"], "op.eps=0.0: must be > 0 (it keeps an all-zero row finite)"),
+    (["op=layernorm", "op.eps=-1"], "op.eps=-1.0: must be > 0"),
+    (["op=add_rmsnorm", "op.eps=0"], "op.eps=0.0: must be > 0"),
+    (["op.sm_scale=0"], "op.sm_scale=0.0: must be > 0, or null (1/sqrt(head_dim))"),
+    (["op=decode_attention", "op.sm_scale=-1"], "op.sm_scale=-1.0: must be > 0, or null"),
+    (["op=cross_entropy", "op.label_smoothing=1.5"], "op.label_smoothing=1.5: must be in [0, 1]"),
+    (["op=cross_entropy", "op.chunk_size=0"], "op.chunk_size=0: must be >= 1"),
+    (["op=cross_entropy", "op.block_v=24"], "op.block_v=24: must be a power of two in [16, 65536]"),
+    (["op=problem", "op.budget_mib=0"], "op.budget_mib=0.0: must be > 0"),
+    (["op.name=attn"], "op.name='attn': valid choices are attention, matmul, decode_attention"),
+])
+def test_an_op_key_is_checked_against_the_chosen_ops_own_schema(overrides, message):
+    """A key of another op, or of none, is refused naming the chosen op and its keys; a bad value of an op's own key
+    names the op's rule (ops/<op>/config.py Config.__post_init__)."""
+    with pytest.raises(ConfigError) as err:
+        load(overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_planned_config_with_another_ops_key_is_refused_naming_the_ops_keys():
+    """params.yaml's points are validated from plain dicts (the stages, the sweep): the same schema and message."""
+    from posttrainllm.config import point_config
+    from posttrainllm.lab.configure import validate, validate_schema
+
+    config = point_config(load(["op=softmax"]))
+    assert validate(config).op.name == "softmax"
+    config["op"]["causal"] = True
+    for check in (validate, validate_schema):
+        with pytest.raises(ConfigError, match=r"^unknown key op.causal: valid keys of op \(op.name=softmax\) are "
+                                              r"max_error_only, name, only, peers, user_impls$"):
+            check(config)
+
+
+def _schema_keys(name):
+    from posttrainllm.ops.registry import op_config
+
+    return {f.name for f in dataclasses.fields(op_config(name))}
+
+
+def test_each_op_yaml_lists_its_ops_keys_and_no_other():
+    """conf/op/<option>.yaml sets the keys every op has and some of its op's own (the others keep the defaults of
+    ops/<op>/config.py), none of another op's."""
+    import yaml
+
+    from posttrainllm.config import CONF_DIR, OpConfig, group_options
+
+    generic = {f.name for f in dataclasses.fields(OpConfig)}
+    for option in group_options("op"):
+        written = yaml.safe_load((CONF_DIR / "op" / f"{option}.yaml").read_text())
+        assert generic <= set(written) <= _schema_keys(written["name"]), option
+
+
+def test_a_path_called_outside_a_point_of_its_op_gets_its_ops_defaults():
+    """The draft heads decode at a point of another op (lab/heads.py): the decode paths read their own op's keys."""
+    from posttrainllm.ops.registry import op_config, with_op_defaults
+
+    cfg = load(["op.sm_scale=0.5"])
+    decode = with_op_defaults(cfg, "decode_attention")
+    assert type(decode.op) is op_config("decode_attention") and decode.op == op_config("decode_attention")()
+    assert (decode.op.sm_scale, decode.op.kv_split_blocks) == (None, None) and decode.tile is cfg.tile
+    assert cfg.op.sm_scale == 0.5 and cfg.op.name == "attention"  # the point's own, untouched
+
+
+@pytest.mark.parametrize("option, own", [
+    ("attention", {"causal", "sm_scale"}), ("attention_noncausal", {"causal", "sm_scale"}),
+    ("decode_attention", {"sm_scale", "kv_split_blocks"}), ("rmsnorm", {"eps"}), ("layernorm", {"eps"}),
+    ("add_rmsnorm", {"eps"}), ("cross_entropy", {"ignore_index", "label_smoothing", "chunk_size", "block_v"}),
+    ("matmul", set()), ("moe", set()), ("rope", set()), ("swiglu", set()), ("softmax", set()),
+])
+def test_a_points_config_holds_its_ops_keys_and_reads_back_the_same(option, own):
+    """params.yaml, the receipt and the MLflow params are written from point_config: each point's op node holds the
+    generic keys and its op's own, and validating it again gives the same config."""
+    from posttrainllm.config import point_config
+    from posttrainllm.lab.configure import validate
+
+    cfg = load([f"op={option}"])
+    plain = point_config(cfg)
+    assert set(plain["op"]) == {"name", "max_error_only", "peers", "user_impls", "only"} | own
+    again = validate(plain)
+    assert type(again.op) is type(cfg.op) and again.op == cfg.op and point_config(again) == plain
+
+
+def test_a_problem_points_config_holds_the_problem_keys():
+    from posttrainllm.config import point_config
+
+    cfg = load(["op=problem", "op.file=tests/problems/softmax.py", "op.sizes.batch_size=4"])
+    assert point_config(cfg)["op"]["sizes"] == {"batch_size": 4}
+    assert set(point_config(cfg)["op"]) == _schema_keys("problem")

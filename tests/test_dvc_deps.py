@@ -666,7 +666,7 @@ def test_config_reads_map_to_dotted_keys_and_the_classes_are_restored():
         copy.copy(cfg.precision.contract).rtol  # a copy of a class with two places: both
     assert reads.keys() == ["op.causal", "precision.contract.rtol", "precision.lse_contract.atol",
                             "precision.lse_contract.rtol", "tile.block_q"]
-    for cls in (TileConfig, Contract, type(cfg)):
+    for cls in (TileConfig, Contract, type(cfg), type(cfg.op)):  # type(cfg.op): the op's own (ops/<op>/config.py)
         assert "__getattribute__" not in cls.__dict__
 
     with pytest.raises(RuntimeError), stamp.record_config_reads(cfg):

@@ -7,14 +7,14 @@ import torch.nn.functional as F
 from posttrainllm.ops.attention import reference
 from posttrainllm.config import LabConfig
 from posttrainllm.model.transformer import ModelConfig, Transformer
-from posttrainllm.ops.registry import get_op
+from posttrainllm.ops.registry import get_op, op_config
 from posttrainllm.ops.rope.reference import rope as apply_rope, rope_tables
 
 
 def attention_hook(name: str):
     """The model's attention call for a registry implementation: what bench-train swaps in."""
     op = get_op("attention")
-    return op.model_hook.fill(op.impls[name], LabConfig())
+    return op.model_hook.fill(op.impls[name], LabConfig(op=op_config("attention")()))
 
 
 IMPLS = {"reference": None, "sdpa": attention_hook("sdpa")}  # None: the model's default, the reference math
@@ -178,7 +178,7 @@ def test_the_trained_function_is_the_registry_function(monkeypatch):
         return sdpa.fn(x, cfg)
 
     import dataclasses
-    hook = op.model_hook.fill(dataclasses.replace(sdpa, fn=counted), LabConfig())
+    hook = op.model_hook.fill(dataclasses.replace(sdpa, fn=counted), LabConfig(op=op_config("attention")()))
     Transformer(tiny(), seed=0, fills={op.model_hook.slot: hook})(tokens(T=8))
     assert len(calls) == 2  # one per layer
 

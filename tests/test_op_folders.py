@@ -37,9 +37,9 @@ KNOWN_DEBT: set[tuple[str, str]] = {
     # own declarations
     *_debt("posttrainllm/lab/sweep.py", "attention cross_entropy decode_attention matmul moe problem"),
     *_debt("posttrainllm/cli.py", "attention matmul problem"),
-    # op-specific keys of the root schema and the lab (OpConfig, the heads' decode attention, the compile report's
-    # autotuner)
-    *_debt("posttrainllm/config.py", "attention decode_attention moe"),
+    # op-specific keys of the root schema and the lab (the shape's and architecture's MoE keys, the heads' decode
+    # attention, the compile report's autotuner)
+    *_debt("posttrainllm/config.py", "decode_attention moe"),
     *_debt("posttrainllm/lab/configure.py", "decode_attention"),
     *_debt("posttrainllm/lab/heads.py", "attention decode_attention"),
     *_debt("posttrainllm/lab/compile.py", "attention"),

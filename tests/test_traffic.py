@@ -122,7 +122,7 @@ def test_decode_reference_model_is_the_counted_traffic(heads, kv_heads, q_len, k
     and at Sq = 1 several times the split kernel's (which reads each K/V piece once per row block)."""
     from posttrainllm.ops.decode_attention import definition as decode_attention
 
-    cfg = _cfg("float32", True)
+    cfg = load(["op=decode_attention", "device=cpu"])
     case = Case("t", 0, dict(batch=2, heads=heads, kv_heads=kv_heads, head_dim=16, q_len=q_len, kv_len=kv_len), True)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, heads, q_len, 16, generator=gen)

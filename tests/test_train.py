@@ -10,7 +10,7 @@ from posttrainllm.model.corpus import load_corpus
 from posttrainllm.config import LabConfig
 from posttrainllm.model.transformer import ModelConfig
 from posttrainllm.model.train import Variant, _precision_mode, bench_train
-from posttrainllm.ops.registry import get_op
+from posttrainllm.ops.registry import get_op, op_config
 
 TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 RUN = dict(steps=30, warmup_steps=5, batch_size=4, seq_len=32, lr=3e-3, seed=0)
@@ -19,7 +19,8 @@ RUN = dict(steps=30, warmup_steps=5, batch_size=4, seq_len=32, lr=3e-3, seed=0)
 def attention_variants(names: list[str]) -> list[Variant]:
     """Variants from the attention registry, swapped in by the op's own model hook (as bench-train does)."""
     op = get_op("attention")
-    return [Variant(name, {op.model_hook.slot: op.model_hook.fill(op.impls[name], LabConfig())}) for name in names]
+    cfg = LabConfig(op=op_config("attention")())
+    return [Variant(name, {op.model_hook.slot: op.model_hook.fill(op.impls[name], cfg)}) for name in names]
 
 
 def sdpa_repeat_kv(q, k, v):

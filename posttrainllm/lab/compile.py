@@ -324,7 +324,7 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any, shared_per_block: int | None
 
 def compile_in_process(config: dict[str, Any], targets: list[str], specialized: bool = True) -> dict[str, Any]:
     """The child's work (Triton in compiler mode): every path's launches, compiled for `targets`."""
-    from posttrainllm.config import validate_schema
+    from posttrainllm.lab.configure import validate_schema  # the op node: the chosen op's keys
     from posttrainllm.lab import runner
     from posttrainllm.ops.registry import op_for
 

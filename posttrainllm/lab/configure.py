@@ -1,9 +1,10 @@
-"""A point's config, whole: the schema's rules (config.py), then the op's own rules (ops/<op>/definition.py).
+"""A point's config, whole: the schema's rules (config.py, the op node the chosen op's: ops/<op>/config.py), then
+the op's own rules (ops/<op>/definition.py).
 
-config.py knows the schema and imports nothing above itself; the op's rules (a tile that does not fit
-its problem, the paths it has, the user paths `op.user_impls` names) live with the op. This layer knows
-both, so `load` and `validate` here are the one way a point's config is built: a bad value is one
-ConfigError line, raised before any stage writes anything.
+config.py knows the schema and imports nothing above itself; the op's keys (its config class, picked here by
+op.name) and rules (a tile that does not fit its problem, the paths it has, the user paths `op.user_impls` names)
+live with the op. This layer knows both, so `load` and `validate` here are the one way a point's config is built:
+a bad value is one ConfigError line, raised before any stage writes anything.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from posttrainllm.config import LabConfig, compose, require, validate_schema
-from posttrainllm.ops.registry import OPS, get_op, op_for
+from posttrainllm import config
+from posttrainllm.config import LabConfig, compose, require
+from posttrainllm.ops.registry import OPS, get_op, op_config, op_for
 from posttrainllm.lab.isolation.user import user_paths  # the paths from outside: a spec read, nothing run
 
 
@@ -26,6 +28,12 @@ def validate(cfg: DictConfig | dict[str, Any]) -> LabConfig:
     check_op_rules(lab)
     check_heads_rules(lab)
     return lab
+
+
+def validate_schema(cfg: DictConfig | dict[str, Any]) -> LabConfig:
+    """The schema's rules alone (config.validate_schema), the op node merged into the chosen op's config class
+    (ops/<op>/config.py, by op.name): a key another op has, or none has, is refused naming this op's keys."""
+    return config.validate_schema(cfg, op_config)
 
 
 def load(overrides: list[str] | tuple[str, ...] = ()) -> LabConfig:

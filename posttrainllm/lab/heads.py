@@ -328,12 +328,12 @@ def _summarise(gens: list[Generation], peak: dict[str, Any], K: int, timed: bool
 
 def decode_attention(cfg: LabConfig) -> tuple[Callable[..., torch.Tensor], dict[str, Any]]:
     """heads.decode_attention as a (q, k, v) -> o function from the decode_attention op's registry, and what it is."""
-    from posttrainllm.ops.registry import get_op
+    from posttrainllm.ops.registry import get_op, with_op_defaults
 
     op = get_op("decode_attention")
     impl = op.impls[cfg.heads.decode_attention]  # its built-in registry: op.peers / op.user_impls are a point's
     interpreted = impl.kind == "triton" and devices.triton_interpreted()
-    return op.model_hook.fill(impl, cfg), {"path": impl.name, "backend": impl.backend,
+    return op.model_hook.fill(impl, with_op_defaults(cfg, op.name)), {"path": impl.name, "backend": impl.backend,
                                                  "triton_interpreted": interpreted, "timed": not interpreted}
 
 
@@ -342,12 +342,13 @@ def trainer_sampler_gap(cfg: LabConfig, base: Transformer, eval_prompts: torch.T
     attention op's built-in paths (the training forward), in two batches: the prompts at their length and cut to
     about half of it (model/gap.py). On the CPU, Triton runs through its interpreter (values, not speed)."""
     from posttrainllm.model.gap import measure_gap
-    from posttrainllm.ops.registry import get_op
+    from posttrainllm.ops.registry import get_op, with_op_defaults
 
     decode, attention = get_op("decode_attention"), get_op("attention")
-    samplers = {name: decode.model_hook.fill(decode.impls[name], cfg)
+    samplers = {name: decode.model_hook.fill(decode.impls[name], with_op_defaults(cfg, decode.name))
                 for name in dict.fromkeys(["reference", cfg.heads.decode_attention])}
-    trainers = {name: attention.model_hook.fill(impl, cfg) for name, impl in attention.impls.items()}
+    trainers = {name: attention.model_hook.fill(impl, with_op_defaults(cfg, attention.name))
+                for name, impl in attention.impls.items()}
     batches = [eval_prompts, eval_prompts[:, : eval_prompts.shape[1] // 2 + 1]]
     gap = measure_gap(base, batches, cfg.heads.new_tokens, samplers, trainers)
     gap["triton_interpreted"] = devices.triton_interpreted()

@@ -123,7 +123,7 @@ def plan_point(sweep: SweepConfig, name: str, changes: dict[str, str], extra: li
 def refuse_unfit(params: dict[str, Any], say: Any = print) -> dict[str, Any]:
     """sweep.check_fit: each point's Triton kernels compiled for its first compile target (lab/compile.py); a point
     with a kernel that would not launch there moves from `points` to `refused`, with why, before any GPU time."""
-    from posttrainllm.config import validate_schema
+    from posttrainllm.lab.configure import validate_schema  # the op node: the chosen op's keys
     from posttrainllm.lab import compile as compiling
 
     refused = params.setdefault("refused", {})
@@ -155,7 +155,7 @@ def find_kernel_files(params: dict[str, Any], say: Any = print) -> dict[str, Any
     of the point's main case in the compile child (lab/compile.py, nothing compiled). `stage_deps` lists them with
     the user's files, so an edit to one reruns the stages that run it; a kernel stage that meets a file not listed
     here refuses its stamp (track/stamp.py check_inputs): plan the sweep again. One child per distinct op config."""
-    from posttrainllm.config import validate_schema
+    from posttrainllm.lab.configure import validate_schema  # the op node: the chosen op's keys
     from posttrainllm.lab import compile as compiling
 
     found: dict[str, list[str]] = {}

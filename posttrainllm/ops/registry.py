@@ -1,20 +1,23 @@
 """The lab's ops: the one list of op packages (posttrainllm/ops/<op>/, see base.py for what an op declares).
 
 Adding an op = its folder + one line in OP_PACKAGES. `get_op(name)` is a built-in op by name, `op_for(cfg)` a
-point's op (a built-in, or op=problem's, made from its file). An unknown name is a ConfigError naming the choices.
+point's op (a built-in, or op=problem's, made from its file), `op_config(name)` the schema of its `op` config node
+(its package's config.py `Config`, where it has keys of its own). An unknown name is a ConfigError naming the choices.
 Importing this module imports the op definitions, never their Triton kernels (loaded when a path first runs).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
+import importlib.util
 from typing import Any, Callable
 
-from posttrainllm.config import ConfigError, LabConfig
+from posttrainllm.config import ConfigError, LabConfig, OpConfig
 from posttrainllm.ops.base import (NO_BACKWARD, OWN_BACKWARD, REFERENCE, Case, Costs, Impl, ModelHook, OpDef,
                                    Tensors, case_config, replaced_library)
 
-# The op packages, one line per op: each exposes OP (its OpDef)
+# The op packages, one line per op: each exposes OP (its OpDef); config.py its Config, if it has keys of its own
 OP_PACKAGES = (
     "attention",
     "matmul",
@@ -29,10 +32,22 @@ OP_PACKAGES = (
     "add_rmsnorm",
 )
 
+
+def _config_class(package: str) -> type[OpConfig]:
+    """posttrainllm/ops/<package>/config.py's `Config`: the op's own keys, defaults and checks (an OpConfig
+    subclass); OpConfig, the keys every op has, where the op declares none."""
+    module = f"posttrainllm.ops.{package}.config"
+    if importlib.util.find_spec(module) is None:
+        return OpConfig
+    return getattr(importlib.import_module(module), "Config", OpConfig)
+
+
 OPS: dict[str, OpDef] = {}
+OP_CONFIGS: dict[str, type[OpConfig]] = {}
 for _package in OP_PACKAGES:
     _op = importlib.import_module(f"posttrainllm.ops.{_package}").OP
     OPS[_op.name] = _op
+    OP_CONFIGS[_op.name] = _config_class(_package)
 
 
 def get_op(name: str) -> OpDef:
@@ -57,6 +72,27 @@ def model_defaults() -> dict[str, Callable[..., Any]]:
 PROBLEM = "problem"  # op=problem: an op made from a problem file at config time (ops/problem/, op.file)
 
 
+def op_config(name: str) -> type[OpConfig]:
+    """The schema of op `name`'s config node (the `op` of a point): its keys, defaults and checks."""
+    if name == PROBLEM:  # loaded with the op itself, only where a point is one
+        return _config_class(PROBLEM)
+    if name not in OP_CONFIGS:
+        raise ConfigError(f"op.name={name!r}: valid choices are {', '.join([*OP_CONFIGS, PROBLEM])}")
+    return OP_CONFIGS[name]
+
+
+# Each op's config at its defaults, made once: a stage recording its config reads (track/stamp.py) sees none here
+_OP_DEFAULTS = {name: cls(name=name) for name, cls in OP_CONFIGS.items()}
+
+
+def with_op_defaults(cfg: LabConfig, name: str) -> LabConfig:
+    """`cfg` with op `name`'s config at its defaults: for a path of op `name` called outside a point of that op
+    (the draft heads' decoding, lab/heads.py). Copies, as ops/base.py case_config makes them (no field read)."""
+    made = copy.copy(cfg)
+    made.op = copy.deepcopy(_OP_DEFAULTS[name])
+    return made
+
+
 def op_for(cfg: LabConfig) -> OpDef:
     """The op of a point: a built-in by op.name, or (op=problem) the one made from op.file at the point's sizes."""
     if cfg.op.name == PROBLEM:
@@ -66,5 +102,6 @@ def op_for(cfg: LabConfig) -> OpDef:
     return get_op(cfg.op.name)
 
 
-__all__ = ["NO_BACKWARD", "OPS", "OP_PACKAGES", "OWN_BACKWARD", "REFERENCE", "Case", "Costs", "Impl", "ModelHook",
-           "OpDef", "Tensors", "case_config", "get_op", "model_defaults", "op_for", "replaced_library"]
+__all__ = ["NO_BACKWARD", "OPS", "OP_CONFIGS", "OP_PACKAGES", "OWN_BACKWARD", "REFERENCE", "Case", "Costs", "Impl",
+           "ModelHook", "OpDef", "Tensors", "case_config", "get_op", "model_defaults", "op_config", "op_for",
+           "replaced_library", "with_op_defaults"]

@@ -107,13 +107,27 @@ def stage_sources(stage: str, root: Path = PROJECT_ROOT) -> dict[str, str]:
 
 
 def _config_classes() -> tuple[type, ...]:
-    """Every dataclass of posttrainllm/config.py (LabConfig and its groups)."""
-    return tuple(obj for obj in vars(config_module).values() if isinstance(obj, type)
-                 and dataclasses.is_dataclass(obj) and obj.__module__ == config_module.__name__)
+    """Every dataclass of posttrainllm/config.py (LabConfig and its groups) and their subclasses loaded (an op's
+    own config, posttrainllm/ops/<op>/config.py, subclasses OpConfig)."""
+    found = [obj for obj in vars(config_module).values() if isinstance(obj, type)
+             and dataclasses.is_dataclass(obj) and obj.__module__ == config_module.__name__]
+    for cls in found:  # grows as it goes: a subclass's subclasses too
+        found += [sub for sub in cls.__subclasses__() if dataclasses.is_dataclass(sub) and sub not in found]
+    return tuple(found)
 
 
-def _paths_by_class(root: type = LabConfig, prefix: str = "") -> dict[type, list[str]]:
-    """Where each config class sits in LabConfig's field tree: {TileConfig: ["tile"], Contract: [...], ...}."""
+def _paths_by_class() -> dict[type, list[str]]:
+    """Where each config class sits in LabConfig's field tree: {TileConfig: ["tile"], Contract: [...], ...}; a
+    subclass where its base does (an op's config: ["op"])."""
+    found = _declared_paths(LabConfig, "")
+    for cls in _config_classes():
+        base = next((b for b in cls.__mro__[1:] if b in found), None)
+        if cls not in found and base is not None:
+            found[cls] = list(found[base])
+    return found
+
+
+def _declared_paths(root: type, prefix: str) -> dict[type, list[str]]:
     classes = set(_config_classes())
     found: dict[type, list[str]] = {root: [prefix]} if not prefix else {}
     hints = typing.get_type_hints(root, vars(config_module))
@@ -121,7 +135,7 @@ def _paths_by_class(root: type = LabConfig, prefix: str = "") -> dict[type, list
         for cls in _dataclass_args(hints.get(f.name), classes):
             path = f"{prefix}.{f.name}" if prefix else f.name
             found.setdefault(cls, []).append(path)
-            for sub, paths in _paths_by_class(cls, path).items():
+            for sub, paths in _declared_paths(cls, path).items():
                 found.setdefault(sub, []).extend(paths)
     return found
 

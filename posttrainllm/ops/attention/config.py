@@ -1,4 +1,5 @@
-"""The attention op's own config rules: its tiles against the problem and the device's shared memory.
+"""The attention op's own config: its keys (`Config`: causal, sm_scale), and its tiles against the problem and the
+device's shared memory.
 
 Shared memory per program is written once, here (`smem_bytes`, on the kernel's padded head dim `block_d`): the
 config check refuses a tile over device.smem_bytes, the launcher's autotuner prunes its candidates by it
@@ -7,8 +8,25 @@ config check refuses a tile over device.smem_bytes, the launcher's autotuner pru
 
 from __future__ import annotations
 
-from posttrainllm.config import ConfigError, LabConfig, itemsize, next_power_of_two
+from dataclasses import dataclass
+
+from posttrainllm.config import ConfigError, LabConfig, OpConfig, itemsize, next_power_of_two, require
 from posttrainllm.ops.base import check_smem
+
+
+@dataclass
+class Config(OpConfig):
+    """op=attention's keys (conf/op/attention.yaml; attention_noncausal.yaml: the same op, causal false)."""
+
+    name: str = "attention"
+    causal: bool = True  # the causal mask: query i sees keys j <= i
+    # the softmax scale every path gets (a user path's sm_scale); null: 1/sqrt(head_dim). Parity also checks a case
+    # at another scale (definition.py), so a path that ignores it fails
+    sm_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        require(self.sm_scale is None or self.sm_scale > 0,
+                f"op.sm_scale={self.sm_scale}: must be > 0, or null (1/sqrt(head_dim))")
 
 
 def block_d(head_dim: int) -> int:

@@ -134,7 +134,7 @@ def _probe_lengths(cfg: LabConfig, device: str) -> tuple[int, ...]:
     return tuple(sorted({64, cfg.shape.seq_len, *cfg.shape.edge_seq_lens}))
 
 
-_PROBE_CFG = LabConfig()
+_PROBE_CFG = LabConfig(op=op_config.Config())
 
 
 def absent_backends(cfg: LabConfig) -> dict[str, str]:
