@@ -15,7 +15,7 @@ from test_report import _receipt
 PROSE_PENDING = {
     "lab/isolation/outside.py": {"NULL_RULE", "RUN_QUEUE_RULE", "AGREEMENT_RULE", "TIMING_SEED_RULE", "WARMUP_RULE",
                                  "WAKE_RULE", "PROCESS_RULE", "HEAP_RULE", "THREAD_RULE", "REFILL_RULE",
-                                 "MEMORY_RULE", "SIGNAL_RULE", "RULE"},
+                                 "MEMORY_RULE", "SIGNAL_RULE", "RULE", "UNREADABLE_RULE", "KEEP_RULE"},
     "lab/isolation/rooms.py": {"ROTATION_RULE"},  # the table's "rotation" is the one microbench cites
     "lab/isolation/worker.py": {"BYTECODE_RULE"},
     "model/gap.py": {"RULE"},
