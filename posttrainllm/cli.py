@@ -13,6 +13,8 @@
                                                       --write-docs: the README's headline and docs/measured.md too
     posttrainllm progress                             where `dvc repro` of the planned sweep stands: each point's
                                                       stages done, and the time left estimated from the stamps
+    posttrainllm dvc-yaml [--check]                   dvc.yaml's deps and params from what each stage declares it
+                                                      reads (posttrainllm/lab/reads.py); --check: exit 1 if they differ
     posttrainllm ui [--port N] [--host HOST]          the MLflow UI on the project's runs, and their addresses
     posttrainllm receipt import FOLDER                log receipt JSON made elsewhere (a GPU node) into MLflow
     posttrainllm experimental train-heads [overrides...]   Medusa draft heads on a frozen base: base (cached)
@@ -311,7 +313,7 @@ COMMANDS: dict[str, Callable[[DictConfig], None]] = {
 }
 # every command `main` dispatches (the Hydra apps above and the plain ones), as typed
 COMMAND_NAMES = ("bench", "bench-train", "sweep", "compile", "report", "progress", "ui", "receipt", "experimental",
-                 "replay", "compare", "new-impl", "explain")
+                 "replay", "compare", "new-impl", "explain", "dvc-yaml")
 
 # `COMMAND --help`: what the command does, its common overrides ({op} etc.: the config group's options) and an
 # example, printed before Hydra's own help (the config groups and the whole config)
@@ -460,6 +462,34 @@ def show_progress(args: list[str]) -> int:
     except ConfigError as exc:
         print(f"posttrainllm: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    return 0
+
+
+DVC_YAML_USAGE = "usage: posttrainllm dvc-yaml [--check]"
+
+
+def write_dvc_yaml(args: list[str]) -> int:
+    """`posttrainllm dvc-yaml [--check]`: dvc.yaml's deps and params rewritten from what each stage declares it
+    reads (lab/reads.py); --check writes nothing and exits 1 when dvc.yaml differs from the declaration."""
+    from posttrainllm.lab import reads
+
+    if args not in ([], ["--check"]):
+        print(f"posttrainllm: config error: {DVC_YAML_USAGE} (got {' '.join(args)})", file=sys.stderr)
+        return EXIT_CONFIG
+    path = Path("dvc.yaml")
+    if not path.is_file():
+        print(f"posttrainllm: config error: no dvc.yaml in {Path.cwd()}: run from the project root", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        same = reads.write_dvc_yaml(path, check=bool(args))
+    except ConfigError as exc:
+        print(f"posttrainllm: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args and not same:
+        print("posttrainllm: dvc.yaml's deps and params differ from posttrainllm/lab/reads.py: run "
+              "`posttrainllm dvc-yaml` and commit it", file=sys.stderr)
+        return 1
+    print("dvc.yaml: deps and params as posttrainllm/lab/reads.py declares them")
     return 0
 
 
@@ -971,6 +1001,8 @@ def _main(args: list[str]) -> int:
         return serve_ui(args[1:])
     if args[:1] == ["progress"]:
         return show_progress(args[1:])
+    if args[:1] == ["dvc-yaml"]:
+        return write_dvc_yaml(args[1:])
     if args and args[0] == "receipt":
         return import_receipts(args[1:])
     if args and args[0] == "replay":
