@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrainllm.config import AUTO, PROJECT_ROOT, ConfigError
+from posttrainllm.config import PROJECT_ROOT, ConfigError
 from posttrainllm.lab.pipeline import POINT_STAGES
 
 PACKAGE = "posttrainllm"

@@ -107,8 +107,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     if compiling is not None:  # every Triton kernel of the paths compiled for compile.targets (lab/compile.py)
         from posttrainllm.lab import compile as compile_lab
 
-        report["compile"] = compile_lab.finish(*compiling)
-        compile_lab.register_kernel_files(report["compile"])  # the stamp hashes the user paths' kernel files
+        report["compile"] = compile_lab.finish(*compiling)  # its kernel files go into the stamp (lab/reads.py)
     elif by_launch:
         from posttrainllm.lab import compile as compile_lab
 
