@@ -327,8 +327,8 @@ HELP: dict[str, tuple[str, tuple[tuple[str, str], ...], str]] = {
          ("'op.user_impls=[FILE.py:FUNCTION]'", "your own path (posttrainllm new-impl writes one)"),
          ("'op.only=[NAME,...]'", "only these paths and the reference"),
          ("'op.peers=[compiled]'", "the opt-in peers (attention: also flex)"),
-         ("run.name=NAME", "the point's folder name"), ("-m op=matmul,rmsnorm", "one point per value")),
-        "posttrainllm bench op=attention precision=bf16 'op.only=[triton]'"),
+         ("run.name=NAME", "the point's folder name"), ("-m precision=fp32,bf16", "one point per value")),
+        "posttrainllm bench precision=bf16 'op.only=[triton]'"),
     "bench-train": (
         "What bench does, then the end-to-end training step of a small model with each path swapped in: loss "
         "drift against the reference and the measured speedup beside Amdahl's prediction.",
@@ -346,7 +346,7 @@ HELP: dict[str, tuple[str, tuple[tuple[str, str], ...], str]] = {
         "registers, spills, shared memory, occupancy, tensor cores; exit 1 if one would not launch.",
         (("op={op}", "the operation"), ("shape={shape}", "problem sizes"), ("tile={tile}", "Triton block sizes"),
          ("'compile.targets=[sm80,sm90]'", "GPU architectures")),
-        "posttrainllm compile op=attention precision=bf16 shape=gpu device=cpu"),
+        "posttrainllm compile precision=bf16 shape=gpu device=cpu"),
     "experimental train-heads": (
         "Medusa draft heads on a frozen base: the base (trained once, reused while its settings match), then "
         "the heads, then a lossless decode measurement (accepted length, tokens per second), a table.",
@@ -804,9 +804,13 @@ def explain_point(args: list[str]) -> int:
     return 0
 
 
-NEW_IMPL_USAGE = ("usage: posttrainllm new-impl op=OP FILE.py [--name NAME] [op.KEY=VALUE ...]   (writes FILE.py, never "
-                  "over an existing file: a function NAME, by default the op's name, in the op's natural signature; "
-                  "op=problem op.file=PROBLEM.py: a class ModelNew)")
+def new_impl_usage() -> str:
+    """new-impl's usage line; the op made from a problem file is named as the registry names it."""
+    from posttrainllm.ops.registry import PROBLEM
+
+    return ("usage: posttrainllm new-impl op=OP FILE.py [--name NAME] [op.KEY=VALUE ...]   (writes FILE.py, never "
+            "over an existing file: a function NAME, by default the op's name, in the op's natural signature; "
+            f"op={PROBLEM} op.file=PROBLEM.py: a class ModelNew)")
 
 
 def new_impl(args: list[str]) -> int:
@@ -830,14 +834,14 @@ def new_impl(args: list[str]) -> int:
         return EXIT_CONFIG
 
     if args in (["-h"], ["--help"]):
-        print(NEW_IMPL_USAGE)
+        print(new_impl_usage())
         return 0
     args = list(args)
     name = None
     if "--name" in args:
         at = args.index("--name")
         if at + 1 >= len(args) or args[at + 1].startswith("-"):
-            return refuse("--name needs a value: " + NEW_IMPL_USAGE)
+            return refuse("--name needs a value: " + new_impl_usage())
         name = args.pop(at + 1)
         args.pop(at)
     choices = [a for a in args if a.startswith("op=")]
@@ -845,7 +849,7 @@ def new_impl(args: list[str]) -> int:
     overrides = [a for a in args if re.match(r"^op\.[A-Za-z_][\w.]*=", a)]
     files = [a for a in args if not a.startswith("op=") and a not in overrides]
     if len(choices) != 1 or len(files) != 1 or files[0].startswith("-"):
-        print(NEW_IMPL_USAGE, file=sys.stderr)
+        print(new_impl_usage(), file=sys.stderr)
         return EXIT_CONFIG
     choice, target = choices[0].partition("=")[2], Path(files[0])
     try:
