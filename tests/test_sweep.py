@@ -147,7 +147,7 @@ def test_a_point_stage_depends_on_its_ops_kernel_only_where_it_runs_it():
     common = reads.op_definition_sources()  # every op's definition and readable math, no kernel
     assert {"posttrainllm/ops/__init__.py", "posttrainllm/ops/registry.py",
             "posttrainllm/ops/attention/definition.py", "posttrainllm/ops/moe/reference.py"} <= set(common)
-    assert "posttrainllm/ops/launches.py" not in common  # the kernel stage's guards' alone (STAGE_SOURCES)
+    assert "posttrainllm/ops/launches.py" not in common  # the kernel stage's guards' alone (its `loads`)
     assert not [f for f in common if f.endswith(("/kernels.py", "/fp8.py"))]
     attention, matmul = "posttrainllm/ops/attention/kernels.py", "posttrainllm/ops/matmul/kernels.py"
     for stage in ("reference", "parity", "receipt"):
