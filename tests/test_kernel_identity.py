@@ -114,5 +114,5 @@ def test_a_kernel_file_the_plan_did_not_list_refuses_the_stamp_and_says_plan_aga
     listed = {"sources": {"posttrainllm/lab/stages/kernel.py": "a"}, "params": {}}
     with pytest.raises(stamp.StampMismatch, match=r"ran with /site/lib/ops/rope.py.*plan the sweep again"):
         stamp.check_inputs(ran, listed, "runs/inputs/mine/kernel.json")
-    with pytest.raises(stamp.StampMismatch, match="add it to posttrainllm/lab/sweep.py"):
+    with pytest.raises(stamp.StampMismatch, match="declare it in posttrainllm/lab/reads.py STAGES"):
         stamp.check_inputs({"stage": "kernel", "sources": {"posttrainllm/new.py": "c"}}, listed, "here")
