@@ -215,6 +215,12 @@ def _module_name(file: Path, root: Path) -> str:
 def module_imports(file: Path, root: Path, inside_functions: bool = False) -> set[str]:
     """The package modules `file` imports when it is loaded (its top level, `if` and `try` blocks included), or
     (inside_functions) only those imported inside its functions and methods: loaded when they run."""
+    stat = file.stat()  # read once per version of the file: the inputs stage asks for every point and stage
+    return set(_module_imports(file, root, inside_functions, stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=4096)
+def _module_imports(file: Path, root: Path, inside_functions: bool, mtime_ns: int, size: int) -> frozenset[str]:
     tree = ast.parse(file.read_text())
     package = _module_name(file, root).split(".")
     if file.name != "__init__.py":
@@ -242,7 +248,7 @@ def module_imports(file: Path, root: Path, inside_functions: bool = False) -> se
                     visit(inner, in_function)
 
     visit(tree.body, False)
-    return found
+    return frozenset(found)
 
 
 def imported_closure(modules: tuple[str, ...] | list[str], root: Path = PROJECT_ROOT) -> set[str]:
@@ -318,12 +324,16 @@ def ops_named(module: str, root: Path = PROJECT_ROOT) -> list[str]:
 # --- a point's op: its own code and declarations (ops/<op>/__init__.py READS) ----------------------------------
 
 
-@functools.cache
 def _op_declaration(folder: str, root: Path) -> dict[str, Any]:
     """ops/<op>/__init__.py's READS, a literal (read, not imported), or {} where it has none or no folder."""
     init = root / folder / "__init__.py"
     if not init.is_file():
         return {}
+    return _declared(init, init.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _declared(init: Path, mtime_ns: int) -> dict[str, Any]:
     for node in ast.parse(init.read_text()).body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "READS" for t in node.targets):
             return ast.literal_eval(node.value)
