@@ -45,8 +45,8 @@ class Reads:
     files      other files it reads whole (conf/ files)
     params     a point stage: paths in the planned point ("config.tile"); another: {conf file: [keys]}
     upstream   files earlier stages wrote (dvc.yaml deps, after the code)
-    user       a point stage that runs or records the point's user paths (op.user_impls): their files and the
-               Triton kernel files they launch are its inputs, and its stamp hashes them
+    runs_paths a point stage that runs or records the point's paths, those from outside (op.user_impls) among
+               them: their files and the Triton kernel files they launch are its inputs, and its stamp hashes them
     kernels_of a module whose `get_op("...")` calls name the ops whose Triton code the stage runs (not a point's
                op: the draft heads' attention)
     notes      dvc.yaml's end-of-line comment for an entry of deps or params
@@ -57,7 +57,7 @@ class Reads:
     files: tuple[str, ...] = ()
     params: tuple[str, ...] | dict[str, tuple[str, ...]] = ()
     upstream: tuple[str, ...] = ()
-    user: bool = False
+    runs_paths: bool = False
     kernels_of: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -65,6 +65,7 @@ class Reads:
 # What every point stage's process loads: lab/pipeline.py runs the stage (its config validated, its own module
 # imported, its stamp written), and the ops' registry gives the point's op
 POINT = ("posttrainllm.lab.configure", "posttrainllm.lab.stages.common",
+         "posttrainllm.lab.reads",  # what the stage runs from outside the package, for its stamp
          "posttrainllm/lab/isolation",  # worker, user paths, outside timing, rooms, guards
          "posttrainllm.measure.calibrate", "posttrainllm.measure.roofline",  # the stages' shared notes and limits
          "posttrainllm.track.stamp", "posttrainllm.track.provenance", "posttrainllm.track.store",
@@ -109,7 +110,7 @@ STAGES: dict[str, Reads] = {
     "kernel": Reads(loads=("posttrainllm.lab.stages.kernel", *POINT, "posttrainllm.ops.launches",  # guards count
                            "posttrainllm.lab.compile", "posttrainllm.measure.sass",  # its `compile` section
                            "posttrainllm.lab.invariance"),  # determinism and batch invariance, measured
-                    ops="kernels", user=True, upstream=("runs/${key}/reference.pt",),
+                    ops="kernels", runs_paths=True, upstream=("runs/${key}/reference.pt",),
                     params=("config.op", "config.precision.dtype", "config.precision.allow_tf32",
                             "config.precision.dot_precision",
                             "config.precision.quantize",  # fp8: the quantized paths, the interpreter's emulation note
@@ -117,17 +118,17 @@ STAGES: dict[str, Reads] = {
                             "config.bench.threads", "config.compile",
                             "config.shape")),  # the compile section: its targets, the main case's shape
     "parity": Reads(loads=("posttrainllm.lab.stages.parity", *POINT, "posttrainllm.lab.invariance"), ops="definitions",
-                    user=True, upstream=("runs/${key}/reference.pt", "runs/${key}/kernel.pt", "runs/${key}/kernel.json"),
+                    runs_paths=True, upstream=("runs/${key}/reference.pt", "runs/${key}/kernel.pt", "runs/${key}/kernel.json"),
                     params=("config.op",  # op.max_error_only too: outputs without the elementwise count
                             "config.precision", "config.architecture", "config.device.name", "config.bench.threads",
                             "config.parity.require")),  # the bitwise properties every path must have
     "microbench": Reads(loads=("posttrainllm.lab.stages.microbench", *POINT, *TIMED, "posttrainllm/measure",
-                               "posttrainllm.track.plots"), ops="kernels", user=True,
+                               "posttrainllm.track.plots"), ops="kernels", runs_paths=True,
                         upstream=("runs/device.json", "runs/calibration.json", "runs/${key}/parity.json"),
                         params=("config.op", "config.precision", "config.tile", "config.workgroup", "config.shape",
                                 "config.architecture", "config.parity", "config.bench", "config.device.name")),
     "bench_train": Reads(loads=("posttrainllm.lab.stages.bench_train", *POINT, *TIMED, "posttrainllm/model"),
-                         ops="kernels", user=True,
+                         ops="kernels", runs_paths=True,
                          upstream=("runs/device.json", "runs/${key}/parity.json", "runs/${key}/microbench.json",
                                    "runs/heads/base/base.pt"),
                          params=("config.op", "config.precision", "config.tile", "config.workgroup",
@@ -188,7 +189,7 @@ CODE_NOTES = {"posttrainllm/lab/isolation/user.py": "config.load() resolves op.u
 KERNEL_STAGES = tuple(stage for stage in POINT_STAGES if STAGES[stage].ops == "kernels")
 # The stages whose outputs depend on a user path's code: kernel runs it (and records its identity), parity
 # records its identity and judges its outputs, microbench times it, bench_train trains it
-USER_STAGES = tuple(stage for stage in POINT_STAGES if STAGES[stage].user)
+USER_STAGES = tuple(stage for stage in POINT_STAGES if STAGES[stage].runs_paths)
 # An op's Triton code (ops/<op>/): loaded only by the stages that run its Triton path; fp8.py under a quantized
 # precision (it imports its op's kernels.py)
 KERNEL_FILES = ("kernels.py", "fp8.py")
@@ -399,7 +400,7 @@ def point_stage_deps(stage: str, point: dict[str, Any], root: Path = PROJECT_ROO
         raise ValueError(f"unknown point stage {stage!r}: the point stages are {', '.join(POINT_STAGES)}")
     reads = STAGES[stage]
     own = op_reads(stage, point, root)
-    user = [*user_sources(point["config"]), *(point.get("kernel_files") or [])] if reads.user else []
+    user = [*user_sources(point["config"]), *(point.get("kernel_files") or [])] if reads.runs_paths else []
     sources = list(dict.fromkeys([*stage_code(stage, root), *own["sources"], *user]))
     folders = [s for s in sources if not s.endswith(".py")]
     sources = [s for s in sources if not any(s.startswith(folder + "/") for folder in folders)]  # each file once
@@ -543,7 +544,7 @@ def outside_sources(stage: str, cfg: Any, folder: Path) -> dict[str, str]:
     """{file: sha256} of what a point stage ran from outside the package, for its stamp (track/stamp.py): the files
     of the point's user paths where the stage runs them (the runner's paths: each Impl's source, as resolved), and
     for the kernel stage the files of the Triton kernels they launched (its compile section, in kernel.json)."""
-    if not STAGES[stage].user:
+    if not STAGES[stage].runs_paths:
         return {}
     import json
 
