@@ -13,6 +13,8 @@
                                                       --write-docs: the README's headline and docs/measured.md too
     posttrainllm progress                             where `dvc repro` of the planned sweep stands: each point's
                                                       stages done, and the time left estimated from the stamps
+    posttrainllm dvc-yaml [--check]                   dvc.yaml's deps and params from what each stage declares it
+                                                      reads (posttrainllm/lab/reads.py); --check: exit 1 if they differ
     posttrainllm ui [--port N] [--host HOST]          the MLflow UI on the project's runs, and their addresses
     posttrainllm receipt import FOLDER                log receipt JSON made elsewhere (a GPU node) into MLflow
     posttrainllm experimental train-heads [overrides...]   Medusa draft heads on a frozen base: base (cached)
@@ -311,7 +313,7 @@ COMMANDS: dict[str, Callable[[DictConfig], None]] = {
 }
 # every command `main` dispatches (the Hydra apps above and the plain ones), as typed
 COMMAND_NAMES = ("bench", "bench-train", "sweep", "compile", "report", "progress", "ui", "receipt", "experimental",
-                 "replay", "compare", "new-impl", "explain")
+                 "replay", "compare", "new-impl", "explain", "dvc-yaml")
 
 # `COMMAND --help`: what the command does, its common overrides ({op} etc.: the config group's options) and an
 # example, printed before Hydra's own help (the config groups and the whole config)
@@ -325,8 +327,8 @@ HELP: dict[str, tuple[str, tuple[tuple[str, str], ...], str]] = {
          ("'op.user_impls=[FILE.py:FUNCTION]'", "your own path (posttrainllm new-impl writes one)"),
          ("'op.only=[NAME,...]'", "only these paths and the reference"),
          ("'op.peers=[compiled]'", "the opt-in peers (attention: also flex)"),
-         ("run.name=NAME", "the point's folder name"), ("-m op=matmul,rmsnorm", "one point per value")),
-        "posttrainllm bench op=attention precision=bf16 'op.only=[triton]'"),
+         ("run.name=NAME", "the point's folder name"), ("-m precision=fp32,bf16", "one point per value")),
+        "posttrainllm bench precision=bf16 'op.only=[triton]'"),
     "bench-train": (
         "What bench does, then the end-to-end training step of a small model with each path swapped in: loss "
         "drift against the reference and the measured speedup beside Amdahl's prediction.",
@@ -344,7 +346,7 @@ HELP: dict[str, tuple[str, tuple[tuple[str, str], ...], str]] = {
         "registers, spills, shared memory, occupancy, tensor cores; exit 1 if one would not launch.",
         (("op={op}", "the operation"), ("shape={shape}", "problem sizes"), ("tile={tile}", "Triton block sizes"),
          ("'compile.targets=[sm80,sm90]'", "GPU architectures")),
-        "posttrainllm compile op=attention precision=bf16 shape=gpu device=cpu"),
+        "posttrainllm compile precision=bf16 shape=gpu device=cpu"),
     "experimental train-heads": (
         "Medusa draft heads on a frozen base: the base (trained once, reused while its settings match), then "
         "the heads, then a lossless decode measurement (accepted length, tokens per second), a table.",
@@ -460,6 +462,34 @@ def show_progress(args: list[str]) -> int:
     except ConfigError as exc:
         print(f"posttrainllm: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    return 0
+
+
+DVC_YAML_USAGE = "usage: posttrainllm dvc-yaml [--check]"
+
+
+def write_dvc_yaml(args: list[str]) -> int:
+    """`posttrainllm dvc-yaml [--check]`: dvc.yaml's deps and params rewritten from what each stage declares it
+    reads (lab/reads.py); --check writes nothing and exits 1 when dvc.yaml differs from the declaration."""
+    from posttrainllm.lab import reads
+
+    if args not in ([], ["--check"]):
+        print(f"posttrainllm: config error: {DVC_YAML_USAGE} (got {' '.join(args)})", file=sys.stderr)
+        return EXIT_CONFIG
+    path = Path("dvc.yaml")
+    if not path.is_file():
+        print(f"posttrainllm: config error: no dvc.yaml in {Path.cwd()}: run from the project root", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        same = reads.write_dvc_yaml(path, check=bool(args))
+    except ConfigError as exc:
+        print(f"posttrainllm: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args and not same:
+        print("posttrainllm: dvc.yaml's deps and params differ from posttrainllm/lab/reads.py: run "
+              "`posttrainllm dvc-yaml` and commit it", file=sys.stderr)
+        return 1
+    print("dvc.yaml: deps and params as posttrainllm/lab/reads.py declares them")
     return 0
 
 
@@ -774,9 +804,13 @@ def explain_point(args: list[str]) -> int:
     return 0
 
 
-NEW_IMPL_USAGE = ("usage: posttrainllm new-impl op=OP FILE.py [--name NAME] [op.KEY=VALUE ...]   (writes FILE.py, never "
-                  "over an existing file: a function NAME, by default the op's name, in the op's natural signature; "
-                  "op=problem op.file=PROBLEM.py: a class ModelNew)")
+def new_impl_usage() -> str:
+    """new-impl's usage line; the op made from a problem file is named as the registry names it."""
+    from posttrainllm.ops.registry import PROBLEM
+
+    return ("usage: posttrainllm new-impl op=OP FILE.py [--name NAME] [op.KEY=VALUE ...]   (writes FILE.py, never "
+            "over an existing file: a function NAME, by default the op's name, in the op's natural signature; "
+            f"op={PROBLEM} op.file=PROBLEM.py: a class ModelNew)")
 
 
 def new_impl(args: list[str]) -> int:
@@ -800,14 +834,14 @@ def new_impl(args: list[str]) -> int:
         return EXIT_CONFIG
 
     if args in (["-h"], ["--help"]):
-        print(NEW_IMPL_USAGE)
+        print(new_impl_usage())
         return 0
     args = list(args)
     name = None
     if "--name" in args:
         at = args.index("--name")
         if at + 1 >= len(args) or args[at + 1].startswith("-"):
-            return refuse("--name needs a value: " + NEW_IMPL_USAGE)
+            return refuse("--name needs a value: " + new_impl_usage())
         name = args.pop(at + 1)
         args.pop(at)
     choices = [a for a in args if a.startswith("op=")]
@@ -815,7 +849,7 @@ def new_impl(args: list[str]) -> int:
     overrides = [a for a in args if re.match(r"^op\.[A-Za-z_][\w.]*=", a)]
     files = [a for a in args if not a.startswith("op=") and a not in overrides]
     if len(choices) != 1 or len(files) != 1 or files[0].startswith("-"):
-        print(NEW_IMPL_USAGE, file=sys.stderr)
+        print(new_impl_usage(), file=sys.stderr)
         return EXIT_CONFIG
     choice, target = choices[0].partition("=")[2], Path(files[0])
     try:
@@ -971,6 +1005,8 @@ def _main(args: list[str]) -> int:
         return serve_ui(args[1:])
     if args[:1] == ["progress"]:
         return show_progress(args[1:])
+    if args[:1] == ["dvc-yaml"]:
+        return write_dvc_yaml(args[1:])
     if args and args[0] == "receipt":
         return import_receipts(args[1:])
     if args and args[0] == "replay":

@@ -10,11 +10,6 @@ from typing import Any
 from posttrainllm.config import PROJECT_ROOT, LabConfig
 
 
-# Files of user paths loaded in this process ({shown path: sha256}; lab/isolation/user.py fills it): the stage
-# stamps hash them beside the package's own modules (track/stamp.py)
-USER_SOURCES: dict[str, str] = {}
-
-
 def shown(path: Path) -> str:
     """A path as a receipt shows it: relative to the project when inside it, else absolute."""
     path = path.resolve()

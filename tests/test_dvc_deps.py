@@ -1,8 +1,9 @@
 """Complete, checked dependencies: what each stage depends on against what it imports and reads, and stamps.
 
-A point stage depends on its inputs file runs/inputs/<point>/<stage>.json (dvc.yaml), which lists,
-from the point's config, every file it runs and every config key it reads (posttrainllm/lab/sweep.py
-`stage_deps`); the other stages list theirs in dvc.yaml. Each must cover every posttrainllm module its
+What each stage reads is declared once (posttrainllm/lab/reads.py), and dvc.yaml's deps and params are written
+from it (`posttrainllm dvc-yaml`). A point stage depends on its inputs file runs/inputs/<point>/<stage>.json
+(dvc.yaml), which lists, from the point's config, every file it runs and every config key it reads
+(`point_stage_deps`); the other stages list theirs in dvc.yaml. Each must cover every posttrainllm module its
 process loads and every config key it reads; both are derived by running the stages of two points of
 different ops (in a copy of the project, with `dvc repro`) and reading their stamps
 (posttrainllm/track/stamp.py). On a CPU the timed stages skip the Triton path (interpreter timings
@@ -25,15 +26,16 @@ from conftest import run_command as _run, short_calibration
 import yaml
 
 from posttrainllm.config import PROJECT_ROOT, ConfigError, Contract, TileConfig
-from posttrainllm.lab import sweep
+from posttrainllm.lab import reads, sweep
 from posttrainllm.lab.configure import load
+from posttrainllm.ops import registry
 from posttrainllm.track import stamp
 
 POINT = "baseline"
 MATMUL = "op-matmul"  # a point of another op: its kernel is not attention's
 MOE = "op-moe"  # one more op, up to parity: its paths depend on its shape (ops/moe/definition.py probes grouped_mm)
 POINT_STAGES = sweep.POINT_STAGES
-KERNEL_STAGES = sweep.KERNEL_STAGES  # the stages that run the op's Triton path
+KERNEL_STAGES = reads.KERNEL_STAGES  # the stages that run the op's Triton path
 ALWAYS_CHANGED = {"device", "inputs"}  # dvc.yaml: they run on every `dvc repro`
 ENV_RECORD = {stamp.RECORD_ENV: "1"}  # the timed stages record their config reads too
 
@@ -67,7 +69,7 @@ IMPORTS = (
 def stage_spec(dvc: dict, stage: str, point: str = POINT, plan: dict | None = None) -> dict:
     """A stage's deps, params and outs from dvc.yaml's dict, `${key}` / `${item}` of a foreach stage set to `point`.
 
-    A point stage's inputs file stands for what it lists: the planned point's `stage_deps` (plan: params.yaml),
+    A point stage's inputs file stands for what it lists: the planned point's `point_stage_deps` (plan: params.yaml),
     its params as `points.<point>.<path>`; `${item.<path>}` is the planned point's value.
     """
     spec = dvc["stages"][stage]
@@ -87,7 +89,7 @@ def stage_spec(dvc: dict, stage: str, point: str = POINT, plan: dict | None = No
         else:
             params.append(sub(p))
     if f"runs/inputs/{point}/{stage}.json" in deps:
-        planned = sweep.stage_deps(stage, plan["points"][point])
+        planned = reads.point_stage_deps(stage, plan["points"][point])
         deps += planned["sources"]
         params += [f"points.{point}.{path}" for path in planned["params"]]
     outs = [sub(next(iter(o)) if isinstance(o, dict) else o) for o in spec.get("outs", [])]
@@ -115,7 +117,7 @@ def without(spec: dict, field: str, entry: str) -> dict:
 
 def listed_kernels(plan: dict, point: str, stage: str, root: Path = PROJECT_ROOT) -> set[str]:
     """The posttrainllm/ops/ files a point's stage depends on (its inputs file's sources)."""
-    files = sweep.source_files(sweep.stage_deps(stage, plan["points"][point])["sources"], root)
+    files = reads.source_files(reads.point_stage_deps(stage, plan["points"][point])["sources"], root)
     return {f for f in files if f.startswith("posttrainllm/ops/")}
 
 
@@ -432,7 +434,7 @@ def test_a_point_stage_that_ran_code_its_inputs_file_does_not_list_exits_2(plann
 
     monkeypatch.setattr(pipeline, "_stage", lambda name: lambda cfg, sweep_: None)
     loaded = {"pipelines/parity.py": "a" * 64, "posttrainllm/ops/matmul/kernels.py": "b" * 64}
-    monkeypatch.setattr(stamp, "stage_sources", lambda stage, root=PROJECT_ROOT: dict(loaded))
+    monkeypatch.setattr(stamp, "stage_sources", lambda stage, root=PROJECT_ROOT, outside=None: dict(loaded))
     inputs = planned / "runs" / "inputs" / POINT / "parity.json"
     inputs.parent.mkdir(parents=True)
     inputs.write_text(json.dumps({"sources": {"pipelines/parity.py": "a" * 64}, "params": {"config": {}}}))
@@ -442,7 +444,7 @@ def test_a_point_stage_that_ran_code_its_inputs_file_does_not_list_exits_2(plann
              if not line.endswith(" ...") and " ... [sweep: " not in line]  # the stage's start line
     assert lines == [f"posttrainllm: parity {POINT}: stage parity ran with posttrainllm/ops/matmul/kernels.py, which "
                      f"runs/inputs/{POINT}/parity.json does not list: DVC would not rerun it when that changes; "
-                     "add it to posttrainllm/lab/sweep.py `stage_deps`, then `dvc repro`"]
+                     "declare it in posttrainllm/lab/reads.py STAGES, then `dvc repro`"]
     inputs.write_text(json.dumps({"sources": loaded, "params": {"config": {}}}))
     assert pipeline.run_stage("parity", [POINT]) == 0
 
@@ -451,7 +453,7 @@ def test_an_inputs_file_names_a_missing_source_in_one_line(tmp_path):
     point = {"changes": {}, "config": {"op": {"name": "nosuchop"}, "tile": {"name": "b32"},
                                        "workgroup": {"name": "w4s2"}}}
     with pytest.raises(ConfigError, match=r"^posttrainllm/ops/nosuchop/kernels.py: not found under .*, but a point stage "
-                                          r"depends on it \(posttrainllm/lab/sweep.py `stage_deps`\)$"):
+                                          r"depends on it \(posttrainllm/lab/reads.py\)$"):
         sweep.stage_inputs("p", "kernel", point, PROJECT_ROOT)
 
 
@@ -711,5 +713,109 @@ def test_editing_a_user_paths_file_reruns_kernel_parity_microbench_and_bench_tra
     assert str(kernel) in before["kernel"]["sources"] and str(kernel) not in before["reference"]["sources"]
     kernel.write_text(kernel.read_text() + "# a speed-only edit\n")
     after = inputs()
-    assert {stage for stage in POINT_STAGES if after[stage] != before[stage]} == set(sweep.USER_STAGES)
-    assert set(sweep.USER_STAGES) == {"kernel", "parity", "microbench", "bench_train"}
+    assert {stage for stage in POINT_STAGES if after[stage] != before[stage]} == set(reads.USER_STAGES)
+    assert set(reads.USER_STAGES) == {"kernel", "parity", "microbench", "bench_train"}
+
+
+# --- one declaration: dvc.yaml written from it, and it sees a new op and a new import --------------------------
+
+
+def _copy(root: Path) -> Path:
+    """The package, the stage scripts, conf/ and dvc.yaml, copied under `root`."""
+    for folder in ("pipelines", "posttrainllm", "conf"):
+        shutil.copytree(PROJECT_ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(PROJECT_ROOT / "dvc.yaml", root / "dvc.yaml")
+    return root
+
+
+def test_the_committed_dvc_yaml_has_the_deps_and_params_the_declaration_gives():
+    text = (PROJECT_ROOT / "dvc.yaml").read_text()
+    assert reads.dvc_yaml(text) == text, "dvc.yaml is stale: run `posttrainllm dvc-yaml` and commit it"
+    dvc = yaml.safe_load(text)
+    assert set(dvc["stages"]) == set(reads.STAGES)
+    for stage in ("calibrate", "train_base", "decode"):  # every op's definition, found through the registry
+        deps = stage_spec(dvc, stage, "k1")["deps"]
+        assert {f"posttrainllm/ops/{op}/definition.py" for op in registry.OP_PACKAGES} <= set(deps), stage
+        assert not [d for d in deps if d.endswith(("/kernels.py", "/fp8.py"))] or stage == "decode"
+    # the draft heads' decode runs the Triton code of the ops lab/heads.py takes from the registry, none other
+    assert [d for d in stage_spec(dvc, "decode", "k1")["deps"] if d.endswith("/kernels.py")] == [
+        f"posttrainllm/ops/{op}/kernels.py" for op in reads.ops_named("posttrainllm.lab.heads")]
+
+
+def test_a_new_op_folder_reaches_dvc_yaml_and_its_points_inputs_without_a_hand_line(tmp_path):
+    root = _copy(tmp_path)
+    registry_py = root / "posttrainllm" / "ops" / "registry.py"
+    registry_py.write_text(registry_py.read_text().replace('    "add_rmsnorm",\n', '    "add_rmsnorm",\n    "planted",\n'))
+    folder = root / "posttrainllm" / "ops" / "planted"
+    folder.mkdir()
+    for name in ("__init__.py", "definition.py", "reference.py", "kernels.py"):
+        (folder / name).write_text("")
+    text = (root / "dvc.yaml").read_text()
+    assert reads.write_dvc_yaml(root / "dvc.yaml", check=True, root=root) is False  # stale now: the check says so
+    assert (root / "dvc.yaml").read_text() == text  # and writes nothing
+    assert reads.write_dvc_yaml(root / "dvc.yaml", root=root) is False
+    made = yaml.safe_load((root / "dvc.yaml").read_text())
+    for stage in ("calibrate", "train_base", "train_heads", "decode"):
+        deps = stage_spec(made, stage, "k1")["deps"]
+        assert {f"posttrainllm/ops/planted/{n}" for n in ("__init__.py", "definition.py", "reference.py")} <= set(
+            deps), stage
+        assert "posttrainllm/ops/planted/kernels.py" not in deps
+    assert reads.write_dvc_yaml(root / "dvc.yaml", check=True, root=root)  # written: as declared
+    point = {"config": {"op": {"name": "planted"}, "tile": {"name": "b32"}, "workgroup": {"name": "w4s2"}}}
+    for stage in POINT_STAGES:  # its kernel only where the stage runs an op's Triton path
+        files = reads.source_files(reads.point_stage_deps(stage, point, root)["sources"], root)
+        assert "posttrainllm/ops/planted/definition.py" in files
+        assert ("posttrainllm/ops/planted/kernels.py" in files) == (stage in KERNEL_STAGES), stage
+
+
+def test_a_stage_module_importing_what_its_declaration_does_not_list_is_found(tmp_path):
+    assert {stage: reads.undeclared_imports(stage) for stage in POINT_STAGES} == {stage: [] for stage in POINT_STAGES}
+    root = _copy(tmp_path)
+    parity = root / "posttrainllm" / "lab" / "stages" / "parity.py"
+    original = parity.read_text()
+    assert "posttrainllm/track/report.py" not in reads.stage_code("parity", root)
+    # inside a function: loaded when it runs, so the declaration must list it
+    parity.write_text(original + "\n\ndef _planted():\n    from posttrainllm.track import report  # noqa: F401\n")
+    assert reads.undeclared_imports("parity", root) == ["posttrainllm/track/report.py"]
+    # at the top: loaded with the module, so its inputs list it (and what it imports) without a word
+    parity.write_text(original + "\nfrom posttrainllm.track import report  # noqa: F401,E402\n")
+    assert reads.undeclared_imports("parity", root) == []
+    assert "posttrainllm/track/report.py" in reads.stage_code("parity", root)
+    assert "posttrainllm/track/report.py" not in reads.stage_code("reference", root)
+
+
+def test_dvc_yaml_command_checks_and_writes(tmp_path, monkeypatch, capsys):
+    from posttrainllm import cli
+
+    monkeypatch.chdir(tmp_path)
+    committed = (PROJECT_ROOT / "dvc.yaml").read_text()
+    stale = committed.replace("      - posttrainllm/lab/sweep.py\n", "")
+    assert stale != committed
+    (tmp_path / "dvc.yaml").write_text(stale)
+    assert cli.main(["dvc-yaml", "--check"]) == 1
+    assert "posttrainllm dvc-yaml" in capsys.readouterr().err and (tmp_path / "dvc.yaml").read_text() == stale
+    assert cli.main(["dvc-yaml"]) == 0
+    assert (tmp_path / "dvc.yaml").read_text() == committed
+    assert cli.main(["dvc-yaml", "--check"]) == 0
+    assert cli.main(["dvc-yaml", "--force"]) == 2
+    assert capsys.readouterr().err.strip().endswith("usage: posttrainllm dvc-yaml [--check] (got --force)")
+
+
+def test_a_stage_that_runs_a_user_path_stamps_its_file_passed_by_its_runner(tmp_path):
+    """No global: the stage's own paths (lab/runner.py `outside_files`) and the kernel stage's compile section."""
+    kernel = tmp_path / "my_attention.py"
+    kernel.write_text((PROJECT_ROOT / "examples" / "torch_attention.py").read_text())
+    cfg = load(["device=cpu", f"op.user_impls=[{kernel}:sdpa_attention]"])
+    digest = stamp.file_sha256(kernel)
+    assert reads.outside_sources("reference", cfg, tmp_path) == {}  # it never runs the path
+    for stage in reads.USER_STAGES:
+        assert reads.outside_sources(stage, cfg, tmp_path) == {str(kernel): digest}, stage
+    library = tmp_path / "library_kernels.py"
+    library.write_text("# a Triton kernel's file\n")
+    (tmp_path / "kernel.json").write_text(json.dumps({"compile": {"paths": {"mine": {"kernels": [
+        {"file": str(library)}, {"file": "posttrainllm/ops/attention/kernels.py"}]}}}}))
+    assert reads.outside_sources("kernel", cfg, tmp_path) == {str(kernel): digest,
+                                                            str(library): stamp.file_sha256(library)}
+    assert str(library) not in reads.outside_sources("parity", cfg, tmp_path)
+    made = stamp.stage_stamp("kernel", POINT, {}, [], outside=reads.outside_sources("kernel", cfg, tmp_path))
+    assert made["sources"][str(kernel)] == digest and "pipelines/kernel.py" in made["sources"]

@@ -260,7 +260,7 @@ def test_an_fp8_points_stages_depend_on_both_kernel_modules_and_the_quality_base
     so an edit to either reruns it. bench_train reads no heads key: the DVC stage takes the draft-heads base from
     the train_base stage's folder (dvc.yaml lists it), not from heads.out_dir, which no point carries."""
     from posttrainllm.config import point_config
-    from posttrainllm.lab.sweep import stage_deps
+    from posttrainllm.lab.reads import point_stage_deps as stage_deps
 
     point = {"config": point_config(load(["op=matmul", "precision=fp8", "tile=b32"]))}
     for stage in ("kernel", "microbench", "bench_train"):

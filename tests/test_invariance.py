@@ -14,7 +14,7 @@ from posttrainllm.config import ConfigError
 from posttrainllm.lab import invariance
 from posttrainllm.lab.configure import load
 from posttrainllm.lab.oracle import upstream_gradient
-from posttrainllm.lab.sweep import stage_deps
+from posttrainllm.lab.reads import point_stage_deps as stage_deps
 from posttrainllm.ops.registry import case_config, get_op
 from posttrainllm.track import receipt as receipts
 from posttrainllm.track.report import held

@@ -9,9 +9,8 @@ import shutil
 import pytest
 
 from posttrainllm.config import PROJECT_ROOT, point_config
-from posttrainllm.files import USER_SOURCES
 from posttrainllm.lab import compile as compiling
-from posttrainllm.lab import sweep
+from posttrainllm.lab import reads, sweep
 from posttrainllm.lab.configure import load
 from posttrainllm.lab.pipeline import POINT_STAGES
 from posttrainllm.track import stamp
@@ -78,11 +77,10 @@ def test_a_user_paths_installed_kernel_is_named_with_file_source_hash_and_distri
     assert kernel["source_sha256"] == hashlib.sha256(source.encode()).hexdigest()  # the kernel's, not the file's
     assert report["rows"] == []
 
-    USER_SOURCES.clear()
-    registered = compiling.register_kernel_files(report)  # the kernel stage's stamp hashes it
-    assert registered == {str(installed): hashlib.sha256(installed.read_bytes()).hexdigest()}
-    assert stamp.loaded_sources()[str(installed)] == registered[str(installed)]
-    USER_SOURCES.clear()
+    found = compiling.kernel_files(report)  # the kernel stage's stamp hashes it (lab/reads.py outside_sources)
+    assert found == {str(installed): hashlib.sha256(installed.read_bytes()).hexdigest()}
+    assert stamp.stage_sources("kernel", outside=found)[str(installed)] == found[str(installed)]
+    assert str(installed) not in stamp.loaded_sources()  # no global: a stage passes what it ran (lab/pipeline.py)
 
 
 def test_a_planned_point_lists_the_kernel_file_and_an_edit_reruns_the_stages_that_run_it(site, adapter, tmp_path):
@@ -108,7 +106,7 @@ def test_a_planned_point_lists_the_kernel_file_and_an_edit_reruns_the_stages_tha
         after = inputs()
     finally:
         installed.write_text(original)
-    assert {stage for stage in POINT_STAGES if after[stage] != before[stage]} == set(sweep.USER_STAGES)
+    assert {stage for stage in POINT_STAGES if after[stage] != before[stage]} == set(reads.USER_STAGES)
 
 
 def test_a_kernel_file_the_plan_did_not_list_refuses_the_stamp_and_says_plan_again():
@@ -116,5 +114,5 @@ def test_a_kernel_file_the_plan_did_not_list_refuses_the_stamp_and_says_plan_aga
     listed = {"sources": {"posttrainllm/lab/stages/kernel.py": "a"}, "params": {}}
     with pytest.raises(stamp.StampMismatch, match=r"ran with /site/lib/ops/rope.py.*plan the sweep again"):
         stamp.check_inputs(ran, listed, "runs/inputs/mine/kernel.json")
-    with pytest.raises(stamp.StampMismatch, match="add it to posttrainllm/lab/sweep.py"):
+    with pytest.raises(stamp.StampMismatch, match="declare it in posttrainllm/lab/reads.py STAGES"):
         stamp.check_inputs({"stage": "kernel", "sources": {"posttrainllm/new.py": "c"}}, listed, "here")

@@ -244,7 +244,7 @@ def test_the_cli_takes_op_sizes_and_the_receipt_records_them(tmp_path):
 
 
 def test_a_folder_of_problem_files_is_a_sweep_with_a_point_each():
-    from posttrainllm.lab import sweep
+    from posttrainllm.lab import reads, sweep
 
     params = sweep.plan(load(["sweep=problems"]).sweep)
     names = [f"problem-{name}" for name in sorted(FILES)]
@@ -252,8 +252,11 @@ def test_a_folder_of_problem_files_is_a_sweep_with_a_point_each():
     point = params["points"]["problem-relu"]
     assert point["config"]["op"]["name"] == "problem" and point["config"]["op"]["file"] == "tests/problems/relu.py"
     for stage in ("reference", "kernel", "parity", "microbench"):  # an edit to the file reruns what reads it
-        assert "tests/problems/relu.py" in sweep.stage_deps(stage, point)["sources"]
-    assert "tests/problems/relu.py" not in sweep.stage_deps("reference", params["points"]["baseline"])["sources"]
-    assert "config.parity.seeds" in sweep.stage_deps("kernel", point)["params"]  # the cases it is made with
+        assert "tests/problems/relu.py" in reads.point_stage_deps(stage, point)["sources"]
+        assert "posttrainllm/ops/problem" in reads.point_stage_deps(stage, point)["sources"]  # its code, every stage
+    assert "tests/problems/relu.py" not in reads.point_stage_deps("reference", params["points"]["baseline"])["sources"]
+    assert "config.parity.seeds" in reads.point_stage_deps("kernel", point)["params"]  # the cases it is made with
+    # no Triton code of its own (ops/problem/__init__.py READS): no kernels.py to depend on
+    assert not [s for s in reads.point_stage_deps("kernel", point)["sources"] if s.endswith("kernels.py")]
     with pytest.raises(ConfigError, match="sweep.problems=nowhere: no such folder"):
         sweep.plan(load(["sweep=problems", "sweep.problems=nowhere"]).sweep)

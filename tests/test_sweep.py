@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from posttrainllm import cli
-from posttrainllm.lab import sweep
+from posttrainllm.lab import reads, sweep
 from posttrainllm.config import PROJECT_ROOT, ConfigError, SweepConfig
 from posttrainllm.lab.configure import load
 
@@ -140,39 +140,39 @@ def test_read_points_reads_the_committed_plan_and_refuses_a_broken_one(tmp_path)
 
 def _kernels(stage: str, op: str, tile: str = "b32", workgroup: str = "w4s2") -> list[str]:
     point = {"config": {"op": {"name": op}, "tile": {"name": tile}, "workgroup": {"name": workgroup}}}
-    return [s for s in sweep.stage_deps(stage, point)["sources"] if s.startswith("posttrainllm/ops")]
+    return sorted(s for s in reads.point_stage_deps(stage, point)["sources"] if s.startswith("posttrainllm/ops"))
 
 
 def test_a_point_stage_depends_on_its_ops_kernel_only_where_it_runs_it():
-    common = sweep.op_definition_sources()  # every op's definition and readable math, no kernel
+    common = reads.op_definition_sources()  # every op's definition and readable math, no kernel
     assert {"posttrainllm/ops/__init__.py", "posttrainllm/ops/registry.py",
             "posttrainllm/ops/attention/definition.py", "posttrainllm/ops/moe/reference.py"} <= set(common)
-    assert "posttrainllm/ops/launches.py" not in common  # the kernel stage's guards' alone (STAGE_SOURCES)
+    assert "posttrainllm/ops/launches.py" not in common  # the kernel stage's guards' alone (its `loads`)
     assert not [f for f in common if f.endswith(("/kernels.py", "/fp8.py"))]
     attention, matmul = "posttrainllm/ops/attention/kernels.py", "posttrainllm/ops/matmul/kernels.py"
     for stage in ("reference", "parity", "receipt"):
         assert _kernels(stage, "attention") == common and _kernels(stage, "moe") == common
     for stage in ("kernel", "microbench", "bench_train"):
         base = [*common, *(["posttrainllm/ops/launches.py"] if stage == "kernel" else [])]  # the guards' counter
-        assert _kernels(stage, "attention") == [*base, attention]
-        assert _kernels(stage, "moe") == [*base, "posttrainllm/ops/moe/kernels.py"]
-        assert _kernels(stage, "decode_attention") == [*base, "posttrainllm/ops/decode_attention/kernels.py"]
-        # matmul's autotuner asks ops/attention/kernels.py for the device's shared memory
-        assert _kernels(stage, "matmul", tile="auto") == [*base, matmul, attention]
-        assert _kernels(stage, "matmul", workgroup="auto") == [*base, matmul, attention]
+        assert _kernels(stage, "attention") == sorted([*base, attention])
+        assert _kernels(stage, "moe") == sorted([*base, "posttrainllm/ops/moe/kernels.py"])
+        assert _kernels(stage, "decode_attention") == sorted([*base, "posttrainllm/ops/decode_attention/kernels.py"])
+        # matmul's autotuner asks ops/attention/kernels.py for the device's shared memory (ops/matmul READS)
+        assert _kernels(stage, "matmul", tile="auto") == sorted([*base, matmul, attention])
+        assert _kernels(stage, "matmul", workgroup="auto") == sorted([*base, matmul, attention])
     # the launch geometry's AUTO_CPU_NOTE
-    assert _kernels("kernel", "matmul") == [*common, "posttrainllm/ops/launches.py", matmul, attention]
-    assert _kernels("microbench", "matmul") == _kernels("bench_train", "matmul") == [*common, matmul]
+    assert _kernels("kernel", "matmul") == sorted([*common, "posttrainllm/ops/launches.py", matmul, attention])
+    assert _kernels("microbench", "matmul") == _kernels("bench_train", "matmul") == sorted([*common, matmul])
 
 
 def test_stage_deps_name_the_script_each_file_once_and_the_keys_read():
     point = {"config": {"op": {"name": "attention"}, "tile": {"name": "b32"}, "workgroup": {"name": "w4s2"}}}
-    deps = sweep.stage_deps("microbench", point)
+    deps = reads.point_stage_deps("microbench", point)
     assert deps["sources"][0] == "pipelines/microbench.py" and len(deps["sources"]) == len(set(deps["sources"]))
     assert "config.tile" in deps["params"] and "config.train" not in deps["params"]
-    assert sweep.stage_deps("receipt", point)["params"] == ["changes", "config"]
+    assert reads.point_stage_deps("receipt", point)["params"] == ["changes", "config"]
     with pytest.raises(ValueError, match="unknown point stage 'device': the point stages are reference, kernel"):
-        sweep.stage_deps("device", point)
+        reads.point_stage_deps("device", point)
 
 
 def test_write_inputs_writes_every_point_stage_of_the_plan(tmp_path):
@@ -192,8 +192,8 @@ def test_an_ops_own_config_reads_are_listed_for_its_points_only():
     attention = {"config": {**moe["config"], "op": {"name": "attention"}}}
     probe = ["config.shape.moe_d_model", "config.shape.moe_ffn"]  # ops/moe/definition.py probes grouped_mm at that size
     for stage in ("parity", "bench_train"):
-        assert sweep.stage_deps(stage, moe)["params"][-2:] == probe
-        assert not set(probe) & set(sweep.stage_deps(stage, attention)["params"])
+        assert reads.point_stage_deps(stage, moe)["params"][-2:] == probe
+        assert not set(probe) & set(reads.point_stage_deps(stage, attention)["params"])
     # the kernel stage reads the whole shape (its compile section: the main case), which covers the probe's keys
-    assert "config.shape" in sweep.stage_deps("kernel", moe)["params"]
-    assert not set(probe) & set(sweep.stage_deps("kernel", moe)["params"])
+    assert "config.shape" in reads.point_stage_deps("kernel", moe)["params"]
+    assert not set(probe) & set(reads.point_stage_deps("kernel", moe)["params"])

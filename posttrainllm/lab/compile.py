@@ -164,19 +164,16 @@ def launched_kernels(launches: list[Launch]) -> list[dict[str, Any]]:
     return [found[key] for key in sorted(found, key=lambda k: tuple(map(str, k)))]
 
 
-def register_kernel_files(report: dict[str, Any]) -> dict[str, str]:
-    """The files outside the package whose Triton kernels a path launched (the report's `kernels`), registered with
-    their sha256 in files.USER_SOURCES, which the stage's stamp hashes (track/stamp.py); the lab/sweep.py plan lists
-    them in the inputs of the stages that run user paths (`kernel_files`). Returns what was registered."""
-    from posttrainllm.files import USER_SOURCES
-
+def kernel_files(report: dict[str, Any]) -> dict[str, str]:
+    """{file: sha256} of the files outside the package whose Triton kernels a path launched (the report's `kernels`):
+    the kernel stage's stamp hashes them (lab/reads.py `outside_sources`); the lab/sweep.py plan lists them in the
+    inputs of the stages that run user paths (`kernel_files`)."""
     found = {}
     for entry in report.get("paths", {}).values():
         for kernel in entry.get("kernels", ()):
             file = kernel.get("file")
             if file and not file.startswith("posttrainllm/") and Path(file).is_file():
                 found[file] = hashlib.sha256(Path(file).read_bytes()).hexdigest()
-    USER_SOURCES.update(found)
     return found
 
 

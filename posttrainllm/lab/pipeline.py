@@ -128,6 +128,7 @@ class StageRun:
     inputs: Path | None = None  # what DVC reruns the stage on (a point stage's runs/inputs file), checked at the end
     progress: str = ""  # where the sweep stands (track/progress.py), shown when the stage starts
     outputs: tuple[Path, ...] = ()  # the files it writes (STAGE_OUTPUTS), hashed into its stamp
+    outside: Callable[[], dict[str, str]] | None = None  # once it ran: {file: sha256} it ran from outside the package
 
 
 def stamped(stage: str, run: StageRun, *, written: tuple[type[Exception], ...] = ()) -> Any:
@@ -152,7 +153,7 @@ def stamped(stage: str, run: StageRun, *, written: tuple[type[Exception], ...] =
             raised = exc
     timing = {"stage_s": time.perf_counter() - started, "process_s": stamp.process_seconds()}
     made = stamp.write_stage_stamp(stage, cfg, reads, timing, folder=run.folder, point=run.point, inputs=run.inputs,
-                                   outputs=run.outputs)
+                                   outputs=run.outputs, outside=run.outside() if run.outside else None)
     if run.inputs is not None and run.inputs.is_file():  # absent when the script is run without DVC's inputs stage
         stamp.check_inputs(json.loads(made.read_text()), json.loads(run.inputs.read_text()), run.inputs)
     print(f"posttrainllm: {stage} {run.label or run.point} done in {timing['stage_s']:.1f} s", file=sys.stderr,
@@ -212,9 +213,12 @@ def run_stage(stage: str, argv: list[str]) -> int:
             return None
         points = sweep.get("points") or [argv[0]]
         where = f" ({points.index(argv[0]) + 1}/{len(points)})" if argv[0] in points else ""
+        from posttrainllm.lab.reads import outside_sources  # the user paths' files the stage runs, for its stamp
+
         return StageRun(cfg, argv[0], point_dir(cfg), lambda: _stage(stage)(cfg, sweep), label=argv[0] + where,
                         inputs=INPUTS / argv[0] / f"{stage}.json", progress=sweep_progress(),
-                        outputs=tuple(point_dir(cfg) / name for name in STAGE_OUTPUTS.get(stage, ())))
+                        outputs=tuple(point_dir(cfg) / name for name in STAGE_OUTPUTS.get(stage, ())),
+                        outside=lambda: outside_sources(stage, cfg, point_dir(cfg)))
 
     return execute(stage, setup, verdicts=(ContractBroken,))
 

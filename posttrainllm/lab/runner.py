@@ -52,6 +52,13 @@ def paths(op: OpDef, cfg: LabConfig) -> dict[str, Impl]:
     return op.paths(cfg, user_paths)
 
 
+def outside_files(op: OpDef, cfg: LabConfig) -> dict[str, str]:
+    """{file: sha256} of the point's paths from outside (each Impl's source, as resolved): the stamps of the stages
+    that run them hash them (lab/reads.py `outside_sources`)."""
+    return {impl.source.identity["file"]: impl.source.identity["sha256"] for impl in paths(op, cfg).values()
+            if impl.source is not None}
+
+
 def optimized(op: OpDef, cfg: LabConfig) -> list[Impl]:
     """The paths checked against the reference (everything but the reference itself)."""
     return [impl for name, impl in paths(op, cfg).items() if name != REFERENCE]

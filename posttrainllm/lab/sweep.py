@@ -7,15 +7,13 @@ that changes two dimensions at once from every earlier one is refused unless the
 sweep asks for a grid. The plan is written to params.yaml, where dvc.yaml's
 `foreach` runs every point as its own cached set of stages.
 
-What each point's stage runs and reads is listed here too, from the point's config
-(`stage_deps`): the `inputs` stage hashes it into runs/inputs/<point>/<stage>.json
-(`write_inputs`), which the stage depends on in dvc.yaml, so an edit reruns the points
-that run the edited code and no others.
+What each point's stage runs and reads (declared in lab/reads.py, from the point's config)
+the `inputs` stage hashes into runs/inputs/<point>/<stage>.json (`write_inputs`), which the
+stage depends on in dvc.yaml, so an edit reruns the points that run the edited code and no others.
 """
 
 from __future__ import annotations
 
-import ast
 import itertools
 import json
 from pathlib import Path
@@ -23,7 +21,8 @@ from typing import Any
 
 import yaml
 
-from posttrainllm.config import AUTO, DIMENSIONS, PROJECT_ROOT, ConfigError, SweepConfig, group_options, point_config
+from posttrainllm.config import DIMENSIONS, ConfigError, SweepConfig, group_options, point_config
+from posttrainllm.lab import reads
 from posttrainllm.lab.pipeline import CALIBRATION, POINT_STAGES, READS_KEY
 
 HEADER = (
@@ -152,7 +151,7 @@ def refuse_unfit(params: dict[str, Any], say: Any = print) -> dict[str, Any]:
 def find_kernel_files(params: dict[str, Any], say: Any = print) -> dict[str, Any]:
     """Each point with user paths gets `kernel_files`: the files outside the package whose Triton kernels those
     paths launch (an installed library's ops/rope/kernels.py behind a three-line adapter), found by recording the launches
-    of the point's main case in the compile child (lab/compile.py, nothing compiled). `stage_deps` lists them with
+    of the point's main case in the compile child (lab/compile.py, nothing compiled). lab/reads.py lists them with
     the user's files, so an edit to one reruns the stages that run it; a kernel stage that meets a file not listed
     here refuses its stamp (track/stamp.py check_inputs): plan the sweep again. One child per distinct op config."""
     from posttrainllm.lab.configure import validate_schema  # the op node: the chosen op's keys
@@ -249,205 +248,9 @@ def refuse_multi_dimension_multirun(overrides: list[str], grid: bool) -> None:
 
 # --- what a point's stages depend on: runs/inputs/<point>/<stage>.json -------------------------------------
 #
-# One place for a point stage's dependencies: its files (a folder stands for every .py file under it) and the
-# config keys it reads, from the point's config. tests/test_dvc_deps.py checks them against what the stages
-# load and read (their stamps), and every stage checks its own stamp against its inputs file when it ends
-# (lab/pipeline.py `stamped`).
-
-
-# An op's Triton code (posttrainllm/ops/<op>/): loaded only by the stages that run its Triton path (op_sources)
-KERNEL_FILES = ("kernels.py", "fp8.py")
-
-
-def op_definition_sources() -> list[str]:
-    """posttrainllm/ops/'s shared modules and the registry's op packages, but the ops' kernels: what importing the
-    registry loads (validating a config does), never a kernel. Read from the files, not imported (no torch here)."""
-    ops = PROJECT_ROOT / "posttrainllm" / "ops"
-    registry = ast.parse((ops / "registry.py").read_text())
-    packages = next(ast.literal_eval(node.value) for node in registry.body if isinstance(node, ast.Assign)
-                    and any(isinstance(target, ast.Name) and target.id == "OP_PACKAGES" for target in node.targets))
-    files = [path for path in ops.glob("*.py") if path.name not in NOT_LOADED]
-    files += [path for package in packages for path in (ops / package).rglob("*.py")
-              if path.name not in KERNEL_FILES and "__pycache__" not in path.parts]
-    return sorted(path.relative_to(PROJECT_ROOT).as_posix() for path in files)
-
-
-# the docs' signature table (python -m posttrainllm.ops.signatures): no stage's; the launch counter: the kernel
-# stage's guards' alone (STAGE_SOURCES)
-NOT_LOADED = ("signatures.py", "launches.py")
-
-
-# Every point stage loads these, besides its own script pipelines/<stage>.py
-CORE_SOURCES = (
-    "posttrainllm/__init__.py",
-    "posttrainllm/config.py",
-    "posttrainllm/files.py",
-    "posttrainllm/rules.py",  # the rules' table: every layer reads it
-    "posttrainllm/lab/__init__.py",
-    "posttrainllm/lab/configure.py",
-    "posttrainllm/lab/pipeline.py",
-    "posttrainllm/lab/stages/__init__.py",  # each stage loads its own module (STAGE_SOURCES) and these
-    "posttrainllm/lab/stages/common.py",
-    "posttrainllm/lab/oracle.py",  # the reference's answers (the stages, outside.py)
-    "posttrainllm/lab/isolation",  # worker, user paths, outside timing, rooms, guards
-    "posttrainllm/track/failures.py",  # a failed path located, and whether it cannot run here
-    "posttrainllm/lab/parity.py",
-    "posttrainllm/lab/runner.py",  # the one way a stage calls a path
-    "posttrainllm/measure/__init__.py",
-    "posttrainllm/measure/device.py",
-    "posttrainllm/measure/calibrate.py",
-    "posttrainllm/measure/memory.py",
-    "posttrainllm/measure/roofline.py",
-    "posttrainllm/measure/timing.py",
-    *op_definition_sources(),  # every op's definition: validating a config applies the ops' rules
-    "posttrainllm/track/__init__.py",
-    "posttrainllm/track/provenance.py",
-    "posttrainllm/track/found.py",  # where receipts are (receipt.py re-exports its names)
-    "posttrainllm/track/receipt.py",
-    "posttrainllm/track/records.py",  # the stages' typed records: one writer, one reader each
-    "posttrainllm/track/store.py",
-    "posttrainllm/track/stamp.py",
-)
-STAGE_SOURCES = {
-    "reference": ("posttrainllm/lab/stages/reference.py",),
-    "kernel": ("posttrainllm/lab/stages/kernel.py", "posttrainllm/ops/launches.py",  # the guards count launches
-               "posttrainllm/lab/compile.py", "posttrainllm/measure/sass.py",  # its `compile` section
-               "posttrainllm/lab/invariance.py"),  # determinism and batch invariance, measured
-    "parity": ("posttrainllm/lab/stages/parity.py", "posttrainllm/lab/invariance.py"),  # ... and judged
-    "microbench": ("posttrainllm/lab/stages/microbench.py",
-                   "posttrainllm/lab/approval.py",  # a GPU times only with approval (POSTTRAINLLM_APPROVE=1)
-                   "posttrainllm/measure", "posttrainllm/track/plots.py"),
-    "bench_train": ("posttrainllm/lab/stages/bench_train.py", "posttrainllm/lab/approval.py", "posttrainllm/model"),
-    # the figures every view shows (best peer, flags), tagged on its MLflow run; the end-to-end band's rule
-    "receipt": ("posttrainllm/lab/stages/receipt.py", "posttrainllm/track/derived.py", "posttrainllm/model/__init__.py",
-                "posttrainllm/model/amdahl.py",
-                # the sweep's table on its MLflow run (receipt.py _sweep_table): the report's summary
-                "posttrainllm/track/report.py", "posttrainllm/measure/sass.py"),
-}
-# The stages that run the op's Triton path: kernel checks it and records its launch geometry; microbench times
-# it and bench_train trains it (on a GPU; bench_train also on a CPU, through the interpreter, for a few steps)
-KERNEL_STAGES = ("kernel", "microbench", "bench_train")
-# The config keys each stage reads, as paths in the point (`config.tile` covers every tile key)
-STAGE_PARAMS = {
-    "reference": ("config.op", "config.precision.dtype", "config.precision.allow_tf32",
-                  "config.precision.lse_contract",  # op=moe: the router's fp32 check (ops/moe/definition.py)
-                  "config.precision.quantize",  # fp8: the recipe each case's inputs are quantized by
-                  "config.shape", "config.architecture", "config.device.name", "config.parity",
-                  "config.bench.threads"),
-    "kernel": ("config.op", "config.precision.dtype", "config.precision.allow_tf32", "config.precision.dot_precision",
-               "config.precision.quantize",  # fp8: the quantized paths, the interpreter's emulation note
-               "config.tile", "config.workgroup", "config.architecture", "config.device.name", "config.bench.threads",
-               "config.compile", "config.shape"),  # the compile section: its targets, the main case's shape
-    "parity": ("config.op",  # op.max_error_only too: outputs without the elementwise count
-               "config.precision", "config.architecture", "config.device.name", "config.bench.threads",
-               "config.parity.require"),  # the bitwise properties every path must have (lab/invariance.py)
-    "microbench": ("config.op", "config.precision", "config.tile", "config.workgroup", "config.shape",
-                   "config.architecture", "config.parity", "config.bench", "config.device.name"),
-    "bench_train": ("config.op", "config.precision", "config.tile", "config.workgroup", "config.architecture",
-                    "config.train", "config.bench.threads", "config.device.name"),
-    "receipt": ("changes", "config"),  # it records the whole config and what the point changes
-}
-
-
-def op_sources(stage: str, config: dict[str, Any]) -> list[str]:
-    """The op's kernel code `stage` runs: posttrainllm/ops/<op>/kernels.py where it runs the op's Triton path.
-
-    matmul borrows from the attention module: ops/matmul/definition.py's launch geometry (the kernel stage) reads
-    its AUTO_CPU_NOTE, and ops/matmul/kernels.py's autotuner (tile or workgroup auto) its device_smem_bytes. Under a
-    quantized precision the op's fp8 kernels run (ops/<op>/fp8.py), moe's with ops/moe/kernels.py's plan.
-    """
-    files = user_sources(config) if stage in USER_STAGES else []
-    if config["op"]["name"] == "problem":  # the op is its file and its folder's code, read by every stage
-        return [config["op"]["file"], f"posttrainllm/ops/{config['op']['name']}", *files]  # its file, its code
-    if stage not in KERNEL_STAGES:
-        return files
-    op = config["op"]["name"]
-    quantized = ((config.get("precision") or {}).get("quantize") or {}).get("format")
-    files.append(f"posttrainllm/ops/{op}/{'fp8' if quantized else 'kernels'}.py")  # fp8: matmul's and moe's own
-    if quantized:  # the fp8 kernel imports its op's kernels: matmul's grouped tile and launch, moe's plan and unpermute
-        files.append(f"posttrainllm/ops/{op}/kernels.py")
-    autotune = AUTO in (config["tile"]["name"], config["workgroup"]["name"])
-    if op == "matmul" and (stage == "kernel" or autotune):
-        files.append("posttrainllm/ops/attention/kernels.py")
-    return files
-
-
-# The stages whose outputs depend on a user path's code: kernel runs it (and records its identity), parity
-# records its identity and judges its outputs, microbench times it, bench_train trains it
-USER_STAGES = ("kernel", "parity", "microbench", "bench_train")
-
-
-def user_sources(config: dict[str, Any]) -> list[str]:
-    """The files of the point's user paths (op.user_impls): project-relative, or absolute when installed
-    elsewhere (the inputs stage hashes them either way, so an edit reruns the stages that run them)."""
-    specs = config["op"].get("user_impls") or []  # a point planned by `posttrainllm sweep` always has the key
-    if not specs:
-        return []
-    from types import SimpleNamespace
-
-    from posttrainllm.ops.registry import OPS
-    from posttrainllm.lab.isolation.user import resolve
-
-    # resolving a spec reads the op's name only: a problem op (made from its file) is not loaded to hash a spec
-    op = OPS.get(config["op"]["name"]) or SimpleNamespace(name=config["op"]["name"])
-    return [resolve(spec, op).identity["file"] for spec in specs]
-
-
-def op_params(stage: str, config: dict[str, Any]) -> list[str]:
-    """The config keys the op's own code reads in `stage` beyond the stage's STAGE_PARAMS.
-
-    op=moe probes whether its grouped_mm path runs (which paths the point has: every stage that lists
-    them) on a problem of the point's shape.moe_d_model and shape.moe_ffn (ops/moe/definition.py). The ops in
-    TRAIN_CASE_OPS have a parity case at bench-train's shape: the stages that list the cases read train's.
-    """
-    if config["op"]["name"] == "problem":  # its OpDef is made per point from its seeds and device (ops/problem/definition.py)
-        return [k for k in ("config.parity.seeds", "config.device.name") if k not in STAGE_PARAMS[stage]]
-    if config["op"]["name"] == "moe" and stage in ("parity", "bench_train"):  # the kernel stage lists config.shape
-        return ["config.shape.moe_d_model", "config.shape.moe_ffn"]
-    if config["op"]["name"] in TRAIN_CASE_OPS and stage in ("reference", "microbench"):  # their cases (op.cases)
-        return ["config.train.batch_size", "config.train.seq_len"]
-    return []
-
-
-# The ops with a parity case at bench-train's shape (train.batch_size x train.seq_len; ops/<op>/definition.py `_cases`)
-TRAIN_CASE_OPS = ("attention", "decode_attention", "cross_entropy")  # attention_noncausal is op.name attention
-
-
-def stage_deps(stage: str, point: dict[str, Any]) -> dict[str, list[str]]:
-    """What a planned point's stage depends on: {"sources": files and folders, "params": paths in the point}."""
-    if stage not in POINT_STAGES:
-        raise ValueError(f"unknown point stage {stage!r}: the point stages are {', '.join(POINT_STAGES)}")
-    kernel_files = point.get("kernel_files") or [] if stage in USER_STAGES else []  # find_kernel_files
-    sources = list(dict.fromkeys([f"pipelines/{stage}.py", *CORE_SOURCES, *STAGE_SOURCES.get(stage, ()),
-                                  *op_sources(stage, point["config"]), *kernel_files]))
-    folders = [s for s in sources if not s.endswith(".py")]
-    sources = [s for s in sources if not any(s.startswith(folder + "/") for folder in folders)]  # each file once
-    return {"sources": sources, "params": [*STAGE_PARAMS[stage], *op_params(stage, point["config"])]}
-
-
-def source_files(sources: list[str], root: Path) -> list[str]:
-    """`sources` with every folder replaced by the .py files under it (root-relative, sorted); a ConfigError
-    names the first that does not exist."""
-    files = set()
-    for source in sources:
-        path = root / source
-        if path.is_dir():
-            files.update(f.relative_to(root).as_posix() for f in path.rglob("*.py"))
-        elif path.is_file():
-            files.add(source)
-        else:
-            raise ConfigError(f"{source}: not found under {root.resolve()}, but a point stage depends on it "
-                              "(posttrainllm/lab/sweep.py `stage_deps`)")
-    return sorted(files)
-
-
-def _value(point: dict[str, Any], key: str) -> Any:
-    value = point
-    for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise ConfigError(f"{key}: not in the planned point: regenerate params.yaml with `posttrainllm sweep`")
-        value = value[part]
-    return value
+# What each stage reads is declared once, in lab/reads.py (STAGES, and each op's own READS): a point stage's
+# files (a folder stands for every .py file under it) and the config keys it reads, from the point's config.
+# Every stage checks its own stamp against its inputs file when it ends (lab/pipeline.py `stamped`).
 
 
 def stage_inputs(point_name: str, stage: str, point: dict[str, Any], root: Path = Path("."),
@@ -457,13 +260,13 @@ def stage_inputs(point_name: str, stage: str, point: dict[str, Any], root: Path 
     from posttrainllm.track.stamp import file_sha256
 
     digests = {} if digests is None else digests
-    deps = stage_deps(stage, point)
-    files = source_files(deps["sources"], root)
+    deps = reads.point_stage_deps(stage, point, root)
+    files = reads.source_files(deps["sources"], root)
     for path in files:
         if path not in digests:
             digests[path] = file_sha256(root / path)
     made = {"point": point_name, "stage": stage, "sources": {path: digests[path] for path in files},
-            "params": {key: _value(point, key) for key in deps["params"]}}
+            "params": {key: reads.point_value(point, key) for key in deps["params"]}}
     if stage == "microbench" and (root / CALIBRATION).is_file():  # as the calibrate stage wrote it (dvc.yaml: the
         made[READS_KEY] = {CALIBRATION.as_posix(): file_sha256(root / CALIBRATION)}  # inputs stage runs after it)
     return made

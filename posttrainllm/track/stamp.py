@@ -8,9 +8,10 @@ heads stages write theirs in runs/heads/base/ and runs/heads/<K name>/):
     revision, dirty    git HEAD and whether the tree differed from it (track/provenance.py)
     device             the device fingerprint the stage ran with (measure/device.py `fingerprint`)
     sources            {repo-relative path: sha256} of every posttrainllm module loaded in the
-                       stage's process, plus its pipelines/<stage>.py script, the file of every
-                       user path it ran (op.user_impls; absolute when outside the project) and, for the
-                       kernel stage, the files of the Triton kernels those paths launch (lab/compile.py)
+                       stage's process, plus its pipelines/<stage>.py script and what the stage passes
+                       of its own from outside the package: the file of every user path it runs
+                       (op.user_impls; absolute when outside the project) and, for the kernel stage, the
+                       files of the Triton kernels those paths launch (lab/reads.py `outside_sources`)
     inputs_sha256      a point stage's: the sha256 of runs/inputs/<point>/<stage>.json, the inputs file it
                        ran on (track/progress.py: the stage is done while that file keeps this hash)
     outputs            a point stage's: {file name: sha256} of the files it wrote in runs/<point>/
@@ -24,8 +25,9 @@ about the code they shared, or timed stages from different devices (`check_consi
 and records every stamp. A revision alone may differ: DVC keeps a stage whose inputs did
 not change across commits. The hashes are taken when the stage ends, as DVC's are. A point
 stage refuses its own stamp when it names a file or config key that the stage's inputs file
-(runs/inputs/<point>/<stage>.json, what DVC reruns it on) does not list (`check_inputs`); a
-test (tests/test_dvc_deps.py) checks every stage's stamps against its deps and params.
+(runs/inputs/<point>/<stage>.json, what DVC reruns it on) does not list (`check_inputs`): what a
+stage reads is declared once (lab/reads.py), and a test (tests/test_dvc_deps.py) checks every
+stage's stamps against that declaration's deps and params.
 
 Config reads are recorded without touching the code that reads: `record_config_reads`
 replaces `__getattribute__` of the config dataclasses (posttrainllm/config.py) while the
@@ -47,7 +49,6 @@ from typing import Any, Iterator
 
 from posttrainllm import config as config_module
 from posttrainllm.config import PROJECT_ROOT, LabConfig
-from posttrainllm.files import USER_SOURCES
 
 STAMPS = "stamps"  # runs/<point>/stamps/<stage>.json
 TIMED_STAGES = ("microbench", "bench_train", "decode")  # their timings are only comparable on one device
@@ -90,13 +91,14 @@ def loaded_sources(root: Path = PROJECT_ROOT) -> dict[str, str]:
             relative = path.relative_to(root).as_posix()
             if relative not in DISPLAY_ONLY:
                 found[relative] = file_sha256(path)
-    found.update(USER_SOURCES)  # the files of user paths that ran here (lab/isolation/user.py), hashed when loaded
     return dict(sorted(found.items()))
 
 
-def stage_sources(stage: str, root: Path = PROJECT_ROOT) -> dict[str, str]:
-    """The loaded posttrainllm modules plus the stage's own script, pipelines/<stage>.py."""
-    sources = loaded_sources(root)
+def stage_sources(stage: str, root: Path = PROJECT_ROOT, outside: dict[str, str] | None = None) -> dict[str, str]:
+    """The loaded posttrainllm modules plus the stage's own script, pipelines/<stage>.py, and `outside`: {file:
+    sha256} of what the stage ran from outside the package (its user paths' files, given by the stage's runner:
+    lab/reads.py `outside_sources`)."""
+    sources = {**loaded_sources(root), **(outside or {})}
     script = root / "pipelines" / f"{stage}.py"
     if script.is_file():
         sources[script.relative_to(root).as_posix()] = file_sha256(script)
@@ -251,14 +253,16 @@ def process_seconds() -> float | None:
 
 def stage_stamp(stage: str, point: str, device: dict[str, Any], config_keys: list[str] | None,
                 root: Path = PROJECT_ROOT, timing: dict[str, float | None] | None = None,
-                inputs: Path | None = None, outputs: tuple[Path, ...] = ()) -> dict[str, Any]:
+                inputs: Path | None = None, outputs: tuple[Path, ...] = (),
+                outside: dict[str, str] | None = None) -> dict[str, Any]:
     """The stamp of a stage that just ran in this process; `timing`: its wall seconds (stage_s, process_s);
-    `inputs`: the inputs file it ran on, where it has one; `outputs`: the files it wrote (those present)."""
+    `inputs`: the inputs file it ran on, where it has one; `outputs`: the files it wrote (those present);
+    `outside`: the files from outside the package it ran (stage_sources)."""
     from posttrainllm.track.provenance import git_revision
 
     made = {"stage": stage, "point": point,
             "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            **git_revision(), "device": device, "sources": stage_sources(stage, root)}
+            **git_revision(), "device": device, "sources": stage_sources(stage, root, outside)}
     if inputs is not None and inputs.is_file():
         made[INPUTS_KEY] = file_sha256(inputs)
     if outputs:
@@ -269,7 +273,7 @@ def stage_stamp(stage: str, point: str, device: dict[str, Any], config_keys: lis
 def write_stage_stamp(stage: str, cfg: LabConfig, reads: ConfigReads | None,
                       timing: dict[str, float | None] | None = None, *, folder: Path | None = None,
                       point: str | None = None, inputs: Path | None = None,
-                      outputs: tuple[Path, ...] = ()) -> Path:
+                      outputs: tuple[Path, ...] = (), outside: dict[str, str] | None = None) -> Path:
     """After a stage ran in this process: its stamp, in <folder>/stamps/<stage>.json.
 
     folder and point default to the sweep point's (runs/<point>/, cfg.run.name); the heads stages
@@ -283,7 +287,7 @@ def write_stage_stamp(stage: str, cfg: LabConfig, reads: ConfigReads | None,
     keys = reads.keys() if reads is not None else None
     return write_stamp(folder if folder is not None else point_dir(cfg),
                        stage_stamp(stage, point or cfg.run.name, device, keys, timing=timing, inputs=inputs,
-                                   outputs=outputs))
+                                   outputs=outputs, outside=outside))
 
 
 def write_stamp(point_dir: Path, stamp: dict[str, Any]) -> Path:
@@ -359,7 +363,7 @@ def check_inputs(stamp: dict[str, Any], inputs: dict[str, Any], where: Path | st
         theirs = [f for f in files if not f.startswith(("posttrainllm/", "pipelines/"))]  # a user path's, its kernels'
         fix = ("plan the sweep again (posttrainllm sweep: it lists the files user paths and their Triton kernels run)"
                if theirs and len(theirs) == len(files) and not keys else
-               "add it to posttrainllm/lab/sweep.py `stage_deps`")
+               "declare it in posttrainllm/lab/reads.py STAGES")
         raise StampMismatch(
             f"stage {stamp.get('stage')} ran with {missed}, which {where} does not list: DVC would not rerun it "
             f"when that changes; {fix}, then `dvc repro`")

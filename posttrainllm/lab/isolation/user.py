@@ -16,7 +16,7 @@ fixes Triton's mode at import, before the stage has set it): the module is impor
 and an import that fails is that path's failure, recorded, not the point's.
 
 Its identity (spec, file, sha256, distribution and version) goes into kernel.json, the receipt and the
-stage stamps (the file is registered in files.USER_SOURCES, which track/stamp.py hashes beside the package).
+stage stamps (lab/reads.py `outside_sources` passes the file of each of the point's paths to track/stamp.py).
 
 A user path runs in a worker process of its own (lab/isolation/worker.py): its module is imported and called only
 there, one worker per path per stage process; the registry's function (`registry_fn`) is the op's adapter around

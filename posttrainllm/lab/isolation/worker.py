@@ -69,7 +69,6 @@ from typing import Any, Callable
 
 import torch
 
-from posttrainllm.files import USER_SOURCES
 from posttrainllm.track.failures import first_line, locate, traceback_text
 from posttrainllm.ops import emulate_bf16_in_interpreter, fast_language_patching_in_interpreter
 
@@ -284,8 +283,6 @@ class Worker:
         self.heap_kept = bool(reply.get("heap_kept"))  # HEAP_RULE (lab/isolation/outside.py)
         self.tampered: list[str] = reply.get("tampered") or []  # what its import changed (outside.py: no speed)
         self.promises: list[str] = reply.get("promises") or []  # its function's `promises` (lab/invariance.py)
-        if user is not CLEAN:
-            USER_SOURCES[user.identity["file"]] = user.identity["sha256"]  # the stage stamps hash what ran
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
         """Send one message and wait for its answer; an error in the user's code raises its UserCodeError."""
@@ -1200,7 +1197,7 @@ def _handler(op: Any) -> Callable[..., Any]:
 def load_user(module_name: str, file: Path | None, attr: str, identity: dict[str, Any]) -> Callable[..., Any]:
     """A user path's callable (lab/isolation/user.py UserPath): its module imported once per process, from its file or by
     its dotted name, then `attr` (dotted) read from it; an import error is the path's to report. The file is
-    registered in files.USER_SOURCES: the stage stamps hash what ran."""
+    hashed into the stamps of the stages that run it (lab/reads.py `outside_sources`)."""
     if identity["source"] == "file":
         module = sys.modules.get(module_name)
         if module is None:
@@ -1214,7 +1211,6 @@ def load_user(module_name: str, file: Path | None, attr: str, identity: dict[str
                 raise
     else:
         module = importlib.import_module(module_name)
-    USER_SOURCES[identity["file"]] = identity["sha256"]
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part)

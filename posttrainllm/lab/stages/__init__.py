@@ -3,7 +3,7 @@
 One module per DVC stage, named as in dvc.yaml (reference.py, kernel.py, parity.py, microbench.py,
 bench_train.py, receipt.py), each with its `run_<stage>`; what several share is in common.py. This
 package imports none of them: a stage process loads its own module and common.py only, so an edit to
-one stage's module reruns that stage alone (lab/sweep.py `stage_deps`).
+one stage's module reruns that stage alone (lab/reads.py STAGES).
 
 Each stage reads the config and the files earlier stages wrote in the point's
 folder, and writes its own files there. None talks to MLflow but the receipt.

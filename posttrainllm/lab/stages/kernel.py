@@ -46,7 +46,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     innermost frame of its own code, what this machine lacks where that is why, and its traceback's file,
     tracebacks/<path>.txt).
     """
-    from posttrainllm.lab import invariance  # the kernel and parity stages' alone (lab/sweep.py STAGE_SOURCES)
+    from posttrainllm.lab import invariance  # the kernel and parity stages' alone (its `loads` in lab/reads.py)
 
     op = op_for(cfg)
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
@@ -108,8 +108,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     if compiling is not None:  # every Triton kernel of the paths compiled for compile.targets (lab/compile.py)
         from posttrainllm.lab import compile as compile_lab
 
-        report["compile"] = compile_lab.finish(*compiling)
-        compile_lab.register_kernel_files(report["compile"])  # the stamp hashes the user paths' kernel files
+        report["compile"] = compile_lab.finish(*compiling)  # its kernel files go into the stamp (lab/reads.py)
     elif by_launch:
         from posttrainllm.lab import compile as compile_lab
 
@@ -130,7 +129,7 @@ NOTHING_TO_COMPILE = ("no path launched a Triton kernel in this stage's calls (t
 
 def _start_compile(op: OpDef, cfg: LabConfig, out: Path) -> tuple[Any, Path, list[str], float] | None:
     """The compile child (lab/compile.py) when a path may launch Triton kernels (ours, a user's), else None.
-    Imported here: only the kernel stage depends on it (lab/sweep.py STAGE_SOURCES)."""
+    Imported here: only the kernel stage depends on it (its `loads` in lab/reads.py)."""
     from posttrainllm.lab import compile as compile_lab
 
     if not any(runner.runner_for(impl).may_launch_triton for impl in runner.optimized(op, cfg)):
