@@ -186,3 +186,30 @@ def test_explain_on_a_copied_receipt_naming_an_unknown_rule_says_so_and_reads_th
     line = next(line for line in out.splitlines() if line.strip().startswith("rule:"))
     assert line.strip().startswith("rule: unknown rule 'renamed_rule'")
     assert "regime rule: per segment between two measured sizes" in out and "2. Memory traffic per path" in out
+
+
+def test_a_user_paths_timing_and_the_draft_heads_read_their_cited_rules_from_the_table():
+    """A user path's timing from outside its worker cites outside_timing (its parts' text in it, the code's
+    constants filled in) and timing_seed; the draft heads' receipts cite theirs; report.html lists each once."""
+    from posttrainllm.lab.isolation import outside
+
+    receipt = _cited_receipt()
+    mode = {"rule": outside.timing_rule(), "timing_seeds": {"base": 11, "rule": rules.cite("timing_seed")}}
+    receipt["microbench"]["paths"]["baseline"] = {"valid": False, "reason": "no speed",
+                                                  "outside": {"forward": mode, "forward_backward": mode},
+                                                  "memory": {"method_rule": rules.cite("outside_memory")}}
+    cited = dict(derived.cited_rules(receipt))
+    assert cited["outside_timing"] == rules.text(outside.timing_rule())
+    assert rules.RULES["outside_null"].text in cited["outside_timing"]
+    assert cited["timing_seed"].startswith("the timing's input sets are drawn from a base seed")
+    assert cited["outside_memory"].startswith("a user path's peak memory is one forward call's in its worker")
+    heads = {"heads/k2": {"verdict": "pass", "base": {"heldout_loss_rule": rules.cite("heldout_loss", eval_batches=2)},
+                          "heads": {"accuracy_rule": rules.cite("head_accuracy")},
+                          "decode": {"variants": {}, "speedup": {"rule": rules.cite("decode_speedup")}}},
+             "heads/k3": {"verdict": "pass", "base": {"heldout_loss_rule": rules.cite("heldout_loss", eval_batches=2)},
+                          "decode": {"variants": {}, "mismatches": {"rule": "an older receipt's prose rule"}}}}
+    page = report_page.sweep_page({"baseline": receipt}, PROJECT_ROOT / "runs", heads=heads)
+    assert "Rules (10, by id)" in page  # the point's 7, outside_timing, timing_seed, outside_memory
+    drafts = page[page.index('<section id="draft-heads">'):]
+    assert "Rules (3, by id)" in drafts and drafts.count("<code>heldout_loss</code>") == 1
+    assert "<code>heldout_loss</code>: mean cross-entropy (nats/byte) over 2 batches" in drafts
