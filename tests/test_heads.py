@@ -63,7 +63,8 @@ def test_the_command_runs_base_heads_decode_and_writes_a_receipt(run, capsys):
     from posttrainllm.track import derived
 
     assert base["heldout_loss_rule"] == {"id": "heldout_loss", "eval_batches": 2}
-    assert receipt["decode"]["mismatches"]["rule"] == rules.cite("lossless_decoding", near_tie=load(TINY).heads.near_tie)
+    near_tie = load(TINY).heads.near_tie
+    assert receipt["decode"]["mismatches"]["rule"] == rules.cite("lossless_decoding", near_tie=near_tie)
     assert {rid for rid, _ in derived.cited_rules(receipt)} == {
         "heldout_loss", "head_accuracy", "inter_token_latency", "accepted_length", "lossless_decoding",
         "trainer_sampler_gap", "decode_speedup"}

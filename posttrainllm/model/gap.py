@@ -86,8 +86,8 @@ def measure_gap(model: Transformer, prompts: list[torch.Tensor], new_tokens: int
     finally:
         model.swap(ATTENTION, saved[0])
         model.swap(CACHED_ATTENTION, saved[1])
-    out: dict[str, Any] = {"rule": rules.cite("trainer_sampler_gap"), "batches": [{"prompts": int(p.shape[0]), "prompt_len": int(p.shape[1])}
-                                                     for p in prompts],
+    out: dict[str, Any] = {"rule": rules.cite("trainer_sampler_gap"),
+                           "batches": [{"prompts": int(p.shape[0]), "prompt_len": int(p.shape[1])} for p in prompts],
                            "new_tokens": new_tokens, "pairs": pairs}
     same = [name for name in pairs if name.split(" -> ")[0] == name.split(" -> ")[1]]
     if not any(pairs[name]["bitwise"] for name in same):
