@@ -124,4 +124,4 @@ if left:
     print(f"per call: null / N median {med(0) * 1e3:.1f} us (subtracted); worker's own per-call sum / lab's samples "
           f"median {med(1):.3f}; left in the lab's sample beyond the worker's own per-call clock median "
           f"{med(2) * 1e3:.1f} us; run-queue share of the spans (subtracted) median {med(4):.3f}; unreadable batches "
-          f"{sum(x[5] for x in left)}; the worker's minor page faults per call median {med(3):.2f} (HEAP_RULE)")
+          f"{sum(x[5] for x in left)}; the worker's minor page faults per call median {med(3):.2f} (rule outside_heap)")

@@ -8,8 +8,9 @@ report.html) reads the text here (`text`), and docs/rules.md is written from thi
 
 An id is never reused for another rule; a rule whose meaning changes gets a new id. A receipt naming an id this
 table does not hold (one written by another version) reads as "unknown rule '<id>'" in its place, and the rest
-of the receipt reads as before. A rule still written out in full where it is stored (the isolation's rules,
-lab/isolation/, and the trainer's, model/, until they move here) is shown as it is.
+of the receipt reads as before. A rule stored as prose (a receipt written before its rule moved here) is shown
+as it is. A rule may include others (`parts`): its text is its own, then each part's, and its citation carries
+the parameters of all of them. A message shown to the user names a rule by `named` ("rule outside_null").
 
 This module is the package's lowest layer: it imports nothing of the package, so every layer reads it.
 """
@@ -31,7 +32,8 @@ Cited = str | dict[str, Any]  # how a result stores a rule: its id, or {"id": id
 class Rule:
     text: str  # a format string where the rule has parameters
     where: str  # the code that applies it
-    params: dict[str, str] = field(default_factory=dict)  # each parameter: what fills it
+    params: dict[str, str] = field(default_factory=dict)  # each parameter of its own text: what fills it
+    parts: tuple[str, ...] = ()  # the rules it includes (ids): their text follows its own, "; " between
 
 
 RULES: dict[str, Rule] = {
@@ -82,6 +84,124 @@ RULES: dict[str, Rule] = {
         "before timing (a size that fails is timed in no mode); after timing, per mode, the timed-result check "
         "and the impossible-time floor (a size that fails them keeps no time)",
         "lab/stages/microbench.py _curve"),
+    # a user path timed from outside its worker (lab/isolation/outside.py, worker.py)
+    "outside_timing": Rule(
+        "a user path is timed from outside its worker: batches of N >= {batch_min} distinct input sets (fresh each "
+        "batch) placed in the worker before the clock, computed in one request the lab's clock spans, every output "
+        "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set, and "
+        "what its calls changed of the worker asked after the clock",
+        "lab/isolation/outside.py time_user_path", {"batch_min": "outside.BATCH_MIN"},
+        parts=("outside_warmup", "outside_wake", "outside_heap", "outside_keep", "outside_refill",
+               "outside_agreement", "timing_seed", "outside_process", "outside_thread")),
+    "outside_agreement": Rule(
+        "one sample per batch: (the lab's span of the request computing all N sets - that batch's null) / N, "
+        "time.perf_counter after a device synchronize; the figure is the median over the batches; the worker's "
+        "per-call times are recorded (worker_over_lab), never a sample: a path that front-loads or forges them "
+        "gains nothing",
+        "lab/isolation/outside.py time_user_path",
+        parts=("outside_null", "outside_run_queue", "outside_unreadable")),
+    "outside_null": Rule(
+        "after each batch the lab times the same request calling nothing: the batch loop and the checksums over "
+        "that batch's outputs, once in the path's worker and once in a clean twin (a worker forked alike that never "
+        "loaded a path), handed the same outputs; the smaller is the batch's null: a null the path's own process "
+        "slows (a thread or a process that works only while nothing is called) is not subtracted",
+        "lab/isolation/outside.py _batch"),
+    "outside_run_queue": Rule(
+        "a span, timed or null, counts the time its work was on a core: the lab subtracts what the worker's main "
+        "thread and its own thread waited runnable on a run queue during it (the kernel's schedstat, read from "
+        "/proc, the worker's outside it, the worker asleep before the clock starts: a wait is credited when its "
+        "thread next runs), so a batch preempted by other processes on shared cores, or a lab that waits for a core "
+        "to read the answer, reads as its calls ran, as the in-process median of single calls does (a call "
+        "preempted is an outlier there); a span is never read as less than the two threads ran on a core in it (a "
+        "wait of the lab's while the worker computed is not its to subtract); nothing is subtracted where the "
+        "worker's other threads ran over {other_threads_share:.0%} of the span (work beside the main thread), or "
+        "where the kernel does not say",
+        "lab/isolation/outside.py _waited_s", {"other_threads_share": "outside.OTHER_THREADS_SHARE"}),
+    "outside_unreadable": Rule(
+        "a batch whose span, less its waits, does not stand above its null is unreadable: the load on the cores "
+        "moved the two spans more than the batch's calls took; it is counted (unreadable_batches), never a sample "
+        "(a 0 there is no time a call took), and the timing goes on for its {batches_min} samples; over "
+        "{unreadable_max} unreadable batches, no speed: the machine was too loaded to time the path (a path cannot "
+        "make a batch unreadable to its gain: that needs a span shorter than calling nothing)",
+        "lab/isolation/outside.py time_user_path",
+        {"batches_min": "outside.BATCHES_MIN", "unreadable_max": "outside.UNREADABLE_MAX"}),
+    "timing_seed": Rule(
+        "the timing's input sets are drawn from a base seed the lab draws at run time from the operating system's "
+        "randomness (secrets), per path and mode, recorded after the timing: no source holds it, so no set can be "
+        "computed ahead; parity's seeds stay the configuration's",
+        "lab/isolation/outside.py seeds_drawn; checked by track/replay.py verify_timing_seeds"),
+    "outside_warmup": Rule(
+        "the warm-up is {warmups} batches of {batch_min} sets like the timed ones, on the lab's clock, every output "
+        "checked: the last one's span less its null gives the per-call time that sizes N; a wrong warm-up gets no "
+        "speed",
+        "lab/isolation/outside.py time_user_path", {"warmups": "outside.WARMUPS", "batch_min": "outside.BATCH_MIN"}),
+    "outside_wake": Rule(
+        "every batch request, timed or null, starts with the worker's own {wake_ms:g} ms of small products "
+        "(lab/isolation/worker.py _wake: no code of the path's): a process woken from a wait runs its first calls "
+        "cold, which the lab's in-process loop never does; the null takes the {wake_ms:g} ms out of the span",
+        "lab/isolation/worker.py _wake", {"wake_ms": "worker.WAKE_S, in ms"}),
+    "outside_process": Rule(
+        "a path's worker leads a process group of its own; the zygote that forks workers is a subreaper, so what a "
+        "worker leaves orphaned (double-forked, setsid) is adopted there; before and after the timing the lab "
+        "looks: an adopted process, or child processes that used over {idle_cpu_s:g} s of CPU over the timing, get "
+        "the path no speed; a worker ends with its whole group and every adopted process, and every worker ends "
+        "with its stage",
+        "lab/isolation/outside.py _strays", {"idle_cpu_s": "outside.IDLE_CPU_S"}),
+    "outside_heap": Rule(
+        "a worker keeps the memory it frees mapped (glibc: mallopt, the trim threshold at its maximum, blocks under "
+        "{mmap_max_mib:g} MiB from the heap, where a lab process's dynamic threshold ends), and before each batch's "
+        "clock touches and frees twice the batch's inputs: a batch holds its N results until they are checked, and "
+        "without this each of its calls faulted its pages in again (~50 minor faults, +35% a call at attention "
+        "tiny) where the lab's in-process loop frees each result and faults none; the last batch is freed before "
+        "the clock too; the worker's minor faults per call are recorded (faults_per_call)",
+        "lab/isolation/worker.py _keep_heap, _reserve", {"mmap_max_mib": "worker.MMAP_THRESHOLD_MAX, in MiB"}),
+    "outside_keep": Rule(
+        "each call's outputs and gradients are copied, after its per-call clock, into buffers the worker made and "
+        "wrote before the batch's clock, and the call's own are freed before the next call: the next call "
+        "allocates where this one did, as in the lab's in-process loop, which frees each result before the next "
+        "call (holding the N results instead put each call's temporaries at new addresses: +5% a call at "
+        "attention tiny, on the thread's CPU clock); the null copies the kept results once more, so the copies are "
+        "no part of a sample; on the CPU no set's inputs are read before its call (CUDA: the L2 is flushed, as "
+        "measure() flushes it): reading them there was work in the span its null, run on warmer caches, did not "
+        "take out",
+        "lab/isolation/worker.py (the worker's batch: keep, null)"),
+    "outside_thread": Rule(
+        "at one lab thread (bench.threads=1, as torch runs its own work on the calling thread), the worker's "
+        "threads other than its main one may use {other_threads_share:.0%} of the timed spans' time in CPU (at "
+        "most {idle_cpu_s:g} s) over a path's whole timing, spans and the gaps between them, threads that ended "
+        "included (the process's CPU clock, exact to the ns, less its main thread's; not clock ticks, 10 ms each, "
+        "which read an honest compiled path's few threads as 10 ms): a thread the path leaves running, or starts "
+        "and joins in each call, could compute the placed sets before the clock, work beside its calls while its "
+        "main thread waits (a wait the rule outside_run_queue would otherwise take out), or slow the null; over "
+        "that, no speed. Python threads still running its code at a scan are named too (the worker's scan)",
+        "lab/isolation/outside.py _strays",
+        {"other_threads_share": "outside.OTHER_THREADS_SHARE", "idle_cpu_s": "outside.IDLE_CPU_S"}),
+    "outside_refill": Rule(
+        "after the last batch, new values (another seed) are copied in place into its first set's buffers in the "
+        "worker and that set computed again: a result stored by the buffers' address or identity fails the oracle "
+        "check there and the path gets no speed",
+        "lab/isolation/outside.py _refill_check"),
+    "outside_memory": Rule(
+        "a user path's peak memory is one forward call's in its worker: the larger of the sum of what torch's "
+        "allocator (the profiler's events; CUDA: max_memory_allocated) and Python's tracemalloc (NumPy's buffers) "
+        "counted in the worker, and the growth of its resident set read by the lab from outside "
+        "(/proc/<pid>/status VmHWM after clear_refs); a peak below the bytes of the outputs it returned cannot be "
+        "true (memory taken where neither count sees it, or outputs that are not its own): named, and no speed",
+        "lab/isolation/outside.py user_memory"),
+    "lab_stopped": Rule(
+        "the lab counts every SIGCONT it receives (a stopped process is continued by one: SIGSTOP cannot be "
+        "caught, but its end can); a path timed while the count moved gets no speed, and the stage ends with an "
+        "error if the reference or the curve was: a path that stops the lab (the same user may signal it) slows "
+        "whatever the lab times then, never to its own gain; a SIGKILL or SIGTERM ends the stage and leaves no "
+        "receipt",
+        "lab/isolation/outside.py continued, lab/stages/microbench.py"),
+    "planted_bytecode": Rule(
+        "when a lab process ends its workers, every bytecode file of the lab's package (its __pycache__ and any "
+        "sourceless .pyc) and every cached file of a module it has loaded (torch's, numpy's, ...) that was written "
+        "or changed (its inode's ctime, which no user can set back) after it first let a path run is removed and "
+        "named: the lab itself writes its bytecode to a private prefix from then on, so such a file is a path's, "
+        "and the next lab process would have loaded it before any check",
+        "lab/isolation/worker.py drop_planted_bytecode"),
     # the roofline, the calibration and the curve (measure/)
     "roofline_class": Rule(
         "overhead-bound if seconds < {overhead_multiple:g} x overhead_s or achieved/attainable < {low_fraction:g}; "
@@ -180,6 +300,44 @@ RULES: dict[str, Rule] = {
         "FLOPs: torch.utils.flop_counter.FlopCounterMode on the reference (it counts matmuls, convolutions and "
         "attention: elementwise work counts 0); backward multiple from the same count over forward + backward",
         "the costs of an op made from a problem file"),
+    # the training step and the draft heads (model/, lab/heads.py)
+    "noise_band": Rule(
+        "a measured end-to-end speedup s is a change only when s > band or s < 1/band; band: the widest ratio of "
+        "the baseline's warm ms/step to itself (halves of its warm steps; a second repetition after every other "
+        "variant)",
+        "model/amdahl.py noise_band"),
+    "trainer_sampler_gap": Rule(
+        "per token the sampler generated (greedy_cached with its decode attention, prompts batched): |log p "
+        "sampled - log p scored| where scored is one forward over prompt + tokens with the trainer's attention; "
+        "bitwise = the two fp32 log-probabilities have the same bits",
+        "model/gap.py measure_gap"),
+    "heldout_loss": Rule(
+        "mean cross-entropy (nats/byte) over {eval_batches} batches of the held-out tail",
+        "lab/heads.py heldout_loss", {"eval_batches": "the config's heads.base.eval_batches"}),
+    "head_accuracy": Rule(
+        "head k at position t vs the base's greedy token t+k+1, over the eval prompts' generated tokens (held-out: "
+        "never trained on)",
+        "lab/heads.py train_heads"),
+    "inter_token_latency": Rule(
+        "a step that yields m tokens in dt gives m inter-token latencies of dt/m",
+        "lab/heads.py measure_decode"),
+    "accepted_length": Rule(
+        "tokens per verification step: accepted drafts + the base's own next token (1 = nothing accepted)",
+        "lab/heads.py measure_decode"),
+    "draft_tree": Rule(
+        "a Cartesian tree: under every candidate at depth d-1, the top-w_d tokens of head d; one forward over root "
+        "+ candidates, each at position L + depth seeing the cache and its ancestors; the deepest candidate whose "
+        "path equals the base's greedy tokens is accepted, plus the base's next token",
+        "lab/heads.py measure_decode, model/decode.py speculative_tree"),
+    "lossless_decoding": Rule(
+        "every speculative output must equal plain greedy token for token, and plain greedy with "
+        "heads.decode_attention greedy with the reference attention; a near-tie (top-2 logit gap < {near_tie:g}) is "
+        "named and still counted",
+        "lab/heads.py measure_decode", {"near_tie": "the config's heads.near_tie"}),
+    "decode_speedup": Rule(
+        "speedup = decode tokens/s of the variant / decode tokens/s of plain greedy; predicted = mean accepted "
+        "length x greedy step time / verification step time",
+        "lab/heads.py _speedup"),
     # the receipt and its views (track/)
     "best_peer": Rule(
         "best peer: the peer (kind 'peer' in the op's registry; every SDPA backend is one) with the lowest valid "
@@ -199,13 +357,32 @@ def placeholders(rule_text: str) -> set[str]:
     return {name for _, name, _, _ in string.Formatter().parse(rule_text) if name}
 
 
+def full_text(rule_id: str) -> str:
+    """A rule's whole text, unfilled: its own, then each part's (and theirs), "; " between."""
+    rule = RULES[rule_id]
+    return "; ".join([rule.text, *(full_text(part) for part in rule.parts)])
+
+
+def parameters(rule_id: str) -> set[str]:
+    """What a citation of the rule carries: its own parameters and its parts'."""
+    rule = RULES[rule_id]
+    return set(rule.params).union(*(parameters(part) for part in rule.parts))
+
+
 def cite(rule_id: str, **params: Any) -> Cited:
     """How a result names a rule: its id, with the values of its parameters where it has any. An id the table
     lacks, or parameters other than the rule's, are the lab's own mistake: KeyError, TypeError."""
-    rule = RULES[rule_id]
-    if set(params) != set(rule.params):
-        raise TypeError(f"rule {rule_id!r} takes {sorted(rule.params)}, was given {sorted(params)}")
+    wanted = parameters(rule_id)
+    if set(params) != wanted:
+        raise TypeError(f"rule {rule_id!r} takes {sorted(wanted)}, was given {sorted(params)}")
     return {"id": rule_id, **params} if params else rule_id
+
+
+def named(rule_id: str) -> str:
+    """How a message shown to the user names a rule: "rule <id>" (its text: docs/rules.md, `posttrainllm explain`).
+    An id the table lacks is the lab's own mistake: KeyError."""
+    RULES[rule_id]
+    return f"rule {rule_id}"
 
 
 def is_cited(value: Any) -> bool:
@@ -229,10 +406,14 @@ def text(cited: Cited | None) -> str:
     if found is None:
         return f"unknown rule {rule_id(cited)!r} (not in this posttrainllm's table, posttrainllm/rules.py)"
     params = {k: v for k, v in cited.items() if k != "id"} if isinstance(cited, dict) else {}
-    missing = placeholders(found.text) - set(params)
+    whole = full_text(rule_id(cited))
+    missing = placeholders(whole) - set(params)
     if missing:
-        return f"rule {rule_id(cited)!r} stored without its {', '.join(sorted(missing))}: " + found.text
-    return found.text.format(**params)
+        return f"rule {rule_id(cited)!r} stored without its {', '.join(sorted(missing))}: " + whole
+    try:
+        return whole.format(**params)
+    except (ValueError, TypeError):  # a value its format cannot take (a receipt of another version)
+        return f"rule {rule_id(cited)!r} stored with {params}, which its text cannot show: " + whole
 
 
 def cited_in(value: Any) -> list[Cited]:
@@ -270,6 +451,9 @@ def markdown() -> str:
     for rid, rule in RULES.items():
         shown = re.sub(r"<(?=[A-Za-z])", r"\\<", rule.text.replace("*", "\\*"))  # markdown: a product, no tag
         lines += [f"## `{rid}`", "", f"Applied in: {rule.where}.", "", shown, ""]
+        if rule.parts:
+            lines += ["Includes, after its own text: " + ", ".join(f"[`{part}`](#{part})" for part in rule.parts)
+                      + " (a citation of it carries their parameters too).", ""]
         if rule.params:
             lines += [f"- `{name}`: {what}" for name, what in rule.params.items()] + [""]
     return "\n".join(lines)

@@ -69,6 +69,7 @@ def test_the_noise_band_is_the_baseline_against_itself():
     # a repetition 20 % faster widens it, either way round
     assert amdahl.noise_band([10.0, 10.0, 10.0, 10.0], [8.0, 8.0, 8.0, 8.0], 0)["band"] == pytest.approx(1.25)
     assert amdahl.noise_band([10.0], None, 0)["band"] is None  # nothing to measure it from
+    assert band["rule"] == "noise_band"  # by id: its text is posttrainllm/rules.py's, explain prints it
 
 
 def test_a_measured_speedup_inside_the_band_is_no_measurable_change():
@@ -108,6 +109,14 @@ def test_the_report_prints_no_speedup_inside_the_band():
     from posttrainllm.track import derived
 
     assert derived.point_fields(receipt)["e2e_meas"] == "n.c."
+    from posttrainllm import rules
+    from posttrainllm.track import explain
+
+    cited = {**receipt, "bench_train": {**train, "noise": {"band": 1.08, "rule": rules.cite("noise_band")}}}
+    assert f"band rule: {rules.RULES['noise_band'].text}" in explain.end_to_end(cited)
+    assert ("noise_band", rules.RULES["noise_band"].text) in derived.cited_rules(cited)
+    old = {**receipt, "bench_train": {**train, "noise": {"band": 1.08, "rule": "s > band (prose, an older receipt)"}}}
+    assert "band rule: s > band (prose, an older receipt)" in explain.end_to_end(old)
     assert derived.point_fields({**receipt, "bench_train": {**train, "noise": {"band": 1.01}}})["e2e_meas"] == \
         pytest.approx(10.0 / 9.5)
 

@@ -67,6 +67,7 @@ def test_every_pair_is_measured_and_a_batch_dependent_decode_path_is_named_by_it
     assert planted["max_abs"] > 10 * max(honest["max_abs"], 1e-6)
     assert planted["bitwise_fraction"] < honest["bitwise_fraction"]
     assert ("why_not_bitwise" in gap) == (not honest["bitwise"])
+    assert gap["rule"] == "trainer_sampler_gap"  # by id: its text is posttrainllm/rules.py's
     # the model attends as before
     assert all(b.attn.fns["attention"] is reference_attention and b.attn.fns["cached_attention"] is reference_chunk_attention
                for b in model.blocks)

@@ -58,6 +58,17 @@ def test_the_command_runs_base_heads_decode_and_writes_a_receipt(run, capsys):
     assert "decode.trained.mean_accepted_length" in metrics and "heads.head2.top5" in metrics
     assert receipt["decode"]["attention"] == {"path": "reference", "backend": "posttrainllm.ops.decode_attention.reference."
                                               "chunk_attention", "triton_interpreted": False, "timed": True}
+    # every rule the receipt applies is cited by id, with its parameters (posttrainllm/rules.py)
+    from posttrainllm import rules
+    from posttrainllm.track import derived
+
+    assert base["heldout_loss_rule"] == {"id": "heldout_loss", "eval_batches": 2}
+    near_tie = load(TINY).heads.near_tie
+    assert receipt["decode"]["mismatches"]["rule"] == rules.cite("lossless_decoding", near_tie=near_tie)
+    assert {rid for rid, _ in derived.cited_rules(receipt)} == {
+        "heldout_loss", "head_accuracy", "inter_token_latency", "accepted_length", "lossless_decoding",
+        "trainer_sampler_gap", "decode_speedup"}
+    assert dict(derived.cited_rules(receipt))["heldout_loss"].startswith("mean cross-entropy (nats/byte) over 2 ")
     cache = {name: v["peak_memory"]["kv_cache_bytes"] for name, v in variants.items()}
     per_position = 2 * 2 * 4 * 16 * 4  # K and V, 2 layers, 4 KV heads, head_dim 16, fp32
     assert cache == {"greedy": (16 + 16) * per_position, "spec_k0": (16 + 16 + 1) * per_position,

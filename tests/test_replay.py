@@ -278,7 +278,7 @@ def test_the_noise_band_follows_from_the_baseline_step_times():
 
 
 def test_outside_timing_seeds_are_checked_recorded_well_formed_and_unshared():
-    """lab/isolation/outside.py TIMING_SEED_RULE from the stored receipt alone: a seed per timed mode, 48 bits, none shared."""
+    """Rule timing_seed from the stored receipt alone: a seed per timed mode, 48 bits, none shared."""
     from posttrainllm.track.replay import verify_timing_seeds
 
     def entry(forward, backward):

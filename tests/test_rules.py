@@ -12,14 +12,10 @@ from posttrainllm.track import derived, explain, report_page
 from test_report import _receipt
 
 # Rules still written out where they are applied, to move into the table; this set only shrinks
-PROSE_PENDING = {
-    "lab/isolation/outside.py": {"NULL_RULE", "RUN_QUEUE_RULE", "AGREEMENT_RULE", "TIMING_SEED_RULE", "WARMUP_RULE",
-                                 "WAKE_RULE", "PROCESS_RULE", "HEAP_RULE", "THREAD_RULE", "REFILL_RULE",
-                                 "MEMORY_RULE", "SIGNAL_RULE", "RULE", "UNREADABLE_RULE", "KEEP_RULE"},
-    "lab/isolation/rooms.py": {"ROTATION_RULE"},  # the table's "rotation" is the one microbench cites
-    "lab/isolation/worker.py": {"BYTECODE_RULE"},
-    "model/gap.py": {"RULE"},
-}
+PROSE_PENDING: dict[str, set[str]] = {}
+# Keys named like a rule whose prose is no rule of the lab's: an op's own words for its launch geometry, a view's
+# label of the parity rule a path failed
+NOT_RULES = {"ops/decode_attention/kernels.py": {"split_rule"}, "track/derived.py": {"rule"}}
 
 
 def test_docs_rules_md_is_the_table_rendered():
@@ -54,6 +50,39 @@ def _prose_rules() -> dict[str, set[str]]:
     return found
 
 
+def _is_rule_key(name: object) -> bool:
+    return isinstance(name, str) and (name == "rule" or name.endswith("_rule"))
+
+
+def _inline_prose_rules() -> dict[str, set[str]]:
+    """Keys `rule` or `*_rule` given prose (a string with a space, an f-string) in the package: in a dict literal,
+    as `result["rule"] = ...` or as a keyword argument, per file."""
+    found: dict[str, set[str]] = {}
+    package = PROJECT_ROOT / "posttrainllm"
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            pairs: list[tuple[str, ast.AST]] = []
+            if isinstance(node, ast.Dict):
+                pairs = [(k.value, v) for k, v in zip(node.keys, node.values)
+                         if isinstance(k, ast.Constant) and _is_rule_key(k.value)]
+            elif isinstance(node, ast.Assign):
+                pairs = [(t.slice.value, node.value) for t in node.targets if isinstance(t, ast.Subscript)
+                         and isinstance(t.slice, ast.Constant) and _is_rule_key(t.slice.value)]
+            elif isinstance(node, ast.Call):
+                pairs = [(kw.arg, kw.value) for kw in node.keywords if _is_rule_key(kw.arg)]
+            for key, value in pairs:
+                if not isinstance(value, ast.Call) and any(
+                        isinstance(n, ast.JoinedStr) or (isinstance(n, ast.Constant) and isinstance(n.value, str)
+                                                         and " " in n.value) for n in ast.walk(value)):
+                    found.setdefault(path.relative_to(package).as_posix(), set()).add(key)
+    return found
+
+
+def test_no_result_stores_a_rule_written_out_inline():
+    """A result's `rule` / `*_rule` is a citation (rules.cite), never prose written where the result is built."""
+    assert _inline_prose_rules() == NOT_RULES
+
+
 def test_no_rule_is_written_out_outside_the_table():
     found = _prose_rules()
     assert {path: names - PROSE_PENDING.get(path, set()) for path, names in found.items()
@@ -77,6 +106,31 @@ def test_a_citation_is_the_id_with_its_parameters_and_reads_as_the_tables_text()
         rules.cite("band", fraction=0.5)
 
 
+def test_a_rule_with_parts_reads_as_its_text_then_theirs_and_is_cited_with_all_their_parameters():
+    """outside_timing includes the outside timing's other rules: one citation, every value its parts' texts hold."""
+    for rid, rule in rules.RULES.items():
+        assert all(part in rules.RULES and part != rid for part in rule.parts), rid
+    whole = rules.full_text("outside_timing")
+    for part in rules.RULES["outside_timing"].parts + rules.RULES["outside_agreement"].parts:
+        assert rules.RULES[part].text in whole
+    assert rules.parameters("outside_timing") >= {"batch_min", "warmups", "other_threads_share", "unreadable_max"}
+    with pytest.raises(TypeError, match="takes \\['batch_min'"):
+        rules.cite("outside_timing", batch_min=4)
+    from posttrainllm.lab.isolation import outside
+
+    said = rules.text(outside.timing_rule())
+    assert said.startswith("a user path is timed from outside its worker: batches of N >= 4 distinct")
+    assert "the warm-up is 2 batches of 4 sets" in said and "ran over 2% of the span" in said
+    assert f"over {outside.UNREADABLE_MAX} unreadable batches" in said and "{" not in said
+    assert "Includes, after its own text: [`outside_warmup`](#outside_warmup)" in rules.markdown()
+
+
+def test_a_message_names_a_rule_by_an_id_the_table_holds():
+    assert rules.named("outside_unreadable") == "rule outside_unreadable"
+    with pytest.raises(KeyError):
+        rules.named("UNREADABLE_RULE")
+
+
 def test_an_unknown_id_reads_as_unknown_and_old_prose_reads_as_it_is():
     assert rules.text("made_up_rule").startswith("unknown rule 'made_up_rule'")
     assert rules.text({"id": "made_up_rule", "n": 3}).startswith("unknown rule 'made_up_rule'")
@@ -84,6 +138,8 @@ def test_an_unknown_id_reads_as_unknown_and_old_prose_reads_as_it_is():
     assert rules.text({"id": "impossible"}).startswith("rule 'impossible' stored without its fraction: ")
     prose = "faster: p80 < other's p20 (a receipt written before rules had ids)"
     assert rules.text(prose) == prose and rules.text(None) == "-"
+    assert rules.text({"id": "outside_run_queue", "other_threads_share": "two"}).startswith(
+        "rule 'outside_run_queue' stored with {'other_threads_share': 'two'}, which its text cannot show: a span")
 
 
 def _cited_receipt() -> dict:
@@ -130,3 +186,30 @@ def test_explain_on_a_copied_receipt_naming_an_unknown_rule_says_so_and_reads_th
     line = next(line for line in out.splitlines() if line.strip().startswith("rule:"))
     assert line.strip().startswith("rule: unknown rule 'renamed_rule'")
     assert "regime rule: per segment between two measured sizes" in out and "2. Memory traffic per path" in out
+
+
+def test_a_user_paths_timing_and_the_draft_heads_read_their_cited_rules_from_the_table():
+    """A user path's timing from outside its worker cites outside_timing (its parts' text in it, the code's
+    constants filled in) and timing_seed; the draft heads' receipts cite theirs; report.html lists each once."""
+    from posttrainllm.lab.isolation import outside
+
+    receipt = _cited_receipt()
+    mode = {"rule": outside.timing_rule(), "timing_seeds": {"base": 11, "rule": rules.cite("timing_seed")}}
+    receipt["microbench"]["paths"]["baseline"] = {"valid": False, "reason": "no speed",
+                                                  "outside": {"forward": mode, "forward_backward": mode},
+                                                  "memory": {"method_rule": rules.cite("outside_memory")}}
+    cited = dict(derived.cited_rules(receipt))
+    assert cited["outside_timing"] == rules.text(outside.timing_rule())
+    assert rules.RULES["outside_null"].text in cited["outside_timing"]
+    assert cited["timing_seed"].startswith("the timing's input sets are drawn from a base seed")
+    assert cited["outside_memory"].startswith("a user path's peak memory is one forward call's in its worker")
+    heads = {"heads/k2": {"verdict": "pass", "base": {"heldout_loss_rule": rules.cite("heldout_loss", eval_batches=2)},
+                          "heads": {"accuracy_rule": rules.cite("head_accuracy")},
+                          "decode": {"variants": {}, "speedup": {"rule": rules.cite("decode_speedup")}}},
+             "heads/k3": {"verdict": "pass", "base": {"heldout_loss_rule": rules.cite("heldout_loss", eval_batches=2)},
+                          "decode": {"variants": {}, "mismatches": {"rule": "an older receipt's prose rule"}}}}
+    page = report_page.sweep_page({"baseline": receipt}, PROJECT_ROOT / "runs", heads=heads)
+    assert "Rules (10, by id)" in page  # the point's 7, outside_timing, timing_seed, outside_memory
+    drafts = page[page.index('<section id="draft-heads">'):]
+    assert "Rules (3, by id)" in drafts and drafts.count("<code>heldout_loss</code>") == 1
+    assert "<code>heldout_loss</code>: mean cross-entropy (nats/byte) over 2 batches" in drafts

@@ -16,7 +16,7 @@ from conftest import parity_report
 from posttrainllm.lab.stages import (bench_train as bench_train_stage, kernel as kernel_stage,
                                      microbench as microbench_stage, reference as reference_stage)
 from posttrainllm.lab.configure import load
-from posttrainllm.lab.isolation import worker as workers
+from posttrainllm.lab.isolation import outside, worker as workers
 
 MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]", "shape.m=64", "shape.n=64",
           "shape.k=64", "shape.curve=[16,32]", "shape.matmul_curve=[16,32]", "bench.reps=3", "bench.min_time_s=0",
@@ -80,7 +80,9 @@ def test_an_honest_path_runs_in_another_process_passes_and_gets_a_speed_from_out
     assert entry["reps"] == forward["batches"]  # one sample per batch: (span - null) / N
     assert forward["calls"] == forward["batch_size"] * forward["batches"] <= max(cfg.bench.max_reps, 5 * 4)
     assert entry["forward_backward"]["median_ms"] > 0
-    memory = entry["memory"]  # its worker's, counted inside it and from outside (outside.MEMORY_RULE)
+    assert forward["rule"] == outside.timing_rule() and forward["timing_seeds"]["rule"] == "timing_seed"  # by id
+    memory = entry["memory"]  # its worker's, counted inside it and from outside (rule outside_memory)
+    assert memory["method_rule"] == "outside_memory"
     assert memory["output_bytes"] == 64 * 64 * 4 and memory["peak_bytes"] >= memory["output_bytes"]
     assert memory["allocator_bytes"] >= memory["output_bytes"] and memory["resident_bytes"] is not None
     curve = (out / "curve.csv").read_text()
@@ -336,7 +338,7 @@ def test_each_worker_is_forked_clean_with_the_labs_environment_and_folder_of_its
 
 
 def test_two_runs_draw_and_record_different_timing_seeds_and_parity_stays_reproducible(tmp_path):
-    """The timing's input sets come from a seed the lab draws at run time (outside.TIMING_SEED_RULE), written in
+    """The timing's input sets come from a seed the lab draws at run time (rule timing_seed), written in
     the record after the timing; parity's cases stay the configuration's: the same errors in both runs."""
     cfg, out = _point(tmp_path, "honest.py", HONEST, "matmul", [*MATMUL, MINE])
     runs = []
@@ -440,7 +442,7 @@ def test_a_compile_childs_grandchild_holding_its_output_neither_holds_the_stage_
 
 
 def test_a_span_leaves_out_its_run_queue_wait_only_when_no_other_thread_worked():
-    """outside.RUN_QUEUE_RULE on the kernel's readings: the worker's wait comes out of the span, never more than the
+    """Rule outside_run_queue on the kernel's readings: the worker's wait comes out of the span, never more than the
     span; nothing comes out where the worker's other threads ran, or where the kernel says nothing."""
     from posttrainllm.lab.isolation import outside
 
@@ -476,7 +478,7 @@ def attention(q, k, v, *, causal, sm_scale):
 
 
 def test_a_batchs_kept_results_do_not_fault_its_calls_pages_in(tmp_path):
-    """outside.HEAP_RULE: a batch keeps its N results until they are checked; the worker keeps its freed heap mapped
+    """Rule outside_heap: a batch keeps its N results until they are checked; the worker keeps its freed heap mapped
     and touches room for the batch before the clock, so its calls fault no pages in (~50 faults a call at this shape
     without it, where the lab's in-process loop faults none). Counted by the kernel, read from outside."""
     from posttrainllm.lab.isolation import outside
@@ -499,7 +501,7 @@ def test_a_batchs_kept_results_do_not_fault_its_calls_pages_in(tmp_path):
 
 LEAVES_ONE = '''
 from posttrainllm.ops.registry import get_op
-from posttrainllm.lab.isolation import worker as workers
+from posttrainllm.lab.isolation import outside, worker as workers
 from posttrainllm.lab.isolation.user import resolve
 
 
@@ -555,7 +557,7 @@ def test_outside_outputs_are_judged_by_the_parity_stages_own_rules():
 
 
 def test_a_batch_not_above_its_null_is_counted_unreadable_never_a_zero_sample(tmp_path, monkeypatch):
-    """outside.UNREADABLE_RULE: load can move a null above its batch's span (a 64³ matmul read "median 0 ms,
+    """Rule outside_unreadable: load can move a null above its batch's span (a 64³ matmul read "median 0 ms,
     impossible" so). Such a batch is counted and is no sample; too many and the path gets no speed. The real
     batches of a real worker, with the null of some raised above their span (what the load did)."""
     from posttrainllm.lab.isolation import outside
@@ -587,5 +589,5 @@ def test_a_batch_not_above_its_null_is_counted_unreadable_never_a_zero_sample(tm
 
     monkeypatch.setattr(outside, "_batch", loaded(every=1))
     timed = outside.time_user_path(op, cfg, case, impl, "forward", device, settings)
-    assert timed.timing is None and "UNREADABLE_RULE" in timed.refused, timed.refused
+    assert timed.timing is None and "rule outside_unreadable" in timed.refused, timed.refused
     assert timed.report["unreadable_batches"] == outside.UNREADABLE_MAX + 1

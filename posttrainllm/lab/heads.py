@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from posttrainllm import rules
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import read_json, write_json
 from posttrainllm.lab.pipeline import StageRun, execute, stamped
@@ -157,7 +158,7 @@ def train_base(cfg: LabConfig) -> dict[str, Any]:
         "train": asdict(b), "device": device, "threads": torch.get_num_threads(), "train_s": seconds,
         "losses": losses, "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
         "heldout_loss_before": initial_heldout, "heldout_loss": heldout_loss(model, heldout, cfg),
-        "heldout_loss_rule": f"mean cross-entropy (nats/byte) over {b.eval_batches} batches of the held-out tail",
+        "heldout_loss_rule": rules.cite("heldout_loss", eval_batches=b.eval_batches),
         "sample": {"prompt": bytes(sample_prompt[0].tolist()).decode("utf-8", "replace"),
                    "greedy": bytes(sample[0].tolist()).decode("utf-8", "replace")},
     }
@@ -278,8 +279,7 @@ def train_heads(cfg: LabConfig) -> dict[str, Any]:
               "loss_weights": [h.loss_decay ** k for k in range(1, h.num_heads + 1)],
               "losses": losses, "per_head_ce": per_head, "train_s": time.perf_counter() - started,
               "heldout_accuracy": accuracy, "untrained_heldout_accuracy": untrained,
-              "accuracy_rule": "head k at position t vs the base's greedy token t+k+1, over the eval prompts' "
-                               "generated tokens (held-out: never trained on)"}
+              "accuracy_rule": rules.cite("head_accuracy")}
     out = heads_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(heads.state_dict(), out / "heads.pt")
@@ -401,15 +401,11 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
                               "prompts": h.eval_prompts, "prompt_len": h.prompt_len, "new_tokens": h.new_tokens,
                               "base_fingerprint": base_info["fingerprint"], "attention": attention_info,
                               "variants": {}, "mismatches": {},
-                              "itl_rule": "a step that yields m tokens in dt gives m inter-token latencies of dt/m",
-                              "accepted_length_rule": "tokens per verification step: accepted drafts + the "
-                                                      "base's own next token (1 = nothing accepted)"}
+                              "itl_rule": rules.cite("inter_token_latency"),
+                              "accepted_length_rule": rules.cite("accepted_length")}
     if tree:
         report["tree"] = {"widths": tree, "entries": h.tree_size(), "verification_attention": TREE_ATTENTION,
-                          "rule": "a Cartesian tree: under every candidate at depth d-1, the top-w_d tokens of head "
-                                  "d; one forward over root + candidates, each at position L + depth seeing the "
-                                  "cache and its ancestors; the deepest candidate whose path equals the base's "
-                                  "greedy tokens is accepted, plus the base's next token"}
+                          "rule": rules.cite("draft_tree")}
     if not timed:
         report["timings"] = {"valid": False, "reason": INTERPRETED}
     for name in names:
@@ -439,9 +435,7 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
         base.swap(CACHED_ATTENTION, attention)
     report["mismatches"] = {"count": len(mismatches), "near_ties": sum(bool(m.get("near_tie")) for m in mismatches),
                             "first": mismatches[:10],
-                            "rule": "every speculative output must equal plain greedy token for token, and plain "
-                                    "greedy with heads.decode_attention greedy with the reference attention; a "
-                                    f"near-tie (top-2 logit gap < {h.near_tie:g}) is named and still counted"}
+                            "rule": rules.cite("lossless_decoding", near_tie=h.near_tie)}
     report["lossless"] = not mismatches
     report["trainer_sampler_gap"] = trainer_sampler_gap(cfg, base, eval_prompts)
     report["speedup"] = _speedup(report, base, calibration, cfg) if timed else {"valid": False, "reason": INTERPRETED}
@@ -461,8 +455,7 @@ def _speedup(report: dict[str, Any], base: Transformer, calibration: dict[str, A
     """Measured speedups against plain greedy, the step-cost model that predicts them, and why (or why not)."""
     v = report["variants"]
     plain = v["greedy"]
-    out: dict[str, Any] = {"rule": "speedup = decode tokens/s of the variant / decode tokens/s of plain greedy; "
-                                   "predicted = mean accepted length x greedy step time / verification step time"}
+    out: dict[str, Any] = {"rule": rules.cite("decode_speedup")}
     step_s = plain["step_ms"]["median"] / 1e3
     for name, entry in v.items():
         if name == "greedy":

@@ -37,7 +37,7 @@ import torch
 from posttrainllm.config import LabConfig
 from posttrainllm.lab.isolation import outside, rooms
 from posttrainllm.lab.isolation.worker import closed_after  # noqa: F401 (a stage's workers end with it)
-from posttrainllm.lab.isolation.outside import continued  # noqa: F401 (SIGNAL_RULE: stops of the lab, around a timed region)
+from posttrainllm.lab.isolation.outside import continued  # noqa: F401 (rule lab_stopped: the lab's stops)
 from posttrainllm.lab.isolation.user import user_paths
 from posttrainllm.lab.oracle import Upstream, backward
 from posttrainllm.measure.memory import peak_bytes
@@ -227,7 +227,8 @@ class Isolated(InProcess):
 
     def time(self, op: OpDef, cfg: LabConfig, case: Case, sets: list[Tensors], grad_outs: list[torch.Tensor],
              device: str, settings: dict[str, Any]) -> Timed:
-        """Timed from outside its worker (lab/isolation/outside.py); its memory is its worker's (MEMORY_RULE)."""
+        """Timed from outside its worker (lab/isolation/outside.py); its memory is its worker's (rule
+        outside_memory)."""
         timed = outside.microbench_times(op, cfg, case, self.impl, device, settings,
                                          self.impl.backward != NO_BACKWARD)
         with torch.no_grad():

@@ -21,6 +21,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from posttrainllm import rules
+
 NO_CHANGE = "no measurable change"
 
 DISAGREEMENT = 0.15  # |measured / predicted - 1| above this needs a reading
@@ -44,9 +46,7 @@ def noise_band(step_ms: list[float], repeat_step_ms: list[float] | None, warmup_
         out["repeat_ms_per_step"] = statistics.median(again)
         out["ratios"]["repeat"] = out["repeat_ms_per_step"] / statistics.median(warm)
     out["band"] = max((max(r, 1 / r) for r in out["ratios"].values()), default=None)
-    out["rule"] = ("a measured end-to-end speedup s is a change only when s > band or s < 1/band; band: the widest "
-                   "ratio of the baseline's warm ms/step to itself (halves of its warm steps; a second repetition "
-                   "after every other variant)")
+    out["rule"] = rules.cite("noise_band")
     return out
 
 

@@ -23,16 +23,12 @@ from typing import Any, Callable
 
 import torch
 
+from posttrainllm import rules
 from posttrainllm.model.decode import greedy_cached
 from posttrainllm.model.slots import ATTENTION, CACHED_ATTENTION
 from posttrainllm.model.transformer import Transformer
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-RULE = ("per token the sampler generated (greedy_cached with its decode attention, prompts batched): |log p "
-        "sampled - log p scored| where scored is one forward over prompt + tokens with the trainer's attention; "
-        "bitwise = the two fp32 log-probabilities have the same bits")
-
 
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """logits (B, N, V), tokens (B, N) -> (B, N): each token's log-probability, log_softmax in fp32."""
@@ -90,8 +86,8 @@ def measure_gap(model: Transformer, prompts: list[torch.Tensor], new_tokens: int
     finally:
         model.swap(ATTENTION, saved[0])
         model.swap(CACHED_ATTENTION, saved[1])
-    out: dict[str, Any] = {"rule": RULE, "batches": [{"prompts": int(p.shape[0]), "prompt_len": int(p.shape[1])}
-                                                     for p in prompts],
+    out: dict[str, Any] = {"rule": rules.cite("trainer_sampler_gap"),
+                           "batches": [{"prompts": int(p.shape[0]), "prompt_len": int(p.shape[1])} for p in prompts],
                            "new_tokens": new_tokens, "pairs": pairs}
     same = [name for name in pairs if name.split(" -> ")[0] == name.split(" -> ")[1]]
     if not any(pairs[name]["bitwise"] for name in same):

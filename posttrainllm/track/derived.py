@@ -316,9 +316,11 @@ def point_figure(paths: dict[str, dict[str, Any]], mode: str, names: tuple[str |
 
 
 def cited_rules(receipt: dict[str, Any]) -> list[tuple[str, str]]:
-    """(id, text) of every rule the point's stages cite by id (posttrainllm/rules.py), in the order they are stored:
-    its kernel's compile report, parity, microbench and integrity (a path's launch geometry is the op's own words,
-    not a rule's id)."""
+    """(id, text) of every rule a receipt's stages cite by id (posttrainllm/rules.py), in the order they are stored:
+    a point's kernel compile report, parity, microbench (a user path's timing from outside its worker included),
+    bench-train and integrity (a path's launch geometry is the op's own words, not a rule's id); a draft-heads
+    receipt's base, heads and decode."""
     stored = [(receipt.get("kernel") or {}).get("compile"), receipt.get("parity"), receipt.get("microbench"),
-              receipt.get("integrity")]
+              receipt.get("bench_train"), receipt.get("integrity"),
+              receipt.get("base"), receipt.get("heads"), receipt.get("decode")]
     return [(rules.rule_id(cited), rules.text(cited)) for cited in rules.cited_in(stored)]

@@ -114,6 +114,9 @@ def end_to_end(receipt: dict[str, Any]) -> list[str]:
     variants = (((receipt.get("bench_train") or {}).get("amdahl") or {}).get("variants") or {})
     lines += [f"{name}: {check['sentence']}" for name, check in variants.items()  # each trained path, once
               if check.get("sentence") and name != fields["e2e_path"] and check["sentence"] not in lines[0]]
+    noise = (receipt.get("bench_train") or {}).get("noise") or {}
+    if noise.get("rule"):
+        lines.append(f"band rule: {rules.text(noise['rule'])}")
     return lines
 
 

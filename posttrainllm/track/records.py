@@ -145,7 +145,9 @@ class ParityRecord(Record):
 class MicrobenchRecord(Record):
     """microbench.json: the timed paths at the point's shape, and the curve (lab/stages/microbench.py)."""
 
-    SCHEMA_VERSION: ClassVar[int] = 2  # 2: rules by id (posttrainllm/rules.py); cost_models is cost_model_rule
+    # 2: rules by id (posttrainllm/rules.py); cost_models is cost_model_rule. 3: a user path's timing from outside
+    # cites its rules by id (outside.<mode>.rule, timing_seeds.rule; memory.method is memory.method_rule)
+    SCHEMA_VERSION: ClassVar[int] = 3
     FILE: ClassVar[str] = "microbench.json"
     STAGE: ClassVar[str] = "microbench"
 
@@ -183,6 +185,7 @@ class BenchTrainRecord(Record):
     own figures (model/train.py bench_train: losses, timings, config, ...) are still growing: `trainer` holds
     them, written at the top level beside the fields."""
 
+    SCHEMA_VERSION: ClassVar[int] = 2  # 2: the noise band's rule by id (noise.rule, posttrainllm/rules.py)
     FILE: ClassVar[str] = "bench_train.json"
     STAGE: ClassVar[str] = "bench_train"
     REST: ClassVar[str | None] = "trainer"

@@ -25,7 +25,7 @@ Replay also checks that the receipt adds up (`verify`), and names what does not:
 * the loss drifts from the stored losses, and their verdicts from the contract's train_loss_drift;
 * the crossover sizes from curve.csv; metrics.json from the receipt;
 * every user path timed from outside: its timing seeds recorded per mode, well-formed, none shared
-  (lab/isolation/outside.py TIMING_SEED_RULE: drawn at run time, never in a source).
+  (rule timing_seed, lab/isolation/outside.py: drawn at run time, never in a source).
 
 The stored revision and device are shown next to this checkout's and this machine's.
 """
@@ -255,9 +255,9 @@ SEED_BITS = 48  # lab/isolation/outside.py seeds_drawn: a base seed of this many
 
 
 def verify_timing_seeds(receipt: dict[str, Any]) -> list[str]:
-    """lab/isolation/outside.py TIMING_SEED_RULE, from what was stored: every user path timed from outside with a speed has
-    its timing's base seed recorded per mode, a whole number of SEED_BITS bits, and no two (path, mode) timings of
-    the receipt share one (each was drawn at run time; a seed fixed in source repeats)."""
+    """Rule timing_seed (lab/isolation/outside.py), from what was stored: every user path timed from outside with a
+    speed has its timing's base seed recorded per mode, a whole number of SEED_BITS bits, and no two (path, mode)
+    timings of the receipt share one (each was drawn at run time; a seed fixed in source repeats)."""
     problems, seen = [], {}
     for name, entry in ((receipt.get("microbench") or {}).get("paths") or {}).items():
         for mode, report in ((entry or {}).get("outside") or {}).items():

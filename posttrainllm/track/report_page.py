@@ -124,9 +124,10 @@ def _train_section(receipt: dict[str, Any]) -> str:
             "</figure>")
 
 
-def _rules_section(receipt: dict[str, Any]) -> str:
-    """The rules the point's results cite by id, each with its text from the package's table (docs/rules.md)."""
-    cited = derived.cited_rules(receipt)
+def _rules_section(*receipts: dict[str, Any]) -> str:
+    """The rules the receipts' results cite by id, each once, with its text from the package's table
+    (docs/rules.md)."""
+    cited = list(dict.fromkeys(pair for receipt in receipts for pair in derived.cited_rules(receipt)))
     if not cited:
         return ""
     items = "".join(f"<li><code>{_e(rid)}</code>: {_e(said)}</li>" for rid, said in cited)
@@ -184,6 +185,6 @@ def sweep_page(receipts: dict[str, dict[str, Any]], runs: Path, *, sweep: str = 
         body += ['<section id="draft-heads"><h2>Draft heads</h2>', _table(report.heads_frame(heads)),
                  f"<p>{_e(report.HEADS_LEGEND)}. Each receipt: "
                  + " · ".join(f'<a href="{_href(*name.split("/"), "receipt.json")}">{_e(name)}</a>' for name in heads)
-                 + "</p></section>"]
+                 + "</p>" + _rules_section(*heads.values()) + "</section>"]
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
             f"<style>{STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")

@@ -4,24 +4,26 @@ A user path runs in a worker process of its own (lab/isolation/worker.py); the m
 the curve (stages._curve) never call `measure()` on it. Instead, per batch:
 
 1. the lab draws N >= 4 distinct input sets (values drawn as the point's inputs are, from a base seed it draws at
-   run time: TIMING_SEED_RULE; forward + backward: each with its upstream gradient) and places them in the worker
+   run time: rule timing_seed; forward + backward: each with its upstream gradient) and places them in the worker
    before any clock starts;
 2. its own clock (time.perf_counter; on CUDA after a device-wide synchronize) spans one request: "compute them
    all", answered with a checksum of every output, read before the answer;
 3. right after, it times the same request calling nothing, in the path's worker and in a clean twin handed the
-   same outputs (NULL_RULE); the batch's sample is (span - the smaller null) / N, the figure the median over the
-   batches (AGREEMENT_RULE);
+   same outputs (rule outside_null); the batch's sample is (span - the smaller null) / N, the figure the median
+   over the batches (rule outside_agreement);
 4. after the clock, it asks what the calls changed of the worker (a request of its own), fetches every output (and
    gradient), requires each to match its checksum and checks each against the float64 oracle of its set.
 
-N comes from two warm-up batches timed and checked the same way (WARMUP_RULE). The worker's heap stays mapped
-(HEAP_RULE), as a long-running lab process's does, and each call's results are copied out and freed before the
-next call, as the in-process loop frees them (KEEP_RULE). Fresh sets each batch, and the
-refill after the last batch (REFILL_RULE), make a stored result wrong. Each span leaves out what the worker and the
-lab's thread waited on a run queue (RUN_QUEUE_RULE); a batch not above its null is unreadable, never a sample
-(UNREADABLE_RULE). A path's processes and threads are watched (PROCESS_RULE, THREAD_RULE),
-and so are stops of the lab itself (SIGNAL_RULE). Every set is judged by the parity stage's own rules
-(oracle.judge_path). A user path's memory is its worker's (MEMORY_RULE), counted inside it and from outside.
+N comes from two warm-up batches timed and checked the same way (rule outside_warmup). The worker's heap stays
+mapped (rule outside_heap), as a long-running lab process's does, and each call's results are copied out and freed
+before the next call, as the in-process loop frees them (rule outside_keep). Fresh sets each batch, and the refill
+after the last batch (rule outside_refill), make a stored result wrong. Each span leaves out what the worker and
+the lab's thread waited on a run queue (rule outside_run_queue); a batch not above its null is unreadable, never a
+sample (rule outside_unreadable). A path's processes and threads are watched (rules outside_process,
+outside_thread), and so are stops of the lab itself (rule lab_stopped). Every set is judged by the parity stage's
+own rules (oracle.judge_path). A user path's memory is its worker's (rule outside_memory), counted inside it and
+from outside. The rules' text is the package's table (posttrainllm/rules.py, docs/rules.md); a report cites them
+by id.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any, Callable
 
 import torch
 
+from posttrainllm import rules
 from posttrainllm.lab import oracle
 from posttrainllm.measure.timing import Timing, summarize
 from posttrainllm.ops.registry import Case, Impl, OpDef
@@ -46,98 +49,26 @@ from posttrainllm.ops.base import point_dtype
 from posttrainllm.lab.isolation import worker as workers
 
 BATCH_MIN, BATCH_MAX = 4, 64
-WARMUPS = 2  # warm-up batches (WARMUP_RULE)
+WARMUPS = 2  # warm-up batches (rule outside_warmup)
 BATCH_OVER_NULL = 20  # a batch computes for at least this many null spans, when N <= BATCH_MAX allows
 PINGS = 9  # repetitions of the empty call (recorded: round_trip_ms; no figure depends on it)
 BATCHES_MIN = 5  # timed batches at least: the figure is the median of one sample per batch
 SET_SEED = 7_919  # set k of a path's timing draws its inputs from a base seed drawn at run time + SET_SEED * (k + 1)
 SEED_OFFSET = 2 * 104_729  # the memory call's set: away from the parity cases' seeds and stages.FRESH_SEED
-UNREADABLE_MAX = 3 * BATCHES_MIN  # UNREADABLE_RULE
-OTHER_THREADS_SHARE = 0.02  # RUN_QUEUE_RULE: the worker's other threads may run this share of a span
-IDLE_CPU_S = 0.05  # PROCESS_RULE: CPU seconds a path's child processes may use over its timing (startup, a pool)
+UNREADABLE_MAX = 3 * BATCHES_MIN  # rule outside_unreadable
+OTHER_THREADS_SHARE = 0.02  # rule outside_run_queue: the worker's other threads may run this share of a span
+IDLE_CPU_S = 0.05  # rule outside_process: CPU seconds a path's children may use over its timing (startup, a pool)
 FORWARD, FORWARD_BACKWARD = "forward", "forward_backward"
-NULL_RULE = ("after each batch the lab times the same request calling nothing: the batch loop and the checksums over "
-             "that batch's outputs, once in the path's worker and once in a clean twin (a worker forked alike that "
-             "never loaded a path), handed the same outputs; the smaller is the batch's null: a null the path's own "
-             "process slows (a thread or a process that works only while nothing is called) is not subtracted")
-RUN_QUEUE_RULE = ("a span, timed or null, counts the time its work was on a core: the lab subtracts what the worker's "
-                  "main thread and its own thread waited runnable on a run queue during it (the kernel's schedstat, "
-                  "read from /proc, the worker's outside it, the worker asleep before the clock starts: a wait is "
-                  "credited when its thread next runs), so a batch preempted by other processes on shared cores, or "
-                  "a lab that waits for a core to read the answer, reads as its calls ran, as the in-process median "
-                  "of single calls does (a call preempted is an outlier there); a span is never read as less than "
-                  "the two threads ran on a core in it (a wait of the lab's while the worker computed is not its "
-                  "to subtract); nothing is subtracted where the worker's other threads ran over "
-                  f"{OTHER_THREADS_SHARE:.0%} of the span (work beside the main thread), or where the kernel does "
-                  "not say")
-UNREADABLE_RULE = ("a batch whose span, less its waits, does not stand above its null is unreadable: the load on the "
-                   "cores moved the two spans more than the batch's calls took; it is counted (unreadable_batches), "
-                   "never a sample (a 0 there is no time a call took), and the timing goes on for its "
-                   f"{BATCHES_MIN} samples; over {UNREADABLE_MAX} unreadable batches, no speed: the machine was too "
-                   "loaded to time the path (a path cannot make a batch unreadable to its gain: that needs a span "
-                   "shorter than calling nothing)")
-AGREEMENT_RULE = ("one sample per batch: (the lab's span of the request computing all N sets - that batch's null) / "
-                  "N, time.perf_counter after a device synchronize; the figure is the median over the batches; the "
-                  "worker's per-call times are recorded (worker_over_lab), never a sample: a path that front-loads or "
-                  "forges them gains nothing. " + NULL_RULE + "; " + RUN_QUEUE_RULE + "; " + UNREADABLE_RULE)
-TIMING_SEED_RULE = ("the timing's input sets are drawn from a base seed the lab draws at run time from the operating "
-                    "system's randomness (secrets), per path and mode, recorded after the timing: no source holds "
-                    "it, so no set can be computed ahead; parity's seeds stay the configuration's")
-WARMUP_RULE = (f"the warm-up is {WARMUPS} batches of {BATCH_MIN} sets like the timed ones, on the lab's clock, every "
-               "output checked: the last one's span less its null gives the per-call time that sizes N; a wrong "
-               "warm-up gets no speed")
-WAKE_RULE = ("every batch request, timed or null, starts with the worker's own 2 ms of small products (lab/isolation/worker.py "
-             "_wake: no code of the path's): a process woken from a wait runs its first calls cold, which the lab's "
-             "in-process loop never does; the null takes the 2 ms out of the span")
-PROCESS_RULE = ("a path's worker leads a process group of its own; the zygote that forks workers is a subreaper, so "
-                "what a worker leaves orphaned (double-forked, setsid) is adopted there; before and after the timing "
-                "the lab looks: an adopted process, or child processes that used over "
-                f"{IDLE_CPU_S} s of CPU over the timing, get the path no speed; a worker ends with its whole group "
-                "and every adopted process, and every worker ends with its stage")
-HEAP_RULE = ("a worker keeps the memory it frees mapped (glibc: mallopt, the trim threshold at its maximum, blocks "
-             "under 32 MiB from the heap, where a lab process's dynamic threshold ends), and before each batch's clock "
-             "touches and frees twice the batch's inputs: a batch holds its N results until they are checked, and "
-             "without this each of its calls faulted its pages in again (~50 minor faults, +35% a call at attention "
-             "tiny) where the lab's in-process loop frees each result and faults none; the last batch is freed "
-             "before the clock too; the worker's minor faults per call are recorded (faults_per_call)")
-KEEP_RULE = ("each call's outputs and gradients are copied, after its per-call clock, into buffers the worker made and "
-             "wrote before the batch's clock, and the call's own are freed before the next call: the next call "
-             "allocates where this one did, as in the lab's in-process loop, which frees each result before the next "
-             "call (holding the N results instead put each call's temporaries at new addresses: +5% a call at "
-             "attention tiny, on the thread's CPU clock); the null copies the kept results once more, so the copies "
-             "are no part of a sample; on the CPU no set's inputs are read before its call (CUDA: the L2 is "
-             "flushed, as measure() flushes it): reading them there was work in the span its null, run on warmer "
-             "caches, did not take out")
-THREAD_RULE = ("at one lab thread (bench.threads=1, as torch runs its own work on the calling thread), the worker's "
-               f"threads other than its main one may use {OTHER_THREADS_SHARE:.0%} of the timed spans' time in CPU "
-               f"(at most {IDLE_CPU_S} s) over a path's whole timing, spans and the gaps between them, threads that "
-               "ended included (the process's CPU clock, exact to the ns, less its main thread's; not clock ticks, "
-               "10 ms each, which read an honest compiled path's few threads as 10 ms): a thread the path leaves "
-               "running, or starts and joins in each call, could compute the placed sets before the clock, work "
-               "beside its calls while its main thread waits (a wait RUN_QUEUE_RULE would otherwise take out), or "
-               "slow the null; over that, no speed. Python threads still running its code at a scan are named too "
-               "(the worker's scan)")
-REFILL_RULE = ("after the last batch, new values (another seed) are copied in place into its first set's buffers "
-               "in the worker and that set computed again: a result stored by the buffers' address or identity "
-               "fails the oracle check there and the path gets no speed")
-MEMORY_RULE = ("a user path's peak memory is one forward call's in its worker: the larger of the sum of what torch's "
-               "allocator (the profiler's events; CUDA: max_memory_allocated) and Python's tracemalloc (NumPy's "
-               "buffers) counted in the worker, and the growth of its resident set read by the lab from outside "
-               "(/proc/<pid>/status VmHWM after clear_refs); a peak below the bytes of the outputs it returned "
-               "cannot be true (memory taken where neither count sees it, or outputs that are not its own): "
-               "named, and no speed")
-RULE = ("a user path is timed from outside its worker: batches of N >= 4 distinct input sets (fresh each batch) "
-        "placed in the worker before the clock, computed in one request the lab's clock spans, every output "
-        "fetched after the clock, matched to its checksum and checked against the float64 oracle of its set, and "
-        "what its calls changed of the worker asked after the clock; " + WARMUP_RULE + "; " + WAKE_RULE + "; " + HEAP_RULE + "; " + KEEP_RULE + "; " + REFILL_RULE + "; "
-        + AGREEMENT_RULE + "; " + TIMING_SEED_RULE + "; " + PROCESS_RULE + "; " + THREAD_RULE)
 
 
-SIGNAL_RULE = ("the lab counts every SIGCONT it receives (a stopped process is continued by one: SIGSTOP cannot be "
-               "caught, but its end can); a path timed while the count moved gets no speed, and the stage ends with "
-               "an error if the reference or the curve was: a path that stops the lab (the same user may signal it) "
-               "slows whatever the lab times then, never to its own gain; a SIGKILL or SIGTERM ends the stage and "
-               "leaves no receipt")
+def timing_rule() -> rules.Cited:
+    """How a mode's report cites the way it was timed (rule outside_timing and its parts), with this code's
+    constants."""
+    return rules.cite("outside_timing", batch_min=BATCH_MIN, warmups=WARMUPS, wake_ms=workers.WAKE_S * 1e3,
+                      mmap_max_mib=workers.MMAP_THRESHOLD_MAX / 2**20, other_threads_share=OTHER_THREADS_SHARE,
+                      batches_min=BATCHES_MIN, unreadable_max=UNREADABLE_MAX, idle_cpu_s=IDLE_CPU_S)
+
+
 _CONTINUED = [0]
 
 
@@ -146,7 +77,7 @@ def _on_continue(signum: int, frame: Any) -> None:
 
 
 def continued() -> int:
-    """SIGNAL_RULE: how many times this lab process has been continued after a stop (0 where it was never stopped,
+    """Rule lab_stopped: how many times this lab process has been continued after a stop (0 where it was never stopped,
     or the handler could not be set: imported off the main thread)."""
     return _CONTINUED[0]
 
@@ -255,7 +186,7 @@ def _outputs(op: OpDef, cfg: Any, s: _Set, answer: dict[str, Any]) -> dict[str, 
 
 
 def _refill_check(op: OpDef, cfg: Any, impl: Impl, worker: Any, new: _Set, backward: bool) -> str | None:
-    """REFILL_RULE: the last batch's first set refilled in place with `new`'s values and computed again in the
+    """Rule outside_refill: the last batch's first set refilled in place with `new`'s values and computed again in the
     worker; None if its outputs are `new`'s, else why no speed."""
     worker.request({"op": "refill", "tensors": [t.detach() for t in new.tensors],
                     "grad_out": new.worker_grad_out if backward else None})
@@ -269,7 +200,7 @@ def _refill_check(op: OpDef, cfg: Any, impl: Impl, worker: Any, new: _Set, backw
 
 
 def minor_faults(pid: int) -> int | None:
-    """A process's minor page faults so far (/proc/<pid>/stat field 10; None where there is none): HEAP_RULE's
+    """A process's minor page faults so far (/proc/<pid>/stat field 10; None where there is none): rule outside_heap's
     witness, read by the lab from outside the worker."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -299,9 +230,9 @@ def _process_cpu_ns(pid: int) -> int | None:
 
 
 def _scheduled(pid: int) -> dict[str, Any]:
-    """RUN_QUEUE_RULE's readings now: the worker's main thread's and the lab's calling thread's (run, waited) ns,
-    and the ns the worker's other threads have run (THREAD_RULE): those that ended included, from the process's CPU
-    clock less its main thread's, else its live threads' alone."""
+    """Rule outside_run_queue's readings now: the worker's main thread's and the lab's calling thread's (run,
+    waited) ns, and the ns the worker's other threads have run (rule outside_thread): those that ended included,
+    from the process's CPU clock less its main thread's, else its live threads' alone."""
     main = _schedstat(f"/proc/{pid}/task/{pid}/schedstat")
     process = _process_cpu_ns(pid)
     if process is not None and main is not None:
@@ -319,10 +250,10 @@ def _scheduled(pid: int) -> dict[str, Any]:
 
 
 def _waited_s(before: dict[str, Any], after: dict[str, Any], span: float) -> float:
-    """RUN_QUEUE_RULE: the seconds of a span the worker's main thread and the lab's thread spent runnable but not
-    running (another process had the core), never more than leaves the span at what the two ran on a core; 0 where
-    the kernel does not say or the worker's other threads ran over OTHER_THREADS_SHARE of the span (work beside the
-    main thread: the wall span stands)."""
+    """Rule outside_run_queue: the seconds of a span the worker's main thread and the lab's thread spent runnable
+    but not running (another process had the core), never more than leaves the span at what the two ran on a core;
+    0 where the kernel does not say or the worker's other threads ran over OTHER_THREADS_SHARE of the span (work
+    beside the main thread: the wall span stands)."""
     if before["worker"] is None or after["worker"] is None:
         return 0.0
     if (after["others_ran"] - before["others_ran"]) / 1e9 > OTHER_THREADS_SHARE * span:
@@ -337,7 +268,7 @@ def _waited_s(before: dict[str, Any], after: dict[str, Any], span: float) -> flo
 def _asleep(pid: int, timeout_s: float = 0.05) -> bool:
     """Whether the worker's main thread is asleep (waiting for the lab's next request), waiting up to `timeout_s`
     for it: a wait on the run queue is credited when the thread next runs, so one begun after its last answer
-    would otherwise be credited to the next span (RUN_QUEUE_RULE)."""
+    would otherwise be credited to the next span (rule outside_run_queue)."""
     deadline = time.perf_counter() + timeout_s
     while True:
         try:
@@ -352,9 +283,9 @@ def _asleep(pid: int, timeout_s: float = 0.05) -> bool:
 
 
 def _span(worker: Any, device: str, message: dict[str, Any]) -> tuple[float, float, dict[str, Any], int | None]:
-    """One request on the lab's clock: (its span, the part of it waited on a run queue (RUN_QUEUE_RULE), the answer,
-    the worker's minor page faults in it (HEAP_RULE)). The kernel's readings are taken next to the clock's, the
-    worker asleep before them."""
+    """One request on the lab's clock: (its span, the part of it waited on a run queue (rule outside_run_queue),
+    the answer, the worker's minor page faults in it (rule outside_heap)). The kernel's readings are taken next to
+    the clock's, the worker asleep before them."""
     asleep = _asleep(worker.pid)
     faults, before = minor_faults(worker.pid), _scheduled(worker.pid)
     _sync(device)
@@ -389,7 +320,7 @@ def _batch(worker: Any, device: str, sets: list[_Set]) -> tuple[float, float, fl
 
 
 def seeds_drawn() -> list[int]:
-    """TIMING_SEED_RULE: a fresh base seed per user path and mode, from the operating system's randomness."""
+    """Rule timing_seed: a fresh base seed per user path and mode, from the operating system's randomness."""
     return [secrets.randbits(48)]
 
 
@@ -398,7 +329,7 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
     """A user path at `case` in `mode` (forward, forward_backward), timed from outside its worker (module doc)."""
     backward = mode == FORWARD_BACKWARD
     user = impl.source
-    report: dict[str, Any] = {"mode": mode, "rule": RULE}
+    report: dict[str, Any] = {"mode": mode, "rule": timing_rule()}
     try:
         worker = workers.worker_for(user)
     except Exception as exc:
@@ -463,8 +394,8 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
         samples: list[float] = []
         nulls: list[tuple[float, float]] = []
         worker_s: list[float] = []
-        faults: list[float] = []  # HEAP_RULE: the worker's minor page faults per call in each span
-        waits: list[float] = []  # RUN_QUEUE_RULE: the share of each span waited on a run queue (subtracted)
+        faults: list[float] = []  # rule outside_heap: the worker's minor page faults per call in each span
+        waits: list[float] = []  # rule outside_run_queue: the share of each span waited on a run queue (subtracted)
         spent, calls, unreadable = 0.0, 0, 0
         while len(samples) < BATCHES_MIN or (calls + n <= settings["max_reps"] and (
                 calls < settings["reps"] or spent < settings["min_time_s"])):
@@ -474,15 +405,16 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
             failed = checked(sets, answer, f"timed batch {len(samples) + unreadable + 1}")
             if failed:
                 return refuse(failed, batch_size=n, batches=len(samples) + unreadable + 1)
-            null = min(own, clean)  # NULL_RULE: a null slowed by the path's own process is not subtracted
+            null = min(own, clean)  # rule outside_null: a null slowed by the path's own process is not subtracted
             spent += span
             calls += n
-            if span <= null:  # UNREADABLE_RULE: counted, never a sample
+            if span <= null:  # rule outside_unreadable: counted, never a sample
                 unreadable += 1
                 if unreadable > UNREADABLE_MAX:
                     return refuse(f"{unreadable} of {unreadable + len(samples)} batches did not stand above their "
                                   "null (the load on the cores moved the spans more than the calls took; "
-                                  "UNREADABLE_RULE): the machine was too loaded to time it, no speed",
+                                  f"{rules.named('outside_unreadable')}): the machine was too loaded to time it, "
+                                  "no speed",
                                   batch_size=n, batches=len(samples), unreadable_batches=unreadable)
                 continue
             samples.append((span - null) / n)
@@ -508,14 +440,15 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
                   worker_over_lab=sum(worker_s) / lab_s if lab_s > 0 else None,
                   faults_per_call=statistics.median(faults), heap_kept=worker.heap_kept,
                   run_queue_share=statistics.median(waits),
-                  timing_seeds={"base": base, "rule": TIMING_SEED_RULE})  # after the timing: replay checks them
+                  # after the timing: replay checks them
+                  timing_seeds={"base": base, "rule": rules.cite("timing_seed")})
     timing = summarize([s * 1e3 for s in samples], threads=threads, flushed=False)
     return UserTiming(timing, None, report)
 
 
 def _strays(worker: Any, since: dict[Any, float] | None = None,
             spans_s: float = 0.0) -> tuple[str | None, dict[Any, float]]:
-    """PROCESS_RULE and THREAD_RULE: (why no speed or None, each child process's CPU seconds now, and under
+    """Rules outside_process and outside_thread: (why no speed or None, each child process's CPU seconds now, and under
     "threads" the seconds the worker's threads other than its main one have run). Refused: a process the path's
     worker left orphaned (adopted by the zygote; ended), or, `since` an earlier look, its children's CPU time grown
     by over IDLE_CPU_S (a pool waiting for work uses none), or at one lab thread its other threads' by over
@@ -526,18 +459,19 @@ def _strays(worker: Any, since: dict[Any, float] | None = None,
     if adopted:
         workers.end_strays()
         return (f"processes it started and left (pids {', '.join(map(str, adopted))}) were running beside its worker: "
-                "they could compute outside the timed span or take the cores the lab times others on (PROCESS_RULE);"
-                " ended: no speed"), now
+                "they could compute outside the timed span or take the cores the lab times others on "
+                f"({rules.named('outside_process')}); ended: no speed"), now
     if since is not None:
         children = [pid for pid in now if pid != "threads"]
         used = sum(now[pid] - since.get(pid, 0.0) for pid in children)
         if used > IDLE_CPU_S:
             return (f"processes beside its worker (pids {', '.join(map(str, children))}) used {used:.3f} s of CPU "
-                    "while it was timed (PROCESS_RULE): no speed"), now
+                    f"while it was timed ({rules.named('outside_process')}): no speed"), now
         threads, allowed = now["threads"] - since.get("threads", 0.0), min(IDLE_CPU_S, OTHER_THREADS_SHARE * spans_s)
         if worker.threads == 1 and threads > allowed:
             return (f"threads beside its worker's main thread used {threads * 1e3:.1f} ms of CPU while it was timed "
-                    f"(allowed {allowed * 1e3:.1f} ms at one lab thread; THREAD_RULE): no speed"), now
+                    f"(allowed {allowed * 1e3:.1f} ms at one lab thread; {rules.named('outside_thread')}): "
+                    "no speed"), now
     return None, now
 
 
@@ -553,7 +487,8 @@ def _resident_bytes(pid: int, key: str) -> int | None:
 
 
 def user_memory(op: OpDef, cfg: Any, case: Case, impl: Impl, device: str) -> tuple[dict[str, Any], str | None]:
-    """MEMORY_RULE for a user path at `case`: its memory entry, and why the figure cannot be true (None if it can)."""
+    """Rule outside_memory for a user path at `case`: its memory entry, and why the figure cannot be true (None if
+    it can)."""
     worker = workers.worker_for(impl.source)
     drawn = _draw(op, cfg, case, case.seed + SEED_OFFSET - SET_SEED, False, device)
     worker.request({"op": "put", "key": "memory", "grad_outs": None,
@@ -572,11 +507,13 @@ def user_memory(op: OpDef, cfg: Any, case: Case, impl: Impl, device: str) -> tup
     counted = answer["allocator"]["peak_bytes"] + answer["tracemalloc_bytes"]
     outputs = sum(o.numel() * o.element_size() for o in answer["outputs"])
     peak = max(counted, resident or 0)
-    entry = {"peak_bytes": peak, "method": MEMORY_RULE, "allocator_bytes": answer["allocator"]["peak_bytes"],
+    entry = {"peak_bytes": peak, "method_rule": rules.cite("outside_memory"),
+             "allocator_bytes": answer["allocator"]["peak_bytes"],
              "tracemalloc_bytes": answer["tracemalloc_bytes"], "resident_bytes": resident, "output_bytes": outputs}
-    problem = (f"its peak memory {peak} B (allocator {entry['allocator_bytes']} B, tracemalloc "
+    problem = ((f"its peak memory {peak} B (allocator {entry['allocator_bytes']} B, tracemalloc "
                f"{entry['tracemalloc_bytes']} B, resident growth {resident} B) is below the {outputs} B of the "
-               "outputs it returned: a figure that cannot be true (MEMORY_RULE): no speed") if peak < outputs else None
+               f"outputs it returned: a figure that cannot be true ({rules.named('outside_memory')}): no speed")
+               if peak < outputs else None)
     return entry, problem
 
 

@@ -21,9 +21,7 @@ import torch
 
 from posttrainllm.ops.registry import Case, OpDef, Tensors
 
-INPUT_SET_SEED = 7_919  # case.seed + i * INPUT_SET_SEED: the i-th timed input set (i = 0: the case's own)
-ROTATION_RULE = ("timed repetitions rotate over {n} distinct input sets (the case at seeds seed + i x "
-                 f"{INPUT_SET_SEED}, each in its own buffers), forward and forward + backward")
+INPUT_SET_SEED = 7_919  # case.seed + i * INPUT_SET_SEED: the i-th timed set (i = 0: the case's own; rule rotation)
 
 
 def fresh(tensors: Tensors, device: str) -> Tensors:

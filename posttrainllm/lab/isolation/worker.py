@@ -69,6 +69,7 @@ from typing import Any, Callable
 
 import torch
 
+from posttrainllm import rules
 from posttrainllm.track.failures import first_line, locate, traceback_text
 from posttrainllm.ops import emulate_bf16_in_interpreter, fast_language_patching_in_interpreter
 
@@ -238,7 +239,7 @@ def _same_bits(before: torch.Tensor, after: torch.Tensor) -> bool:
 
 
 class _Clean:
-    """No user path: a worker that loads nothing (lab/isolation/outside.py's clean twin, NULL_RULE)."""
+    """No user path: a worker that loads nothing (lab/isolation/outside.py's clean twin, rule outside_null)."""
 
     name = "(the lab's clean twin)"
 
@@ -280,7 +281,7 @@ class Worker:
             self.start_s = time.perf_counter() - started  # the fork (the zygote's start, first) + the user's module
         self.pid = reply["pid"]
         self.threads = reply["threads"]
-        self.heap_kept = bool(reply.get("heap_kept"))  # HEAP_RULE (lab/isolation/outside.py)
+        self.heap_kept = bool(reply.get("heap_kept"))  # rule outside_heap
         self.tampered: list[str] = reply.get("tampered") or []  # what its import changed (outside.py: no speed)
         self.promises: list[str] = reply.get("promises") or []  # its function's `promises` (lab/invariance.py)
 
@@ -529,7 +530,7 @@ _PREPARED = False
 def _prepare_lab() -> None:
     """Before this lab process starts its first worker: every module of the judge imported (none is read from a
     file a path could have written after that, such as a bytecode cache) and a private bytecode prefix for any
-    later import (BYTECODE_RULE: what a path writes is removed when the workers end)."""
+    later import (rule planted_bytecode: what a path writes is removed when the workers end)."""
     global _PREPARED
     if _PREPARED:
         return
@@ -553,16 +554,12 @@ def _prepare_lab() -> None:
 
 
 JUDGE_PACKAGES = ("lab", "track", "measure", "opdefs", "ops", "model")
-_BYTECODE_SINCE: list[float] = []  # when this process first let a path run (BYTECODE_RULE)
-BYTECODE_RULE = ("when a lab process ends its workers, every bytecode file of the lab's package (its __pycache__ and "
-                 "any sourceless .pyc) and every cached file of a module it has loaded (torch's, numpy's, ...) that "
-                 "was written or changed (its inode's ctime, which no user can set back) after it first let a path "
-                 "run is removed and named: the lab itself writes its bytecode to a private prefix from then on, so "
-                 "such a file is a path's, and the next lab process would have loaded it before any check")
+_BYTECODE_SINCE: list[float] = []  # when this process first let a path run (rule planted_bytecode)
 
 
 def drop_planted_bytecode() -> list[str]:
-    """BYTECODE_RULE: the bytecode files a path could have planted for the next lab process, removed; their paths."""
+    """Rule planted_bytecode: the bytecode files a path could have planted for the next lab process, removed;
+    their paths."""
     if not _BYTECODE_SINCE:
         return []
     since, private = _BYTECODE_SINCE[0], sys.pycache_prefix
@@ -583,7 +580,8 @@ def drop_planted_bytecode() -> list[str]:
             continue
     if dropped:
         print(f"posttrainllm: removed {len(dropped)} bytecode file(s) written while user paths ran, which the next lab "
-              f"process would load (BYTECODE_RULE): {', '.join(dropped[:5])}{' ...' if len(dropped) > 5 else ''}",
+              f"process would load ({rules.named('planted_bytecode')}): {', '.join(dropped[:5])}"
+              f"{' ...' if len(dropped) > 5 else ''}",
               file=sys.stderr)
     return dropped
 
@@ -597,7 +595,7 @@ _TWIN: Worker | None = None
 
 
 def twin() -> Worker:
-    """This lab process's clean twin: a worker forked like a path's that loads no path (lab/isolation/outside.py NULL_RULE)."""
+    """This lab process's clean twin: a worker forked like a path's that loads no path (rule outside_null)."""
     global _TWIN
     if _TWIN is None or _TWIN.died is not None or _TWIN.process.poll() is not None:
         _prepare_lab()
@@ -788,7 +786,7 @@ def _prime(tensors: list[torch.Tensor]) -> None:
     """A call's cache as the lab's in-process timing (measure/timing.py) gives each call: on CUDA the L2 flushed.
     On the CPU nothing: a set's inputs are read by its call (measured at attention tiny: a call over distinct sets
     read from the last-level cache runs as one rotating over 4 sets, 0.98x), and reading them before the call put
-    work in the span that its null, run on warmer caches, did not take out (+4% a call; outside.NULL_RULE)."""
+    work in the span that its null, run on warmer caches, did not take out (+4% a call; rule outside_null)."""
     if any(t.is_cuda for t in tensors):
         if not _FLUSH:
             from posttrainllm.measure.timing import l2_flush
@@ -797,7 +795,7 @@ def _prime(tensors: list[torch.Tensor]) -> None:
         _FLUSH[0]()
 
 
-WAKE_S = 0.002  # lab/isolation/outside.py WAKE_RULE
+WAKE_S = 0.002  # rule outside_wake
 
 
 def _wake() -> None:
@@ -816,7 +814,7 @@ RESERVE_EXTRA = 8 * 2**20  # _reserve: beyond twice a batch's inputs, for one ca
 
 
 def _keep_heap() -> bool:
-    """HEAP_RULE (lab/isolation/outside.py): the worker's freed memory stays mapped, as a long-running lab process's does.
+    """Rule outside_heap: the worker's freed memory stays mapped, as a long-running lab process's does.
     A batch keeps its N results until it is checked, so glibc returned the heap's top to the system after every
     batch and each call of the next faulted its pages in again (~50 minor faults, +35% a call, measured with
     getrusage at attention tiny), where the lab's in-process loop frees each result before the next call and
@@ -833,9 +831,9 @@ def _keep_heap() -> bool:
 
 
 def _reserve(nbytes: int) -> None:
-    """HEAP_RULE: `nbytes` of the heap touched and freed before a batch's clock (kept mapped by _keep_heap), so the
-    batch's kept results and its calls' temporaries land on pages already there, as a warm lab process's do;
-    in pieces under glibc's mmap threshold, so they come from the heap and stay."""
+    """Rule outside_heap: `nbytes` of the heap touched and freed before a batch's clock (kept mapped by
+    _keep_heap), so the batch's kept results and its calls' temporaries land on pages already there, as a warm lab
+    process's do; in pieces under glibc's mmap threshold, so they come from the heap and stay."""
     pieces = [torch.empty(min(nbytes - k, MMAP_THRESHOLD_MAX // 2), dtype=torch.uint8).fill_(0)
               for k in range(0, max(nbytes, 0), MMAP_THRESHOLD_MAX // 2)]
     del pieces
@@ -941,10 +939,10 @@ class _Server:
         self.kept: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.batches: dict[str, dict[str, Any]] = {}
         self.last: dict[str, Any] | None = None
-        self.last_kept: list[dict[str, Any]] = []  # the last batch's answers, in their kept buffers (KEEP_RULE)
-        self.buffers: list[list[torch.Tensor | None]] = []  # KEEP_RULE: per set of the placed batch
+        self.last_kept: list[dict[str, Any]] = []  # the last batch's answers, kept (rule outside_keep)
+        self.buffers: list[list[torch.Tensor | None]] = []  # rule outside_keep: per set of the placed batch
         self.layout: list[tuple[Any, Any, Any]] = []  # the shapes of a set's outputs and gradients, last seen
-        self.scratch: dict[tuple[Any, ...], torch.Tensor] = {}  # KEEP_RULE in the null
+        self.scratch: dict[tuple[Any, ...], torch.Tensor] = {}  # rule outside_keep in the null
         self.last_tensors: list[list[torch.Tensor]] = []
         self.last_backward = False
         self.last_sets: list[tuple[list[torch.Tensor], list[Any], dict[str, Any]]] = []
@@ -953,7 +951,7 @@ class _Server:
         self.ours: dict[tuple[str, str], Any] = {}
         self.user_file: str | None = None
         self.found: set[str] = set()  # what a timed run saw changed in a call, until `scan` asks
-        self.heap_kept = False  # HEAP_RULE: set at load
+        self.heap_kept = False  # rule outside_heap: set at load
 
     def load(self, m: dict[str, Any]) -> dict[str, Any]:
         if m["threads"]:
@@ -1021,7 +1019,7 @@ class _Server:
                                                                                            s["flags"])]
             sets.append((tensors, *_join(s["args"], s["kwargs"], tensors)))
         self.batches[m["key"]] = {"sets": sets, "grad_outs": m.get("grad_outs")}
-        # KEEP_RULE: each set's results are copied into buffers made (and written, so no page faults) here
+        # rule outside_keep: each set's results are copied into buffers made (and written, so no page faults) here
         self.buffers = [[torch.zeros(size, dtype=dtype, device=device) if size is not None else None
                          for size, dtype, device in self.layout] for _ in sets]
         if self.heap_kept:  # room for the batch's calls, about its inputs' size, twice over
@@ -1030,8 +1028,8 @@ class _Server:
         return {}
 
     def _keep(self, i: int, result: Any, grads: list[Any]) -> dict[str, Any]:
-        """KEEP_RULE: a call's outputs and gradients copied into the buffers `put` made for set i (any other made
-        now), after its clock; the caller then drops the call's own, so the next call allocates where this one
+        """Rule outside_keep: a call's outputs and gradients copied into the buffers `put` made for set i (any
+        other made now), after its clock; the caller then drops the call's own, so the next call allocates where this one
         did, as in the lab's in-process loop, which frees each result before the next call. The set's answer."""
         outputs: list[torch.Tensor] = []
         skeleton = _encode(result, outputs)
@@ -1052,8 +1050,8 @@ class _Server:
         return {"result": skeleton, "outputs": copies[:len(outputs)], "grads": copies[len(outputs):]}
 
     def _copy_again(self, answer: dict[str, Any]) -> None:
-        """KEEP_RULE in the null: a kept set's outputs and gradients copied once more (into scratch buffers of
-        their shapes, made once), as `_keep` copies them in the timed run."""
+        """Rule outside_keep in the null: a kept set's outputs and gradients copied once more (into scratch buffers
+        of their shapes, made once), as `_keep` copies them in the timed run."""
         with torch.no_grad():
             for t in [*answer["outputs"], *answer["grads"]]:
                 if isinstance(t, torch.Tensor):
@@ -1078,7 +1076,7 @@ class _Server:
         for i, (tensors, args, kwargs) in enumerate(sets):
             for t in tensors if not null else ():
                 t.grad = None
-            _prime(tensors)  # null or not: CUDA's L2 flushed as measure() flushes it (NULL_RULE)
+            _prime(tensors)  # null or not: CUDA's L2 flushed as measure() flushes it (rule outside_null)
             with torch.set_grad_enabled(backward and not null):
                 _sync(tensors)
                 start = _clock()
@@ -1120,7 +1118,7 @@ class _Server:
         return {"tampered": sorted(found)}
 
     def twin(self, m: dict[str, Any]) -> dict[str, Any]:
-        """A clean worker's stand-in for a batch (lab/isolation/outside.py NULL_RULE): the last results are the outputs and
+        """A clean worker's stand-in for a batch (rule outside_null): the last results are the outputs and
         gradients the lab sends, so a "null" run here costs what the path's worker's null costs, with no code of
         the path's in this process."""
         self.last_backward = bool(m["backward"])
@@ -1133,7 +1131,7 @@ class _Server:
         """One forward call of the set put under m["key"], its peak counted in this process by torch's allocator
         (measure/memory.py) and by tracemalloc (NumPy's buffers, Python's objects); answers with both counts and the
         outputs themselves. With "plain", the call alone, uncounted: the lab reads the resident set's growth around
-        it from outside (lab/isolation/outside.py MEMORY_RULE), with no profiler's memory in it."""
+        it from outside (rule outside_memory), with no profiler's memory in it."""
         import tracemalloc
 
         from posttrainllm.measure.memory import peak_bytes

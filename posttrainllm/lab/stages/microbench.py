@@ -214,14 +214,15 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                 continue
             mine = [rooms.fresh(x, device) for _, x in sets]  # this path's own buffers of every input set
             dos = [each(g, torch.Tensor.clone) for g in grad_outs]
-            stops = runner.continued()  # SIGNAL_RULE: the lab stopped and continued while this path is timed
+            stops = runner.continued()  # rule lab_stopped: the lab stopped and continued while this path is timed
             try:  # a compiled peer that would run eagerly at this shape raises (ops/peers.py NotCompiled)
                 timed = runner.runner_for(impl).time(op, cfg, case, mine, dos, device, settings)
             except Exception as exc:
                 report["paths"][name] = {"valid": False, "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
                 continue
             if runner.continued() != stops:
-                stopped = f"the lab process was stopped and continued while {name} was timed (outside.SIGNAL_RULE)"
+                stopped = (f"the lab process was stopped and continued while {name} was timed "
+                           f"({rules.named('lab_stopped')})")
                 if name == REFERENCE:
                     raise RuntimeError(f"{stopped}: every speedup is a ratio to it")
                 report["paths"][name] = {"valid": False, "reason": f"{stopped}: no speed", **timed.entry}
@@ -292,7 +293,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     report["curve"] = _curve(cfg, op, out, device, timed, calibration, floor_flops, cache_bytes=cache_bytes,
                              ridge=ridge)
     if runner.continued() != stops:
-        raise RuntimeError("the lab process was stopped and continued while it timed the curve (outside.SIGNAL_RULE)")
+        raise RuntimeError("the lab process was stopped and continued while it timed the curve "
+                           f"({rules.named('lab_stopped')})")
     for name, impl in runner.paths(op, cfg).items():  # after every timed call and curve size (compiled: per signature)
         if impl.evidence is not None and name in report["paths"]:
             report["paths"][name]["evidence"] = impl.evidence()
