@@ -819,3 +819,16 @@ def test_a_stage_that_runs_a_user_path_stamps_its_file_passed_by_its_runner(tmp_
     assert str(library) not in reads.outside_sources("parity", cfg, tmp_path)
     made = stamp.stage_stamp("kernel", POINT, {}, [], outside=reads.outside_sources("kernel", cfg, tmp_path))
     assert made["sources"][str(kernel)] == digest and "pipelines/kernel.py" in made["sources"]
+
+
+def test_every_point_stage_dep_dvc_yaml_names_exists_for_every_op_problem_included():
+    """What was seen: `dvc repro` of sweep=problems failed at kernel@problem-cross_entropy, its dep
+    posttrainllm/ops/problem/kernels.py not found (an op made from a problem file has no Triton code). A point
+    stage's deps, with the point's op put in, must each exist."""
+    stages = yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())["stages"]
+    for op in [*registry.OPS, registry.PROBLEM]:
+        for stage in reads.POINT_STAGES:
+            for dep in stages[stage]["do"]["deps"]:
+                if "${item.config.op.name}" in dep:
+                    path = PROJECT_ROOT / dep.replace("${item.config.op.name}", op)
+                    assert path.exists(), f"{stage}: {dep} for op={op}: {path} does not exist"

@@ -183,7 +183,7 @@ STAGES: dict[str, Reads] = {
 # dvc.yaml's comments on code files, wherever a stage lists them
 CODE_NOTES = {"posttrainllm/lab/isolation/user.py": "config.load() resolves op.user_impls (read, never run)",
               "posttrainllm/lab/approval.py": "on a GPU: refused without approval",
-              f"{OPS.as_posix()}/${{item.config.op.name}}/kernels.py": "its op's kernel, named here too: see inputs"}
+              f"{OPS.as_posix()}/${{item.config.op.name}}": "its op's folder (its kernels), named here too: see inputs"}
 # The stages that run the op's Triton path: kernel checks it and records its launch geometry; microbench times
 # it and bench_train trains it (on a GPU; bench_train also on a CPU, through the interpreter, for a few steps)
 KERNEL_STAGES = tuple(stage for stage in POINT_STAGES if STAGES[stage].ops == "kernels")
@@ -446,11 +446,12 @@ def undeclared_imports(stage: str, root: Path = PROJECT_ROOT) -> list[str]:
 
 def dvc_deps(stage: str, root: Path = PROJECT_ROOT) -> list[str]:
     """The stage's deps in dvc.yaml. A point stage: its inputs file (its code and config keys, `point_stage_deps`),
-    its op's Triton code by name where it runs it (so `dvc status` shows a kernel edit before the inputs stage
-    runs), then what earlier stages wrote; another stage: its code, its files, then what earlier stages wrote."""
+    its op's folder by name where it runs the op's Triton code (so `dvc status` shows a kernel edit before the
+    inputs stage runs; .dvcignore leaves out the bytecode), then what earlier stages wrote; another stage: its code, its files, then what earlier stages wrote."""
     reads = STAGES[stage]
     if stage in POINT_STAGES:
-        kernels = [f"{OPS.as_posix()}/${{item.config.op.name}}/kernels.py"] if reads.ops == "kernels" else []
+        # the op's folder, not its kernels.py: an op made from a problem file has no Triton code (ops/problem/)
+        kernels = [f"{OPS.as_posix()}/${{item.config.op.name}}"] if reads.ops == "kernels" else []
         return [f"runs/inputs/${{key}}/{stage}.json", *kernels, *reads.upstream]
     return [*stage_code(stage, root), *(conf_file(f, root) for f in reads.files), *reads.upstream]
 
