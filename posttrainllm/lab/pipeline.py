@@ -23,6 +23,7 @@ from typing import Any, Callable
 from posttrainllm.measure import device as devices
 from posttrainllm.config import ConfigError, LabConfig
 from posttrainllm.files import point_dir, read_json
+from posttrainllm.lab.reads import POINT_STAGES, outside_sources  # a point's stages, in DVC's order; its user files
 
 PARAMS = Path("params.yaml")
 RUNS = "runs"
@@ -30,7 +31,6 @@ CALIBRATION = Path(RUNS) / "calibration.json"
 HEADS_BASE = Path(RUNS) / "heads" / "base"  # dvc.yaml's train_base writes the draft-heads base here
 READS_KEY = "reads"  # a microbench's inputs file: {file: sha256} of what an earlier stage wrote, before any point stage
 INPUTS = Path(RUNS) / "inputs"  # runs/inputs/<point>/<stage>.json: what DVC reruns a point stage on (lab/sweep.py)
-POINT_STAGES = ("reference", "kernel", "parity", "microbench", "bench_train", "receipt")  # a point's, in DVC's order
 # The files each point stage writes in runs/<point>/ (dvc.yaml's outs less stamps and plots; tests/test_dvc_deps.py
 # checks): their sha256 goes into the stage's stamp, and the receipt refuses a file changed since (stamp.check_outputs)
 STAGE_OUTPUTS = {"reference": ("reference.pt",), "kernel": ("kernel.pt", "kernel.json", "tracebacks"),  # a folder:
@@ -213,8 +213,6 @@ def run_stage(stage: str, argv: list[str]) -> int:
             return None
         points = sweep.get("points") or [argv[0]]
         where = f" ({points.index(argv[0]) + 1}/{len(points)})" if argv[0] in points else ""
-        from posttrainllm.lab.reads import outside_sources  # the user paths' files the stage runs, for its stamp
-
         return StageRun(cfg, argv[0], point_dir(cfg), lambda: _stage(stage)(cfg, sweep), label=argv[0] + where,
                         inputs=INPUTS / argv[0] / f"{stage}.json", progress=sweep_progress(),
                         outputs=tuple(point_dir(cfg) / name for name in STAGE_OUTPUTS.get(stage, ())),

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from posttrainllm.config import PROJECT_ROOT, ConfigError
-from posttrainllm.lab.pipeline import POINT_STAGES
+
+POINT_STAGES = ("reference", "kernel", "parity", "microbench", "bench_train", "receipt")  # a point's, in DVC's order
 
 PACKAGE = "posttrainllm"
 OPS = Path(PACKAGE) / "ops"  # root-relative: each op's folder, ops/<op>/
