@@ -295,3 +295,31 @@ def test_outside_timing_seeds_are_checked_recorded_well_formed_and_unshared():
     assert verify_timing_seeds(missing) == ["microbench a/forward: timed from outside with no timing seed recorded"]
     bad = {"microbench": {"paths": {"a": entry("7", 2**48)}}}
     assert len(verify_timing_seeds(bad)) == 2 and "is not a 48-bit number" in verify_timing_seeds(bad)[1]
+
+
+def test_replayed_plots_name_what_the_curve_skipped_and_its_regimes(point, tmp_path, monkeypatch):
+    """What was seen: the replayed time-vs-size plot dropped the skipped paths (Triton through its interpreter)
+    without a word and labelled no regime, unlike the microbench's own; the roofline draws the one peak the point
+    was held to (the receipt stores that peak alone)."""
+    from posttrainllm.track import plots
+
+    seen = {}
+    real_roof, real_time = plots.roofline_figure, plots.time_vs_size_figure
+
+    def roof(*args, **kwargs):
+        seen["roof"] = kwargs
+        return real_roof(*args, **kwargs)
+
+    def time_plot(*args, **kwargs):
+        seen["time"] = kwargs
+        return real_time(*args, **kwargs)
+
+    monkeypatch.setattr(plots, "roofline_figure", roof)
+    monkeypatch.setattr(plots, "time_vs_size_figure", time_plot)
+    receipt = json.loads((point / "receipt.json").read_text())
+    [stored], _ = replay.load(str(point))
+    replay.render_plots(stored, tmp_path)
+    curve = receipt["microbench"]["curve"]
+    assert isinstance(receipt["microbench"]["peaks"]["gemm_flops_per_s"], float) and "roof" in seen
+    assert seen["time"]["omitted"] == curve["skipped"] and "triton" in curve["skipped"]
+    assert seen["time"]["regimes"] == curve["regimes"]

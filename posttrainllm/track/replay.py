@@ -503,17 +503,22 @@ def render_plots(stored: Stored, out: Path) -> list[Path]:
     from posttrainllm.track import plots
 
     written = []
-    if (stored.folder / "curve.csv").exists():
+    bench = stored.receipt.get("microbench") or {}
+    curve = bench.get("curve") or {}
+    if (stored.folder / "curve.csv").exists():  # as the microbench drew them: its regimes, the paths it skipped
         frame = pd.read_csv(stored.folder / "curve.csv")
-        for draw, name in ((plots.time_vs_size, "time_vs_size.png"), (plots.memory_vs_size, "memory_vs_size.png")):
+        regimes = curve.get("regimes") if "mode" in frame.columns else None  # a curve from before modes: none
+        draws = ((lambda df, path: plots.time_vs_size(df, path, regimes=regimes, omitted=curve.get("skipped")),
+                  "time_vs_size.png"),
+                 (plots.memory_vs_size, "memory_vs_size.png"))
+        for draw, name in draws:
             try:
                 written.append(draw(frame, out / name))
             except ValueError:  # no valid rows: nothing to draw, as when it was measured
                 pass
-    bench = stored.receipt.get("microbench") or {}
     lines = [{"label": name, **entry["roofline"]} for name, entry in (bench.get("paths") or {}).items()
              if entry.get("valid") and entry.get("roofline")]
-    if lines and bench.get("peaks", {}).get("gemm_flops_per_s"):
+    if lines and bench.get("peaks", {}).get("gemm_flops_per_s"):  # the peak the point was held to: its own roof
         written.append(plots.roofline_plot(lines, bench["peaks"], out / "roofline.png",
                                            title=f"{bench.get('op', '')} {bench.get('problem', '')}".strip()))
     return written
