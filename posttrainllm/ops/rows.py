@@ -14,11 +14,12 @@ Not imported with triton: the op definitions read it at import, and they must no
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from posttrainllm.config import ConfigError, LabConfig, next_power_of_two
+from posttrainllm.config import ConfigError, LabConfig, OpConfig, next_power_of_two, require
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_BLOCK = 16  # tl.arange and tl.dot want at least 16 lanes
@@ -113,3 +114,14 @@ def refuse_tile_auto(cfg: LabConfig, op: str) -> None:
     if cfg.tile.autotune:
         raise ConfigError(f"tile=auto: op={op} has no autotuner; choose a fixed tile (b16, b32, b64, b128: "
                           "tile.block_n is the columns a program loads at once)")
+
+
+@dataclass
+class NormConfig(OpConfig):
+    """The one key of a norm op's own (rmsnorm, layernorm, add_rmsnorm: each op's config.py names it and says where
+    its epsilon sits): eps inside the root; bench-train's model takes it as its norm_eps."""
+
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        require(self.eps > 0, f"op.eps={self.eps}: must be > 0 (it keeps an all-zero row finite)")

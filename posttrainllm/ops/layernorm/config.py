@@ -1,17 +1,12 @@
-"""The layernorm op's own key (conf/op/layernorm.yaml): its epsilon."""
+"""The layernorm op's own key (conf/op/layernorm.yaml): its epsilon, inside the root: (x - mean(x)) / sqrt(var(x) + eps)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrainllm.config import OpConfig, require
+from posttrainllm.ops.rows import NormConfig
 
 
 @dataclass
-class Config(OpConfig):
+class Config(NormConfig):
     name: str = "layernorm"
-    # the epsilon inside the root, (x - mean(x)) / sqrt(var(x) + eps); bench-train's model takes it as its norm_eps
-    eps: float = 1e-5
-
-    def __post_init__(self) -> None:
-        require(self.eps > 0, f"op.eps={self.eps}: must be > 0 (it keeps an all-zero row finite)")
