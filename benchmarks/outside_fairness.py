@@ -3,7 +3,7 @@
     python benchmarks/outside_fairness.py [ROUNDS] [hydra overrides ...]
 
 In one process, round after round, and within a round A/B/A for each pair and mode: the in-process peer timed as the
-microbench times it (measure(), rotating over bench.input_sets sets), then the user path timed from outside its worker
+microbench times it (measure(), rotating over bench.input_sets sets), (batch means, rule batch_mean), then the user path timed from outside its worker
 as the microbench times it (outside.time_user_path), then the peer again. The user paths: the unedited `new-impl`
 template (the reference's math) against the reference, and `examples/torch_attention.py:sdpa_attention` against the
 built-in `sdpa`. A shared machine changes speed for seconds at a time (measured: the same loop 0.26 or 0.47 ms a
@@ -73,9 +73,9 @@ def in_process(impl, mode: str) -> float:
     if mode == "forward":
         with torch.no_grad():
             return measure(rooms.rotating([lambda x=x: run.forward(x, cfg) for x in mine]), device=device,
-                           **settings).median_ms
+                           batched=True, **settings).median_ms
     calls = [run.forward_backward(x, g.clone(), cfg) for x, g in zip(mine, grad_outs)]
-    return measure(rooms.rotating(calls), device=device, **settings).median_ms
+    return measure(rooms.rotating(calls), device=device, batched=True, **settings).median_ms
 
 
 print(f"attention fp32 {op.problem(case)} threads {torch.get_num_threads()} rounds {rounds} {' '.join(overrides)}; "

@@ -41,6 +41,14 @@ RULES: dict[str, Rule] = {
     "noisy": Rule("noisy = reps < {min_samples} or (p80 - p20) / median > {spread}",
                   "measure/timing.py summary",
                   {"min_samples": "timing.NOISY_MIN_SAMPLES", "spread": "timing.NOISY_SPREAD"}),
+    "batch_mean": Rule(
+        "every path the lab compares is read by one statistic: a sample is the mean per call over a batch of N "
+        "consecutive calls, the figure the median over at least {batches_min} batches; in process N is sized from "
+        "the last warm-up call so that {batches_min} batches fill bench.min_time_s (at most {batch_max} calls, and "
+        "{batches_min} batches within bench.max_reps), and on the CPU one wall-clock span covers the batch, less "
+        "what the lab's thread waited runnable on a run queue in it; a user path's batches are timed from outside "
+        "its worker (rule outside_timing)",
+        "measure/timing.py measure", {"batches_min": "timing.BATCHES_MIN", "batch_max": "timing.BATCH_MAX"}),
     "other_streams": Rule(
         "CUDA: each repetition's events (current stream) sit inside a device-wide synchronisation whose wall time "
         "counts every stream; a wall median over (1 + {slack:g}) x the events' median + {slack_ms:g} ms is work "
@@ -101,8 +109,9 @@ RULES: dict[str, Rule] = {
         "lab/isolation/outside.py time_user_path",
         parts=("outside_null", "outside_run_queue", "outside_unreadable")),
     "outside_null": Rule(
-        "after each batch the lab times the same request calling nothing: the batch loop and the checksums over "
-        "that batch's outputs, once in the path's worker and once in a clean twin (a worker forked alike that never "
+        "after each batch the lab times the same request calling nothing: the same batch loop, line for line, each "
+        "call replaced by its kept result (the clock, the checks of the result, the copies of rule outside_keep) and "
+        "the checksums over that batch's outputs, once in the path's worker and once in a clean twin (a worker forked alike that never "
         "loaded a path), handed the same outputs; the smaller is the batch's null: a null the path's own process "
         "slows (a thread or a process that works only while nothing is called) is not subtracted",
         "lab/isolation/outside.py _batch"),
@@ -124,7 +133,7 @@ RULES: dict[str, Rule] = {
         "{unreadable_max} unreadable batches, no speed: the machine was too loaded to time the path (a path cannot "
         "make a batch unreadable to its gain: that needs a span shorter than calling nothing)",
         "lab/isolation/outside.py time_user_path",
-        {"batches_min": "outside.BATCHES_MIN", "unreadable_max": "outside.UNREADABLE_MAX"}),
+        {"batches_min": "timing.BATCHES_MIN", "unreadable_max": "outside.UNREADABLE_MAX"}),
     "timing_seed": Rule(
         "the timing's input sets are drawn from a base seed the lab draws at run time from the operating system's "
         "randomness (secrets), per path and mode, recorded after the timing: no source holds it, so no set can be "

@@ -128,3 +128,101 @@ def test_work_on_another_stream_is_named_from_the_synchronised_wall_clock():
     assert side.startswith("work outside the timed stream") and "3 ms" in side
     assert other_streams([0.004] * 5, [0.03] * 5) is None  # a tiny kernel: under the absolute slack
     assert other_streams(events, []) is None  # no wall clock (the CPU)
+
+
+# --- rule batch_mean: the statistic every compared path is read by --------------------------------------------------
+
+def test_batched_samples_are_batch_means_sized_from_the_last_warmup():
+    """N comes from the last warm-up call (BATCHES_MIN batches fill min_time_s); a sample is one batch's mean per
+    call, so a slow call in every batch moves the figure, where a median of single calls drops it."""
+    log: list[str] = []
+    clock = FakeClock(log)
+    k = [0]
+
+    def fn():
+        k[0] += 1
+        clock.now += 0.011 if k[0] % 10 == 0 else 0.001  # every tenth call 11 ms, the others 1 ms
+
+    # min_time_s 0.05 over 5 batches: 10 ms a batch, at the last warm-up's 1 ms: N = 10
+    t = measure(fn, device="cpu", warmup=2, reps=1, min_time_s=0.05, max_reps=200, clock=clock, batched=True,
+                run_queue=None)
+    assert t.batched and t.batch_size == 10
+    assert len(t.samples_ms) == timing.BATCHES_MIN  # reps=1 is met, the batches are not
+    assert t.median_ms == pytest.approx(2.0)  # (9 x 1 + 11) / 10 ms
+    singles = measure(fn, device="cpu", warmup=2, reps=50, min_time_s=0.0, max_reps=50, clock=clock)
+    assert singles.median_ms == pytest.approx(1.0)  # the statistic the outside timing could not match
+    assert t.summary()["timing_rule"] == timing.BATCH_MEAN and "timing_rule" not in singles.summary()
+
+
+def test_batched_cpu_batch_is_one_span_less_its_run_queue_wait():
+    log: list[str] = []
+    clock = FakeClock(log)
+    readings = iter([(0, 0), (2_000_000, 3_000_000)] * 100)  # per batch: ran 2 ms, waited 3 ms (ns)
+
+    def fn():
+        log.append("fn")
+        clock.now += 0.001
+
+    def slow_batch_fn():  # every call waits 0.3 ms on a run queue: 10 calls, 3 ms of a 13 ms span
+        clock.now += 0.0003
+        fn()
+
+    t = measure(slow_batch_fn, device="cpu", warmup=1, reps=1, min_time_s=0.0, max_reps=200, clock=clock,
+                batched=True, run_queue=lambda: next(readings))
+    assert t.batch_size == 1 and len(t.samples_ms) == timing.BATCHES_MIN  # min_time_s 0: a batch of one
+    # one span per batch: clock, the calls, clock; less the wait, capped at the span less what ran (1.3 - 2 < 0)
+    assert t.samples_ms == pytest.approx([1.3] * timing.BATCHES_MIN)
+    log.clear()
+    readings = iter([(0, 0), (10_000_000, 3_000_000)] * 100)  # ran 10 ms of a 13 ms span, waited 3 ms
+    k = [0]
+
+    def ten_ms():
+        k[0] += 1
+        clock.now += 0.013 if k[0] > 1 else 0.001  # the warm-up 1 ms: N = ceil(0.05 / 5 / 0.001) = 10
+
+    t = measure(ten_ms, device="cpu", warmup=1, reps=1, min_time_s=0.05, max_reps=200, clock=clock, batched=True,
+                run_queue=lambda: next(readings))
+    assert t.batch_size == 10
+    assert t.samples_ms[0] == pytest.approx((130.0 - 3.0) / 10)  # the 3 ms waited is out of the span
+    assert t.run_queue_share == pytest.approx(3.0 / 130.0)
+
+
+def test_batch_size_bounds():
+    assert timing.batch_size(0.001, min_time_s=0.2, max_reps=200) == 40  # wants 40 ms / 1 ms = 40
+    assert timing.batch_size(1e-6, min_time_s=0.2, max_reps=1000) == timing.BATCH_MAX  # capped
+    assert timing.batch_size(1e-6, min_time_s=0.2, max_reps=200) == 40  # 5 batches within max_reps
+    assert timing.batch_size(1.0, min_time_s=0.2, max_reps=200) == 1  # a slow call: batches of one
+    assert timing.batch_size(1e-6, min_time_s=0.2, max_reps=3) == 1  # too few reps for 5 batches
+
+
+def test_batched_never_exceeds_max_reps_and_unbatched_is_unchanged():
+    log: list[str] = []
+    clock = FakeClock(log)
+
+    def fn():
+        clock.now += 0.001
+
+    t = measure(fn, device="cpu", warmup=1, reps=1, min_time_s=10.0, max_reps=23, clock=clock, batched=True,
+                run_queue=None)
+    assert t.batch_size * len(t.samples_ms) <= 23 and t.batch_size == 4  # 23 // 5
+    plain = measure(fn, device="cpu", warmup=1, reps=1, min_time_s=10.0, max_reps=23, clock=clock)
+    assert len(plain.samples_ms) == 23 and plain.batch_size == 1 and not plain.batched
+
+
+def test_batched_cuda_style_keeps_the_flush_outside_each_call():
+    """With a flush (CUDA), each call is timed on its own with the flush outside it; the sample is their mean."""
+    log: list[str] = []
+    clock = FakeClock(log)
+
+    def fn():
+        log.append("fn")
+        clock.now += 0.002
+
+    def flush():
+        log.append("flush")
+        clock.now += 1.0
+
+    t = measure(fn, device="cpu", warmup=1, reps=1, min_time_s=0.02, max_reps=200, flush=flush, clock=clock,
+                batched=True)
+    assert t.batch_size == 2 and t.samples_ms == pytest.approx([2.0] * len(t.samples_ms))
+    assert log.count("flush") == log.count("fn") - 1  # every timed call, not the warm-up

@@ -154,11 +154,11 @@ class InProcess:
             with torch.no_grad():
                 first = first_call_ms(lambda: self.forward(sets[0], cfg), device)
                 forward = measure(rooms.rotating([lambda x=x: self.forward(x, cfg) for x in sets]), device=device,
-                                  **settings)
+                                  batched=True, **settings)
                 memory = peak_bytes(lambda: self.forward(sets[0], cfg), device, warmup=0)
             train = None if self.impl.backward == NO_BACKWARD else measure(
                 rooms.rotating([self.forward_backward(x, g, cfg) for x, g in zip(sets, grad_outs)]), device=device,
-                **settings)
+                batched=True, **settings)
         return Timed(forward, train, memory, first, guard.reason)
 
     def curve_row(self, op: OpDef, cfg: LabConfig, case: Case, mode: str, sets: list[Tensors],

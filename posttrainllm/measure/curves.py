@@ -53,7 +53,7 @@ def measure_row(call: Callable[[], object], *, device: str, settings: dict[str, 
     if check != "pass":
         return {**row, **blank, "reason": f"not timed: {check}"}
     try:
-        timing = measure(call, device=device, **settings)
+        timing = measure(call, device=device, batched=True, **settings)
         mem = peak_bytes(call, device, warmup=0)["peak_bytes"] if memory else None  # warm: just timed
     except Exception as exc:  # a path that fails at one size is recorded, not fatal
         return {**row, **blank, "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}

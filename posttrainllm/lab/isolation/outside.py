@@ -43,16 +43,15 @@ import torch
 
 from posttrainllm import rules
 from posttrainllm.lab import oracle
-from posttrainllm.measure.timing import Timing, summarize
+from posttrainllm.measure.timing import BATCH_MAX, BATCHES_MIN, Timing, schedstat, summarize
 from posttrainllm.ops.registry import Case, Impl, OpDef
 from posttrainllm.ops.base import point_dtype
 from posttrainllm.lab.isolation import worker as workers
 
-BATCH_MIN, BATCH_MAX = 4, 64
+BATCH_MIN = 4  # calls in a batch at least (at most: timing.BATCH_MAX)
 WARMUPS = 2  # warm-up batches (rule outside_warmup)
 BATCH_OVER_NULL = 20  # a batch computes for at least this many null spans, when N <= BATCH_MAX allows
 PINGS = 9  # repetitions of the empty call (recorded: round_trip_ms; no figure depends on it)
-BATCHES_MIN = 5  # timed batches at least: the figure is the median of one sample per batch
 SET_SEED = 7_919  # set k of a path's timing draws its inputs from a base seed drawn at run time + SET_SEED * (k + 1)
 SEED_OFFSET = 2 * 104_729  # the memory call's set: away from the parity cases' seeds and stages.FRESH_SEED
 UNREADABLE_MAX = 3 * BATCHES_MIN  # rule outside_unreadable
@@ -209,16 +208,6 @@ def minor_faults(pid: int) -> int | None:
         return None
 
 
-def _schedstat(path: str) -> tuple[int, int] | None:
-    """(ns run, ns waited runnable on a run queue) of one thread, from the kernel (proc(5) schedstat), or None."""
-    try:
-        with open(path) as f:
-            ran, waited = f.read().split()[:2]
-        return int(ran), int(waited)
-    except (OSError, ValueError):
-        return None
-
-
 def _process_cpu_ns(pid: int) -> int | None:
     """The CPU time of every thread a process has run, ended ones included, in ns: its process CPU clock
     (clock_getcpuclockid, read from outside: MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)), None where the kernel
@@ -233,7 +222,7 @@ def _scheduled(pid: int) -> dict[str, Any]:
     """Rule outside_run_queue's readings now: the worker's main thread's and the lab's calling thread's (run,
     waited) ns, and the ns the worker's other threads have run (rule outside_thread): those that ended included,
     from the process's CPU clock less its main thread's, else its live threads' alone."""
-    main = _schedstat(f"/proc/{pid}/task/{pid}/schedstat")
+    main = schedstat(f"/proc/{pid}/task/{pid}/schedstat")
     process = _process_cpu_ns(pid)
     if process is not None and main is not None:
         others = max(process - main[0], 0)
@@ -242,11 +231,11 @@ def _scheduled(pid: int) -> dict[str, Any]:
         try:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 if tid != str(pid):
-                    others += (_schedstat(f"/proc/{pid}/task/{tid}/schedstat") or (0, 0))[0]
+                    others += (schedstat(f"/proc/{pid}/task/{tid}/schedstat") or (0, 0))[0]
         except OSError:
             pass
     return {"worker": main, "others_ran": others,
-            "lab": _schedstat(f"/proc/self/task/{threading.get_native_id()}/schedstat")}
+            "lab": schedstat(f"/proc/self/task/{threading.get_native_id()}/schedstat")}
 
 
 def _waited_s(before: dict[str, Any], after: dict[str, Any], span: float) -> float:
@@ -443,6 +432,7 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
                   # after the timing: replay checks them
                   timing_seeds={"base": base, "rule": rules.cite("timing_seed")})
     timing = summarize([s * 1e3 for s in samples], threads=threads, flushed=False)
+    timing.batched, timing.batch_size = True, n  # rule batch_mean's statistic, its batches timed from outside
     return UserTiming(timing, None, report)
 
 

@@ -1027,44 +1027,39 @@ class _Server:
             _reserve(2 * sum(t.numel() * t.element_size() for t in placed if t.device.type == "cpu") + RESERVE_EXTRA)
         return {}
 
-    def _keep(self, i: int, result: Any, grads: list[Any]) -> dict[str, Any]:
+    def _keep(self, i: int, result: Any, grads: list[Any], null: bool = False) -> dict[str, Any]:
         """Rule outside_keep: a call's outputs and gradients copied into the buffers `put` made for set i (any
         other made now), after its clock; the caller then drops the call's own, so the next call allocates where this one
-        did, as in the lab's in-process loop, which frees each result before the next call. The set's answer."""
+        did, as in the lab's in-process loop, which frees each result before the next call. The set's answer.
+        null: the same copies into scratch buffers of their shapes (made once), the kept answers left as they are."""
         outputs: list[torch.Tensor] = []
         skeleton = _encode(result, outputs)
-        slots = self.buffers[i] if i < len(self.buffers) else []
+        slots = self.buffers[i] if i < len(self.buffers) and not null else []
         copies = []
         with torch.no_grad():
             for j, t in enumerate([*outputs, *grads]):
                 if not isinstance(t, torch.Tensor):
                     copies.append(None)
                     continue
-                buffer = slots[j] if j < len(slots) else None
+                key = (tuple(t.shape), t.dtype, t.device)
+                buffer = slots[j] if j < len(slots) else self.scratch.get(key) if null else None
                 if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype or buffer.device != t.device:
                     buffer = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                    if null:
+                        self.scratch[key] = buffer
                 copies.append(buffer.copy_(t.detach()))
-        if i == 0:  # the next batch's buffers are made like these
+        if i == 0 and not null:  # the next batch's buffers are made like these
             self.layout = [(tuple(c.shape), c.dtype, c.device) if c is not None else (None, None, None)
                            for c in copies]
         return {"result": skeleton, "outputs": copies[:len(outputs)], "grads": copies[len(outputs):]}
 
-    def _copy_again(self, answer: dict[str, Any]) -> None:
-        """Rule outside_keep in the null: a kept set's outputs and gradients copied once more (into scratch buffers
-        of their shapes, made once), as `_keep` copies them in the timed run."""
-        with torch.no_grad():
-            for t in [*answer["outputs"], *answer["grads"]]:
-                if isinstance(t, torch.Tensor):
-                    key = (tuple(t.shape), t.dtype, t.device)
-                    if key not in self.scratch:
-                        self.scratch[key] = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-                    self.scratch[key].copy_(t)
-
     def run(self, m: dict[str, Any]) -> dict[str, Any]:
         """Compute every set of a batch, each call on the worker's clock; answer with the times and a checksum of
         every output (read before answering: a result still being written after it differs when fetched).
-        With "null": the same loop and checksums over the last batch's results, calling nothing: the overhead
-        the lab subtracts from its span."""
+        With "null": the same loop, line for line, over the last batch's sets, its calls replaced by the last
+        batch's results (their kept copies): every step around a call (the clock, the checks of its result, the
+        copies of rule outside_keep) and the checksums, the overhead the lab subtracts from its span (rule
+        outside_null)."""
         null = m.get("null", False)
         _patch_interpreter()  # before the clock
         batch = None if null else self.batches.pop(m["key"])
@@ -1074,40 +1069,38 @@ class _Server:
         tampered: set[str] = set()
         _wake()  # null or not: the same, so the lab's null takes it out of the span
         for i, (tensors, args, kwargs) in enumerate(sets):
-            for t in tensors if not null else ():
+            for t in tensors:
                 t.grad = None
             _prime(tensors)  # null or not: CUDA's L2 flushed as measure() flushes it (rule outside_null)
+            stored = self.last_kept[i] if null else None
             with torch.set_grad_enabled(backward and not null):
                 _sync(tensors)
                 start = _clock()
                 if null:
-                    result = self.last_kept[i]
+                    result = rebuild_result(stored["result"], stored["outputs"])
                 else:
                     result = self.fn(*args, **kwargs)
                     if backward:
                         _backward(result, batch["grad_outs"][i])
                 _sync(tensors)
                 samples.append(_clock() - start)
-            if null:
-                self._copy_again(result)
-                kept.append(result)
-                continue
             if torch.get_num_threads() != self.state.get("threads", torch.get_num_threads()):
                 tampered.add(f"threads {self.state['threads']} -> {torch.get_num_threads()} in a call")
             # a tensor subclass can compute when read, after the per-call clock: not a timed result
             tampered.update(f"returned a {type(t).__name__} (a torch.Tensor subclass: it can compute when read, "
                             "after the clock)" for t in _tensors_in(result) if type(t) is not torch.Tensor
                             and not isinstance(t, torch.nn.Parameter))
-            kept.append(self._keep(i, result, [t.grad for t in tensors] if backward else []))
+            grads = (stored["grads"] if null else [t.grad for t in tensors]) if backward else []
+            answer = self._keep(i, result, grads, null=null)
+            kept.append(stored if null else answer)
             result = None  # the call's own outputs (and its graph) freed before the next call, as in-process
             for t in tensors:
                 t.grad = None
         if not null:
             self.last_kept, self.last_backward, self.last_sets, self.buffers = kept, backward, sets, []
             self.last_tensors = [tensors for tensors, _, _ in sets]
-        self.last = {"results": kept, "threads": torch.get_num_threads()}
-        if not null:
             self.found |= tampered  # handed over by `scan`, after the lab's clock (the span holds no scan)
+        self.last = {"results": kept, "threads": torch.get_num_threads()}
         return {"samples_s": samples, "checksums": [checksums(a) for a in kept]}
 
     def scan(self, m: dict[str, Any]) -> dict[str, Any]:
