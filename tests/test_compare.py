@@ -60,7 +60,9 @@ def edited_copy(point, folder, edit):
     for name, entry in valid.items():
         for mode, stored, flops in (("forward", entry, bench["flops"]),
                                     ("forward_backward", entry["forward_backward"], bench["train_flops"])):
-            again = summarize(samples[name, mode], threads=stored["threads"], flushed=stored["flushed"])
+            again = summarize(samples[name, mode], threads=stored["threads"], flushed=stored["flushed"],
+                              batched=stored["batched"], batch_size=stored["batch_size"],
+                              run_queue_share=stored["run_queue_share"])
             stored.update(again.summary())
             stored["gflops_per_s"] = flops / (stored["median_ms"] / 1e3) / 1e9
         seconds = entry["median_ms"] / 1e3

@@ -11,6 +11,7 @@ import types
 import pytest
 
 from posttrainllm import cli
+from posttrainllm.measure.timing import BATCHES_MIN
 from posttrainllm.track import replay
 
 # train.*: the parity case at the shape bench-train trains (ops/attention/definition.py train_case) at the smoke sweep's size
@@ -70,7 +71,8 @@ def test_replay_renders_from_storage_runs_nothing_and_writes_nothing_there(point
     assert "revision  stored" in out and "device    stored cpu" in out and "here cpu" in out
     assert re.search(r"^sdpa +pass ", out, re.M) and "interpreted: not speed" in out  # the point table
     assert "grad_q" in out and "lse" in out  # the parity table: every output of every path
-    assert "sdpa/forward_backward 3 samples" in out and "verified: ok" in out
+    # reps=3 calls, and at least BATCHES_MIN batch means (rule batch_mean)
+    assert f"sdpa/forward_backward {BATCHES_MIN} samples" in out and "verified: ok" in out
     assert {p.name for p in (tmp_path / "out" / "stored").iterdir()} == {"time_vs_size.png", "memory_vs_size.png",
                                                                          "roofline.png"}
     assert _hashes(point) == before  # the point's folder is only read
@@ -133,11 +135,13 @@ def test_crossovers_are_checked_per_mode_and_an_old_curve_without_modes_reads_as
 
 
 def test_a_dropped_sample_and_a_missing_samples_file_are_named(point, tmp_path, capsys):
-    last = (point / "timings.csv").read_text().splitlines()[-1].split(",")  # op, impl, mode, rep, ms, ...
+    rows = (point / "timings.csv").read_text().splitlines()
+    last = rows[-1].split(",")  # op, impl, mode, rep, ms, ...
+    reps = sum(1 for row in rows[1:] if row.split(",")[1:3] == last[1:3])  # the batches of rule batch_mean
     drop_last = lambda text: "\n".join(text.splitlines()[:-1]) + "\n"  # noqa: E731
     folder = _tampered(point, tmp_path, csv_edit=drop_last)
     assert cli.main(["replay", str(folder), "--out", str(tmp_path / "out")]) == 2
-    assert f"{last[1]}/{last[2]}: reps=3 stored, 2 samples in timings.csv" in capsys.readouterr().err
+    assert f"{last[1]}/{last[2]}: reps={reps} stored, {reps - 1} samples in timings.csv" in capsys.readouterr().err
     (folder / "timings.csv").unlink()
     assert cli.main(["replay", str(folder), "--out", str(tmp_path / "out")]) == 2
     assert "timings.csv (the raw samples) is not beside the receipt" in capsys.readouterr().err

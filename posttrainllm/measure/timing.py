@@ -99,14 +99,16 @@ def is_noisy(n: int, median: float, p20: float, p80: float) -> bool:
     return (p80 - p20) / median > NOISY_SPREAD if median > 0 else True
 
 
-def summarize(samples_ms: list[float], *, threads: int | None = None, flushed: bool = False) -> Timing:
+def summarize(samples_ms: list[float], *, threads: int | None = None, flushed: bool = False, batched: bool = False,
+              batch_size: int = 1, run_queue_share: float | None = None) -> Timing:
     ordered = sorted(samples_ms)
     mean = statistics.fmean(ordered)
     cv = statistics.pstdev(ordered) / mean if len(ordered) > 1 and mean > 0 else 0.0
     median, p20, p80 = statistics.median(ordered), _quantile(ordered, 0.2), _quantile(ordered, 0.8)
     return Timing(samples_ms=list(samples_ms), median_ms=median, p20_ms=p20, p80_ms=p80, min_ms=ordered[0], cv=cv,
                   iqr_ms=_quantile(ordered, 0.75) - _quantile(ordered, 0.25),
-                  noisy=is_noisy(len(ordered), median, p20, p80), threads=threads, flushed=flushed)
+                  noisy=is_noisy(len(ordered), median, p20, p80), threads=threads, flushed=flushed, batched=batched,
+                  batch_size=batch_size, run_queue_share=run_queue_share)
 
 
 def l2_flush(device: str) -> Callable[[], None] | None:
@@ -263,9 +265,8 @@ def measure(fn: Callable[[], object], *, device: str, warmup: int, reps: int, mi
             samples.append(total / n)
         calls += n
         spent += span / 1e3
-    timing = summarize(samples, threads=torch.get_num_threads(), flushed=flush_fn is not None)
+    timing = summarize(samples, threads=torch.get_num_threads(), flushed=flush_fn is not None, batched=batched,
+                       batch_size=n, run_queue_share=(waits / spans if spans > 0 else 0.0)
+                       if one_span and run_queue is not None else None)
     timing.other_streams = other_streams(per_call, walls)
-    timing.batched, timing.batch_size = batched, n
-    if one_span and run_queue is not None:
-        timing.run_queue_share = waits / spans if spans > 0 else 0.0
     return timing

@@ -431,8 +431,8 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
                   run_queue_share=statistics.median(waits),
                   # after the timing: replay checks them
                   timing_seeds={"base": base, "rule": rules.cite("timing_seed")})
-    timing = summarize([s * 1e3 for s in samples], threads=threads, flushed=False)
-    timing.batched, timing.batch_size = True, n  # rule batch_mean's statistic, its batches timed from outside
+    # rule batch_mean's statistic, its batches timed from outside
+    timing = summarize([s * 1e3 for s in samples], threads=threads, flushed=False, batched=True, batch_size=n)
     return UserTiming(timing, None, report)
 
 
