@@ -146,8 +146,9 @@ class MicrobenchRecord(Record):
     """microbench.json: the timed paths at the point's shape, and the curve (lab/stages/microbench.py)."""
 
     # 2: rules by id (posttrainllm/rules.py); cost_models is cost_model_rule. 3: a user path's timing from outside
-    # cites its rules by id (outside.<mode>.rule, timing_seeds.rule; memory.method is memory.method_rule)
-    SCHEMA_VERSION: ClassVar[int] = 3
+    # cites its rules by id (outside.<mode>.rule, timing_seeds.rule; memory.method is memory.method_rule). 4: every
+    # timing a median of batch means (rule batch_mean: timing_rule, batched, batch_size; timings.csv holds batch means)
+    SCHEMA_VERSION: ClassVar[int] = 4
     FILE: ClassVar[str] = "microbench.json"
     STAGE: ClassVar[str] = "microbench"
 
