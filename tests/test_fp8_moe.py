@@ -220,7 +220,7 @@ def test_torch_scaled_grouped_mm_is_absent_and_named_and_the_costs_count_one_byt
     assert described["unavailable"] == {"scaled_grouped_mm": why}
     assert described["expert_weight_bytes_total"] == 4 * 3 * 64 * 96  # one byte each
     costs = moe.OP.costs(case, cfg)
-    touched = moe._touched_experts(case)
+    touched = moe._touched_experts(case, cfg)  # under the routing make_inputs makes (x in the point's dtype)
     assert costs.bytes == ((24 * 64 + touched * 3 * 64 * 96) + 24 * 64 * 2 + (24 + touched * (2 * 96 + 64)) * 4
                            + 24 * 2 * (8 + 2))
     assert costs.flops == 2 * 24 * 2 * 3 * 64 * 96

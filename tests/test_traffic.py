@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from posttrainllm.config import LabConfig
+from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.lab.configure import load
 from posttrainllm.measure.traffic import counted
 from posttrainllm.ops.attention import definition as attention
@@ -332,4 +332,234 @@ def test_moe_dense_reference_model_is_the_counted_traffic(dtype, tokens, d_model
          (tokens, top_k)], getattr(torch, dtype))
     costs = moe.OP.costs_of(moe.IMPLS["reference"], case, cfg)
     assert costs.model == "dense" and (costs.bytes, costs.train_bytes) == counted_bytes
-    assert moe.OP.costs_of(moe.IMPLS["triton"], case, cfg).model == FLOOR  # no model declared yet: the floor
+    assert moe.OP.costs_of(moe.IMPLS["triton"], case, cfg).model == "tiled"  # its own model (the section below)
+
+
+# --- moe: each routed path's own model (ops/moe/costs.py) -------------------------------------------------------
+#
+# The eager paths (the sparse loop, torch's grouped_mm) run here: their models are the counted traffic, on the
+# routing make_inputs makes for the case. The Triton kernels' loads are not countable (the interpreter moves
+# tensors in and out with set_ and copy_ of its own, whatever the kernel reads): their tile terms are checked
+# against the plan and the grid the kernels run on, and their eager parts (the plan, fp8's quantization of h, the
+# route-weight gradient's tail) against the count.
+
+from posttrainllm.ops.moe import costs as moe_costs  # noqa: E402
+from posttrainllm.ops.moe import definition as moe  # noqa: E402
+from posttrainllm.ops.moe import kernels as moe_kernels  # noqa: E402
+from posttrainllm.ops.moe.fp8 import quantize_h  # noqa: E402
+
+# (tokens, d_model, ffn, experts, top_k, routing kind): d and f multiples of 8 (grouped_mm's 16-byte rows at 16
+# bits); the second and fourth leave experts untouched (m < E), the third has top_k = E
+MOE_SHAPES = [(6, 8, 16, 4, 2, "normal"), (5, 16, 8, 6, 1, "normal"), (9, 8, 8, 2, 2, "normal"),
+              (7, 8, 16, 5, 2, "one_expert")]
+MOE_EAGER = {"sparse": moe_costs.sparse, "grouped_mm": moe_costs.grouped}
+
+
+def _moe_case(tokens: int, d_model: int, ffn: int, experts: int, top_k: int, inputs: str = "normal",
+              quantize: str = "") -> Case:
+    return Case("t", 0, dict(tokens=tokens, d_model=d_model, ffn=ffn, experts=experts, top_k=top_k), True, inputs,
+                quantize=quantize)
+
+
+def _moe_cfg(dtype: str, case: Case, block_m: int = 64, block_n: int = 64) -> LabConfig:
+    """op=moe at `dtype`, its shape the case's (grouped_mm_refusal probes the shape's d and f), at a tile."""
+    cfg = _op_cfg("moe", dtype)
+    d = case.dims
+    return dataclasses.replace(
+        cfg, shape=dataclasses.replace(cfg.shape, moe_tokens=d["tokens"], moe_d_model=d["d_model"], moe_ffn=d["ffn"],
+                                       moe_experts=d["experts"], moe_top_k=d["top_k"]),
+        tile=dataclasses.replace(cfg.tile, block_m=block_m, block_n=block_n))
+
+
+def _moe_counted(path: str, case: Case, cfg: LabConfig) -> tuple[int, int]:
+    """(forward as timed, without gradients; forward + backward) bytes of `path` on the case's inputs."""
+    x = moe._make_inputs(case, getattr(torch, cfg.precision.dtype), "cpu")
+    with torch.no_grad(), counted() as forward:
+        moe.IMPLS[path].fn(x, cfg)
+    for name in ("x", "w_gate", "w_up", "w_down", "route_weight"):
+        x[name].requires_grad_()
+    with counted() as train_forward:
+        out = moe.IMPLS[path].fn(x, cfg)["out"]
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    with counted() as backward:
+        out.backward(grad)
+    return forward.total, train_forward.total + backward.total
+
+
+def _moe_mismatch(path: str, model, dtype: str) -> list[str]:
+    """Where `model` (costs.sparse's signature) is not the counted traffic of `path`: one line per miss."""
+    misses = []
+    for *dims, inputs in MOE_SHAPES:
+        case = _moe_case(*dims, inputs)
+        cfg = _moe_cfg(dtype, case)
+        costs = model(case, cfg, moe._tokens_per_expert(case, cfg))
+        counted_bytes = _moe_counted(path, case, cfg)
+        if (costs.bytes, costs.train_bytes) != counted_bytes:
+            misses.append(f"{path} {dtype} {dims} {inputs}: model {(costs.bytes, costs.train_bytes)}, "
+                          f"counted {counted_bytes}")
+    return misses
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("path", list(MOE_EAGER))
+def test_moe_eager_routed_model_is_the_counted_traffic(path, dtype):
+    """The sparse loop and torch's grouped_mm, forward (as timed, no gradient) and forward + backward: each path's
+    declared model gives the bytes the counter sums, on every shape (experts untouched, top-k = E included)."""
+    if path == "grouped_mm":
+        refusals = {why for *dims, inputs in MOE_SHAPES
+                    if (why := moe.grouped_mm_refusal(_moe_cfg(dtype, _moe_case(*dims, inputs))))}
+        if refusals:
+            pytest.skip(f"grouped_mm does not run here: {refusals.pop()}")
+    assert moe.IMPLS[path].cost_model in moe.PATH_COSTS
+    assert moe.PATH_COSTS[moe.IMPLS[path].cost_model](_moe_case(*MOE_SHAPES[0]), _op_cfg("moe", dtype)).model \
+        == moe.IMPLS[path].cost_model
+    assert _moe_mismatch(path, MOE_EAGER[path], dtype) == []
+
+
+def test_a_planted_wrong_moe_model_is_caught():
+    """A sparse model that reads every expert's weights (not the touched ones), and a grouped_mm model that reads only
+    the touched experts' (what a grouped GEMM's kernel reads, not what its eager call is counted as moving), each
+    miss the count exactly on the shapes with an untouched expert (2 of 4)."""
+
+    def every_expert(case, cfg, counts):
+        costs = moe_costs.sparse(case, cfg, counts)
+        untouched = sum(1 for n in counts if not n)
+        extra = 3 * untouched * case.dims["d_model"] * case.dims["ffn"] * itemsize(cfg.precision.dtype)
+        return dataclasses.replace(costs, bytes=costs.bytes + extra, train_bytes=costs.train_bytes + extra)
+
+    def touched_only(case, cfg, counts):
+        costs = moe_costs.grouped(case, cfg, counts)
+        untouched = sum(1 for n in counts if not n)
+        fewer = 3 * untouched * case.dims["d_model"] * case.dims["ffn"] * itemsize(cfg.precision.dtype)
+        return dataclasses.replace(costs, bytes=costs.bytes - fewer, train_bytes=costs.train_bytes - fewer)
+
+    assert len(_moe_mismatch("sparse", every_expert, "float32")) == 2
+    assert len(_moe_mismatch("grouped_mm", touched_only, "float32")) == 2
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("shape", MOE_SHAPES + [(40, 24, 40, 4, 2, "normal")])
+def test_tiled_moe_model_is_the_kernels_plan_and_grid(shape, block_m):
+    """The Triton path's model from what its kernels run on: R the row blocks of kernels.plan on the case's routing
+    that hold a row, B and P its grid bound and padded rows, Nf and Nd the column tiles of moe_launch's gate/up and
+    down grids; the plan's own eager traffic counted. forward = s*(A*d*Nf + A*f*Nd + 3*R*d*f + A*f + 2*A*d + T*d) +
+    plan; FLOPs 2*R*BM*3*d*f (each row block in full). The fp8 kernel: the same grid on 1-byte operands, h's
+    quantization counted."""
+    *dims, inputs = shape
+    case = _moe_case(*dims, inputs)
+    t, dm, f, n_exp, k = dims
+    cfg = _moe_cfg("float32", case, block_m=block_m, block_n=16)
+    x = moe._make_inputs(case, torch.float32, "cpu")
+    moe_kernels.check_routing(x["route_idx"], n_exp)  # once per routing, as every timed call after the first
+    with counted() as planned:
+        p = moe_kernels.plan(x["route_idx"], x["route_weight"], n_exp, block_m)
+    rows_blocks = int((p.block_rows > 0).sum())
+    launch = moe_kernels.moe_launch(t, dm, f, n_exp, k, block_m=block_m, block_n=16, block_k=16, num_warps=4,
+                                    num_stages=2)
+    (_, nf), (_, nd) = launch["forward"]["gate_up"], launch["forward"]["down"]
+    a, s = t * k, 4
+    costs = moe.OP.costs_of(moe.IMPLS["triton"], case, cfg)
+    assert costs.model == "tiled" and _has_formulas(costs)
+    assert costs.bytes == s * (a * dm * nf + a * f * nd + 3 * rows_blocks * dm * f + a * f + 2 * a * dm + t * dm) \
+        + planned.total
+    assert planned.total == moe_costs.plan_bytes(a, n_exp, p.n_blocks, p.padded_rows, s)
+    assert costs.flops == 2 * rows_blocks * block_m * 3 * dm * f
+    assert f"R = {rows_blocks} row blocks" in costs.note
+
+    for scaling in ("row", "tensor"):  # fp8: x and the weights in 1 byte, h and y in fp32, out in bf16
+        fp8_case = dataclasses.replace(case, quantize=f"float8_e4m3fn:{scaling}")
+        fp8_cfg = _moe_cfg("bfloat16", case, block_m=block_m, block_n=16)
+        bf16_inputs = moe._make_inputs(case, torch.bfloat16, "cpu")
+        p16 = moe_kernels.plan(bf16_inputs["route_idx"], bf16_inputs["route_weight"], n_exp, block_m)
+        r16 = int((p16.block_rows > 0).sum())
+        h = torch.randn(p16.padded_rows, f)  # (P, f) fp32, as the gate/up kernel stores it
+        with counted() as quantized:
+            quantize_h(h, p16.inv, scaling == "row")
+        fp8 = moe.FP8_IMPLS["triton"]
+        got = moe.OP.costs_of(fp8, fp8_case, fp8_cfg)
+        scales = 4 * r16 * (2 * f + dm) if scaling == "row" else 0
+        assert got.model == "fp8_tiled" and got.bytes == (
+            a * dm * nf + a * f * nd + 3 * r16 * dm * f + 4 * a * f + 8 * a * dm + 2 * t * dm + scales
+            + quantized.total + moe_costs.plan_bytes(a, n_exp, p16.n_blocks, p16.padded_rows, 2))
+
+
+def _has_formulas(costs) -> bool:
+    """Every figure of the receipt's record is beside its formula."""
+    record = costs.record()
+    return all(record[key] for key in ("bytes_formula", "flops_formula", "train_bytes_formula", "working_set_formula"))
+
+
+def test_tiled_moe_traffic_is_a_function_of_the_tile():
+    """Halving BN doubles the column tiles that re-read the gathered rows (x per f tile, h per d tile), nothing else
+    of the forward; halving BM changes only the row blocks that re-read the weights (3*s*d*f each) and the plan's
+    padded rows. T = 256, d = f = 128, top-2 of 4 experts (every expert some 100+ rows), fp32."""
+    case = _moe_case(256, 128, 128, 4, 2)
+    a, dm, f, s = 512, 128, 128, 4
+    counts = moe._tokens_per_expert(case, _op_cfg("moe", "float32"))
+    at = {(bm, bn): moe_costs.tiled(case, _moe_cfg("float32", case, block_m=bm, block_n=bn), counts)
+          for bm, bn in ((64, 64), (64, 32), (32, 64))}
+    rereads = lambda bn: s * (a * dm * (f // bn) + a * f * (dm // bn))  # noqa: E731
+    assert at[64, 32].bytes - at[64, 64].bytes == rereads(32) - rereads(64) == rereads(64)
+    blocks = lambda bm: sum(-(-n // bm) for n in counts)  # noqa: E731
+    plan = lambda bm: moe_costs.plan_bytes(  # noqa: E731
+        a, 4, moe_kernels.row_blocks_max(a, 4, bm), moe_kernels.row_blocks_max(a, 4, bm) * bm, s)
+    assert at[32, 64].bytes - at[64, 64].bytes == 3 * s * dm * f * (blocks(32) - blocks(64)) + plan(32) - plan(64)
+    assert blocks(32) > blocks(64) and at[32, 64].train_bytes > at[64, 64].train_bytes
+
+
+def test_tiled_moe_backward_tail_is_the_counted_traffic():
+    """The Triton backward's eager part (d route_weight: the (P, Nf) fp32 partials zeroed, summed, gathered back
+    through inv) is what the counter sums of a real forward + backward under the interpreter, once the
+    interpreter's own set_ and copy_ (its moves in and out of each launch) are left out. fp32: a 16-bit run under
+    the interpreter adds casts of its fp32 emulation buffers the GPU does not make."""
+    from posttrainllm.ops.moe.kernels import moe as triton_moe
+
+    case = _moe_case(6, 8, 16, 4, 2)
+    x = moe._make_inputs(case, torch.float32, "cpu")
+    leaves = [x[name].requires_grad_() for name in ("x", "w_gate", "w_up", "w_down", "route_weight")]
+    out = triton_moe(*leaves[:4], x["route_idx"], leaves[4], block_m=16, block_n=16, block_k=16)
+    grad = torch.ones_like(out)
+    with counted() as backward:
+        out.backward(grad)
+    eager = sum(read + written for op, _, read, written in backward.table() if op not in ("set_", "copy_"))
+    p = moe_kernels.plan(x["route_idx"], x["route_weight"], 4, 16)
+    assert eager == moe_costs.route_weight_grad_bytes(12, p.padded_rows, 1, 4)
+
+
+def test_moe_dense_moves_more_than_the_routed_paths_by_the_factor_the_models_give():
+    """T = 16384 tokens, d = f = 128, top-2 of E = 8 and 16, fp32: every model's terms that grow with T, the expert
+    weights' E*d*f terms left out (< 1% here). The dense reference streams E*T*(12*f + 2*d) through its (E, T, .)
+    tensors; the sparse loop copies x and out per expert (3*E*T*d) beside its routed rows' k*T*(7*d + 8*f);
+    grouped_mm moves the routed rows only, k*T*(7*d + 8*f) + 5*T*d; the Triton kernels re-read the rows per column
+    tile and the weights per row block, A*(d*Nf + f*Nd + f + 2*d) + T*d + 3*R*d*f, with its plan's
+    (224 + 2*s)*A + 16*P. Forward, the dense reference moves more than each by that factor, a factor that grows
+    with E/k; forward + backward each moves less too (at this T: the sparse loop's (E, d, f) weight gradient per
+    touched expert outgrows the reference's at the tiny shape, T = 64, d = 64)."""
+    t, dm, f, k, s = 16384, 128, 128, 2, 4
+    a = t * k
+    factors = {}
+    for n_exp in (8, 16):
+        case = _moe_case(t, dm, f, n_exp, k)
+        cfg = _moe_cfg("float32", case)
+        counts = moe._tokens_per_expert(case, cfg)
+        assert all(counts)  # every expert touched
+        rows_blocks, padded = sum(-(-n // 64) for n in counts), moe_kernels.row_blocks_max(a, n_exp, 64) * 64
+        dense = s * (12 * n_exp * t * f + 2 * n_exp * t * dm + 4 * t * n_exp + 3 * t * dm) + t * k * (8 + s)
+        routed = {"sparse": 10 * n_exp * a + 48 * a + s * (2 * t * dm + 3 * n_exp * t * dm + n_exp * a + 7 * a * dm
+                                                           + 8 * a * f + 2 * a),
+                  "grouped_mm": 88 * a + s * (5 * t * dm + 7 * a * dm + 8 * a * f + 3 * a),
+                  "triton": s * (a * dm * (f // 64) + a * f * (dm // 64) + a * f + 2 * a * dm + t * dm
+                                 + 3 * rows_blocks * dm * f) + (224 + 2 * s) * a + 16 * padded}
+        ref = moe.OP.costs_of(moe.IMPLS["reference"], case, cfg)
+        for name, per_token in routed.items():
+            mine = moe.OP.costs_of(moe.IMPLS[name], case, cfg)
+            factors[name, n_exp] = dense / per_token
+            assert factors[name, n_exp] > 1.9
+            assert ref.bytes / mine.bytes == pytest.approx(factors[name, n_exp], rel=1e-2), (name, n_exp)
+            # the routed rows' FLOPs, k/E of the dense reference's; Triton's row blocks computed in full
+            assert mine.flops * n_exp == ref.flops * k if name != "triton" else \
+                mine.flops == 2 * rows_blocks * 64 * 3 * dm * f
+        for name in routed:
+            assert moe.OP.costs_of(moe.IMPLS[name], case, cfg).train_bytes < ref.train_bytes, name
+    for name in routed:
+        assert factors[name, 16] > 1.3 * factors[name, 8], name

@@ -35,6 +35,7 @@ route_idx (T, k) int64 (not differentiable) -> out (T, d).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -45,6 +46,7 @@ from posttrainllm.ops.base import (NO_BACKWARD, REFERENCE, BatchAxis, Case, Cost
                                    Tensors, check_fp8_config, check_smem, seeded_randn)
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.moe.reference as moe_reference
+from posttrainllm.ops.moe import costs
 from posttrainllm.ops import quantize
 
 ROUTING_KINDS = ("one_expert", "empty_expert")
@@ -145,10 +147,13 @@ def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
 IMPLS = {
     REFERENCE: Impl(REFERENCE, "reference", _reference, backend="posttrainllm.ops.moe.reference.moe_dense",
                     cost_model="dense"),
-    "sparse": Impl("sparse", "peer", _sparse, backend="posttrainllm.ops.moe.reference.moe_sparse (per-expert loop)"),
-    **({"grouped_mm": Impl("grouped_mm", "peer", _grouped_mm, backend="torch.nn.functional.grouped_mm")}
+    "sparse": Impl("sparse", "peer", _sparse, backend="posttrainllm.ops.moe.reference.moe_sparse (per-expert loop)",
+                   cost_model="sparse"),
+    **({"grouped_mm": Impl("grouped_mm", "peer", _grouped_mm, backend="torch.nn.functional.grouped_mm",
+                           cost_model="grouped")}
        if GROUPED_MM is not None else {}),
     "triton": Impl("triton", "triton", _triton, geometry=_triton_geometry, backend="posttrainllm.ops.moe.moe",
+                   cost_model="tiled",
                    kernels={"forward": ("_gate_up_kernel", "_down_kernel", "_unpermute_kernel"),
                             "backward": ("_down_backward_kernel", "_dx_rows_kernel", "_expert_grad_kernel")},
                    promises=("deterministic",)),  # no atomics: every sum in one order (lab/invariance.py checks)
@@ -185,7 +190,7 @@ FP8_IMPLS = {
     REFERENCE: Impl(REFERENCE, "reference", _reference, backward=NO_BACKWARD,
                     backend="posttrainllm.ops.moe.reference.fp8_moe (dequantize, then moe_dense with h quantized)"),
     "triton": Impl("triton", "triton", _fp8_triton, geometry=_fp8_triton_geometry, backward=NO_BACKWARD,
-                   backend="posttrainllm.ops.moe.fp8.fp8_moe",
+                   backend="posttrainllm.ops.moe.fp8.fp8_moe", cost_model="fp8_tiled",
                    kernels={"forward": ("_fp8_gate_up_kernel", "_fp8_down_kernel", "_unpermute_kernel")},
                    promises=("deterministic",)),  # no atomics (batch invariance is not measured under fp8: its scales)
 }
@@ -291,7 +296,10 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: str) -> Tensors:
     x = x.to(dtype)
     route_idx, route_weight = moe_reference.moe_router(x.float(), w_router, d["top_k"])  # (T, k) each, fp32 router
     tensors = {"x": x, "w_gate": w_gate, "w_up": w_up, "w_down": w_down, "route_weight": route_weight}
-    tensors = {**{k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, "route_idx": route_idx.to(device)}
+    # route_idx contiguous on every device (the router's top-k is a strided slice; a copy to CUDA is contiguous, a
+    # CPU one would keep it strided, and each path's reshape would copy it: traffic costs.py does not model)
+    tensors = {**{k: v.to(device=device, dtype=dtype) for k, v in tensors.items()},
+               "route_idx": route_idx.contiguous().to(device)}
     if not case.quantize:
         return tensors
     fmt, scaling = case.quantize.split(":")
@@ -335,11 +343,22 @@ def _problem(case: Case) -> str:
     return f"T={d['tokens']} d={d['d_model']} f={d['ffn']} E={d['experts']} k={d['top_k']}"
 
 
-def _touched_experts(case: Case) -> int:
+@functools.lru_cache(maxsize=256)
+def _histogram(dims: tuple[tuple[str, int], ...], seed: int, inputs: str, dtype: str) -> tuple[int, ...]:
+    x, w_router, _ = _router_inputs(Case("", seed, dict(dims), True, inputs))
+    idx, _ = moe_reference.moe_router(x.to(getattr(torch, dtype)).float(), w_router, dict(dims)["top_k"])
+    return tuple(torch.bincount(idx.reshape(-1), minlength=dict(dims)["experts"]).tolist())
+
+
+def _tokens_per_expert(case: Case, cfg: LabConfig) -> list[int]:
+    """The rows each expert receives under the case's routing, as _make_inputs routes it (the fp32 router on x cast
+    to the point's dtype): what the routed paths' traffic and the touched experts' weights follow."""
+    return list(_histogram(tuple(sorted(case.dims.items())), case.seed, case.inputs, cfg.precision.dtype))
+
+
+def _touched_experts(case: Case, cfg: LabConfig) -> int:
     """Experts that receive at least one token under the case's routing (their weights are read)."""
-    x, w_router, _ = _router_inputs(case)
-    idx, _ = moe_reference.moe_router(x, w_router, case.dims["top_k"])
-    return int(idx.unique().numel())
+    return sum(1 for n in _tokens_per_expert(case, cfg) if n)
 
 
 def _costs(case: Case, cfg: LabConfig) -> Costs:
@@ -354,7 +373,7 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
     flops = 2 * t * k * 3 * dm * f
     if case.quantize:
         fmt, scaling = case.quantize.split(":")
-        touched, one = _touched_experts(case), itemsize(fmt)
+        touched, one = _touched_experts(case, cfg), itemsize(fmt)
         scales = 1 + 3 * touched if scaling == "tensor" else t + touched * (2 * f + dm)
         nbytes = (t * dm + touched * 3 * dm * f) * one + t * dm * size + scales * 4 + t * k * (8 + size)
         return Costs(flops, nbytes, 2.0, "2*T*k*3*d*f (active; dense reference: 2*T*E*3*d*f)",
@@ -362,43 +381,22 @@ def _costs(case: Case, cfg: LabConfig) -> Costs:
                      "1 + 3*E_touched, or T + E_touched*(2*f + d) rowwise)",
                      "backward = 2 x forward (dX and dW of gate, up and down); not timed: the fp8 paths are "
                      "forward-only")
-    nbytes = (2 * t * dm + _touched_experts(case) * 3 * dm * f) * size + t * k * (8 + size)
+    nbytes = (2 * t * dm + _touched_experts(case, cfg) * 3 * dm * f) * size + t * k * (8 + size)
     return Costs(flops, nbytes, 2.0, "2*T*k*3*d*f (active; dense reference: 2*T*E*3*d*f)",
                  "(2*T*d + E_touched*3*d*f)*itemsize + T*k*(8 + itemsize)",
                  "backward = 2 x forward (dX and dW of gate, up and down)")
 
 
 
-# --- each kind of path's own traffic (OpDef.path_costs; Impl.cost_model names one) --------------------------
+# --- each kind of path's own traffic (OpDef.path_costs; Impl.cost_model names one): posttrainllm/ops/moe/costs.py ---
 
 
-def _dense(case: Case, cfg: LabConfig) -> Costs:
-    """The dense reference (reference.moe_dense) as eager PyTorch runs it, in the point's dtype s, every aten op
-    reading its inputs and writing its outputs (measure/traffic.py counts the same, tests/test_traffic.py): every
-    expert on every token, so (E, T, f) and (E, T, d) tensors and all E experts' weights, not the touched ones.
-
-    forward: the (T, E) gate (zeros, scatter: 4·T·E·s and the routing T·k·(8 + s)); x·W_gate and x·W_up (E·T·f
-    each written, E·d·f read), SwiGLU's (E, T, f) passes, ·W_down (E·T·d written), the gate's einsum over E:
-    s·(12·E·T·f + 2·E·T·d + 7·E·d·f + 4·T·E + 3·T·d) + T·k·(8 + s). forward + backward: s·(31·E·T·f + 6·E·T·d +
-    17·E·d·f + 7·T·E + 12·T·d) + 2·T·k·(8 + s) (the route weights' gradient gathered back from the (T, E) gate).
-    FLOPs: all E experts, E/k x the active. Working set: the weights and two (E, T, f) alive at once."""
-    d, size = case.dims, itemsize(cfg.precision.dtype)
-    t, dm, f, n_exp, k = d["tokens"], d["d_model"], d["ffn"], d["experts"], d["top_k"]
-    forward = (size * (12 * n_exp * t * f + 2 * n_exp * t * dm + 7 * n_exp * dm * f + 4 * t * n_exp + 3 * t * dm)
-               + t * k * (8 + size))
-    train = (size * (31 * n_exp * t * f + 6 * n_exp * t * dm + 17 * n_exp * dm * f + 7 * t * n_exp + 12 * t * dm)
-             + 2 * t * k * (8 + size))
-    return Costs(2 * t * n_exp * 3 * dm * f, forward, 2.0, "2*T*E*3*d*f (every expert on every token)",
-                 "s*(12*E*T*f + 2*E*T*d + 7*E*d*f + 4*T*E + 3*T*d) + T*k*(8 + s)",
-                 "backward = 2 x forward (dX and dW of gate, up and down)", train_bytes=train,
-                 train_bytes_formula="s*(31*E*T*f + 6*E*T*d + 17*E*d*f + 7*T*E + 12*T*d) + 2*T*k*(8 + s)",
-                 working_set=size * (3 * n_exp * dm * f + 2 * n_exp * t * f + 2 * t * dm),
-                 working_set_formula="s*(3*E*d*f + 2*E*T*f + 2*T*d)", model="dense",
-                 note="all E experts on every token, (E, T, f) tensors written and read one eager op at a time")
+def _routed(model: Callable[[Case, LabConfig, list[int]], Costs]) -> Callable[[Case, LabConfig], Costs]:
+    """A routed path's model at the case's own routing (the rows each expert receives)."""
+    return lambda case, cfg: model(case, cfg, _tokens_per_expert(case, cfg))
 
 
-# the sparse loop, torch's grouped GEMM and the Triton kernels declare none yet: placed at the floor, saying so
-PATH_COSTS = {"dense": _dense}
+PATH_COSTS = {"dense": costs.dense, **{name: _routed(model) for name, model in costs.ROUTED.items()}}
 
 
 def _describe(case: Case, inputs: Tensors, cfg: LabConfig, measure: Any = None) -> dict[str, Any]:

@@ -158,6 +158,14 @@ def _check_inputs(x, x_scale, w_gate, w_gate_scale, w_up, w_up_scale, w_down, w_
     return scaling_of(x, x_scale, w_gate, w_gate_scale, w_up_scale, w_down_scale)
 
 
+def quantize_h(h: torch.Tensor, inv: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """h (P, f) fp32 -> (e4m3, scale), in PyTorch between the launches (ops/moe/reference.py fp8_moe's recipe): one
+    scale per row, (P, 1) (the padding rows' are never read), or one over the routed rows (inv (T, k): the padded row
+    of every (token, slot))."""
+    h_scale = reference.fp8_scale(h, 1) if rowwise else reference.fp8_scale(h[inv.reshape(-1).long()])
+    return reference.quantize_fp8(h, h_scale), h_scale
+
+
 def fp8_moe(x: torch.Tensor, x_scale: torch.Tensor, w_gate: torch.Tensor, w_gate_scale: torch.Tensor,
             w_up: torch.Tensor, w_up_scale: torch.Tensor, w_down: torch.Tensor, w_down_scale: torch.Tensor,
             route_idx: torch.Tensor, route_weight: torch.Tensor, *, block_m: int = 64, block_n: int = 64,
@@ -190,10 +198,7 @@ def fp8_moe(x: torch.Tensor, x_scale: torch.Tensor, w_gate: torch.Tensor, w_gate
         x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0), h.stride(1),
         **launch)
 
-    # h -> e4m3 (ops/moe/reference.py fp8_moe): per row (the padding rows' scales are never read), or one scale over
-    # the routed rows (p.inv: the padded row of every (token, slot))
-    h_scale = reference.fp8_scale(h, 1) if rowwise else reference.fp8_scale(h[p.inv.reshape(-1).long()])
-    h_q = reference.quantize_fp8(h, h_scale)  # (P, f) e4m3
+    h_q, h_scale = quantize_h(h, p.inv, rowwise)  # (P, f) e4m3
     y = torch.empty((p.padded_rows, d_model), device=x.device, dtype=torch.float32)  # (P, d)
     _fp8_down_kernel[(p.n_blocks, triton.cdiv(d_model, block_n))](
         h_q, h_scale.reshape(-1), w_down, d_s, y, p.row_weight, p.block_expert, p.block_rows, ffn, d_model,
