@@ -546,7 +546,9 @@ class HeadsConfig:
     eval_prompts: int = 8
     new_tokens: int = 64
     warmup_prompts: int = 1        # untimed runs first (allocator, lazy init)
-    decode_attention: str = "reference"  # the attention of cached decoding and verification: a decode_attention path
+    # what attends in cached decoding and verification (the model's cached_attention slot): a path of the op whose
+    # paths fill that slot (lab/configure.py check_heads_rules names them)
+    cached_attention: str = "reference"
     near_tie: float = 1e-3         # a mismatch whose top-2 logit gap is below this is named a near-tie (still a failure)
     # opt-in tree verification (the trained_tree variant): widths [w_1..w_D], D <= K, each >= 1: the top-w_d of
     # head d under every depth-(d-1) candidate (posttrainllm/model/decode.py candidate_tree); empty: off

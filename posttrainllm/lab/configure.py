@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 
 from posttrainllm import config
 from posttrainllm.config import LabConfig, compose, require
-from posttrainllm.ops.registry import OPS, get_op, op_config, op_for
+from posttrainllm.model.slots import CACHED_ATTENTION
+from posttrainllm.ops.registry import OPS, op_config, op_for, slot_op
 from posttrainllm.lab.isolation.user import user_paths  # the paths from outside: a spec read, nothing run
 
 
@@ -42,9 +43,10 @@ def load(overrides: list[str] | tuple[str, ...] = ()) -> LabConfig:
 
 
 def check_heads_rules(cfg: LabConfig) -> None:
-    """heads.decode_attention names a path of the decode_attention op's registry (the one list of them)."""
-    paths = get_op("decode_attention").impls
-    require(cfg.heads.decode_attention in paths, f"heads.decode_attention={cfg.heads.decode_attention!r}: valid "
+    """heads.cached_attention names a built-in path of the op that fills the model's cached_attention slot
+    (registry.slot_op: its registry, the one list of them)."""
+    paths = slot_op(CACHED_ATTENTION).impls
+    require(cfg.heads.cached_attention in paths, f"heads.cached_attention={cfg.heads.cached_attention!r}: valid "
                                                  f"choices are {', '.join(paths)}")
 
 
