@@ -294,11 +294,12 @@ class ArchitectureConfig:
     n_heads: int = 4
     n_kv_heads: int = 4
     head_dim: int = 32
+    # each block's MLP: one of the model's MLP kinds (model/slots.py MLP_KINDS, the model's words, which this layer
+    # cannot import: lab/configure.py checks it): a dense SwiGLU of width mlp_hidden, or n_experts routed SwiGLU
+    # experts of width expert_hidden, top_k per token, with a load-balancing loss (Switch / Mixtral) weighted by
+    # router_aux_coef. An op's bench-train point may train another kind than `mlp` says (OpDef.model_problem)
     mlp: str = "dense"
     mlp_hidden: int = 384
-    # mlp: moe replaces each block's SwiGLU by n_experts routed SwiGLU experts of width expert_hidden,
-    # top_k per token, with a load-balancing loss (Switch / Mixtral) weighted by router_aux_coef.
-    # The op=moe point trains an MoE model whatever `mlp` says (its hook swaps the experts).
     n_experts: int = 4
     top_k: int = 2
     expert_hidden: int = 192
@@ -315,7 +316,6 @@ class ArchitectureConfig:
                  f"architecture.n_kv_heads={self.n_kv_heads}: must divide n_heads={self.n_heads}")
         require(power_of_two(self.head_dim) and 16 <= self.head_dim <= 128,
                  f"architecture.head_dim={self.head_dim}: must be a power of two in [16, 128]")
-        require(self.mlp in ("dense", "moe"), f"architecture.mlp={self.mlp!r}: valid choices are dense, moe")
 
 
 @dataclass

@@ -33,8 +33,6 @@ def _debt(file: str, ops: str) -> set[tuple[str, str]]:
 
 
 KNOWN_DEBT: set[tuple[str, str]] = {
-    # op-specific keys of the root schema (the shape's and architecture's MoE keys)
-    *_debt("posttrainllm/config.py", "moe"),
     # ops that share code or math with another (attention's with decode_attention's, moe's with swiglu's and
     # matmul's, a softmax argument), or say so
     *_debt("posttrainllm/ops/attention/definition.py", "softmax"),
