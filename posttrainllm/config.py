@@ -294,11 +294,12 @@ class ArchitectureConfig:
     n_heads: int = 4
     n_kv_heads: int = 4
     head_dim: int = 32
+    # each block's MLP: one of the model's MLP kinds (model/slots.py MLP_KINDS, the model's words, which this layer
+    # cannot import: lab/configure.py checks it): a dense SwiGLU of width mlp_hidden, or n_experts routed SwiGLU
+    # experts of width expert_hidden, top_k per token, with a load-balancing loss (Switch / Mixtral) weighted by
+    # router_aux_coef. An op's bench-train point may train another kind than `mlp` says (OpDef.model_problem)
     mlp: str = "dense"
     mlp_hidden: int = 384
-    # mlp: moe replaces each block's SwiGLU by n_experts routed SwiGLU experts of width expert_hidden,
-    # top_k per token, with a load-balancing loss (Switch / Mixtral) weighted by router_aux_coef.
-    # The op=moe point trains an MoE model whatever `mlp` says (its hook swaps the experts).
     n_experts: int = 4
     top_k: int = 2
     expert_hidden: int = 192
@@ -315,7 +316,6 @@ class ArchitectureConfig:
                  f"architecture.n_kv_heads={self.n_kv_heads}: must divide n_heads={self.n_heads}")
         require(power_of_two(self.head_dim) and 16 <= self.head_dim <= 128,
                  f"architecture.head_dim={self.head_dim}: must be a power of two in [16, 128]")
-        require(self.mlp in ("dense", "moe"), f"architecture.mlp={self.mlp!r}: valid choices are dense, moe")
 
 
 @dataclass
@@ -546,7 +546,9 @@ class HeadsConfig:
     eval_prompts: int = 8
     new_tokens: int = 64
     warmup_prompts: int = 1        # untimed runs first (allocator, lazy init)
-    decode_attention: str = "reference"  # the attention of cached decoding and verification: a decode_attention path
+    # what attends in cached decoding and verification (the model's cached_attention slot): a path of the op whose
+    # paths fill that slot (lab/configure.py check_heads_rules names them)
+    cached_attention: str = "reference"
     near_tie: float = 1e-3         # a mismatch whose top-2 logit gap is below this is named a near-tie (still a failure)
     # opt-in tree verification (the trained_tree variant): widths [w_1..w_D], D <= K, each >= 1: the top-w_d of
     # head d under every depth-(d-1) candidate (posttrainllm/model/decode.py candidate_tree); empty: off

@@ -340,7 +340,7 @@ RULES: dict[str, Rule] = {
         "lab/heads.py measure_decode, model/decode.py speculative_tree"),
     "lossless_decoding": Rule(
         "every speculative output must equal plain greedy token for token, and plain greedy with "
-        "heads.decode_attention greedy with the reference attention; a near-tie (top-2 logit gap < {near_tie:g}) is "
+        "heads.cached_attention greedy with the reference attention; a near-tie (top-2 logit gap < {near_tie:g}) is "
         "named and still counted",
         "lab/heads.py measure_decode", {"near_tie": "the config's heads.near_tie"}),
     "decode_speedup": Rule(

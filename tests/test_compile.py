@@ -295,7 +295,7 @@ def test_under_auto_our_launchers_offer_the_candidates_a_gpu_of_each_target_woul
 import json, torch
 from posttrainllm.lab.compile import recording
 from posttrainllm.measure.sass import TARGETS
-from posttrainllm.ops.attention.kernels import autotune_for_target
+from posttrainllm.ops.autotune import autotune_for_target
 from posttrainllm.ops.matmul.kernels import triton_matmul
 a, b = torch.empty(128, 128), torch.empty(128, 128)
 seen = {}

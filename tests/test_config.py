@@ -29,6 +29,8 @@ def test_default_config_is_valid():
     (["tiel.block_m=32"], "unknown key tiel.block_m: valid keys are architecture, bench"),
     (["architecture.n_kv_heads=3"], "architecture.n_kv_heads=3: must divide n_heads=4"),
     (["architecture.head_dim=256"], "must be a power of two in [16, 128]"),
+    # the model's MLP kinds (model/slots.py MLP_KINDS), checked by lab/configure.py
+    (["architecture.mlp=sparse"], "architecture.mlp='sparse': valid choices are dense, moe"),
     (["train.steps=many"], "could not be converted to Integer"),
     (["train.impls=[sdpa]"], "the first must be 'reference'"),
     (["op=matmul", "train.impls=[reference,cublas]"],

@@ -160,14 +160,14 @@ def test_a_mismatch_is_found_and_a_near_tie_is_named():
 
 
 def test_speculative_decoding_through_the_triton_decode_kernel_equals_greedy(model, tmp_path):
-    """heads.decode_attention=triton (interpreted on a CPU): greedy and speculative decoding attend with our
+    """heads.cached_attention=triton (interpreted on a CPU): greedy and speculative decoding attend with our
     kernel, chunks of 1 and K + 1 queries, and give greedy-with-the-reference's tokens; a planted mask bug does not."""
     from conftest import kernel_mutant
 
     from posttrainllm.lab.configure import load
-    from posttrainllm.lab.heads import decode_attention
+    from posttrainllm.lab.heads import cached_attention
 
-    fn, info = decode_attention(load(["device=cpu", "heads.decode_attention=triton"]))
+    fn, info = cached_attention(load(["device=cpu", "heads.cached_attention=triton"]))
     assert info["path"] == "triton" and info["timed"] is not info["triton_interpreted"]
     prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(6))
     want = greedy_cached(model, prompt, 8, keep_logits=True)[1]

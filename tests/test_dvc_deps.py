@@ -28,6 +28,7 @@ import yaml
 from posttrainllm.config import PROJECT_ROOT, ConfigError, Contract, TileConfig
 from posttrainllm.lab import reads, sweep
 from posttrainllm.lab.configure import load
+from posttrainllm.model import slots
 from posttrainllm.ops import registry
 from posttrainllm.track import stamp
 
@@ -289,7 +290,8 @@ def test_a_point_stage_lists_an_ops_kernel_file_exactly_where_it_runs_it(plan, s
             loaded = {f for m in made for f in m["sources"] if f.startswith("posttrainllm/ops/")}
             assert listed_kernels(plan, point, stage) == loaded, (point, stage)
     assert "posttrainllm/ops/attention/kernels.py" not in listed_kernels(plan, MATMUL, "microbench")
-    assert "posttrainllm/ops/attention/kernels.py" in listed_kernels(plan, MATMUL, "kernel")  # its launch geometry's note
+    # its launch geometry's note and its autotuner's shared memory: ops/autotune.py, loaded with every definition
+    assert "posttrainllm/ops/attention/kernels.py" not in listed_kernels(plan, MATMUL, "kernel")
 
 
 # --- (b) params cover every config key a stage reads ---------------------------------------------
@@ -367,9 +369,8 @@ def test_an_edit_reruns_the_stages_that_run_the_edited_file_and_no_others(projec
     assert status() <= ALWAYS_CHANGED  # everything else is up to date
     at_once, listed, changed = after_editing("posttrainllm/ops/attention/kernels.py")
     assert at_once == {f"kernel@{POINT}", f"microbench@{POINT}", f"bench_train@{POINT}"}  # they name ops/<op>/kernels.py
-    assert listed == at_once | {f"kernel@{MATMUL}"}  # op-matmul's launch geometry reads the module's note
-    assert changed == {f"{point}/{stage}.json" for point in (POINT, "precision-fp16") for stage in KERNEL_STAGES} | {
-        f"{MATMUL}/kernel.json"}
+    assert listed == at_once  # op-matmul reads no attention code (its autotune note: ops/autotune.py)
+    assert changed == {f"{point}/{stage}.json" for point in (POINT, "precision-fp16") for stage in KERNEL_STAGES}
     at_once, listed, changed = after_editing("posttrainllm/ops/matmul/kernels.py")
     assert at_once == listed == {f"kernel@{MATMUL}"}  # its timed stages did not run in this copy
     assert changed == {f"{MATMUL}/{stage}.json" for stage in KERNEL_STAGES}
@@ -397,8 +398,6 @@ def test_an_edit_changes_the_inputs_of_the_default_sweeps_points_that_run_it_and
         path.write_text(original)
         changed = {key for key in before if after[key] != before[key]}
         expected = {(name, stage) for name, op in ops.items() if op == kernel for stage in KERNEL_STAGES}
-        if kernel == "attention":  # ops/matmul/definition.py's launch geometry reads ops/attention/kernels.py's AUTO_CPU_NOTE
-            expected |= {(name, "kernel") for name, op in ops.items() if op == "matmul"}
         assert changed == expected, kernel
     assert inputs() == before
 
@@ -479,12 +478,12 @@ HEADS_TINY = ["architecture.d_model=64", "architecture.mlp_hidden=128", "archite
 @pytest.fixture(scope="module")
 def heads_stamps(project):
     """train_base, train_heads and decode of K = 1 in the project copy (the scripts DVC runs, tiny sizes by
-    override), decode once more with heads.decode_attention=triton (interpreted): {stage: [stamps]}."""
+    override), decode once more with heads.cached_attention=triton (interpreted): {stage: [stamps]}."""
     root, env = project
     out = root / "runs" / "heads"
     run = [sys.executable, "pipelines/{}.py", f"heads={HEADS_ITEM}", *HEADS_TINY]
     for stage in ("train_base", "train_heads", "decode"):
-        _run([a.format(stage) for a in run] + (["heads.decode_attention=triton"] if stage == "decode" else []), root, env)
+        _run([a.format(stage) for a in run] + (["heads.cached_attention=triton"] if stage == "decode" else []), root, env)
     triton = stamp.read_stamps(out / HEADS_ITEM)["decode"]
     _run([a.format("decode") for a in run], root, env)  # the default (reference) last: its receipt stays
     made = {stage: stamp.read_stamps(out / folder)[stage] for stage, folder in HEADS_STAGES.items()}
@@ -576,7 +575,7 @@ def test_the_heads_stamps_are_outs_carry_the_revision_and_are_in_the_receipt(pro
             assert stamp.file_sha256(root / path) == digest
     receipt = json.loads((root / "runs" / "heads" / HEADS_ITEM / "receipt.json").read_text())
     assert receipt["stamps"] == {s: heads_stamps[s][0] for s in ("train_base", "train_heads")}
-    assert receipt["decode"]["attention"]["path"] == "reference" and receipt["decode"]["lossless"]
+    assert receipt["decode"]["cached_attention"]["path"] == "reference" and receipt["decode"]["lossless"]
 
 
 # --- (c) the receipt refuses stamps that disagree --------------------------------------------------
@@ -743,9 +742,11 @@ def test_the_committed_dvc_yaml_has_the_deps_and_params_the_declaration_gives():
         deps = stage_spec(dvc, stage, "k1")["deps"]
         assert {f"posttrainllm/ops/{op}/definition.py" for op in registry.OP_PACKAGES} <= set(deps), stage
         assert not [d for d in deps if d.endswith(("/kernels.py", "/fp8.py"))] or stage == "decode"
-    # the draft heads' decode runs the Triton code of the ops lab/heads.py takes from the registry, none other
+    # the draft heads' decode runs the Triton code of the ops lab/heads.py fills the model's slots with, none other
     assert [d for d in stage_spec(dvc, "decode", "k1")["deps"] if d.endswith("/kernels.py")] == [
-        f"posttrainllm/ops/{op}/kernels.py" for op in reads.ops_named("posttrainllm.lab.heads")]
+        f"posttrainllm/ops/{op}/kernels.py" for op in reads.slot_ops("posttrainllm.lab.heads")]
+    assert reads.slot_ops("posttrainllm.lab.heads") == sorted({registry.slot_op(slot).name for slot in (
+        slots.ATTENTION, slots.CACHED_ATTENTION)})  # read from the files as the registry finds them
 
 
 def test_a_new_op_folder_reaches_dvc_yaml_and_its_points_inputs_without_a_hand_line(tmp_path):

@@ -56,8 +56,9 @@ def test_the_command_runs_base_heads_decode_and_writes_a_receipt(run, capsys):
     assert "measured" in receipt["decode"]["speedup"]["trained"] and receipt["decode"]["speedup"]["why"]
     metrics = json.loads((out / "k2" / "metrics.json").read_text())
     assert "decode.trained.mean_accepted_length" in metrics and "heads.head2.top5" in metrics
-    assert receipt["decode"]["attention"] == {"path": "reference", "backend": "posttrainllm.ops.decode_attention.reference."
-                                              "chunk_attention", "triton_interpreted": False, "timed": True}
+    assert receipt["decode"]["cached_attention"] == {
+        "path": "reference", "backend": "posttrainllm.ops.decode_attention.reference.chunk_attention",
+        "triton_interpreted": False, "timed": True}
     # every rule the receipt applies is cited by id, with its parameters (posttrainllm/rules.py)
     from posttrainllm import rules
     from posttrainllm.track import derived
@@ -184,7 +185,7 @@ def test_zero_initialised_heads_start_as_the_base_and_the_loss_weights_decay():
     (["heads=k9"], "unknown heads 'k9': valid choices are k1, k2, k3, k4"),
     (["heads.num_heads=9"], "heads.num_heads=9: must be in [0, 8]"),
     (["heads.new_tokens=500"], "exceeds heads.base.max_seq_len=256"),
-    (["heads.decode_attention=flash"], "heads.decode_attention='flash': valid choices are reference, sdpa, triton"),
+    (["heads.cached_attention=flash"], "heads.cached_attention='flash': valid choices are reference, sdpa, triton"),
 ])
 def test_bad_heads_config_is_one_line_and_exit_2(args, says, capsys, tmp_path):
     from posttrainllm import cli
@@ -193,6 +194,24 @@ def test_bad_heads_config_is_one_line_and_exit_2(args, says, capsys, tmp_path):
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
     assert not any(tmp_path.iterdir())
+
+
+def test_the_heads_take_their_attention_paths_by_model_slot_not_by_op_name():
+    """The decode attention is the op that declares the cached_attention slot's default math and whose model hook fills
+    that slot; the gap's trainers, the attention slot's. A slot no op declares, or one its op does not fill, is
+    refused by name."""
+    from posttrainllm.model import slots
+    from posttrainllm.ops.registry import slot_op
+
+    cached, trained = slot_op(slots.CACHED_ATTENTION), slot_op(slots.ATTENTION)
+    assert slots.CACHED_ATTENTION in cached.model_hook.fills and set(cached.impls) == {"reference", "sdpa", "triton"}
+    assert trained.model_hook.slot == slots.ATTENTION and trained is not cached
+    assert cached.model_defaults[slots.CACHED_ATTENTION] is slots.defaults()[slots.CACHED_ATTENTION]
+    with pytest.raises(ValueError, match="no op declares the model's 'linear' default"):
+        slot_op(slots.LINEAR)  # the model's own default (F.linear)
+    with pytest.raises(ValueError, match="declares the model's 'tree_attention' default, but its model hook does "
+                                         "not fill that slot"):
+        slot_op(slots.TREE_ATTENTION)  # an arbitrary mask: no path of the op takes one
 
 
 def test_dvc_runs_the_heads_stages_one_k_at_a_time():

@@ -33,22 +33,12 @@ def _debt(file: str, ops: str) -> set[tuple[str, str]]:
 
 
 KNOWN_DEBT: set[tuple[str, str]] = {
-    # op-specific keys of the root schema and the lab (the shape's and architecture's MoE keys, the heads' decode
-    # attention, the compile report's autotuner)
-    *_debt("posttrainllm/config.py", "decode_attention moe"),
-    *_debt("posttrainllm/lab/configure.py", "decode_attention"),
-    *_debt("posttrainllm/lab/heads.py", "attention decode_attention"),
-    *_debt("posttrainllm/lab/compile.py", "attention"),
     # ops that share code or math with another (attention's with decode_attention's, moe's with swiglu's and
     # matmul's, a softmax argument), or say so
     *_debt("posttrainllm/ops/attention/definition.py", "softmax"),
     *_debt("posttrainllm/ops/attention/reference.py", "softmax"),
     *_debt("posttrainllm/ops/decode_attention/definition.py", "attention softmax"),
     *_debt("posttrainllm/ops/decode_attention/reference.py", "attention softmax"),
-    *_debt("posttrainllm/ops/matmul/definition.py", "attention"),
-    # what the stages read of matmul (its READS): the attention kernels' code it borrows (lab/reads.py `op_reads`)
-    *_debt("posttrainllm/ops/matmul/__init__.py", "attention"),
-    *_debt("posttrainllm/ops/matmul/kernels.py", "attention"),
     *_debt("posttrainllm/ops/moe/fp8.py", "matmul"),
     *_debt("posttrainllm/ops/moe/reference.py", "swiglu"),
     *_debt("posttrainllm/ops/softmax/definition.py", "attention"),

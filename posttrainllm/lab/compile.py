@@ -9,7 +9,7 @@ pointers and integers found divisible by 16. The kernel body never runs (no GPU,
 shape); an autotuned kernel records one launch per configuration of its space (its candidates, after its own
 pruning), each row marked with the tuned launch it belongs to: such a kernel launches on a target if one of its
 candidates fits there (`not_fitting`). Under tile/workgroup=auto our launchers take their autotuned branch here too
-(ops/attention/kernels.py `autotune_for_target`), once per target, their candidates pruned by that target's shared memory as
+(ops/autotune.py `autotune_for_target`), once per target, their candidates pruned by that target's shared memory as
 a GPU of it prunes them. Each launch is compiled with `triton.compile` for every target in `compile.targets` (ptxas
 and cuobjdump from Triton's wheel; sm100 with its ptxas-blackwell) and its cubin read (measure/sass.py). Compiles
 are cached by Triton's cache, keyed by the kernel's source, its specialization, the options and the target; a
@@ -309,11 +309,9 @@ def _capture(op: Any, cfg: Any, impl: Any, fn: Any, shared_per_block: int | None
              ) -> tuple[list[Launch], str | None]:
     """The launches of one path's forward and (when it has one) backward at the point's main case (`call_once`);
     with `shared_per_block`, our launchers' autotuned branch, its candidates pruned by that many bytes (a target's)."""
-    tuning = contextlib.nullcontext()
-    if shared_per_block:  # imported only then: a matmul point's kernel stage reads ops/attention/kernels.py only under auto
-        from posttrainllm.ops.attention.kernels import autotune_for_target
+    from posttrainllm.ops.autotune import autotune_for_target  # every op's tuned launchers read the limit there
 
-        tuning = autotune_for_target(shared_per_block)
+    tuning = autotune_for_target(shared_per_block) if shared_per_block else contextlib.nullcontext()
     with recording() as launches, tuning:
         note = call_once(op, cfg, impl, fn)
     return launches, note

@@ -1,5 +1,5 @@
-"""A point's config, whole: the schema's rules (config.py, the op node the chosen op's: ops/<op>/config.py), then
-the op's own rules (ops/<op>/definition.py).
+"""A point's config, whole: the schema's rules (config.py, the op node the chosen op's: ops/<op>/config.py), the
+model's words it names (model/slots.py), then the op's own rules (ops/<op>/definition.py).
 
 config.py knows the schema and imports nothing above itself; the op's keys (its config class, picked here by
 op.name) and rules (a tile that does not fit its problem, the paths it has, the user paths `op.user_impls` names)
@@ -15,14 +15,16 @@ from omegaconf import DictConfig
 
 from posttrainllm import config
 from posttrainllm.config import LabConfig, compose, require
-from posttrainllm.ops.registry import OPS, get_op, op_config, op_for
+from posttrainllm.model.slots import CACHED_ATTENTION, MLP_KINDS
+from posttrainllm.ops.registry import OPS, op_config, op_for, slot_op
 from posttrainllm.lab.isolation.user import user_paths  # the paths from outside: a spec read, nothing run
 
 
 def validate(cfg: DictConfig | dict[str, Any]) -> LabConfig:
-    """The schema (an fp8 precision's floors as the op's own, QuantizeConfig.for_op), then the op's rules and the heads'
-    choice of decode path; ConfigError with one line."""
+    """The schema (an fp8 precision's floors as the op's own, QuantizeConfig.for_op), the model's words it names, then
+    the op's rules and the heads' choice of decode path; ConfigError with one line."""
     lab = validate_schema(cfg)
+    check_model_rules(lab)
     if lab.precision.quantize is not None:  # the op's own quantization floors, where the precision names some
         lab.precision.quantize = lab.precision.quantize.for_op(lab.op.name)
     check_op_rules(lab)
@@ -41,10 +43,17 @@ def load(overrides: list[str] | tuple[str, ...] = ()) -> LabConfig:
     return validate(compose(overrides))
 
 
+def check_model_rules(cfg: LabConfig) -> None:
+    """architecture.mlp is one of the model's MLP kinds (model/slots.py MLP_KINDS: its words, not the schema's)."""
+    require(cfg.architecture.mlp in MLP_KINDS,
+            f"architecture.mlp={cfg.architecture.mlp!r}: valid choices are {', '.join(MLP_KINDS)}")
+
+
 def check_heads_rules(cfg: LabConfig) -> None:
-    """heads.decode_attention names a path of the decode_attention op's registry (the one list of them)."""
-    paths = get_op("decode_attention").impls
-    require(cfg.heads.decode_attention in paths, f"heads.decode_attention={cfg.heads.decode_attention!r}: valid "
+    """heads.cached_attention names a built-in path of the op that fills the model's cached_attention slot
+    (registry.slot_op: its registry, the one list of them)."""
+    paths = slot_op(CACHED_ATTENTION).impls
+    require(cfg.heads.cached_attention in paths, f"heads.cached_attention={cfg.heads.cached_attention!r}: valid "
                                                  f"choices are {', '.join(paths)}")
 
 

@@ -16,9 +16,9 @@ each stage leaves a stamp (posttrainllm/track/stamp.py, written by lab/pipeline.
 in <out_dir>/base/stamps/, train_heads and decode in <out_dir>/<heads.name>/stamps/; the receipt records
 them and refuses stamps that ran different code.
 
-Cached decoding and verification attend with heads.decode_attention, a path of the decode_attention op's
-registry (posttrainllm/ops/decode_attention/definition.py). Triton through its interpreter (CPU) is checked token
-for token like any path, but its timings are not speed: the receipt leaves them out and says why. Prompts come from the corpus's
+Cached decoding and verification attend with heads.cached_attention, a path of the op that fills the model's
+cached_attention slot (ops/registry.py `slot_op`: the op declaring that slot's default math). Triton through its
+interpreter (CPU) is checked token for token like any path, but its timings are not speed: the receipt leaves them out and says why. Prompts come from the corpus's
 held-out tail (heads.base.heldout_frac): its first half prompts the distillation, its second half the
 evaluation, so neither the base nor the heads ever trained on an eval prompt.
 """
@@ -47,7 +47,7 @@ from posttrainllm.model.corpus import Corpus, batch_at, load_corpus, split_tail
 from posttrainllm.model.corpus import prompts as corpus_prompts
 from posttrainllm.model.decode import Generation, first_mismatch, greedy_cached, speculative, speculative_tree
 from posttrainllm.model.heads import MedusaHeads, head_accuracy, self_distillation_loss
-from posttrainllm.model.slots import CACHED_ATTENTION
+from posttrainllm.model.slots import ATTENTION, CACHED_ATTENTION, TREE_ATTENTION, defaults
 from posttrainllm.model.transformer import KVCache, ModelConfig, Transformer
 
 NOT_MEMORY_BOUND = ("a decode step here moves {gbps:.2f} GB/s of weights and KV cache, {frac:.1%} of the calibrated "
@@ -59,10 +59,16 @@ INTERPRETED = ("the decode attention is Triton through its interpreter (TRITON_I
                "timings not speed (left out, as lab/stages/ does for interpreted paths)")
 PREALLOCATED = ("the KV cache is preallocated for prompt + new tokens (+ K + 1 when verifying), so peak memory does "
                 "not grow with the tokens generated; kv_cache_bytes is the cache's share of it")
-TREE_ATTENTION = ("posttrainllm.ops.decode_attention.reference.masked_chunk_attention: the tree verification's explicit ancestor mask "
-                  "is an arbitrary mask, which no decode_attention path takes (the Triton kernel's is bottom-right "
-                  "causal), so tree verification always attends with the reference math; cached decoding and chain "
-                  "verification use heads.decode_attention")
+TREE_VERIFICATION = ("{math}: the tree verification's explicit ancestor mask is an arbitrary mask, which no "
+                     "cached_attention path takes (theirs is the slot's bottom-right causal mask), so tree "
+                     "verification always attends with the reference math (the model's tree_attention default); "
+                     "cached decoding and chain verification use heads.cached_attention")
+
+
+def tree_attention_math() -> str:
+    """The model's tree_attention default as module.function: what every tree verification attends with."""
+    fn = defaults()[TREE_ATTENTION]
+    return f"{fn.__module__}.{fn.__qualname__}"
 
 
 class LossyDecoding(RuntimeError):
@@ -326,29 +332,31 @@ def _summarise(gens: list[Generation], peak: dict[str, Any], K: int, timed: bool
     return entry
 
 
-def decode_attention(cfg: LabConfig) -> tuple[Callable[..., torch.Tensor], dict[str, Any]]:
-    """heads.decode_attention as a (q, k, v) -> o function from the decode_attention op's registry, and what it is."""
-    from posttrainllm.ops.registry import get_op, with_op_defaults
+def cached_attention(cfg: LabConfig) -> tuple[Callable[..., torch.Tensor], dict[str, Any]]:
+    """heads.cached_attention as the model's cached_attention slot function, (q, k, v) -> o, a path of the op that
+    fills that slot (registry.slot_op), and what it is."""
+    from posttrainllm.ops.registry import slot_op, with_op_defaults
 
-    op = get_op("decode_attention")
-    impl = op.impls[cfg.heads.decode_attention]  # its built-in registry: op.peers / op.user_impls are a point's
+    op = slot_op(CACHED_ATTENTION)
+    impl = op.impls[cfg.heads.cached_attention]  # its built-in registry: op.peers / op.user_impls are a point's
     interpreted = impl.kind == "triton" and devices.triton_interpreted()
     return op.model_hook.fill(impl, with_op_defaults(cfg, op.name)), {"path": impl.name, "backend": impl.backend,
                                                  "triton_interpreted": interpreted, "timed": not interpreted}
 
 
 def trainer_sampler_gap(cfg: LabConfig, base: Transformer, eval_prompts: torch.Tensor) -> dict[str, Any]:
-    """The eval prompts sampled by decode paths (the reference and heads.decode_attention) and scored by the
-    attention op's built-in paths (the training forward), in two batches: the prompts at their length and cut to
-    about half of it (model/gap.py). On the CPU, Triton runs through its interpreter (values, not speed)."""
+    """The eval prompts sampled by cached_attention paths (the reference and heads.cached_attention) and scored by
+    the built-in paths of the op filling the model's attention slot (the training forward), in two batches: the
+    prompts at their length and cut to about half of it (model/gap.py). On the CPU, Triton runs through its
+    interpreter (values, not speed)."""
     from posttrainllm.model.gap import measure_gap
-    from posttrainllm.ops.registry import get_op, with_op_defaults
+    from posttrainllm.ops.registry import slot_op, with_op_defaults
 
-    decode, attention = get_op("decode_attention"), get_op("attention")
-    samplers = {name: decode.model_hook.fill(decode.impls[name], with_op_defaults(cfg, decode.name))
-                for name in dict.fromkeys(["reference", cfg.heads.decode_attention])}
-    trainers = {name: attention.model_hook.fill(impl, with_op_defaults(cfg, attention.name))
-                for name, impl in attention.impls.items()}
+    sampler, trainer = slot_op(CACHED_ATTENTION), slot_op(ATTENTION)
+    samplers = {name: sampler.model_hook.fill(sampler.impls[name], with_op_defaults(cfg, sampler.name))
+                for name in dict.fromkeys(["reference", cfg.heads.cached_attention])}
+    trainers = {name: trainer.model_hook.fill(impl, with_op_defaults(cfg, trainer.name))
+                for name, impl in trainer.impls.items()}
     batches = [eval_prompts, eval_prompts[:, : eval_prompts.shape[1] // 2 + 1]]
     gap = measure_gap(base, batches, cfg.heads.new_tokens, samplers, trainers)
     gap["triton_interpreted"] = devices.triton_interpreted()
@@ -358,8 +366,8 @@ def trainer_sampler_gap(cfg: LabConfig, base: Transformer, eval_prompts: torch.T
 def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
     """Plain greedy vs speculative on the same eval prompts, the controls beside them; decode.json.
 
-    Every variant attends with heads.decode_attention, but for trained_tree's tree verifications (opt-in:
-    heads.tree; TREE_ATTENTION says why and what instead). Raises LossyDecoding (after writing) when any
+    Every variant attends with heads.cached_attention, but for trained_tree's tree verifications (opt-in:
+    heads.tree; TREE_VERIFICATION says why and what instead). Raises LossyDecoding (after writing) when any
     speculative output differs from greedy, or (another attention than the reference) greedy decoding
     differs from greedy decoding with the reference attention.
     """
@@ -368,7 +376,7 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
     h = cfg.heads
     device = devices.prepare(cfg.device.name, cfg.bench.threads)
     base, base_info = load_base(cfg, device)
-    attention, attention_info = decode_attention(cfg)
+    chosen, chosen_info = cached_attention(cfg)  # heads.cached_attention's path, in the slot's contract
     _, heldout, _ = split_corpus(cfg)
     eval_prompts = prompts(heldout, h.eval_prompts, h.prompt_len, "eval").to(device)  # (E, P)
     K = h.num_heads
@@ -388,7 +396,7 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
 
     names = ["greedy", *variants, *(["trained_tree"] if tree else [])]
     reference_attention = base.slot(CACHED_ATTENTION)  # the model's default: the readable math
-    base.swap(CACHED_ATTENTION, attention)
+    base.swap(CACHED_ATTENTION, chosen)
     for name in names:  # untimed warmup, every variant alike
         for i in range(min(h.warmup_prompts, h.eval_prompts)):
             run(name, eval_prompts[i:i + 1])
@@ -396,15 +404,16 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
     for i in range(h.eval_prompts):  # interleaved per prompt, so drifts in machine load hit every variant alike
         for name in names:
             gens[name].append(run(name, eval_prompts[i:i + 1]))
-    timed = attention_info["timed"]
+    timed = chosen_info["timed"]
     report: dict[str, Any] = {"device": device, "threads": torch.get_num_threads(), "num_heads": K,
                               "prompts": h.eval_prompts, "prompt_len": h.prompt_len, "new_tokens": h.new_tokens,
-                              "base_fingerprint": base_info["fingerprint"], "attention": attention_info,
+                              "base_fingerprint": base_info["fingerprint"], CACHED_ATTENTION: chosen_info,
                               "variants": {}, "mismatches": {},
                               "itl_rule": rules.cite("inter_token_latency"),
                               "accepted_length_rule": rules.cite("accepted_length")}
     if tree:
-        report["tree"] = {"widths": tree, "entries": h.tree_size(), "verification_attention": TREE_ATTENTION,
+        report["tree"] = {"widths": tree, "entries": h.tree_size(),
+                          "verification_attention": TREE_VERIFICATION.format(math=tree_attention_math()),
                           "rule": rules.cite("draft_tree")}
     if not timed:
         report["timings"] = {"valid": False, "reason": INTERPRETED}
@@ -418,21 +427,21 @@ def measure_decode(cfg: LabConfig, calibration: dict[str, Any] | None = None) ->
         depth = len(tree) if name == "trained_tree" else 0 if name == "spec_k0" else K
         report["variants"][name] = _summarise(gens[name], peak, depth, timed)
         if name == "trained_tree":
-            report["variants"][name]["verification_attention"] = "reference (masked_chunk_attention)"
+            report["variants"][name]["verification_attention"] = f"reference ({defaults()[TREE_ATTENTION].__name__})"
     mismatches = []
     for name in names[1:]:
         for i, (got, want) in enumerate(zip(gens[name], gens["greedy"])):
             found = first_mismatch(got.tokens, want.tokens, want.logits, h.near_tie)
             if found:
                 mismatches.append({"variant": name, "prompt": i, **found})
-    if h.decode_attention != "reference":  # the path itself: greedy with it against greedy with the reference
+    if h.cached_attention != "reference":  # the path itself: greedy with it against greedy with the reference
         base.swap(CACHED_ATTENTION, reference_attention)
         for i, got in enumerate(gens["greedy"]):
             want = greedy_cached(base, eval_prompts[i:i + 1], h.new_tokens, keep_logits=True)[1]
             found = first_mismatch(got.tokens, want.tokens, want.logits, h.near_tie)
             if found:
                 mismatches.append({"variant": "greedy vs reference attention", "prompt": i, **found})
-        base.swap(CACHED_ATTENTION, attention)
+        base.swap(CACHED_ATTENTION, chosen)
     report["mismatches"] = {"count": len(mismatches), "near_ties": sum(bool(m.get("near_tie")) for m in mismatches),
                             "first": mismatches[:10],
                             "rule": rules.cite("lossless_decoding", near_tie=h.near_tie)}
@@ -540,7 +549,7 @@ def table(receipt: dict[str, Any]) -> str:
     w = max([10, *map(len, decode["variants"])])  # the name column: 10 unless trained_tree is there
     lines = [f"heads {receipt['point']}: K={heads['num_heads']} on a base with held-out loss "
              f"{receipt['base']['heldout_loss']:.3f} nats/byte ({decode.get('device')}, {decode.get('threads')} threads, "
-             f"{(decode.get('attention') or {}).get('path', 'reference')} decode attention)",
+             f"{(decode.get(CACHED_ATTENTION) or {}).get('path', 'reference')} cached attention)",
              f"{'variant':>{w}} {'accepted':>8} {'tok/s':>9} {'speedup':>8} {'TTFT ms':>8} "
              f"{'ITL ms p50 (p20-p80)':>22} {'peak MB':>8}"]
     for name, v in decode["variants"].items():
@@ -563,7 +572,7 @@ def table(receipt: dict[str, Any]) -> str:
                      f"{decode['mismatches']['near_ties']} near-ties)")
     if decode.get("tree"):
         lines.append(f"  trained_tree verifies with {decode['tree']['verification_attention'].split(':')[0]} "
-                     "(an explicit tree mask; no decode_attention path takes one)")
+                     "(an explicit tree mask; no cached_attention path takes one)")
     for key in ("verdict", "tree_verdict", "why", "reason"):
         if decode["speedup"].get(key):
             lines.append(f"  {decode['speedup'][key]}")

@@ -48,8 +48,9 @@ class Reads:
     upstream   files earlier stages wrote (dvc.yaml deps, after the code)
     runs_paths a point stage that runs or records the point's paths, those from outside (op.user_impls) among
                them: their files and the Triton kernel files they launch are its inputs, and its stamp hashes them
-    kernels_of a module whose `get_op("...")` calls name the ops whose Triton code the stage runs (not a point's
-               op: the draft heads' attention)
+    kernels_of a module whose `slot_op(SLOT)` calls (SLOT a model/slots.py constant) take the ops whose Triton code
+               the stage runs (not a point's op: the draft heads' attention), each the op whose definition declares
+               that slot's default math (`slot_ops`)
     notes      dvc.yaml's end-of-line comment for an entry of deps or params
     """
 
@@ -172,7 +173,7 @@ STAGES: dict[str, Reads] = {
                             "conf/device/auto.yaml": ("name",),
                             # the gap's trainers: the default op's paths (their config, copied whole)
                             "conf/op/{default}.yaml": ("name", "causal", "peers", "user_impls", "only"),
-                            # the Triton paths' launches (the gap's trainer; heads.decode_attention=triton)
+                            # the Triton paths' launches (the gap's trainer; heads.cached_attention=triton)
                             "conf/tile/{default}.yaml": ("name", "block_q", "block_kv", "dkdv_block_q",
                                                          "dkdv_block_kv", "dq_block_q", "dq_block_kv"),
                             "conf/workgroup/{default}.yaml": ("name", "num_warps", "num_stages"),
@@ -274,15 +275,19 @@ def imported_closure(modules: tuple[str, ...] | list[str], root: Path = PROJECT_
     return {f for f in files if not f.startswith(f"{OPS.as_posix()}/")}
 
 
+def op_packages(root: Path = PROJECT_ROOT) -> tuple[str, ...]:
+    """ops/registry.py's OP_PACKAGES, read from the file (not imported: no torch here)."""
+    registry = ast.parse((root / OPS / "registry.py").read_text())
+    return next(ast.literal_eval(node.value) for node in registry.body if isinstance(node, ast.Assign)
+                and any(isinstance(target, ast.Name) and target.id == "OP_PACKAGES" for target in node.targets))
+
+
 def op_definition_sources(root: Path = PROJECT_ROOT) -> list[str]:
     """posttrainllm/ops/'s shared modules and the registry's op packages, but the ops' kernels: what importing the
     registry loads (validating a config does), never a kernel. Read from the files, not imported (no torch here)."""
     ops = root / OPS
-    registry = ast.parse((ops / "registry.py").read_text())
-    packages = next(ast.literal_eval(node.value) for node in registry.body if isinstance(node, ast.Assign)
-                    and any(isinstance(target, ast.Name) and target.id == "OP_PACKAGES" for target in node.targets))
     files = [path for path in ops.glob("*.py") if path.name not in NOT_LOADED]
-    files += [path for package in packages for path in (ops / package).rglob("*.py")
+    files += [path for package in op_packages(root) for path in (ops / package).rglob("*.py")
               if path.name not in KERNEL_FILES and "__pycache__" not in path.parts]
     return sorted(path.relative_to(root).as_posix() for path in files)
 
@@ -309,18 +314,52 @@ def stage_code(stage: str, root: Path = PROJECT_ROOT) -> list[str]:
     if reads.ops:
         code |= set(op_definition_sources(root))
     if reads.kernels_of:
-        code |= {f"{OPS.as_posix()}/{op}/kernels.py" for op in ops_named(reads.kernels_of, root)}
+        code |= {f"{OPS.as_posix()}/{op}/kernels.py" for op in slot_ops(reads.kernels_of, root)}
     folders = [c for c in code if not c.endswith(".py")]
     code = {c for c in code if not any(c.startswith(folder + "/") for folder in folders)}
     return [script, *sorted(code)]
 
 
-def ops_named(module: str, root: Path = PROJECT_ROOT) -> list[str]:
-    """The ops `module` takes from the registry by name: the literal first argument of each `get_op(...)` call."""
+def _string_constants(file: Path) -> dict[str, str]:
+    """A module's top-level `NAME = "text"` assignments (model/slots.py's slot names)."""
+    found = {}
+    for node in ast.parse(file.read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            found.update({t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)})
+    return found
+
+
+def slot_defaults(root: Path = PROJECT_ROOT) -> dict[str, str]:
+    """{model slot: the op package whose definition declares its default math}: each registry package's
+    definition.py's `model_defaults={...}` keys, read from the files as ops/registry.py `slot_op` reads them."""
+    owners = {}
+    for package in op_packages(root):
+        definition = root / OPS / package / "definition.py"
+        if not definition.is_file():
+            continue
+        for node in ast.walk(ast.parse(definition.read_text())):
+            if isinstance(node, ast.keyword) and node.arg == "model_defaults" and isinstance(node.value, ast.Dict):
+                owners.update({key.value: package for key in node.value.keys if isinstance(key, ast.Constant)})
+    return owners
+
+
+def slot_ops(module: str, root: Path = PROJECT_ROOT) -> list[str]:
+    """The op packages whose paths `module` fills model slots with: for each `slot_op(SLOT)` call, SLOT a constant of
+    model/slots.py (or a literal), the op declaring that slot's default math (`slot_defaults`)."""
     tree = ast.parse(_module_file(module, root).read_text())
-    return sorted({node.args[0].value for node in ast.walk(tree) if isinstance(node, ast.Call)
-                   and getattr(node.func, "id", getattr(node.func, "attr", None)) == "get_op" and node.args
-                   and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)})
+    names = _string_constants(_module_file(f"{PACKAGE}.model.slots", root))
+    slots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "slot_op" \
+                and node.args:
+            arg = node.args[0]
+            slots.add(names.get(arg.id) if isinstance(arg, ast.Name) else getattr(arg, "value", None))
+    owners = slot_defaults(root)
+    unknown = sorted(str(slot) for slot in slots if slot not in owners)
+    if unknown:
+        raise ConfigError(f"{module}: slot_op of {', '.join(unknown)}: no op's definition declares that slot's "
+                          f"default (model_defaults); declared: {', '.join(sorted(owners))}")
+    return sorted({owners[slot] for slot in slots})
 
 
 # --- a point's op: its own code and declarations (ops/<op>/__init__.py READS) ----------------------------------

@@ -225,10 +225,18 @@ class Costs:
 class ModelHook:
     """How bench-train swaps one of the op's paths into the model: the model slot it fills (a name of
     model/slots.py SLOTS, the model's own role: its attention, its linear layers, its norm...) and `fill(impl, cfg)`,
-    the path as a function of that slot's contract. The slot's profiler range is the op's share of a step."""
+    the path as a function of that slot's contract. The slot's profiler range is the op's share of a step.
+    `also`: other slots whose contract the same function meets, where the lab fills them with the op's paths outside
+    a point of it (registry.slot_op: the draft heads' cached decoding)."""
 
     slot: str
     fill: Callable[[Impl, LabConfig], Callable[..., Any]]
+    also: tuple[str, ...] = ()
+
+    @property
+    def fills(self) -> tuple[str, ...]:
+        """Every slot a path of the op fills: bench-train's, then `also`."""
+        return (self.slot, *self.also)
 
 
 @dataclass(frozen=True)

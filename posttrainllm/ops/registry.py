@@ -69,6 +69,22 @@ def model_defaults() -> dict[str, Callable[..., Any]]:
     return found
 
 
+def slot_op(slot: str) -> OpDef:
+    """The op whose paths fill model slot `slot` where the lab picks one outside a point (the draft heads' decoding,
+    lab/heads.py): the op that declares the slot's default math (OpDef.model_defaults, one op per slot), whose model
+    hook fills that slot too (ModelHook.fills). A slot no op declares, or one its op's paths do not fill, is refused."""
+    owners = [op for op in OPS.values() if slot in op.model_defaults]
+    if not owners:
+        declared = sorted({name for op in OPS.values() for name in op.model_defaults})
+        raise ValueError(f"no op declares the model's {slot!r} default (OpDef.model_defaults): declared are "
+                         f"{', '.join(declared)}")
+    op = owners[0]
+    if op.model_hook is None or slot not in op.model_hook.fills:
+        raise ValueError(f"op {op.name} declares the model's {slot!r} default, but its model hook does not fill that "
+                         f"slot (ModelHook.also)")
+    return op
+
+
 PROBLEM = "problem"  # op=problem: an op made from a problem file at config time (ops/problem/, op.file)
 
 
@@ -104,4 +120,4 @@ def op_for(cfg: LabConfig) -> OpDef:
 
 __all__ = ["NO_BACKWARD", "OPS", "OP_CONFIGS", "OP_PACKAGES", "OWN_BACKWARD", "REFERENCE", "Case", "Costs", "Impl",
            "ModelHook", "OpDef", "Tensors", "case_config", "get_op", "model_defaults", "op_config", "op_for",
-           "replaced_library", "with_op_defaults"]
+           "replaced_library", "slot_op", "with_op_defaults"]

@@ -28,6 +28,7 @@ import torch
 from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef, Tensors,
                                    seeded_randn, softmax_scale)
+from posttrainllm.ops.autotune import AUTO_CPU_NOTE  # loaded with the definitions: no triton
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.attention.config as op_config
 import posttrainllm.ops.attention.reference as reference
@@ -193,7 +194,7 @@ def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
 def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
     """The launch geometry; with tile/workgroup=auto, what the autotuner chose for this case (CUDA), found by
     running the path once on the case's inputs, or that the fixed configuration ran (elsewhere)."""
-    from posttrainllm.ops.attention.kernels import AUTO_CPU_NOTE, LAST_AUTOTUNE, attention_backward_launch, attention_launch
+    from posttrainllm.ops.attention.kernels import LAST_AUTOTUNE, attention_backward_launch, attention_launch
 
     d = case.dims
     args = _triton_args(cfg)

@@ -13,8 +13,8 @@ phases: blocks wholly below the diagonal without any mask, then the diagonal blo
 the ragged last block) masked. HEAD_DIM is a compile-time constant (the head-dim mask exists only
 when D is padded to a power of two), causal blocks launch heaviest first across every head (_schedule),
 the softmax scale is folded into one multiply-add (exp2(s·scale·log2 e − m)), and per-(batch, head) base
-offsets are 64-bit. tile/workgroup=auto autotunes on CUDA, keyed on the problem size (see AUTO_CPU_NOTE
-for CPU).
+offsets are 64-bit. tile/workgroup=auto autotunes on CUDA, keyed on the problem size (see ops/autotune.py
+AUTO_CPU_NOTE for CPU).
 GQA / MQA: K and V carry Hkv heads; query head h reads kv head h // (H // Hkv).
 
 bf16 under Triton's interpreter: see posttrainllm.ops.matmul.kernels; with UPCAST_DOT the
@@ -33,9 +33,8 @@ Shapes: q (B, H, S, D), k and v (B, Hkv, S, D) -> o (B, H, S, D), lse (B, H, S).
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import triton
@@ -43,6 +42,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from posttrainllm.ops import use_bf16_emulation
+from posttrainllm.ops.autotune import autotune_smem, chosen_config
 from posttrainllm.ops.attention.config import block_d as padded_head_dim
 from posttrainllm.ops.attention.config import smem_bytes as attention_smem_bytes  # the one formula (config.py)
 
@@ -658,63 +658,18 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_preci
 
 
 # --- autotuning (tile=auto / workgroup=auto): CUDA only ---------------------------------------
-# Triton's autotuner times every configuration with triton.testing.do_bench, which needs a GPU
-# driver; under the interpreter there is none, so `auto` resolves to the launcher's fixed
-# configuration there (autotune_note says so, and the receipt records it). Configurations are
-# pruned by the shared memory the device itself reports, not a constant.
-
-# Triton versions (torch 2.11's GPU machine runs triton 3.6; this venv 3.9): the calls below exist with these
-# signatures in both. triton.autotune(configs, key, prune_configs_by=None, reset_to_zero=None, restore_value=None,
-# ...); the autotuner sets `.best_config` (a Config: .kwargs, .num_warps, .num_stages) on every run; a config that
+# Shared by every op's tuned launcher (ops/autotune.py): the shared memory candidates are pruned by (the device's,
+# or a compile target's), the tuner's choice, and AUTO_CPU_NOTE where no autotuner runs.
+# triton.autotune(configs, key, prune_configs_by=None, reset_to_zero=None, restore_value=None, ...): a config that
 # overflows shared memory or registers raises OutOfResources / PTXASError inside its benchmark, which the autotuner
 # scores as inf. Every tuned kernel writes its outputs with plain stores (no atomics, no accumulation into an
 # input), so re-running it while benchmarking needs no reset_to_zero / restore_value.
-# driver.active.utils.get_device_properties(index)["max_shared_mem"]: the NVIDIA driver's dict (also
-# "multiprocessor_count", "max_num_regs"); an H100/H200 reports 232448 B (227 KiB, conf/device/cuda.yaml).
-
-AUTO_CPU_NOTE = ("autotune needs a GPU (triton.testing.do_bench and @triton.autotune have no driver under "
-                 "Triton's interpreter): fixed configuration used")
 
 # forward / dQ: tall query blocks; dK/dV: a tall KV block against short query steps
 FWD_SPACE = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8)]  # (block_q, block_kv, warps)
 DKDV_SPACE = [(32, 64, 4), (32, 128, 4), (32, 128, 8), (64, 64, 4), (64, 128, 8)]
 DQ_SPACE = [(64, 32, 4), (64, 64, 4), (128, 32, 4), (128, 32, 8), (128, 64, 8)]
 STAGES = (2, 3)
-
-
-def device_smem_bytes(device: torch.device) -> int:
-    """Shared memory one program may opt into on `device`, as the device reports it."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    try:
-        from triton.runtime import driver
-
-        return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
-    except Exception:  # an older triton: ask PyTorch
-        props = torch.cuda.get_device_properties(index)
-        return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
-
-
-_COMPILE_TARGET_SMEM: list[int | None] = [None]  # set by `autotune_for_target` while lab/compile.py records
-
-
-@contextlib.contextmanager
-def autotune_for_target(shared_per_block: int) -> Iterator[None]:
-    """While lab/compile.py records launches for a compile target (no GPU here): the launchers take their
-    autotuned branch on CPU tensors too, their candidates pruned by the target's per-block shared memory as the
-    device's reported limit prunes them on a GPU of that target. The autotuner itself never times anything then:
-    the recorder compiles each candidate instead (lab/compile.py `recording`)."""
-    _COMPILE_TARGET_SMEM[0] = shared_per_block
-    try:
-        yield
-    finally:
-        _COMPILE_TARGET_SMEM[0] = None
-
-
-def autotune_smem(t: torch.Tensor) -> int | None:
-    """The shared memory per block the autotuner prunes its candidates by, for a launch on `t`'s device: the
-    device's own on CUDA, the compile target's while lab/compile.py records; None: no autotuner here (elsewhere
-    the fixed configuration runs, AUTO_CPU_NOTE)."""
-    return device_smem_bytes(t.device) if t.is_cuda else _COMPILE_TARGET_SMEM[0]
 
 
 STREAMED = {"forward": 1, "dkdv": 0, "dq": 1}  # the block a kernel steps through (its index in an entry)
@@ -780,16 +735,6 @@ def _tuner(kernel, space, smem: int, block_d: int, itemsize: int, tensor_cores: 
     return _TUNERS[key]
 
 
-def chosen_config(tuner) -> dict | None:
-    """The configuration `tuner` chose at its last run (blocks lowercased, warps, stages); None when it chose none
-    (lab/compile.py records its candidates instead of running it)."""
-    config = getattr(tuner, "best_config", None)
-    if config is None:
-        return None
-    return {**{k.lower(): v for k, v in config.kwargs.items()}, "num_warps": config.num_warps,
-            "num_stages": config.num_stages}
-
-
 def _space(fixed: tuple[int, int, int], tune_tiles: bool, space):
     """The autotune space: every (block_q, block_kv, warps) when tiles are tuned, else the fixed blocks
     with each warp count (workgroup=auto alone tunes warps and stages only)."""
@@ -822,7 +767,7 @@ def triton_attention(
     16-bit inputs ignore it). emulate_bf16: None = upcast bf16 dot operands only under the
     interpreter; False/True force it off/on. autotune: None = the given blocks, warps and stages;
     "tile" = autotune blocks, warps and stages jointly; "workgroup" = warps and stages at the given
-    blocks. On CUDA only: elsewhere the given configuration runs (see AUTO_CPU_NOTE).
+    blocks. On CUDA only: elsewhere the given configuration runs (see ops/autotune.py AUTO_CPU_NOTE).
     """
     _check_inputs(q, k, v, input_precision, sm_scale)
     (B, H, S, D), Hkv = q.shape, k.shape[1]

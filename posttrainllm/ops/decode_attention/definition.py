@@ -239,7 +239,9 @@ def _curve_case(cfg: LabConfig, x: int) -> Case:
 
 
 def _fill(impl: Impl, cfg: LabConfig) -> Callable[..., torch.Tensor]:
-    """bench-train's full-sequence causal attention is the chunk Sq == Sk: the same function, checked and timed."""
+    """The model's attention slots as a chunk against its KV cache: bench-train's full-sequence causal attention is
+    the chunk Sq == Sk, and the draft heads' cached decoding (the cached_attention slot) any chunk Sq <= Sk: the same
+    function, checked and timed."""
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return impl.fn({"q": q, "k": k, "v": v}, cfg)["out"]
@@ -306,7 +308,8 @@ def _adapt(fn: Any) -> Any:
 OP = OpDef(
     name="decode_attention", x_name="kv_len", input_names=("q", "k", "v"), impls=IMPLS, cases=_cases,
     make_inputs=_make_inputs, problem=_problem, costs=_costs, path_costs=PATH_COSTS, curve_case=_curve_case,
-    model_hook=ModelHook("attention", _fill),  # the training forward's attention is the chunk Sq == Sk
+    # the training forward's attention is the chunk Sq == Sk; cached decoding and verification, any chunk
+    model_hook=ModelHook("attention", _fill, also=("cached_attention",)),
     model_problem=_model_problem,
     model_defaults={"cached_attention": decode_attention_reference.chunk_attention,
                     "tree_attention": decode_attention_reference.masked_chunk_attention}, check_config=_check_config,

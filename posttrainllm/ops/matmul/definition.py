@@ -32,6 +32,7 @@ import torch
 from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.ops.base import (LIBRARY, NO_BACKWARD, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef,
                                    Tensors, seeded_randn)
+from posttrainllm.ops.autotune import AUTO_CPU_NOTE  # loaded with the definitions: no triton
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.matmul.config as op_config
 import posttrainllm.ops.matmul.reference as matmul_reference
@@ -67,7 +68,6 @@ def _triton(x: Tensors, cfg: LabConfig) -> Tensors:
 def _triton_geometry(case: Case, cfg: LabConfig) -> dict[str, Any]:
     """The launch geometry; with tile/workgroup=auto, what the autotuner chose for the forward (CUDA: the
     path runs once on the case's inputs), or that the fixed configuration ran (elsewhere)."""
-    from posttrainllm.ops.attention.kernels import AUTO_CPU_NOTE
     from posttrainllm.ops.matmul.kernels import LAST_AUTOTUNE, matmul_launch
 
     t, w, d = cfg.tile, cfg.workgroup, case.dims

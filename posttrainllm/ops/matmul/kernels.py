@@ -27,6 +27,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from posttrainllm.ops import use_bf16_emulation
+from posttrainllm.ops.autotune import autotune_smem, chosen_config
 from posttrainllm.ops.matmul.config import smem_bytes as matmul_smem_bytes  # the one formula (config.py)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -152,7 +153,7 @@ def matmul_launch(
 
 # --- autotuning (tile=auto / workgroup=auto): CUDA only ---------------------------------------
 # do_bench needs a GPU driver; under Triton's interpreter `auto` runs the given configuration
-# (posttrainllm.ops.attention.AUTO_CPU_NOTE). Configurations are pruned by the shared memory the
+# (ops/autotune.py AUTO_CPU_NOTE). Configurations are pruned by the shared memory the
 # device reports, by the formula the config check reads too (config.py `smem_bytes`).
 
 # (block_m, block_n, block_k, warps, stages): Triton's matmul tutorial's CUDA set, wide to narrow
@@ -240,9 +241,7 @@ def triton_matmul(
     c = torch.empty((M, N), device=a.device, dtype=torch.float32 if upcast else a.dtype)
     args = kernel_args(a, b, c)
     smem = None
-    if autotune:  # its shared-memory limit and choice from ops/attention/kernels.py, imported only by a tuned run
-        from posttrainllm.ops.attention.kernels import autotune_smem, chosen_config
-
+    if autotune:  # the device's (or a compile target's) shared-memory limit: ops/autotune.py
         smem = autotune_smem(a)
     if smem is not None:
         tile = (block_m, block_n, block_k, group_m, num_warps, num_stages)
