@@ -46,7 +46,7 @@ from posttrainllm.ops.base import (NO_BACKWARD, REFERENCE, BatchAxis, Case, Cost
                                    Tensors, check_fp8_config, check_smem, seeded_randn)
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.moe.reference as moe_reference
-from posttrainllm.ops.moe import costs
+import posttrainllm.ops.moe.costs as costs
 from posttrainllm.ops import quantize
 
 ROUTING_KINDS = ("one_expert", "empty_expert")
