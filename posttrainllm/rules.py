@@ -312,8 +312,8 @@ RULES: dict[str, Rule] = {
     # the training step and the draft heads (model/, lab/heads.py)
     "noise_band": Rule(
         "a measured end-to-end speedup s is a change only when s > band or s < 1/band; band: the widest ratio of "
-        "the baseline's warm ms/step to itself (halves of its warm steps; a second repetition after every other "
-        "variant)",
+        "the baseline's warm ms/step to itself (halves of its warm steps; a second copy of it, the two trained "
+        "interleaved step by step with the variants)",
         "model/amdahl.py noise_band"),
     "trainer_sampler_gap": Rule(
         "per token the sampler generated (greedy_cached with its decode attention, prompts batched): |log p "

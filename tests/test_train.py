@@ -9,7 +9,7 @@ from posttrainllm.ops.attention import reference
 from posttrainllm.model.corpus import load_corpus
 from posttrainllm.config import LabConfig
 from posttrainllm.model.transformer import ModelConfig
-from posttrainllm.model.train import Variant, _precision_mode, bench_train
+from posttrainllm.model.train import ORDER, Variant, _precision_mode, _resident_bytes, _Trainer, bench_train
 from posttrainllm.ops.registry import get_op, op_config
 
 TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
@@ -159,8 +159,8 @@ def test_profiled_step_splits_time_between_the_model_s_slots(fp32_result):
 
 
 def test_the_baseline_is_repeated_for_its_run_to_run_band(fp32_result):
-    """The band comes from the baseline's own step times (its warm halves, a second repetition after every other
-    variant), recorded with them: what it is made of is checked here, never how wide it came out."""
+    """The band comes from the baseline's own step times (its warm halves, a second copy of it interleaved with the
+    variants), recorded with them: what it is made of is checked here, never how wide it came out."""
     from posttrainllm.model import amdahl
 
     noise = fp32_result["noise"]
@@ -173,3 +173,70 @@ def test_the_baseline_is_repeated_for_its_run_to_run_band(fp32_result):
         model_problem="x")
     assert check["band"] == noise["band"] and check["variants"]["sdpa"]["measured_change"] in (
         "no measurable change", "faster", "slower")
+
+
+def logged_attention(name: str, log: list[str]):
+    """An attention that records, in one list shared by every variant, that `name`'s model called it."""
+    def attention(q, k, v):
+        log.append(name)
+        return sdpa_repeat_kv(q, k, v)
+    return attention
+
+
+def test_variants_train_interleaved_step_by_step(corpus):
+    """Step k of every variant (the baseline's timing-only copy last in the round) runs before step k+1 of any; a
+    variant with fewer steps leaves the round; then each finishes alone: its peak-memory step, its profiled step."""
+    log: list[str] = []
+    variants = [Variant("a", {"attention": logged_attention("a", log)}),
+                Variant("b", {"attention": logged_attention("b", log)}, steps=2)]
+    r = bench_train(TINY, variants=variants, precision="fp32", device="cpu", corpus=corpus,
+                    **{**RUN, "steps": 3, "warmup_steps": 1})
+    forwards = log[::TINY.n_layers]  # one attention call per layer per forward
+    assert log == [name for name in forwards for _ in range(TINY.n_layers)]
+    assert forwards == ["a", "b", "a",  # step 1: a, b, a's repeat
+                        "a", "b", "a",  # step 2
+                        "a", "a",  # step 3: b trained its 2 steps and left the round
+                        "a", "a", "b", "b"]  # a's then b's peak-memory and profiled steps; the repeat has none
+    assert r["order"] == ORDER == "interleaved by step"
+    assert len(r["impls"]["a"]["losses"]) == 3 and len(r["impls"]["b"]["losses"]) == 2
+    assert len(r["noise"]["repeat_step_ms"]) == 3
+
+
+def test_interleaving_leaves_each_variant_s_losses_bit_identical(fp32_result, corpus):
+    """Training is deterministic (the model's init forks the RNG; no dropout): a variant trained alone has the very
+    losses it has interleaved with the others."""
+    by_name = {v.name: v for v in [*attention_variants(["reference", "sdpa"]),
+                                   Variant("sdpa_repeat_kv", {"attention": sdpa_repeat_kv})]}
+    for name, variant in by_name.items():
+        alone = bench_train(TINY, variants=[variant], precision="fp32", device="cpu", corpus=corpus, **RUN)
+        assert alone["impls"][name]["losses"] == fp32_result["impls"][name]["losses"], name
+    short = Variant("sdpa", by_name["sdpa"].fills, steps=7)  # leaves the round early: still its own losses
+    mixed = bench_train(TINY, variants=[by_name["reference"], short], precision="fp32", device="cpu", corpus=corpus,
+                        **RUN)
+    assert mixed["impls"]["sdpa"]["losses"] == fp32_result["impls"]["sdpa"]["losses"][:7]
+    assert mixed["impls"]["reference"]["losses"] == fp32_result["impls"]["reference"]["losses"]
+
+
+def test_a_trainer_keeps_its_parameters_buffers_and_adam_state_resident(corpus):
+    """What CUDA's peak memory adds back to the extra step's rise: the trainer's own resident bytes."""
+    batches = [(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))]
+    trainer = _Trainer(TINY, Variant("reference"), batches, 3e-3, 0, "fp32", torch.device("cpu"), 0)
+    model = trainer.model
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert _resident_bytes(model, trainer.optimizer, torch.device("cpu")) == params + buffers  # no Adam state yet
+    trainer.step(0)
+    adam_steps = 4 * len(list(model.parameters()))  # AdamW's per-parameter step count: a 0-d fp32 tensor
+    assert _resident_bytes(model, trainer.optimizer, torch.device("cpu")) == 3 * params + buffers + adam_steps
+    assert _resident_bytes(model, trainer.optimizer, torch.device("cuda")) == 0  # nothing of it on another device
+
+
+def test_a_trainer_refuses_a_step_out_of_order(corpus):
+    batches = [(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))] * 2
+    trainer = _Trainer(TINY, Variant("reference"), batches, 3e-3, 0, "fp32", torch.device("cpu"), 0)
+    with pytest.raises(ValueError, match="reference: step 1 out of order"):
+        trainer.step(1)
+    trainer.step(0)
+    trainer.step(1)
+    with pytest.raises(ValueError, match="step 2 out of order"):
+        trainer.step(2)

@@ -12,7 +12,7 @@ they agree or differ.
 
 A measured speedup is only a change when it lies outside the run-to-run band of the
 baseline's own step time (`noise_band`: the baseline against itself, its warm steps' two
-halves and a second repetition of it after every other variant); inside it, bench-train
+halves and a second copy of it trained interleaved with the variants); inside it, bench-train
 and the report say "no measurable change" and print no speedup (`measured_text`).
 """
 
@@ -31,7 +31,8 @@ OVERHEAD_US_PER_CALL = 50.0  # per-call op time below which launch/dispatch over
 
 def noise_band(step_ms: list[float], repeat_step_ms: list[float] | None, warmup_steps: int) -> dict[str, Any]:
     """How far the baseline's warm ms/step moves against itself: the ratio of its warm steps' second half to their
-    first half, and of a second repetition's warm median to the first's (after every other variant was trained).
+    first half, and of a second copy's warm median to the first's (the two copies train interleaved with the
+    variants, step by step, so over the same minutes as them).
     band = the widest of them either way (>= 1): a measured speedup s is a change only when s > band or
     s < 1 / band."""
     warm = step_ms[warmup_steps:] or step_ms

@@ -5,6 +5,8 @@ attention, the matmul of every projection...), taken by the caller from the op's
 model hook so the function trained is the function checked and timed; the first variant is the baseline.
 For every variant: the same initial weights (same seed), the same batches
 (corpus.batch_at, a pure function of (seed, step)), AdamW, `steps` optimizer steps.
+The variants train interleaved, step by step (step k of every variant before step k+1 of any), so a shared
+machine's drift in speed falls on all of them alike; each one's losses are those it would have alone.
 What comes back is the loss at every step and the wall time of every step, so one
 table shows both parity (do the loss curves agree?) and speed (tokens/s), plus one
 extra, profiled step that says which fraction of a step each slot of the model takes.
@@ -15,7 +17,7 @@ Units and formulas
                       on CUDA the clock stops after torch.cuda.synchronize())
     warm_ms_per_step  median of step_ms[warmup_steps:]
     noise.band        the baseline's warm ms/step against itself (halves of its warm steps; a second
-                      repetition of it after every other variant): a measured speedup inside
+                      copy of it, timing only, interleaved with the variants): a measured speedup inside
                       [1/band, band] is no measurable change (model/amdahl.py noise_band)
     tokens_per_s      batch_size * seq_len / (warm_ms_per_step / 1000)
     drift[name]       |loss_name[n-1] - loss_baseline[n-1]|, the loss gap at the variant's last step n
@@ -27,6 +29,7 @@ Units and formulas
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -63,6 +66,8 @@ class Variant:
     steps: int | None = None
 
 
+ORDER = "interleaved by step"  # round robin: step k of every variant (and the baseline's repeat) before step k+1
+
 # AdamW settings shared by every implementation (GPT-style; only lr is a knob here).
 ADAM_BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1  # on matrices only; RMSNorm weights are not decayed
@@ -84,12 +89,12 @@ def bench_train(
     skipped: dict[str, str] | None = None,
     heldout: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict:
-    """Train once per variant; return a JSON-serialisable result dict.
+    """Train every variant, interleaved step by step; return a JSON-serialisable result dict.
 
     skipped: variants not trained, with why (a path that failed parity gets no training time);
     recorded in the result as they are.
     heldout: batches never trained on; each variant's model is scored on them (mean loss, no gradients) after
-    its last step, and the baseline's also after every other variant's last step (its `steps`), so each
+    its last step, and the baseline's also at every other variant's last step (its `steps`), so each
     variant's held-out loss has the baseline's at the same step beside it: impls[name]["heldout_loss"].
     """
     _check_args(model_cfg, variants, steps, warmup_steps, batch_size, seq_len, precision)
@@ -105,22 +110,26 @@ def bench_train(
         for step in range(steps)
     ]
 
-    results: dict[str, dict] = {}
-    n_params = 0
     held = [tuple(t.to(dev) for t in batch) for batch in heldout] if heldout else None
     last_steps = {v.steps or steps for v in variants}
-    with _precision_mode(precision, dev):
-        for i, variant in enumerate(variants):
-            score_after = (last_steps if i == 0 else {variant.steps or steps}) if held else set()
-            results[variant.name], n_params = _train_one(model_cfg, variant, batches, lr, seed, precision, dev,
-                                                         warmup_steps, held, score_after)
-
     baseline = variants[0].name
-    repeat = None
-    if not variants[0].interpreted and len(variants) > 1:  # the baseline again, after every other variant: its band
-        with _precision_mode(precision, dev):
-            repeat = _train_one(model_cfg, variants[0], batches, lr, seed, precision, dev, warmup_steps,
-                                timing_only=True)[0]["step_ms"]
+    with _precision_mode(precision, dev):
+        trainers = [_Trainer(model_cfg, variant, batches, lr, seed, precision, dev, warmup_steps, held,
+                             (last_steps if i == 0 else {variant.steps or steps}) if held else set())
+                    for i, variant in enumerate(variants)]
+        if not variants[0].interpreted and len(variants) > 1:  # the baseline again, timing only: its band
+            trainers.append(_Trainer(model_cfg, variants[0], batches, lr, seed, precision, dev, warmup_steps,
+                                     timing_only=True))
+        # Round robin: step k of every variant before step k+1 of any, so the machine's drift (a shared CPU's
+        # speed moves by tens of % over seconds) falls on every variant, and on the baseline's two copies, alike.
+        for k in range(steps):
+            for trainer in trainers:
+                if k < trainer.steps:  # a variant with fewer steps leaves the round when done
+                    trainer.step(k)
+        finished = [trainer.finish() for trainer in trainers]  # one at a time, each freeing its model
+    results = {variant.name: result for variant, (result, _) in zip(variants, finished)}
+    n_params = finished[0][1]
+    repeat = finished[-1][0]["step_ms"] if trainers[-1].timing_only else None
     noise = (amdahl.noise_band(results[baseline]["step_ms"], repeat, warmup_steps)
              if results[baseline]["timing_valid"] else None)
     baseline_losses = results[baseline]["losses"]
@@ -140,6 +149,7 @@ def bench_train(
         "drift_step": drift_step,  # the step each drift is read at: the variant's last
         "max_step_drift": max_step_drift,  # largest |loss gap| at any step, not only the last
         "baseline": baseline,
+        "order": ORDER,  # how the variants' steps were ordered in time
         "noise": noise,  # the baseline's run-to-run band (model/amdahl.py noise_band); None when not speed
         "tokens_per_step": batch_size * seq_len,
         "n_params": n_params,
@@ -162,94 +172,127 @@ def bench_train(
     }
 
 
-def _train_one(
-    model_cfg: ModelConfig,
-    variant: Variant,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    lr: float,
-    seed: int,
-    precision: str,
-    dev: torch.device,
-    warmup_steps: int,
-    heldout: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-    score_after: set[int] = frozenset(),
-    timing_only: bool = False,
-) -> tuple[dict, int]:
-    """Train one variant; timing_only: only its losses and step times (no peak memory, no profiled step)."""
-    # Built on CPU then moved, so the initial weights are identical on every device.
-    model = Transformer(model_cfg, seed=seed, fills=variant.fills).to(dev)
-    model.train()
-    optimizer = _adamw(model, lr)
-    autocast_dtype = AUTOCAST_DTYPES.get(precision)
-    # fp16 has a narrow exponent range: scale the loss so small gradients do not flush
-    # to zero. CUDA only; bf16 has fp32's range and needs no scaler.
-    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16" and dev.type == "cuda")
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
+class _Trainer:
+    """One variant's training, a step at a time (bench_train interleaves them): its model and optimizer from the
+    shared seed, `step(k)` trains batch k, `finish()` returns its result and frees its model.
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with _autocast(dev, autocast_dtype):
-            _, loss = model(x, y)
-        aux = moe_aux_loss(model)  # the routers' load-balancing loss (MoE models), trained but not reported
-        scaler.scale(loss if aux is None else loss + aux).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+    timing_only: only its losses and step times (no peak memory, no profiled step): the baseline's second copy.
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        variant: Variant,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        lr: float,
+        seed: int,
+        precision: str,
+        dev: torch.device,
+        warmup_steps: int,
+        heldout: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        score_after: set[int] = frozenset(),
+        timing_only: bool = False,
+    ) -> None:
+        self.variant, self.batches, self.dev, self.warmup_steps = variant, batches, dev, warmup_steps
+        self.heldout, self.score_after, self.timing_only = heldout, score_after, timing_only
+        self.steps = variant.steps or len(batches)
+        # Built on CPU then moved, so the initial weights are identical on every device.
+        self.model: Transformer | None = Transformer(model_cfg, seed=seed, fills=variant.fills).to(dev)
+        self.model.train()
+        self.optimizer: torch.optim.AdamW | None = _adamw(self.model, lr)
+        self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
+        # fp16 has a narrow exponent range: scale the loss so small gradients do not flush
+        # to zero. CUDA only; bf16 has fp32's range and needs no scaler.
+        self.scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16" and dev.type == "cuda")
+        self.losses: list[float] = []
+        self.step_ms: list[float] = []
+        self.routing_steps: list[dict] = []  # MoE models: each step's routing, read after its clock stopped
+        self.heldout_loss: dict[str, float] = {}  # steps trained -> mean loss on the held-out batches
+
+    def _train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with _autocast(self.dev, self.autocast_dtype):
+            _, loss = self.model(x, y)
+        aux = moe_aux_loss(self.model)  # the routers' load-balancing loss (MoE models), trained but not reported
+        self.scaler.scale(loss if aux is None else loss + aux).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
         return loss
 
-    losses: list[float] = []
-    step_ms: list[float] = []
-    routing_steps: list[dict] = []  # MoE models: each step's routing, read after its clock stopped
-    heldout_loss: dict[str, float] = {}  # steps trained -> mean loss on the held-out batches
-
     @torch.no_grad()
-    def score() -> float:
-        model.eval()
-        with _autocast(dev, autocast_dtype):
-            total = sum(float(model(x, y)[1]) for x, y in heldout)
-        model.train()
-        return total / len(heldout)
+    def _score(self) -> float:
+        self.model.eval()
+        with _autocast(self.dev, self.autocast_dtype):
+            total = sum(float(self.model(x, y)[1]) for x, y in self.heldout)
+        self.model.train()
+        return total / len(self.heldout)
 
-    for n, (x, y) in enumerate(batches[:variant.steps or len(batches)], start=1):
+    def step(self, k: int) -> None:
+        """Train batch k (the (k+1)-th step; steps run in order)."""
+        if k != len(self.losses) or k >= self.steps:
+            raise ValueError(f"{self.variant.name}: step {k} out of order ({len(self.losses)} of {self.steps} done)")
         t0 = time.perf_counter()
-        loss = step(x, y)
-        step_ms.append((time.perf_counter() - t0) * 1e3)
-        losses.append(loss.item())
-        if (routing := moe_stats(model)) is not None:
-            routing_steps.append(routing)
-        if n in score_after and heldout:  # outside the step's clock
-            heldout_loss[str(n)] = score()
+        loss = self._train_step(*self.batches[k])
+        self.step_ms.append((time.perf_counter() - t0) * 1e3)
+        self.losses.append(loss.item())
+        if (routing := moe_stats(self.model)) is not None:
+            self.routing_steps.append(routing)
+        if k + 1 in self.score_after and self.heldout:  # outside the step's clock
+            self.heldout_loss[str(k + 1)] = self._score()
 
-    interpreted = variant.interpreted or timing_only
-    if dev.type == "cuda":
-        peak_mem = torch.cuda.max_memory_allocated(dev)
-    else:  # one extra step, its allocations replayed (memory.py); the interpreter allocates outside torch
-        peak_mem = None if interpreted else peak_bytes(lambda: step(*batches[-1]), "cpu", warmup=0)["peak_bytes"]
-    # One more step under the profiler (not in the losses), where its times mean something.
-    profiled = None if interpreted else profile_step(lambda: step(*batches[-1]), cuda=dev.type == "cuda")
-    n_params = model.num_params()
-    del model, optimizer
-    warm = summarize(step_ms[warmup_steps:] or step_ms)
-    tokens_per_step = batches[0][0].numel()
-    return {
-        "losses": losses,
-        "step_ms": step_ms,
-        "warm_ms_per_step": warm.median_ms,
-        "step_ms_p20": warm.p20_ms,
-        "step_ms_p80": warm.p80_ms,
-        "noisy": warm.noisy,
-        "tokens_per_s": tokens_per_step / (warm.median_ms / 1e3),
-        "peak_mem_bytes": peak_mem,
-        "final_loss_finite": math.isfinite(losses[-1]),
-        # Triton through its interpreter: the losses are real, the step times are not speed
-        "timing_valid": not variant.interpreted,
-        "profile": profiled,
-        **({"moe_routing": _routing_summary(routing_steps)} if routing_steps else {}),
-        **({"heldout_loss": heldout_loss} if heldout_loss else {}),
-    }, n_params
+    def finish(self) -> tuple[dict, int]:
+        """Its result (and the model's parameter count) once its steps are done; then its model and optimizer go."""
+        interpreted = self.variant.interpreted or self.timing_only
+        extra_step = functools.partial(self._train_step, *self.batches[-1])  # not in the losses
+        if self.timing_only:
+            peak_mem = None
+        elif self.dev.type == "cuda":
+            # Every variant's model and optimizer are resident while they train interleaved, so the allocator's
+            # absolute peak is not this variant's. One extra step gives its rise above what was allocated before
+            # it (peak_bytes: reset_peak_memory_stats, memory_allocated, the step, max_memory_allocated - before);
+            # adding what this trainer itself keeps resident (parameters, buffers, optimizer state) makes it the
+            # peak its model alone would reach. The batches, the same for every variant, are not counted.
+            peak_mem = peak_bytes(extra_step, "cuda", warmup=0)["peak_bytes"] + _resident_bytes(
+                self.model, self.optimizer, self.dev)
+        else:  # one extra step, its allocations replayed (memory.py): a rise, whatever else is resident;
+            # the interpreter allocates outside torch
+            peak_mem = None if interpreted else peak_bytes(extra_step, "cpu", warmup=0)["peak_bytes"]
+        # One more step under the profiler (not in the losses), where its times mean something.
+        profiled = None if interpreted else profile_step(extra_step, cuda=self.dev.type == "cuda")
+        n_params = self.model.num_params()
+        self.model = self.optimizer = None
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+        losses, step_ms = self.losses, self.step_ms
+        warm = summarize(step_ms[self.warmup_steps:] or step_ms)
+        tokens_per_step = self.batches[0][0].numel()
+        return {
+            "losses": losses,
+            "step_ms": step_ms,
+            "warm_ms_per_step": warm.median_ms,
+            "step_ms_p20": warm.p20_ms,
+            "step_ms_p80": warm.p80_ms,
+            "noisy": warm.noisy,
+            "tokens_per_s": tokens_per_step / (warm.median_ms / 1e3),
+            "peak_mem_bytes": peak_mem,
+            "final_loss_finite": math.isfinite(losses[-1]),
+            # Triton through its interpreter: the losses are real, the step times are not speed
+            "timing_valid": not self.variant.interpreted,
+            "profile": profiled,
+            **({"moe_routing": _routing_summary(self.routing_steps)} if self.routing_steps else {}),
+            **({"heldout_loss": self.heldout_loss} if self.heldout_loss else {}),
+        }, n_params
+
+
+def _resident_bytes(model: Transformer, optimizer: torch.optim.Optimizer, dev: torch.device) -> int:
+    """Bytes a trainer keeps on `dev` between steps: its parameters, buffers and optimizer state (each storage
+    once: tied weights share one)."""
+    state = (t for per_param in optimizer.state.values() for t in per_param.values() if torch.is_tensor(t))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers(), *state) if t.device.type == dev.type}
+    return sum(storages.values())
 
 
 def _routing_summary(steps: list[dict]) -> dict[str, Any]:
