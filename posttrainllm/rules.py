@@ -312,8 +312,11 @@ RULES: dict[str, Rule] = {
     # the training step and the draft heads (model/, lab/heads.py)
     "noise_band": Rule(
         "a measured end-to-end speedup s is a change only when s > band or s < 1/band; band: the widest ratio of "
-        "the baseline's warm ms/step to itself (halves of its warm steps; a second copy of it, the two trained "
-        "interleaved step by step with the variants)",
+        "the baseline's warm ms/step to itself: a second copy of it against the first, the two trained interleaved "
+        "step by step with the variants, over all warm steps and over each half of them (a change of the "
+        "machine's speed hits both copies alike and cancels, as in a measured speedup; the first copy's halves "
+        "against each other are recorded as drift); without a second copy, the first copy's second half against "
+        "its first",
         "model/amdahl.py noise_band"),
     "trainer_sampler_gap": Rule(
         "per token the sampler generated (greedy_cached with its decode attention, prompts batched): |log p "

@@ -61,13 +61,20 @@ def test_invalid_timings_get_no_prediction():
 
 
 def test_the_noise_band_is_the_baseline_against_itself():
-    # warm steps (after 2 warm-up) 10, 10, 11, 11: halves 10 and 11 -> 1.1; repeat's warm median 10.5 / 10.5 -> 1.0
-    band = amdahl.noise_band([50.0, 20.0, 10.0, 10.0, 11.0, 11.0], [40.0, 30.0, 10.5, 10.5, 10.5, 10.5], 2)
-    assert band["halves_ms_per_step"] == [10.0, 11.0] and band["repeat_ms_per_step"] == 10.5
-    assert band["ratios"] == {"halves": pytest.approx(1.1), "repeat": pytest.approx(1.0)}
-    assert band["band"] == pytest.approx(1.1)
-    # a repetition 20 % faster widens it, either way round
+    # warm steps (after 2 warm-up) 10, 10, 11, 11: the machine slowed by 10 % (drift 1.1); the second copy,
+    # interleaved, slowed alike (10.5, 10.5, 11.5, 11.5): its ratios 11 / 10.5, 1.05 and 11.5 / 11: the band is theirs
+    band = amdahl.noise_band([50.0, 20.0, 10.0, 10.0, 11.0, 11.0], [40.0, 30.0, 10.5, 10.5, 11.5, 11.5], 2)
+    assert band["halves_ms_per_step"] == [10.0, 11.0] and band["drift"] == pytest.approx(1.1)
+    assert band["repeat_ms_per_step"] == 11.0
+    assert band["ratios"] == {"repeat": pytest.approx(11 / 10.5), "repeat_first_half": pytest.approx(1.05),
+                              "repeat_second_half": pytest.approx(11.5 / 11)}
+    assert band["band"] == pytest.approx(1.05)  # the drift, which cancels in a speedup, is not in it
+    # a copy that ran 20 % faster in one half widens it, either way round, though the medians agree
+    uneven = amdahl.noise_band([10.0, 10.0, 10.0, 10.0], [8.0, 8.0, 12.0, 12.0], 0)
+    assert uneven["band"] == pytest.approx(1.25) and uneven["ratios"]["repeat"] == pytest.approx(1.0)
     assert amdahl.noise_band([10.0, 10.0, 10.0, 10.0], [8.0, 8.0, 8.0, 8.0], 0)["band"] == pytest.approx(1.25)
+    # no second copy (one variant): the halves are all there is
+    assert amdahl.noise_band([10.0, 10.0, 11.0, 11.0], None, 0)["ratios"] == {"halves": pytest.approx(1.1)}
     assert amdahl.noise_band([10.0], None, 0)["band"] is None  # nothing to measure it from
     assert band["rule"] == "noise_band"  # by id: its text is posttrainllm/rules.py's, explain prints it
 

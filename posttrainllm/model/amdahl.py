@@ -30,22 +30,30 @@ OVERHEAD_US_PER_CALL = 50.0  # per-call op time below which launch/dispatch over
 
 
 def noise_band(step_ms: list[float], repeat_step_ms: list[float] | None, warmup_steps: int) -> dict[str, Any]:
-    """How far the baseline's warm ms/step moves against itself: the ratio of its warm steps' second half to their
-    first half, and of a second copy's warm median to the first's (the two copies train interleaved with the
-    variants, step by step, so over the same minutes as them).
-    band = the widest of them either way (>= 1): a measured speedup s is a change only when s > band or
-    s < 1 / band."""
+    """How far the baseline's warm ms/step moves against itself.
+
+    With a second copy of the baseline (trained interleaved with the variants, step by step, so over the same
+    minutes as them): the ratio of the copy's warm median to the first's, over all warm steps and over each half of
+    them. A speed change of the machine hits the two copies (and every variant) alike and cancels in these ratios,
+    as it does in a measured speedup; the first copy's halves against each other (that change itself) are
+    recorded, not part of the band. Without a copy (one variant): the first copy's second half against its first.
+    band = the widest ratio either way (>= 1): a measured speedup s is a change only when s > band or s < 1 / band."""
     warm = step_ms[warmup_steps:] or step_ms
     out: dict[str, Any] = {"ratios": {}}
+    half = len(warm) // 2
     if len(warm) >= 2:
-        half = len(warm) // 2
         out["halves_ms_per_step"] = [statistics.median(warm[:half]), statistics.median(warm[half:])]
-        out["ratios"]["halves"] = out["halves_ms_per_step"][1] / out["halves_ms_per_step"][0]
+        out["drift"] = out["halves_ms_per_step"][1] / out["halves_ms_per_step"][0]
     if repeat_step_ms:
         again = repeat_step_ms[warmup_steps:] or repeat_step_ms
         out["repeat_step_ms"] = list(repeat_step_ms)
         out["repeat_ms_per_step"] = statistics.median(again)
         out["ratios"]["repeat"] = out["repeat_ms_per_step"] / statistics.median(warm)
+        if len(warm) >= 2 and len(again) == len(warm):  # the same steps, the same minutes
+            out["ratios"]["repeat_first_half"] = statistics.median(again[:half]) / statistics.median(warm[:half])
+            out["ratios"]["repeat_second_half"] = statistics.median(again[half:]) / statistics.median(warm[half:])
+    elif "drift" in out:
+        out["ratios"]["halves"] = out["drift"]
     out["band"] = max((max(r, 1 / r) for r in out["ratios"].values()), default=None)
     out["rule"] = rules.cite("noise_band")
     return out
