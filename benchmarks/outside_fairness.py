@@ -3,7 +3,7 @@
     python benchmarks/outside_fairness.py [ROUNDS] [hydra overrides ...]
 
 In one process, round after round, and within a round A/B/A for each pair and mode: the in-process peer timed as the
-microbench times it (measure(), rotating over bench.input_sets sets), (batch means, rule batch_mean), then the user path timed from outside its worker
+microbench times it (measure(), rotating over rooms.timed_input_sets, batch means: rule batch_mean), then the user path timed from outside its worker
 as the microbench times it (outside.time_user_path), then the peer again. The user paths: the unedited `new-impl`
 template (the reference's math) against the reference, and `examples/torch_attention.py:sdpa_attention` against the
 built-in `sdpa`. A shared machine changes speed for seconds at a time (measured: the same loop 0.26 or 0.47 ms a
@@ -58,7 +58,7 @@ case = next(c for c in op.cases(cfg) if c.main)
 paths = runner.paths(op, cfg)
 bench = cfg.bench
 settings = dict(warmup=bench.warmup, reps=bench.reps, min_time_s=bench.min_time_s, max_reps=bench.max_reps)
-sets = rooms.input_sets(op, case, torch.float32, device, bench.input_sets)
+sets = rooms.timed_input_sets(op, case, torch.float32, device, bench)
 with torch.no_grad():
     grad_outs = [upstream_gradient(c, op.reference.fn(x, cfg)["out"]) for c, x in sets]
 pairs = [("template", "reference"), ("sdpa_attention", "sdpa")]

@@ -74,8 +74,10 @@ RULES: dict[str, Rule] = {
     "rotation": Rule(
         "timed repetitions rotate over {n} distinct input sets (the case at seeds seed + i x {seed_step}, each in "
         "its own buffers), forward and forward + backward",
-        "lab/isolation/rooms.py input_sets",
-        {"n": "the config's bench.input_sets", "seed_step": "rooms.INPUT_SET_SEED"}),
+        "lab/isolation/rooms.py timed_input_sets",
+        {"n": "rooms.timed_input_sets: bench.input_sets; on a CPU as many as a batch's most calls, within "
+              "rooms.TIMED_SETS_MAX_BYTES",
+         "seed_step": "rooms.INPUT_SET_SEED"}),
     "torch_state": Rule(
         "torch's thread count, grad mode, anomaly detection, default dtype and backends flags are read around "
         "every timed region: a path that changes them is named, gets no speed, and the state is put back",

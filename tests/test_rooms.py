@@ -123,6 +123,25 @@ def test_timed_repetitions_rotate_over_distinct_input_sets():
     assert not set(seen) & {s["x"].data_ptr() for _, s in sets}  # the path's own copies, not the shared values
 
 
+def test_a_cpu_point_times_as_many_distinct_sets_as_an_outside_batch_within_its_memory(monkeypatch):
+    """Rule rotation: on a CPU the in-process paths rotate over as many sets as a batch has calls at most (an
+    outside batch reads that many fresh sets), within rooms.TIMED_SETS_MAX_BYTES; bench.input_sets is the floor."""
+    from posttrainllm.measure import timing
+
+    cfg = load(RMSNORM)
+    op = get_op("rmsnorm")
+    case = next(c for c in op.cases(cfg) if c.main)
+    sets = rooms.timed_input_sets(op, case, torch.float32, "cpu", cfg.bench)
+    want = min(timing.BATCH_MAX, cfg.bench.max_reps // timing.BATCHES_MIN)
+    assert len(sets) == want > cfg.bench.input_sets
+    assert len({s["x"].data_ptr() for _, s in sets}) == want and len({c.seed for c, _ in sets}) == want
+    one = sum(x.numel() * x.element_size() for x in sets[0][1].values())
+    monkeypatch.setattr(rooms, "TIMED_SETS_MAX_BYTES", 6 * one)  # room for six sets
+    assert len(rooms.timed_input_sets(op, case, torch.float32, "cpu", cfg.bench)) == 6
+    monkeypatch.setattr(rooms, "TIMED_SETS_MAX_BYTES", one)  # room for one: bench.input_sets still holds
+    assert len(rooms.timed_input_sets(op, case, torch.float32, "cpu", cfg.bench)) == cfg.bench.input_sets
+
+
 def test_a_path_that_changes_torch_state_while_timed_is_named_and_the_state_put_back():
     cfg = load(RMSNORM)
     op = get_op("rmsnorm")

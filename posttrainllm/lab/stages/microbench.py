@@ -175,7 +175,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     case = next(c for c in op.cases(cfg) if c.main)
     costs = op.costs(case, cfg)
     bench = cfg.bench
-    sets = rooms.input_sets(op, case, _dtype(cfg), device, bench.input_sets)  # values; every path copies them
+    # values; every path copies them
+    sets = rooms.timed_input_sets(op, case, _dtype(cfg), device, bench)
     with torch.no_grad():
         grad_outs = [upstream_gradients(op, c, op.reference.fn(x, cfg)) for c, x in sets]
     inputs = sets[0][1]
@@ -344,7 +345,7 @@ def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], 
             for x in sorted(axis.sizes(cfg)):
                 case = axis.case(cfg, x)
                 costs = op.costs(case, cfg)
-                sets = rooms.input_sets(op, case, _dtype(cfg), device, bench.input_sets)
+                sets = rooms.timed_input_sets(op, case, _dtype(cfg), device, bench)
                 with torch.no_grad():
                     checks = _check_at(op, cfg, case, rooms.fresh(sets[0][1], device), timed)
                     grad_outs = ([upstream_gradients(op, c, op.reference.fn(s, cfg)) for c, s in sets]
