@@ -16,8 +16,8 @@ Units and formulas
                       (batches are built and moved to the device before timing;
                       on CUDA the clock stops after torch.cuda.synchronize())
     warm_ms_per_step  median of step_ms[warmup_steps:]
-    noise.band        the baseline's warm ms/step against itself (halves of its warm steps; a second
-                      copy of it, timing only, interleaved with the variants): a measured speedup inside
+    noise.band        the baseline's warm ms/step against itself (a second copy of it, timing only,
+                      interleaved with the variants; its halves alone without one): a measured speedup inside
                       [1/band, band] is no measurable change (model/amdahl.py noise_band)
     tokens_per_s      batch_size * seq_len / (warm_ms_per_step / 1000)
     drift[name]       |loss_name[n-1] - loss_baseline[n-1]|, the loss gap at the variant's last step n

@@ -42,15 +42,15 @@ TIMED_SETS_MAX_BYTES = 256 * 2**20  # the extra sets a CPU point draws (timed_in
 def timed_input_sets(op: OpDef, case: Case, dtype: torch.dtype, device: str, bench: Any) -> list[tuple[Case, Tensors]]:
     """The distinct input sets an in-process path's timed calls rotate over (rule rotation): bench.input_sets, and
     on a CPU as many as a batch has calls at most (measure/timing.py batch_size), within TIMED_SETS_MAX_BYTES, so a
-    batch reads as many distinct sets as an outside batch does (each fresh: lab/isolation/outside.py). Measured at
-    attention tiny: rotating over 40 sets instead of 4 cost the reference +4.5% a call and SDPA +9.4%, the inputs
-    read from past the L2. On CUDA the L2 is flushed before every call: the count does not change what it reads."""
-    sets = input_sets(op, case, dtype, device, bench.input_sets)
+    batch reads as many distinct sets as an outside batch does (each fresh: lab/isolation/outside.py; what the
+    count costs a call is measured in docs/timing.md). On CUDA the L2 is flushed before every call, so the count
+    does not change what a call reads."""
     if device == "cuda":
-        return sets
-    set_bytes = max(sum(x.numel() * x.element_size() for x in sets[0][1].values()), 1)
+        return input_sets(op, case, dtype, device, bench.input_sets)
+    one = op.make_inputs(case, dtype, device)
+    set_bytes = max(sum(x.numel() * x.element_size() for x in one.values()), 1)
     wanted = min(timing.BATCH_MAX, bench.max_reps // timing.BATCHES_MIN, TIMED_SETS_MAX_BYTES // set_bytes)
-    return input_sets(op, case, dtype, device, wanted) if wanted > len(sets) else sets
+    return input_sets(op, case, dtype, device, max(bench.input_sets, wanted))
 
 
 def rotating(calls: list[Callable[[], Any]]) -> Callable[[], Any]:

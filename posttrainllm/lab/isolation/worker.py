@@ -1032,9 +1032,8 @@ class _Server:
         other made now), after its clock; the caller then drops the call's own, so the next call allocates where this one
         did, as in the lab's in-process loop, which frees each result before the next call. The set's answer.
         null: the same copies into scratch buffers, one per set and output as the kept ones are (made once; one
-        shared buffer stayed in cache where N distinct ones do not: the loop run in one process, attention tiny,
-        read (span - null) / N at 1.08x the in-process batch mean with one, 1.03x with one per set), the
-        kept answers left as they are."""
+        shared buffer stays in cache where N distinct ones do not: docs/timing.md, "Fourth pass"), the kept
+        answers left as they are."""
         outputs: list[torch.Tensor] = []
         skeleton = _encode(result, outputs)
         slots = self.buffers[i] if i < len(self.buffers) and not null else []
