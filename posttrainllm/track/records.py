@@ -18,6 +18,9 @@ read through it. Bump a record's SCHEMA_VERSION when a field changes meaning or 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -29,6 +32,7 @@ from posttrainllm.files import read_json, write_json
 VERSION_KEY = "schema_version"
 OPTIONAL = {"optional": True}  # a field's metadata: left out of the file when None
 
+P = TypeVar("P", bound="Part")
 R = TypeVar("R", bound="Record")
 
 
@@ -36,47 +40,128 @@ class RecordError(ConfigError):
     """A stage record that cannot be read: missing, of another schema version, or of another shape (one line)."""
 
 
+def written_with(partner: str) -> dict[str, Any]:
+    """A field's metadata: written, None included, exactly when the field `partner` is (a group of keys that come
+    together: a timing's summary with its median); its absence then is a missing key."""
+    return {"with": partner}
+
+
 @dataclass(kw_only=True)
-class Record:
+class Part:
+    """A record's nested part (a path's entry, say): written into its record's file as a plain object, read back
+    with its keys checked as the record's own are, and named by where it sits (`paths['sdpa']`)."""
+
+    REST: ClassVar[str | None] = None  # the dict field that takes keys the part does not name (None: refused)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The part as the file holds it: its fields, nested parts as plain objects, optional Nones left out."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == self.REST:
+                out.update(_plain(value))
+            elif _written(self, f):
+                out[f.name] = _plain(value)
+        return out
+
+    @classmethod
+    def from_dict(cls: type[P], data: dict[str, Any], where: str = "", at: str = "", stage: str = "") -> P:
+        """The part from its dict; `where` names the record (its file), `at` the part's place in it."""
+        return cls(**_fields_of(cls, data, where or f"the {cls.__name__}", at, stage))
+
+
+def _written(part: Part, f: dataclasses.Field) -> bool:
+    if "with" in f.metadata:
+        return getattr(part, f.metadata["with"]) is not None
+    return not (f.metadata.get("optional") and getattr(part, f.name) is None)
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON holds it: parts as their dicts, inside dicts and lists too."""
+    if isinstance(value, Part):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _holds_part(hint: Any) -> bool:
+    return (isinstance(hint, type) and issubclass(hint, Part)) or any(_holds_part(a) for a in typing.get_args(hint))
+
+
+def _load(value: Any, hint: Any, where: str, at: str, stage: str) -> Any:
+    """`value` read as `hint` says: a part, a dict or list of parts, a part or None; anything else as it is."""
+    if not _holds_part(hint):
+        return value
+    if isinstance(hint, type):  # a Part
+        return hint.from_dict(value, where, at, stage)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]  # X | None: the one kind of part it may be
+        return _load(value, inner, where, at, stage)
+    kind = dict if origin is dict else list
+    if not isinstance(value, kind):
+        raise RecordError(f"{where}: {at} is {type(value).__name__}, not a {kind.__name__}")
+    if origin is dict:
+        return {k: _load(v, args[1], where, f"{at}[{k!r}]", stage) for k, v in value.items()}
+    return [_load(v, args[0], where, f"{at}[{i}]", stage) for i, v in enumerate(value)]
+
+
+def _fields_of(cls: type[Part], data: Any, where: str, at: str, stage: str) -> dict[str, Any]:
+    """`data`'s values for `cls`'s fields, each read as its type says; one line (RecordError) on a key `cls` does not
+    name (unless it has a REST field), a key it needs that is missing, or an object that is not one."""
+    place = f"{where}: {at}" if at else where
+    if not isinstance(data, dict):
+        raise RecordError(f"{place}: {cls.__name__} is {type(data).__name__}, not an object")
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields if f.name != cls.REST]
+    hints = _hints(cls)
+    values = {k: _load(v, hints[k], where, f"{at}.{k}" if at else k, stage) for k, v in data.items() if k in names}
+    unknown = [k for k in data if k not in names and (at or k != VERSION_KEY)]
+    if unknown and cls.REST is None:
+        raise RecordError(f"{place}: {cls.__name__} has no {', '.join(map(repr, unknown))} (its keys: "
+                          f"{', '.join(names)})")
+    if cls.REST is not None:
+        values[cls.REST] = {k: data[k] for k in unknown}
+    missing = [f.name for f in fields if f.name not in values and (
+        (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        or ("with" in f.metadata and values.get(f.metadata["with"]) is not None))]
+    if missing:
+        rerun = f": rerun the {stage} stage" if stage else ""
+        raise RecordError(f"{place}: {cls.__name__} lacks {', '.join(missing)}{rerun}")
+    return values
+
+
+@dataclass(kw_only=True)
+class Record(Part):
     """What every stage record shares: its JSON form, its one writer and its one reader."""
 
     SCHEMA_VERSION: ClassVar[int] = 1
     FILE: ClassVar[str] = ""  # its name in the point's folder
     STAGE: ClassVar[str] = ""  # the DVC stage that writes it
-    REST: ClassVar[str | None] = None  # the dict field that takes keys the record does not name (None: refused)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as its file holds it: `schema_version` first, then the fields (optional Nones left out)."""
-        out: dict[str, Any] = {VERSION_KEY: self.SCHEMA_VERSION}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == self.REST:
-                out.update(value)
-            elif not (f.metadata.get("optional") and value is None):
-                out[f.name] = value
-        return out
+        return {VERSION_KEY: self.SCHEMA_VERSION, **super().to_dict()}
 
     @classmethod
-    def from_dict(cls: type[R], data: dict[str, Any], where: str = "") -> R:
+    def from_dict(cls: type[R], data: dict[str, Any], where: str = "", at: str = "", stage: str = "") -> R:
         """The record from its dict (`schema_version` optional here: a stage's own result has none yet)."""
         where = where or f"the {cls.STAGE} record"
         version = data.get(VERSION_KEY, cls.SCHEMA_VERSION)
         if version != cls.SCHEMA_VERSION:
             raise RecordError(f"{where}: schema_version {version}, but this code reads {cls.__name__} version "
                               f"{cls.SCHEMA_VERSION}: rerun the {cls.STAGE} stage (dvc repro {cls.STAGE}@<point>)")
-        names = [f.name for f in dataclasses.fields(cls) if f.name != cls.REST]
-        values = {k: v for k, v in data.items() if k in names}
-        unknown = [k for k in data if k not in names and k != VERSION_KEY]
-        if unknown and cls.REST is None:
-            raise RecordError(f"{where}: {cls.__name__} has no {', '.join(map(repr, unknown))} (its keys: "
-                              f"{', '.join(names)})")
-        if cls.REST is not None:
-            values[cls.REST] = {k: data[k] for k in unknown}
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in values and f.default is dataclasses.MISSING
-                   and f.default_factory is dataclasses.MISSING]
-        if missing:
-            raise RecordError(f"{where}: {cls.__name__} lacks {', '.join(missing)}: rerun the {cls.STAGE} stage")
-        return cls(**values)
+        return cls(**_fields_of(cls, data, where, "", cls.STAGE))
 
     def write(self, path: Path) -> None:
         """The one writer: the file whole or not at all (files.write_json)."""
