@@ -185,6 +185,89 @@ class Record(Part):
 
 
 @dataclass(kw_only=True)
+class KernelPath(Part):
+    """One path's entry in kernel.json: how it ran on the reference's inputs (lab/stages/kernel.py run_kernel)."""
+
+    kind: str
+    backend: str
+    problem: str
+    geometry: dict[str, Any]  # the op's launch geometry, or {"error": ...} where it could not be had
+    emulation: str | None  # what stands in for the device's arithmetic (a Triton path interpreted), None: nothing
+    violations: list[str]  # the guards' and output checks', per case
+    user: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a user path's identity
+    backward: str | None = field(default=None, metadata=OPTIONAL)  # "own", "none" or the path it borrows
+    invariance: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # lab/invariance.py measure
+    error: str | None = field(default=None, metadata=OPTIONAL)  # it did not run: why, in one line
+    failure: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # track/failures.py, located
+    launched: dict[str, int]  # Triton launches by kernel name, all cases
+    evidence: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a compiled peer's graphs
+    worker_start_s: float | None = field(default=None, metadata=written_with("user"))  # a user path's worker
+    promises: list[str] | None = field(default=None, metadata=written_with("user"))  # as its worker read them
+
+
+@dataclass(kw_only=True)
+class ParityPath(Part):
+    """One path's entry in parity.json: its verdict under the contract and what decided it (lab/stages/parity.py)."""
+
+    verdict: str  # pass, fail, or track/failures.py CANNOT_RUN_HERE
+    failed_cases: list[str]
+    cases: list[dict[str, Any]]  # per case and output: lab/parity.py check_output
+    worst: dict[str, dict[str, Any]]  # per output: its case nearest (or furthest past) its bound
+    unchecked_outputs: list[str] | None = field(default=None, metadata=OPTIONAL)
+    cannot_run_here: dict[str, str] | None = field(default=None, metadata=OPTIONAL)  # reason, runs_on
+    error: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # kernel.json's failure
+    violations: list[str]
+    emulation: str | None
+    backward: str
+    launched: dict[str, int]
+    determinism: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # measured where it ran
+    batch_invariance: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    properties: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # judged (lab/invariance.py judge)
+    user: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a user path's identity
+    gradients: str | None = field(default=None, metadata=OPTIONAL)  # why its gradients are not its own to check
+
+
+TIMED = written_with("median_ms")  # a timed path's figures: written, None included, with its median
+
+
+@dataclass(kw_only=True)
+class MicrobenchPath(Part):
+    """One path's entry in microbench.json: valid and its timing (measure/timing.py Timing.summary), memory, costs
+    and roofline, or not valid and the reason (lab/stages/microbench.py run_microbench)."""
+
+    first_call_ms: float | None = field(default=None, metadata=OPTIONAL)
+    valid: bool
+    reason: str | None = field(default=None, metadata=OPTIONAL)  # why no speed
+    median_ms: float | None = field(default=None, metadata=OPTIONAL)
+    p20_ms: float | None = field(default=None, metadata=TIMED)
+    p80_ms: float | None = field(default=None, metadata=TIMED)
+    min_ms: float | None = field(default=None, metadata=TIMED)
+    cv: float | None = field(default=None, metadata=TIMED)
+    iqr_ms: float | None = field(default=None, metadata=TIMED)
+    noisy: bool | None = field(default=None, metadata=TIMED)
+    threads: int | None = field(default=None, metadata=TIMED)
+    flushed: bool | None = field(default=None, metadata=TIMED)
+    other_streams: str | None = field(default=None, metadata=TIMED)
+    batched: bool | None = field(default=None, metadata=TIMED)
+    batch_size: int | None = field(default=None, metadata=TIMED)
+    run_queue_share: float | None = field(default=None, metadata=TIMED)
+    reps: int | None = field(default=None, metadata=TIMED)
+    timing_rule: Cited | None = field(default=None, metadata=OPTIONAL)  # rule batch_mean, where batched
+    gflops_per_s: float | None = field(default=None, metadata=TIMED)
+    gbytes_per_s: float | None = field(default=None, metadata=TIMED)
+    memory: dict[str, Any] | None = field(default=None, metadata=TIMED)
+    costs: dict[str, Any] | None = field(default=None, metadata=TIMED)  # its own cost model (CostModel.record)
+    roofline: dict[str, Any] | None = field(default=None, metadata=TIMED)  # None: no calibrated peak
+    backward: str | None = field(default=None, metadata=TIMED)
+    worker_start_s: float | None = field(default=None, metadata=written_with("outside"))
+    outside: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a user path's timing from outside
+    forward_backward: dict[str, Any] | None = field(default=None, metadata=TIMED)  # its timing, or valid False
+    speedup_vs_reference: float | None = field(default=None, metadata=OPTIONAL)
+    vs_reference: str | None = field(default=None, metadata=OPTIONAL)  # rule band
+    evidence: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a compiled peer's graphs
+
+
+@dataclass(kw_only=True)
 class KernelRecord(Record):
     """kernel.json: every optimized path run on the reference's inputs, guarded (lab/stages/kernel.py)."""
 
@@ -194,7 +277,7 @@ class KernelRecord(Record):
 
     device: str
     triton_interpreted: bool
-    paths: dict[str, dict[str, Any]]  # per path: kind, backend, geometry, violations, launched, invariance, error
+    paths: dict[str, KernelPath]
     compile: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # lab/compile.py's report
     library_replaced: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
 
@@ -213,7 +296,7 @@ class ParityRecord(Record):
     rule: Cited
     backward_rule: Cited
     cases: list[str]
-    paths: dict[str, dict[str, Any]]  # per path: verdict, failed_cases, worst, cases, violations, ...
+    paths: dict[str, ParityPath]
     notes: list[str]
     gradient_baseline_rule: Cited | None = field(default=None, metadata=OPTIONAL)
     max_error_only: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
@@ -251,7 +334,7 @@ class MicrobenchRecord(Record):
     band_rule: Cited
     roofline_rule: Cited
     peaks: dict[str, Any]
-    paths: dict[str, dict[str, Any]]  # per path: valid and its reason, or its timing, memory, costs, roofline
+    paths: dict[str, MicrobenchPath]
     timed_result_rule: Cited
     impossible_rule: Cited
     rotation_rule: Cited
