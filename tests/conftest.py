@@ -268,4 +268,4 @@ def without_invariance_reruns(monkeypatch):
         return {}
 
     monkeypatch.setattr(invariance, "measure", unmeasured)
-    monkeypatch.setattr(invariance, "promises_of", lambda impl, entry: [])
+    monkeypatch.setattr(invariance, "promises_of", lambda impl, recorded: [])

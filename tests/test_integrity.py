@@ -52,7 +52,8 @@ def planned(tmp_path, monkeypatch):
         invariance={}, first_failure=None, headline="").write(folder / "parity.json")
     timed = {"valid": True, "noisy": False, "memory": {"peak_bytes": 64}}
     records.MicrobenchRecord(
-        paths={"reference": {**timed, "median_ms": 2.0}, "sdpa": {**timed, "median_ms": 1.0}}, device="cpu", threads=1,
+        paths={"reference": records.MicrobenchPath(**timed, median_ms=2.0),
+               "sdpa": records.MicrobenchPath(**timed, median_ms=1.0)}, device="cpu", threads=1,
         case="main", problem="", flops=1.0, bytes=1.0, train_flops=3.0, flops_formula="", bytes_formula="",
         backward_formula="", noisy_rule=NOISY, band_rule="band", roofline_rule=CLASSIFICATION, peaks={},
         timed_result_rule="timed_result", impossible_rule=rules.cite("impossible", fraction=0.5),

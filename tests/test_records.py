@@ -8,15 +8,19 @@ from posttrainllm.config import ConfigError
 from posttrainllm.lab.configure import load
 from posttrainllm.lab.stages import kernel as kernel_stage, parity as parity_stage, reference as reference_stage
 from posttrainllm.track import records
-from posttrainllm.track.records import (BenchTrainRecord, KernelRecord, ParityRecord, RecordError,
-                                        ReferenceRecord)
+from posttrainllm.track.records import (BenchTrainRecord, KernelPath, KernelRecord, MicrobenchPath,
+                                        MicrobenchRecord, ParityPath, ParityRecord, RecordError, ReferenceRecord)
 
 SMALL = ["op=rmsnorm", "device=cpu", "parity.seeds=[0]", "shape.seq_len=16", "shape.edge_seq_lens=[]",
          "op.only=[torch]"]
 
 
+A_PATH = {"kind": "torch", "backend": "torch", "problem": "N=4", "geometry": {}, "emulation": None, "violations": [],
+          "launched": {}}
+
+
 def _kernel(**changes):
-    return KernelRecord(**{"device": "cpu", "triton_interpreted": False, "paths": {"a": {"kind": "torch"}},
+    return KernelRecord(**{"device": "cpu", "triton_interpreted": False, "paths": {"a": KernelPath(**A_PATH)},
                            **changes})
 
 
@@ -25,7 +29,7 @@ def test_a_record_round_trips_with_its_version_and_leaves_out_optional_nones(tmp
     _kernel().write(path)
     written = json.loads(path.read_text())
     assert written == {"schema_version": KernelRecord.SCHEMA_VERSION, "device": "cpu", "triton_interpreted": False,
-                       "paths": {"a": {"kind": "torch"}}}  # no compile, no library_replaced: the stage had none
+                       "paths": {"a": A_PATH}}  # no compile, no library_replaced, no backward: none here
     assert KernelRecord.read(path) == _kernel()
     _kernel(compile={"rows": []}).write(path)
     assert KernelRecord.read(path).compile == {"rows": []}
@@ -94,3 +98,91 @@ def test_a_reference_of_another_version_is_refused(tmp_path):
     ReferenceRecord(op="rmsnorm", dtype="float32", records=[]).write(tmp_path / "reference.pt")
     assert ReferenceRecord.read(tmp_path / "reference.pt").records == []
     assert records.VERSION_KEY == "schema_version"
+
+
+def test_a_path_entry_is_a_typed_part_read_and_written_as_the_stage_wrote_it():
+    record = KernelRecord.from_dict({"device": "cpu", "triton_interpreted": False,
+                                     "paths": {"a": {**A_PATH, "backward": "own", "error": "RuntimeError: x"}}})
+    entry = record.paths["a"]
+    assert isinstance(entry, KernelPath) and entry.backward == "own" and entry.invariance is None
+    # optional keys the entry lacked stay out; one it had as None (emulation) stays in
+    assert record.to_dict()["paths"]["a"] == {**A_PATH, "backward": "own", "error": "RuntimeError: x"}
+    assert "emulation" in record.to_dict()["paths"]["a"]
+
+
+def test_an_unknown_key_in_a_path_entry_is_refused_naming_the_record_the_entry_and_its_keys(tmp_path):
+    data = {**_kernel().to_dict(), "paths": {"sdpa": {**A_PATH, "speed": 2.0}}}
+    (tmp_path / "kernel.json").write_text(json.dumps(data))
+    with pytest.raises(RecordError) as raised:
+        KernelRecord.read(tmp_path / "kernel.json")
+    line = str(raised.value)
+    assert "\n" not in line
+    assert line.startswith(f"{tmp_path / 'kernel.json'}: paths['sdpa']: KernelPath has no 'speed' (its keys: kind, ")
+    assert "launched" in line and "promises" in line
+
+
+def test_a_missing_key_in_a_path_entry_is_named_with_the_stage_to_rerun():
+    entry = {k: v for k, v in A_PATH.items() if k != "launched"}
+    with pytest.raises(RecordError, match=r"the kernel record: paths\['a'\]: KernelPath lacks launched: rerun the "
+                                          r"kernel stage"):
+        KernelRecord.from_dict({"device": "cpu", "triton_interpreted": False, "paths": {"a": entry}})
+    with pytest.raises(RecordError, match=r"paths\['a'\]: KernelPath is list, not an object"):
+        KernelRecord.from_dict({"device": "cpu", "triton_interpreted": False, "paths": {"a": [1]}})
+    with pytest.raises(RecordError, match=r"paths is list, not a dict"):
+        KernelRecord.from_dict({"device": "cpu", "triton_interpreted": False, "paths": []})
+
+
+def test_a_timed_entrys_figures_come_together_with_its_median():
+    """A timing's summary keys are written with its median, None included (other_streams, run_queue_share), and
+    an entry with a median that lacks one is refused; an entry without a median (not valid) has none of them."""
+    refused = MicrobenchPath.from_dict({"valid": False, "reason": "failed parity: no speed"})
+    assert refused.to_dict() == {"valid": False, "reason": "failed parity: no speed"}
+    timed = MicrobenchPath(valid=True, median_ms=1.0, p20_ms=0.9, p80_ms=1.1, min_ms=0.8, cv=0.1, iqr_ms=0.1,
+                           noisy=False, threads=1, flushed=False, batched=False, batch_size=1, reps=5, gflops_per_s=1.0,
+                           gbytes_per_s=1.0, memory={}, costs={}, backward="own",
+                           forward_backward={"valid": False, "reason": "none"})
+    written = timed.to_dict()
+    assert written["other_streams"] is None and written["roofline"] is None and "run_queue_share" in written
+    assert "timing_rule" not in written and "speedup_vs_reference" not in written
+    assert MicrobenchPath.from_dict(written) == timed
+    with pytest.raises(RecordError, match=r"MicrobenchPath lacks p80_ms, roofline"):
+        MicrobenchPath.from_dict({k: v for k, v in written.items() if k not in ("p80_ms", "roofline")})
+
+
+def test_a_parity_entry_of_a_path_that_could_not_run_round_trips():
+    gap = {"reason": "no CUDA device", "runs_on": "an NVIDIA GPU"}
+    entry = {"verdict": "cannot run here", "failed_cases": [], "cases": [], "worst": {}, "cannot_run_here": gap,
+             "error": {"type": "RuntimeError", "cannot_run_here": gap}, "violations": [], "emulation": None,
+             "backward": "own", "launched": {}, "user": {"spec": "k.py:f"}, "gradients": "not checked"}
+    record = ParityRecord.from_dict({"precision": "fp32", "contract": {}, "lse_contract": None, "rule": "r",
+                                     "backward_rule": "b", "cases": [], "paths": {"mine": entry}, "notes": [],
+                                     "invariance": {}, "verdict": "pass", "first_failure": None, "headline": ""})
+    assert isinstance(record.paths["mine"], ParityPath) and record.paths["mine"].cannot_run_here == gap
+    assert record.to_dict()["paths"]["mine"] == entry
+
+
+QUICK = ["bench.reps=3", "bench.min_time_s=0", "bench.warmup=1", "bench.max_reps=12", "shape.curve=[8,16]",
+         "run.log_mlflow=false"]
+
+
+def test_the_stages_records_read_back_and_write_the_same_bytes(tmp_path):
+    """kernel.json, parity.json and microbench.json as the stages write them: read through their records (each path
+    a typed entry) and written again, the same file, byte for byte (the receipt, report and replay read the same)."""
+    from posttrainllm.lab.stages import microbench as microbench_stage
+
+    cfg = load([*SMALL[:-1], *QUICK, f"run.out_dir={tmp_path}", "run.name=p"])  # every rmsnorm path
+    out = tmp_path / "p"
+    reference_stage.run_reference(cfg, out)
+    kernel_stage.run_kernel(cfg, out)
+    parity_stage.run_parity(cfg, out)
+    microbench_stage.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": {"float32": 1e11},
+                                                         "copy_bytes_per_s": 1e10}})
+    for kind, entry in ((KernelRecord, KernelPath), (ParityRecord, ParityPath), (MicrobenchRecord, MicrobenchPath)):
+        text = (out / kind.FILE).read_text()
+        record = kind.read(out / kind.FILE)
+        assert len(record.paths) > 1 and all(isinstance(p, entry) for p in record.paths.values())
+        again = tmp_path / kind.FILE
+        record.write(again)
+        assert again.read_text() == text
+    micro = MicrobenchRecord.read(out / MicrobenchRecord.FILE).paths
+    assert micro["reference"].valid and micro["reference"].median_ms > 0

@@ -262,8 +262,7 @@ def judge(measured: dict[str, Any], promised: tuple[str, ...] | list[str] | None
     return verdicts, failures
 
 
-def promises_of(impl: Impl, entry: dict[str, Any]) -> list[str]:
-    """What a path promises: as its runner read them when it ran (kernel.json `promises`: a worker reads a user
-    function's), else its Impl.promises."""
-    recorded = entry.get("promises")
+def promises_of(impl: Impl, recorded: list[str] | None) -> list[str]:
+    """What a path promises: as its runner read them when it ran (`recorded`, kernel.json's `promises`: a worker
+    reads a user function's), else its Impl.promises."""
     return list(recorded) if recorded is not None else list(impl.promises)

@@ -49,10 +49,10 @@ def refusals(out: Path) -> dict[str, str]:
     found: dict[str, str] = {}
     record = ParityRecord.read_optional(out / ParityRecord.FILE)
     for name, p in (record.paths if record else {}).items():
-        if p["verdict"] == failures.CANNOT_RUN_HERE:
-            gap = p["cannot_run_here"]
+        if p.verdict == failures.CANNOT_RUN_HERE:
+            gap = p.cannot_run_here
             found[name] = f"{failures.CANNOT_RUN_HERE}: {gap['reason']} (runs on {gap['runs_on']}): no speed"
-        elif p["verdict"] != "pass":
+        elif p.verdict != "pass":
             found[name] = FAILED_PARITY
     return found
 
@@ -73,7 +73,7 @@ def backward_note(impl: Impl) -> str:
 
 def passed_parity(out: Path) -> dict[str, bool]:
     """Which paths may carry speed numbers: the reference, and every path whose parity verdict is pass."""
-    verdicts = {name: p["verdict"] == "pass" for name, p in ParityRecord.read(out / ParityRecord.FILE).paths.items()}
+    verdicts = {name: p.verdict == "pass" for name, p in ParityRecord.read(out / ParityRecord.FILE).paths.items()}
     return {REFERENCE: True, **verdicts}
 
 
@@ -84,9 +84,10 @@ def parity_paths(op: OpDef, cfg: LabConfig, out: Path) -> dict[str, Impl]:
     recorded = record.paths if record else {}
     paths = {}
     for name, impl in runner.paths(op, cfg).items():
-        entry = recorded.get(name, {})
-        impl = dataclasses.replace(impl, backward=entry.get("backward", impl.backward))
-        if impl.kind != "triton" and entry.get("launched"):
-            impl = dataclasses.replace(impl, kind="triton")  # it runs Triton: interpreted, it is not speed
+        entry = recorded.get(name)
+        if entry is not None:  # the reference has none: parity does not judge it
+            impl = dataclasses.replace(impl, backward=entry.backward)
+            if impl.kind != "triton" and entry.launched:
+                impl = dataclasses.replace(impl, kind="triton")  # it runs Triton: interpreted, it is not speed
         paths[name] = impl
     return paths

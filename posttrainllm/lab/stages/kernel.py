@@ -23,7 +23,7 @@ from posttrainllm.lab.oracle import each, gradients, named
 from posttrainllm.ops.registry import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
 from posttrainllm.track import failures
-from posttrainllm.track.records import KernelRecord
+from posttrainllm.track.records import KernelPath, KernelRecord
 from posttrainllm.lab.stages.common import load_reference, to_cpu
 
 
@@ -55,7 +55,7 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
     ref = load_reference(out)
     main_case = Case(**ref.records[0]["case"])
     outputs: dict[str, list[Tensors] | None] = {}
-    report: dict[str, Any] = {"device": device, "triton_interpreted": devices.triton_interpreted(), "paths": {}}
+    paths: dict[str, KernelPath] = {}
     # in a child process, beside this stage's own work, where one of ours is Triton; for paths whose kernels are
     # known only by their launches (a worker's), once their calls here showed some (a PyTorch loop starts no compiler)
     compiling = _start_compile(op, cfg, out) if any(i.kind == "triton" for i in runner.optimized(op, cfg)) else None
@@ -69,14 +69,13 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 geometry = op.geometry(impl, main_case, cfg)
             except Exception as exc:
                 geometry = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-            entry: dict[str, Any] = {"kind": impl.kind, "backend": impl.backend, "problem": op.problem(main_case),
-                                     "geometry": geometry, "emulation": run.emulation(cfg), "violations": [],
-                                     **run.identity()}
+            entry = KernelPath(kind=impl.kind, backend=impl.backend, problem=op.problem(main_case), geometry=geometry,
+                               emulation=run.emulation(cfg), violations=[], launched={}, **run.identity())
             launched: Counter = Counter()
             raised: list[dict[str, Any]] = []  # its located failures (track/failures.py), the first recorded
             try:
                 backward = run.declared_backward(ref.records[0], cfg, device)
-                entry["backward"] = backward
+                entry.backward = backward
                 impl = dataclasses.replace(impl, backward=backward)
                 run = runner.runner_for(impl)
                 results = []
@@ -84,41 +83,41 @@ def run_kernel(cfg: LabConfig, out: Path) -> dict[str, Any]:
                     got, violations = _run_case(run, record, case_config(Case(**record["case"]), cfg), device,
                                                 launched, raised)
                     results.append(got)
-                    entry["violations"] += [f"{record['case']['name']}: {v}" for v in violations]
+                    entry.violations += [f"{record['case']['name']}: {v}" for v in violations]
                 outputs[impl.name] = results
                 # bitwise: the main case again (determinism) and its rows in other batches (lab/invariance.py)
-                entry["invariance"] = invariance.measure(op, impl, ref.records[0], results[0],
+                entry.invariance = invariance.measure(op, impl, ref.records[0], results[0],
                                                          case_config(main_case, cfg), device)
             except Exception as exc:  # a kernel that cannot run is a failed path, reported, not a crash
                 outputs[impl.name] = None
                 cause = exc.__cause__ if isinstance(exc, DidNotRun) else exc
                 if cause is None:  # it returned no dict of tensors
-                    entry["error"] = str(exc)
+                    entry.error = str(exc)
                 else:
                     raised.insert(0, run.describe(cause))
-                    entry["error"] = failures.line(raised[0])
+                    entry.error = failures.line(raised[0])
             if raised:
-                entry["failure"] = _recorded_failure(raised[0], out, impl.name)
-            entry["launched"] = dict(sorted(launched.items()))  # Triton launches by kernel name, all cases
-            entry["emulation"] = run.emulation(cfg, launched)  # known once it ran: the Triton kernels it launched
-            entry.update(run.evidence())  # what it recorded of its calls (compiled: dynamo's graphs; a worker's start)
-            report["paths"][impl.name] = entry
-    if compiling is None and any(report["paths"][name]["launched"] for name in by_launch):
+                entry.failure = _recorded_failure(raised[0], out, impl.name)
+            entry.launched = dict(sorted(launched.items()))  # Triton launches by kernel name, all cases
+            entry.emulation = run.emulation(cfg, launched)  # known once it ran: the Triton kernels it launched
+            # what it recorded of its calls (compiled: dynamo's graphs; a worker's start)
+            paths[impl.name] = dataclasses.replace(entry, **run.evidence())
+    if compiling is None and any(paths[name].launched for name in by_launch):
         compiling = _start_compile(op, cfg, out)
+    compiled = None
     if compiling is not None:  # every Triton kernel of the paths compiled for compile.targets (lab/compile.py)
         from posttrainllm.lab import compile as compile_lab
 
-        report["compile"] = compile_lab.finish(*compiling)  # its kernel files go into the stamp (lab/reads.py)
+        compiled = compile_lab.finish(*compiling)  # its kernel files go into the stamp (lab/reads.py)
     elif by_launch:
-        from posttrainllm.lab import compile as compile_lab
-
-        report["compile"] = {"targets": list(cfg.compile.targets), "rule": rules.cite("compile_counters"), "paths": {},
-                             "rows": [], "note": NOTHING_TO_COMPILE}
+        compiled = {"targets": list(cfg.compile.targets), "rule": rules.cite("compile_counters"), "paths": {},
+                    "rows": [], "note": NOTHING_TO_COMPILE}
     replaced = replaced_library()
-    if replaced:  # the peers call what was bound when the lab started (ops/base.py LIBRARY), not these
-        report["library_replaced"] = {"functions": replaced, "note": LIBRARY_REPLACED_NOTE}
+    # the peers call what was bound when the lab started (ops/base.py LIBRARY), not these
+    library_replaced = {"functions": replaced, "note": LIBRARY_REPLACED_NOTE} if replaced else None
     torch.save(outputs, out / "kernel.pt")
-    record = KernelRecord.from_dict(report)
+    record = KernelRecord(device=device, triton_interpreted=devices.triton_interpreted(), paths=paths,
+                          compile=compiled, library_replaced=library_replaced)
     record.write(out / KernelRecord.FILE)
     return record.to_dict()
 

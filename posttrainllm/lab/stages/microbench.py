@@ -27,7 +27,7 @@ from posttrainllm.ops.registry import op_for  # the point's op: a built-in, or o
 from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
 from posttrainllm.ops.base import point_dtype as _dtype
 from posttrainllm.track.provenance import git_revision
-from posttrainllm.track.records import MicrobenchRecord
+from posttrainllm.track.records import MicrobenchPath, MicrobenchRecord
 from posttrainllm.lab.stages.common import (FAILED_PARITY, INTERPRETER_NOT_SPEED, check_path, runs_interpreted, to_cpu,
                                             backward_note, parity_paths, passed_parity, refusals,
                                             worst_gradient_baseline)
@@ -208,10 +208,10 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     with devices.fp32_matmuls(tf32=cfg.precision.allow_tf32):
         for name, impl in parity_paths(op, cfg, out).items():
             if not passed.get(name, False):
-                report["paths"][name] = {"valid": False, "reason": refused_by_parity.get(name, FAILED_PARITY)}
+                report["paths"][name] = MicrobenchPath(valid=False, reason=refused_by_parity.get(name, FAILED_PARITY))
                 continue
             if runs_interpreted(impl):
-                report["paths"][name] = {"valid": False, "reason": INTERPRETER_NOT_SPEED}
+                report["paths"][name] = MicrobenchPath(valid=False, reason=INTERPRETER_NOT_SPEED)
                 continue
             mine = [rooms.fresh(x, device) for _, x in sets]  # this path's own buffers of every input set
             dos = [each(g, torch.Tensor.clone) for g in grad_outs]
@@ -219,14 +219,15 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
             try:  # a compiled peer that would run eagerly at this shape raises (ops/peers.py NotCompiled)
                 timed = runner.runner_for(impl).time(op, cfg, case, mine, dos, device, settings)
             except Exception as exc:
-                report["paths"][name] = {"valid": False, "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+                report["paths"][name] = MicrobenchPath(valid=False,
+                                                       reason=f"{type(exc).__name__}: {exc}".splitlines()[0])
                 continue
             if runner.continued() != stops:
                 stopped = (f"the lab process was stopped and continued while {name} was timed "
                            f"({rules.named('lab_stopped')})")
                 if name == REFERENCE:
                     raise RuntimeError(f"{stopped}: every speedup is a ratio to it")
-                report["paths"][name] = {"valid": False, "reason": f"{stopped}: no speed", **timed.entry}
+                report["paths"][name] = MicrobenchPath(valid=False, reason=f"{stopped}: no speed", **timed.entry)
                 continue
             forward, train, memory, first_call_ms, state = (timed.forward, timed.train, timed.memory,
                                                             timed.first_call_ms, timed.refused)
@@ -240,8 +241,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                     or impossible(train.median_ms, costs.train_flops, calibration, floor_flops,
                                   bench.impossible_below, "forward + backward"))) or None)
             if refused:  # the path's numbers were right in parity, but what was timed was not that function
-                report["paths"][name] = {"valid": False, "reason": refused, "first_call_ms": first_call_ms,
-                                         **timed.entry}
+                report["paths"][name] = MicrobenchPath(valid=False, reason=refused, first_call_ms=first_call_ms,
+                                                       **timed.entry)
                 continue
             timings[name] = (forward, train)
             seconds = forward.median_ms / 1e3
@@ -249,24 +250,25 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
             place = functools.partial(_placed, calibration=calibration, peak_flops=peak_flops,
                                       peak_bandwidth=peak_bandwidth, cache_bytes=cache_bytes, floor_flops=floor_flops,
                                       precision=precision, device=device, local=local_peaks)
-            report["paths"][name] = {
-                "first_call_ms": first_call_ms,
-                "valid": True, **forward.summary(),
-                "gflops_per_s": costs.flops / seconds / 1e9, "gbytes_per_s": mine_costs.bytes / seconds / 1e9,
-                "memory": memory,
-                "costs": mine_costs.record(),
-                "roofline": place(mine_costs.flops, mine_costs.bytes, seconds, mine_costs.live_bytes),
-                "backward": impl.backward, **timed.entry,
-                "forward_backward": (
+            entry = MicrobenchPath(
+                first_call_ms=first_call_ms,
+                valid=True, **forward.summary(),
+                gflops_per_s=costs.flops / seconds / 1e9, gbytes_per_s=mine_costs.bytes / seconds / 1e9,
+                memory=memory,
+                costs=mine_costs.record(),
+                roofline=place(mine_costs.flops, mine_costs.bytes, seconds, mine_costs.live_bytes),
+                backward=impl.backward, **timed.entry,
+                forward_backward=(
                     {"valid": False, "reason": backward_note(impl)} if train is None else
                     {**train.summary(), "gflops_per_s": costs.train_flops / (train.median_ms / 1e3) / 1e9,
                      "roofline": place(mine_costs.train_flops, mine_costs.train_bytes, train.median_ms / 1e3,
                                        mine_costs.live_bytes) if mine_costs.train_bytes else None}),
-            }
-            above = (report["paths"][name]["roofline"] or {}).get("above_roof")
+            )
+            report["paths"][name] = entry
+            above = (entry.roofline or {}).get("above_roof")
             if above and name != REFERENCE:  # a fraction above 1 is not a result (rule "above_roof")
-                report["paths"][name] = {"valid": False, "reason": f"above the roofline: {above}: no speed",
-                                         "first_call_ms": first_call_ms}
+                report["paths"][name] = MicrobenchPath(valid=False, reason=f"above the roofline: {above}: no speed",
+                                                       first_call_ms=first_call_ms)
                 del timings[name]
                 continue
             if above:  # the baseline stays timed (speedups are ratios to it); the figure is named, not a result
@@ -275,17 +277,17 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                 rows += [{"impl": name, "mode": mode, "rep": i, "ms": ms}
                          for i, ms in enumerate(timing.samples_ms if timing else [])]
     if REFERENCE not in timings:  # every speedup is a ratio to it: without it the stage has no result to give
-        raise RuntimeError(f"the reference could not be timed: {report['paths'][REFERENCE].get('reason')}")
+        raise RuntimeError(f"the reference could not be timed: {report['paths'][REFERENCE].reason}")
     ref_forward, ref_train = timings[REFERENCE]
     for name, (forward, train) in timings.items():
         if name == REFERENCE:
             continue
         entry = report["paths"][name]
-        entry["speedup_vs_reference"] = ref_forward.median_ms / forward.median_ms
-        entry["vs_reference"] = compare(forward, ref_forward)
+        entry.speedup_vs_reference = ref_forward.median_ms / forward.median_ms
+        entry.vs_reference = compare(forward, ref_forward)
         if train is not None:
-            entry["forward_backward"]["speedup_vs_reference"] = ref_train.median_ms / train.median_ms
-            entry["forward_backward"]["vs_reference"] = compare(train, ref_train)
+            entry.forward_backward["speedup_vs_reference"] = ref_train.median_ms / train.median_ms
+            entry.forward_backward["vs_reference"] = compare(train, ref_train)
     timed = list(timings)
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
         report["describe"] = op.describe(case, inputs, cfg, measure)
@@ -298,8 +300,9 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                            f"({rules.named('lab_stopped')})")
     for name, impl in runner.paths(op, cfg).items():  # after every timed call and curve size (compiled: per signature)
         if impl.evidence is not None and name in report["paths"]:
-            report["paths"][name]["evidence"] = impl.evidence()
-    MicrobenchRecord.from_dict(report).write(out / MicrobenchRecord.FILE)
+            report["paths"][name].evidence = impl.evidence()
+    record = MicrobenchRecord(**report)
+    record.write(out / MicrobenchRecord.FILE)
     with open(out / "timings.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["op", "impl", "mode", "rep", "ms", "device", "threads", "problem"])
         writer.writeheader()
@@ -308,17 +311,16 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                              "problem": report["problem"]})
     # every timed path at its intensity and achieved rate, against each calibrated dtype's roof; drawn even where
     # the point's own dtype has no calibrated peak (an fp8 point on a CPU: its paths then have no roofline entry)
-    lines = [{"label": name, "intensity_flops_per_byte": entry["costs"]["flops_per_byte"],
-              "achieved_flops_per_s": entry["costs"]["flops"] / (entry["median_ms"] / 1e3),
-              "model": entry["costs"]["model"]}
-             for name in timed if (entry := report["paths"][name]).get("gflops_per_s")]
+    lines = [{"label": name, "intensity_flops_per_byte": entry.costs["flops_per_byte"],
+              "achieved_flops_per_s": entry.costs["flops"] / (entry.median_ms / 1e3), "model": entry.costs["model"]}
+             for name in timed if (entry := report["paths"][name]).gflops_per_s]
     title = f"{op.name} {report['problem']}"
     if not peak_flops:
         title += f"\n(no {cfg.precision.quantize.format if cfg.precision.quantize else cfg.precision.dtype} peak "\
                  "calibrated here: the other dtypes' roofs)"
     plots.roofline_plot(lines, calibration["peaks"], out / "roofline.png", title=title,
                         dtype=calibrate.peak_key(calibration, *precision))  # the point's own roof only
-    return report
+    return record.to_dict()
 
 
 def _curve(cfg: LabConfig, op: OpDef, out: Path, device: str, timed: list[str], calibration: dict[str, Any],

@@ -14,10 +14,11 @@ import torch
 from posttrainllm import rules
 from posttrainllm.config import LabConfig
 from posttrainllm.lab import parity, runner
+from posttrainllm.ops.registry import Impl
 from posttrainllm.ops.registry import op_for  # the point's op: a built-in, or one made from op.file (op=problem)
 from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
 from posttrainllm.track import failures
-from posttrainllm.track.records import KernelRecord, ParityRecord
+from posttrainllm.track.records import KernelPath, KernelRecord, ParityPath, ParityRecord
 from posttrainllm.lab.stages.common import (ADVERSARIAL_NOTE, ContractBroken, check_path,
                                             load_reference, backward_note)
 
@@ -56,39 +57,36 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
         report["notes"].append("tf32 requested, but CPU torch and Triton's interpreter compute true fp32 here")
     for impl in runner.optimized(op, cfg):
         outputs = kernel_outputs.get(impl.name)
-        entry = kernel_report.paths.get(impl.name, {"error": "not run by the kernel stage"})
-        impl = dataclasses.replace(impl, backward=entry.get("backward", impl.backward))  # as its result declared
-        gap = (entry.get("failure") or {}).get("cannot_run_here")
+        entry = kernel_report.paths.get(impl.name) or _not_run(impl)
+        impl = dataclasses.replace(impl, backward=entry.backward or impl.backward)  # as its result declared
+        gap = (entry.failure or {}).get("cannot_run_here")
         if outputs is None and gap:  # not wrong: this machine lacks what it needs (track/failures.py CANNOT_RUN)
-            result = {"verdict": failures.CANNOT_RUN_HERE, "cannot_run_here": gap, "failed_cases": [], "worst": {},
-                      "cases": []}
+            checked = {"verdict": failures.CANNOT_RUN_HERE, "cannot_run_here": gap, "failed_cases": [], "worst": {},
+                       "cases": []}
         elif outputs is None:
-            result = {"verdict": "fail", "failed_cases": [f"did not run: {entry.get('error')}"], "worst": {},
-                      "cases": []}
+            checked = {"verdict": "fail", "failed_cases": [f"did not run: {entry.error}"], "worst": {}, "cases": []}
         else:
-            result = check_path(op, impl, cfg, records, outputs)
-        if entry.get("failure"):  # what it raised, located, and its traceback's file (kernel stage)
-            result["error"] = entry["failure"]
-        result["violations"] = entry.get("violations") or []  # the guards' and output checks', per case
-        if result["violations"]:
-            result["verdict"] = "fail"
-            result["failed_cases"] = result["violations"] + result["failed_cases"]
-            result.pop("cannot_run_here", None)  # what it broke before it could not run is its own
-        result["emulation"] = entry.get("emulation")
-        result["backward"] = impl.backward
-        result["launched"] = entry.get("launched", {})
+            checked = check_path(op, impl, cfg, records, outputs)
+        # its error: what it raised, located, and its traceback's file (kernel stage); its violations: the guards'
+        # and output checks', per case
+        result = ParityPath(**checked, error=entry.failure or None, violations=list(entry.violations),
+                            emulation=entry.emulation, backward=impl.backward, launched=entry.launched,
+                            **runner.runner_for(impl).identity())
+        if result.violations:
+            result.verdict = "fail"
+            result.failed_cases = result.violations + result.failed_cases
+            result.cannot_run_here = None  # what it broke before it could not run is its own
         if outputs is not None:  # bitwise: measured by the kernel stage, judged where promised or required
-            measured = entry.get("invariance") or {}
-            result["determinism"] = measured.get("determinism")
-            result["batch_invariance"] = measured.get("batch_invariance")
-            result["properties"], broke = invariance.judge(measured, invariance.promises_of(impl, entry),
-                                                           list(cfg.parity.require))
+            measured = entry.invariance or {}
+            result.determinism = measured.get("determinism")
+            result.batch_invariance = measured.get("batch_invariance")
+            result.properties, broke = invariance.judge(measured, invariance.promises_of(impl, entry.promises),
+                                                        list(cfg.parity.require))
             if broke:
-                result["verdict"] = "fail"
-                result["failed_cases"] = result["failed_cases"] + broke
-        result.update(runner.runner_for(impl).identity())
+                result.verdict = "fail"
+                result.failed_cases = result.failed_cases + broke
         if not impl.checks_gradients:  # a borrowed backward is never a pass of this path's gradients
-            result["gradients"] = backward_note(impl)
+            result.gradients = backward_note(impl)
         report["paths"][impl.name] = result
     quantized = [(r["case"]["name"], r["oracle"], r["unquantized"]) for r in records if r.get("unquantized")]
     if quantized:  # the quantization itself (precision.quantize), apart from what any path adds to it
@@ -101,24 +99,30 @@ def run_parity(cfg: LabConfig, out: Path) -> dict[str, Any]:
     if checks:  # the inputs themselves (MoE: the routing every path ran on), checked once by the reference stage
         failed = [f"{case}: {c['reason']}" for case, c in checks.items() if c["verdict"] != "pass"]
         report["inputs"] = {"verdict": "fail" if failed else "pass", "failed_cases": failed, "cases": checks}
-    broken = {name: p["failed_cases"] for name, p in report["paths"].items() if p["verdict"] == "fail"}
+    broken = {name: p.failed_cases for name, p in report["paths"].items() if p.verdict == "fail"}
     if report.get("inputs", {}).get("verdict") == "fail":  # a broken router: every path ran on its routing
         broken = {"inputs": report["inputs"]["failed_cases"], **broken}
     if report.get("quantization", {}).get("verdict") == "fail":  # every path ran on the badly quantized inputs
         broken = {"quantization": report["quantization"]["failed_cases"], **broken}
-    apart = {name: p["cannot_run_here"] for name, p in report["paths"].items()
-             if p["verdict"] == failures.CANNOT_RUN_HERE}
+    apart = {name: p.cannot_run_here for name, p in report["paths"].items()
+             if p.verdict == failures.CANNOT_RUN_HERE}
     if apart:  # never a broken contract: no speed, and named apart
         report["cannot_run_here"] = apart
     report["verdict"] = "fail" if broken else "pass"
     first = next(iter(broken), None)
     report["first_failure"] = f"{first}: {broken[first][0]}" if first else None
     report["headline"] = parity_headline(cfg.precision.name, broken, apart)
-    record = ParityRecord.from_dict(report)
+    record = ParityRecord(**report)
     record.write(out / ParityRecord.FILE)
     if broken:
         raise ContractBroken(report["headline"])
     return record.to_dict()
+
+
+def _not_run(impl: Impl) -> KernelPath:
+    """A path kernel.json does not have (the kernel stage ran with other paths): it did not run."""
+    return KernelPath(kind=impl.kind, backend=impl.backend, problem="", geometry={}, emulation=None, violations=[],
+                      launched={}, error="not run by the kernel stage")
 
 
 def parity_headline(precision: str, broken: dict[str, list[str]], apart: dict[str, dict[str, str]]) -> str:
