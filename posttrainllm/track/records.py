@@ -7,12 +7,20 @@ a ConfigError: exit 2 in a DVC stage) on a missing file, another version, or key
 
 The JSON is the stage's result as before, plus a `schema_version` key: the receipt and the views read the
 same keys. A rule is stored by its id (posttrainllm/rules.py `cite`), never as its text. Where a part's shape
-is settled it is a field; where it still grows (a path's entry, the trainer's figures) it is a plain dict,
-until it settles. Optional parts (None) are left out of the file, as the stages
-always left them out. reference.pt (tensors, torch.save) carries the version the same way.
+is settled it is a typed part (a Part dataclass: each path's entry, KernelPath, ParityPath, MicrobenchPath),
+read and written by the field's type (a part, a dict or list of parts, a part or None) and checked as the
+record is: a key it does not name, or one it needs that is missing, is one line naming the record and the
+entry (`paths['sdpa']`). Where a part still grows (the compile report, the curve, a timing's forward_backward,
+bench-train's impls, the trainer's figures) it is a plain dict, until it settles. Optional fields (None) are
+left out of the file, as the stages always left them out; a group of keys that come together (a timing's
+summary with its median, None included) is written with its partner (`written_with`). The files hold the
+same keys and values as when the entries were dicts; an entry's keys come in its fields' order, the order a
+passing or timed path's entry always had (tests/test_records.py reads and writes the stages' files byte for
+byte). reference.pt (tensors, torch.save) carries the version the same way.
 
-This module sits in track/, below the lab: the stages (lab/stages/) and the receipt (track/receipt.py) both
-read through it. Bump a record's SCHEMA_VERSION when a field changes meaning or goes away.
+This module sits in track/, below the lab: the stages (lab/stages/) read through it, by attribute; the receipt
+(track/receipt.py) and replay read the same records as dicts (`to_dict`). Bump a record's SCHEMA_VERSION when a
+field, its own or a part's, changes meaning or goes away.
 """
 
 from __future__ import annotations
