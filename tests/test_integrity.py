@@ -50,7 +50,10 @@ def planned(tmp_path, monkeypatch):
         asdict(cfg.precision.contract))), lse_contract=None, paths={}, rule="parity_contract", backward_rule="backward",
         cases=[], notes=[],
         invariance={}, first_failure=None, headline="").write(folder / "parity.json")
-    timed = {"valid": True, "noisy": False, "memory": {"peak_bytes": 64}}
+    timed = {"valid": True, "noisy": False, "memory": {"peak_bytes": 64}, "p20_ms": 1.0, "p80_ms": 2.0, "min_ms": 1.0,
+             "cv": 0.1, "iqr_ms": 0.5, "threads": 1, "flushed": False, "batched": False, "batch_size": 1, "reps": 5,
+             "gflops_per_s": 1.0, "gbytes_per_s": 1.0, "costs": {}, "backward": "none",
+             "forward_backward": {"valid": False, "reason": "forward-only"}}  # a timed entry's figures
     records.MicrobenchRecord(
         paths={"reference": records.MicrobenchPath(**timed, median_ms=2.0),
                "sdpa": records.MicrobenchPath(**timed, median_ms=1.0)}, device="cpu", threads=1,
