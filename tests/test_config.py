@@ -22,7 +22,7 @@ def test_default_config_is_valid():
     (["tile.block_q=48"], "tile.block_q=48: must be a power of two >= 16"),
     (["tile.block_m=8"], "tile.block_m=8: must be a power of two >= 16"),
     (["tile=b64", "shape.seq_len=20"], "tile.block_q=64 does not fit shape.seq_len=20: use a block <= 32"),
-    (["op=matmul", "tile=b64", "shape.k=10"], "tile.block_k=32 does not fit shape.k=10: use a block <= 16"),
+    (["op=matmul", "tile=b64", "shape.ops.matmul.k=10"], "tile.block_k=32 does not fit shape.ops.matmul.k=10: use a block <= 16"),
     (["shape.batch=-1"], "shape.batch=-1: must be > 0"),
     (["shape.seq_len=0"], "shape.seq_len=0: must be > 0"),
     (["tile.blok_m=32"], "unknown key tile.blok_m: valid keys of tile are block_k, block_kv, block_m"),
