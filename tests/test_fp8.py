@@ -22,7 +22,8 @@ from posttrainllm.ops.matmul import definition as matmul
 from posttrainllm.ops.base import Case
 from posttrainllm.ops import quantize as reference
 
-SMALL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "tile=b32", "shape.ops.matmul.m=64", "shape.ops.matmul.n=64", "shape.ops.matmul.k=64",
+SMALL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "tile=b32", "shape.ops.matmul.m=64", "shape.ops.matmul.n=64",
+         "shape.ops.matmul.k=64",
          "shape.ops.matmul.edge=[[41,77,33]]"]
 # no test here reads kernel.json's compile section (tests/test_compile.py does): the kernel stage runs without its child
 pytestmark = pytest.mark.usefixtures("without_compile_child")

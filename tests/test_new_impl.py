@@ -14,10 +14,13 @@ QUICK = ["device=cpu", "parity.seeds=[0]", "bench.warmup=1", "bench.reps=2", "be
 # per op, the smallest problem its checks accept: few cases, one curve size
 SMALL = {
     "attention": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],
-    "matmul": ["tile=b16", "shape.ops.matmul.m=32", "shape.ops.matmul.n=32", "shape.ops.matmul.k=32", "shape.ops.matmul.edge=[]", "shape.curve=[16,32]"],
-    "decode_attention": ["tile=b16", "shape.ops.decode_attention.q_lens=[1,4]", "shape.ops.decode_attention.kv_lens=[17]",
+    "matmul": ["tile=b16", "shape.ops.matmul.m=32", "shape.ops.matmul.n=32", "shape.ops.matmul.k=32",
+               "shape.ops.matmul.edge=[]", "shape.curve=[16,32]"],
+    "decode_attention": ["tile=b16", "shape.ops.decode_attention.q_lens=[1,4]",
+                         "shape.ops.decode_attention.kv_lens=[17]",
                          "shape.ops.decode_attention.kv_len=32", "shape.curve=[16,32]"],
-    "moe": ["tile=b16", "shape.ops.moe.tokens=8", "shape.ops.moe.d_model=32", "shape.ops.moe.ffn=32", "shape.ops.moe.edge=[]",
+    "moe": ["tile=b16", "shape.ops.moe.tokens=8", "shape.ops.moe.d_model=32", "shape.ops.moe.ffn=32",
+            "shape.ops.moe.edge=[]",
             "shape.ops.moe.curve=[1,8]", "shape.ops.moe.expert_curve=[2,4]"],
     "rmsnorm": ["shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
     "rope": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],
@@ -25,7 +28,8 @@ SMALL = {
     "softmax": ["tile=b16", "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
     "layernorm": ["tile=b16", "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
     "add_rmsnorm": ["tile=b16", "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
-    "cross_entropy": ["shape.ops.cross_entropy.tokens=8", "shape.ops.cross_entropy.d_model=16", "shape.ops.cross_entropy.vocab=300", "shape.ops.cross_entropy.edge=[]",
+    "cross_entropy": ["shape.ops.cross_entropy.tokens=8", "shape.ops.cross_entropy.d_model=16",
+                      "shape.ops.cross_entropy.vocab=300", "shape.ops.cross_entropy.edge=[]",
                       "shape.ops.cross_entropy.curve=[4,8]", "shape.ops.cross_entropy.vocab_curve=[100,300]"],
 }
 

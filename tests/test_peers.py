@@ -19,7 +19,8 @@ from posttrainllm.lab.configure import load
 from posttrainllm.ops.registry import get_op
 from posttrainllm.ops import peers
 
-MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.edge=[[41,77,33]]", "shape.ops.matmul.m=64", "shape.ops.matmul.n=64",
+MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.edge=[[41,77,33]]", "shape.ops.matmul.m=64",
+          "shape.ops.matmul.n=64",
           "shape.ops.matmul.k=64", "shape.curve=[32,64]", "shape.ops.matmul.curve=[32,64]", "op.peers=[compiled]"]
 
 

@@ -190,7 +190,8 @@ def test_write_inputs_writes_every_point_stage_of_the_plan(tmp_path):
 def test_an_ops_own_config_reads_are_listed_for_its_points_only():
     moe = {"config": {"op": {"name": "moe"}, "tile": {"name": "b32"}, "workgroup": {"name": "w4s2"}}}
     attention = {"config": {**moe["config"], "op": {"name": "attention"}}}
-    probe = ["config.shape.ops.moe.d_model", "config.shape.ops.moe.ffn"]  # ops/moe/definition.py probes grouped_mm at that size
+    probe = ["config.shape.ops.moe.d_model",
+             "config.shape.ops.moe.ffn"]  # ops/moe/definition.py probes grouped_mm at that size
     for stage in ("parity", "bench_train"):
         assert reads.point_stage_deps(stage, moe)["params"][-2:] == probe
         assert not set(probe) & set(reads.point_stage_deps(stage, attention)["params"])

@@ -18,8 +18,10 @@ from posttrainllm.lab.stages import (bench_train as bench_train_stage, kernel as
 from posttrainllm.lab.configure import load
 from posttrainllm.lab.isolation import outside, worker as workers
 
-MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.edge=[[41,77,33]]", "shape.ops.matmul.m=64", "shape.ops.matmul.n=64",
-          "shape.ops.matmul.k=64", "shape.curve=[16,32]", "shape.ops.matmul.curve=[16,32]", "bench.reps=3", "bench.min_time_s=0",
+MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.edge=[[41,77,33]]", "shape.ops.matmul.m=64",
+          "shape.ops.matmul.n=64",
+          "shape.ops.matmul.k=64", "shape.curve=[16,32]", "shape.ops.matmul.curve=[16,32]", "bench.reps=3",
+          "bench.min_time_s=0",
           "bench.warmup=1", "bench.max_reps=12", "run.log_mlflow=false"]
 ATTENTION = ["device=cpu", "parity.seeds=[0]", "architecture=gqa", "tile=b16", "shape.seq_len=32",
              "shape.edge_seq_lens=[]", "shape.curve=[16,32]", "bench.reps=3", "bench.min_time_s=0", "bench.warmup=1",

@@ -132,6 +132,6 @@ def op_for(cfg: LabConfig) -> OpDef:
     return get_op(cfg.op.name)
 
 
-__all__ = ["NO_BACKWARD", "OPS", "OP_CONFIGS", "OP_PACKAGES", "OP_SIZES", "OWN_BACKWARD", "REFERENCE", "Case", "Costs", "Impl",
-           "ModelHook", "OpDef", "Tensors", "case_config", "get_op", "model_defaults", "op_config", "op_for",
+__all__ = ["NO_BACKWARD", "OPS", "OP_CONFIGS", "OP_PACKAGES", "OP_SIZES", "OWN_BACKWARD", "REFERENCE", "Case", "Costs",
+           "Impl", "ModelHook", "OpDef", "Tensors", "case_config", "get_op", "model_defaults", "op_config", "op_for",
            "replaced_library", "slot_op", "with_op_defaults"]
