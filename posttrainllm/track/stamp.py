@@ -176,8 +176,9 @@ class ConfigReads:
 
     A read of an instance in the recorded config's tree maps to its own path (so two fields
     of one class, such as two Contracts, stay apart; an op's sizes, shape.ops.<op>); a read of a copy made during the
-    stage (`dataclasses.replace`) maps to every path its class has in LabConfig (an op's sizes: shape.ops.<op>). Reading a group
-    itself (cfg.tile) is not a read of a value; reading its fields is.
+    stage (`dataclasses.replace`) maps to every path its class has in LabConfig (an op's sizes: shape.ops.<op>).
+    Reading a group itself (cfg.tile, or cfg.shape.ops: a dict of groups) is not a read of a value; reading its
+    fields is.
     """
 
     def __init__(self, cfg: LabConfig | None = None):
