@@ -12,8 +12,9 @@ or the violated bound.
 
 from __future__ import annotations
 
+import copy
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, TypeVar
 
@@ -699,6 +700,16 @@ def to_plain(cfg: LabConfig | DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(node, resolve=True)
 
 
+def point_shape(cfg: LabConfig) -> dict[str, Any]:
+    """The point's shape as plain values: the sizes ops share and its own op's (shape.ops.<op>), no other op's, read
+    one by one (a stage's stamp records those keys only: track/stamp.py)."""
+    shape = cfg.shape
+    plain = {f.name: copy.deepcopy(getattr(shape, f.name)) for f in fields(shape) if f.name != "ops"}
+    own = shape.ops.get(cfg.op.name)
+    plain["ops"] = {cfg.op.name: OmegaConf.to_container(OmegaConf.structured(own))} if own is not None else {}
+    return plain
+
+
 def point_config(cfg: LabConfig) -> dict[str, Any]:
     """What defines a point: everything but the sweep plan, where to write, and how receipts are compared.
 
@@ -707,7 +718,7 @@ def point_config(cfg: LabConfig) -> dict[str, Any]:
     its stages, and its receipt records what it ran.
     """
     plain = to_plain(cfg)
-    plain["shape"]["ops"] = {name: sizes for name, sizes in plain["shape"]["ops"].items() if name == cfg.op.name}
+    plain["shape"] = point_shape(cfg)
     plain.pop("sweep", None)
     plain.pop("run", None)
     plain.pop("compare", None)
