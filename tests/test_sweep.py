@@ -32,9 +32,13 @@ def test_each_point_changes_exactly_one_dimension():
         assert name == f"{dimension}-{option}"
         # the baseline's own key overrides (sweep.baseline_overrides: op.peers) are not a dimension's change
         base_op = {k: v for k, v in base["op"].items() if k != "peers"}
-        config = {**point["config"], "op": {k: v for k, v in point["config"]["op"].items() if k != "peers"}}
+        # a point holds its own op's sizes only (shape.ops.<op>): they come with the op, not a change of shape
+        assert set(point["config"]["shape"]["ops"]) <= {point["config"]["op"]["name"]}
+        shared = lambda config: {k: v for k, v in config["shape"].items() if k != "ops"}  # noqa: E731
+        config = {**point["config"], "op": {k: v for k, v in point["config"]["op"].items() if k != "peers"},
+                  "shape": shared(point["config"])}
         differing = {d for d in ("op", "precision", "tile", "workgroup", "architecture", "shape", "device")
-                     if config[d] != {**base, "op": base_op}[d]}
+                     if config[d] != {**base, "op": base_op, "shape": shared(base)}[d]}
         assert differing == {dimension}
 
 
