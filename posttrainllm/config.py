@@ -319,7 +319,7 @@ class ArchitectureConfig:
                  f"architecture.head_dim={self.head_dim}: must be a power of two in [16, 128]")
 
 
-S = TypeVar("S", bound="OpSizes")
+SizesT = TypeVar("SizesT", bound="OpSizes")
 
 
 @dataclass
@@ -354,7 +354,7 @@ class OpSizes:
                                                         f"{dims + ' ' if dims else ''}> 0")
 
     @classmethod
-    def of(cls: type[S], cfg: LabConfig) -> S:
+    def of(cls: type[SizesT], cfg: LabConfig) -> SizesT:
         """The point's sizes of this op: its node of shape.ops, or the defaults where the config has none (one
         built by hand, not validated)."""
         found = cfg.shape.ops.get(cls.op_name)
