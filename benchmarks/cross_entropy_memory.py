@@ -7,7 +7,8 @@ from posttrainllm.lab.configure import load
 from posttrainllm.measure.memory import peak_bytes
 from posttrainllm.ops.registry import get_op
 
-cfg = load(["op=cross_entropy", "device=cpu", "shape.ce_vocab=32768", "shape.ce_d_model=32", "op.chunk_size=8",
+cfg = load(["op=cross_entropy", "device=cpu", "shape.ops.cross_entropy.vocab=32768",
+            "shape.ops.cross_entropy.d_model=32", "op.chunk_size=8",
             "op.block_v=8192"])
 op = get_op("cross_entropy")
 case = next(c for c in op.cases(cfg) if c.main)

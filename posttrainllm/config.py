@@ -12,10 +12,11 @@ or the violated bound.
 
 from __future__ import annotations
 
+import copy
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, TypeVar
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -318,79 +319,70 @@ class ArchitectureConfig:
                  f"architecture.head_dim={self.head_dim}: must be a power of two in [16, 128]")
 
 
+SizesT = TypeVar("SizesT", bound="OpSizes")
+
+
+@dataclass
+class OpSizes:
+    """The base of an op's sizes: `Sizes` in posttrainllm/ops/<op>/config.py, its keys with defaults and its own
+    `__post_init__` checks, `op_name` the op whose node of shape.ops it is. A shape option gives every op's sizes
+    under `ops.<op>` (conf/shape/*.yaml); validate_schema merges each into its op's class (`sizes_schemas`, given by
+    lab/configure.py), so an unknown key names the op's keys, and the validated LabConfig holds them typed. An op
+    reads its own through `of(cfg)`, the one place they are taken from a config."""
+
+    op_name: ClassVar[str] = ""
+
+    def key(self, name: str) -> str:
+        """The dotted key of one of its sizes, as a message names it: shape.ops.<op>.<name>."""
+        return f"shape.ops.{self.op_name}.{name}"
+
+    def require_positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            require(value > 0, f"{self.key(name)}={value}: must be > 0")
+
+    def require_sizes(self, name: str, least: int, what: str = "sizes") -> None:
+        """Its list `name` holds at least `least` (1 or 2) of `what`, each > 0."""
+        values = list(getattr(self, name))
+        require(len(values) >= least and min(values) > 0,
+                f"{self.key(name)}={values}: give at least {('one', 'two')[least - 1]} {what} > 0")
+
+    def require_triples(self, name: str, dims: str) -> None:
+        """Each entry of its list `name` is three sizes > 0 (`dims`: what they are, "[T, d, f]")."""
+        for entry in getattr(self, name):
+            require(len(entry) == 3 and min(entry) > 0, f"{self.key(name)}: {list(entry)} must be three sizes "
+                                                        f"{dims + ' ' if dims else ''}> 0")
+
+    @classmethod
+    def of(cls: type[SizesT], cfg: LabConfig) -> SizesT:
+        """The point's sizes of this op: its node of shape.ops, or the defaults where the config has none (one
+        built by hand, not validated)."""
+        found = cfg.shape.ops.get(cls.op_name)
+        if found is None:
+            return cls()
+        return found if isinstance(found, cls) else cls(**found)
+
+
 @dataclass
 class ShapeConfig:
+    """The problem sizes of a shape option (conf/shape/*.yaml): the keys ops share, and each op's own under
+    `ops.<op>` (its OpSizes subclass; override as shape.ops.<op>.<key>=VALUE)."""
+
     name: str = "tiny"
     batch: int = 1
     seq_len: int = 128
-    m: int = 128
-    n: int = 128
-    k: int = 128
     curve: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
-    matmul_curve: list[int] | None = None  # M=N=K of the matmul curve; null: `curve`
     edge_seq_lens: list[int] = field(default_factory=lambda: [1, 37, 100])
-    edge_mnk: list[list[int]] = field(default_factory=lambda: [[1, 1, 1], [41, 77, 33]])
-    # decode_attention: a query chunk of Sq rows against a KV cache of Sk keys. Parity runs every pair
-    # Sq <= Sk of these; the microbench times one decode step (Sq = 1) against decode_kv_len keys, and
-    # its curve takes `curve` as the context length Sk.
-    decode_q_lens: list[int] = field(default_factory=lambda: [1, 4, 17])
-    decode_kv_lens: list[int] = field(default_factory=lambda: [1, 100, 1000])
-    decode_kv_len: int = 1024
-    # op=moe: T tokens of width d through E SwiGLU experts of width f, top-k per token
-    moe_tokens: int = 64
-    moe_d_model: int = 64
-    moe_ffn: int = 96
-    moe_experts: int = 4
-    moe_top_k: int = 2
-    moe_curve: list[int] = field(default_factory=lambda: [1, 16, 64, 256])  # tokens: 1 is the decode regime
-    # experts E at fixed active parameters (moe_tokens, d, f, top-k fixed): the dense reference grows with E
-    moe_expert_curve: list[int] = field(default_factory=lambda: [2, 4, 8, 16])
-    moe_edge: list[list[int]] = field(default_factory=lambda: [[1, 64, 96], [37, 40, 72]])  # [T, d, f] per case
-    # --- op=cross_entropy: ce_tokens hidden states (N, C = ce_d_model) against a vocabulary of ce_vocab ---
-    ce_tokens: int = 64
-    ce_d_model: int = 64
-    ce_vocab: int = 2048
-    ce_edge: list[list[int]] = field(default_factory=lambda: [[1, 64, 1000], [37, 40, 1000]])  # [N, C, V] per case
-    ce_curve: list[int] = field(default_factory=lambda: [16, 64, 256, 1024])  # tokens
-    ce_vocab_curve: list[int] = field(default_factory=lambda: [1024, 4096, 16384, 32768])  # V at ce_tokens tokens
-    ce_chunk_size: int = 16  # the fused path's tokens per chunk at these sizes (op.chunk_size's default)
+    # Each op's sizes by op name: plain mappings as composed, each the op's OpSizes once validated (every op that
+    # declares sizes has its node, at its defaults where the shape option gives none)
+    ops: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _positive("shape", batch=self.batch, seq_len=self.seq_len, m=self.m, n=self.n, k=self.k,
-                  decode_kv_len=self.decode_kv_len)
-        for key in ("decode_q_lens", "decode_kv_lens"):
-            values = list(getattr(self, key))
-            require(len(values) >= 1 and min(values) > 0, f"shape.{key}={values}: give at least one size > 0")
-        require(min(self.decode_q_lens) <= max(self.decode_kv_lens),
-                 f"shape.decode_q_lens={list(self.decode_q_lens)}: no chunk fits shape.decode_kv_lens="
-                 f"{list(self.decode_kv_lens)} (a chunk needs Sq <= Sk)")
+        _positive("shape", batch=self.batch, seq_len=self.seq_len)
         require(len(self.curve) >= 2 and min(self.curve) > 0,
                  f"shape.curve={list(self.curve)}: give at least two sizes > 0")
         for s in self.edge_seq_lens:
             require(s > 0, f"shape.edge_seq_lens: {s} must be > 0")
-        for mnk in self.edge_mnk:
-            require(len(mnk) == 3 and min(mnk) > 0, f"shape.edge_mnk: {list(mnk)} must be three sizes > 0")
-        _positive("shape", moe_tokens=self.moe_tokens, moe_d_model=self.moe_d_model, moe_ffn=self.moe_ffn,
-                  moe_experts=self.moe_experts, moe_top_k=self.moe_top_k)
-        require(self.moe_top_k <= self.moe_experts,
-                 f"shape.moe_top_k={self.moe_top_k}: must be <= shape.moe_experts={self.moe_experts}")
-        require(len(self.moe_curve) >= 2 and min(self.moe_curve) > 0,
-                 f"shape.moe_curve={list(self.moe_curve)}: give at least two token counts > 0")
-        require(len(self.moe_expert_curve) >= 2 and min(self.moe_expert_curve) >= self.moe_top_k,
-                 f"shape.moe_expert_curve={list(self.moe_expert_curve)}: give at least two expert counts >= "
-                 f"shape.moe_top_k={self.moe_top_k}")
-        require(self.matmul_curve is None or (len(self.matmul_curve) >= 2 and min(self.matmul_curve) > 0),
-                 f"shape.matmul_curve={self.matmul_curve}: give at least two sizes > 0, or null (use `curve`)")
-        for tdf in self.moe_edge:
-            require(len(tdf) == 3 and min(tdf) > 0, f"shape.moe_edge: {list(tdf)} must be three sizes [T, d, f] > 0")
-        # --- op=cross_entropy ---
-        _positive("shape", ce_tokens=self.ce_tokens, ce_d_model=self.ce_d_model, ce_vocab=self.ce_vocab,
-                  ce_chunk_size=self.ce_chunk_size)
-        for key in ("ce_curve", "ce_vocab_curve"):
-            values = list(getattr(self, key))
-            require(len(values) >= 2 and min(values) > 0, f"shape.{key}={values}: give at least two sizes > 0")
-        for ncv in self.ce_edge:
-            require(len(ncv) == 3 and min(ncv) > 0, f"shape.ce_edge: {list(ncv)} must be three sizes [N, C, V] > 0")
 
 
 @dataclass
@@ -650,26 +642,33 @@ def _one_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def schema(op_schema: type[OpConfig] = OpConfig, op_name: str | None = None) -> DictConfig:
-    """LabConfig as an OmegaConf schema, its `op` node `op_schema`'s: the chosen op's own keys and defaults."""
+def schema(op_schema: type[OpConfig] = OpConfig, op_name: str | None = None,
+           sizes_schemas: dict[str, type[OpSizes]] | None = None) -> DictConfig:
+    """LabConfig as an OmegaConf schema, its `op` node `op_schema`'s: the chosen op's own keys and defaults; its
+    shape.ops node each op's sizes (`sizes_schemas`: op name -> its OpSizes subclass), at their defaults."""
     node = OmegaConf.structured(LabConfig)
     node.op = OmegaConf.structured(op_schema)
     if op_name is not None:
         node.op.name = op_name
+    node.shape.ops = {name: OmegaConf.structured(cls) for name, cls in (sizes_schemas or {}).items()}
     return node
 
 
-def validate_schema(cfg: DictConfig | dict[str, Any], op_schemas: Callable[[str], type[OpConfig]]) -> LabConfig:
+def validate_schema(cfg: DictConfig | dict[str, Any], op_schemas: Callable[[str], type[OpConfig]],
+                    sizes_schemas: dict[str, type[OpSizes]] | None = None) -> LabConfig:
     """Merge a composed config into the schema, its `op` node into the chosen op's config class (`op_schemas`:
-    op.name -> that OpConfig subclass); raise ConfigError with one line on any violation.
+    op.name -> that OpConfig subclass) and each node of shape.ops into its op's sizes (`sizes_schemas`); raise
+    ConfigError with one line on any violation.
 
     The schema's own rules only: the op's rules (a tile that does not fit its problem, its paths) are
-    checked by posttrainllm.lab.configure, the layer that knows both and gives `op_schemas`; use its
-    `load`/`validate`/`validate_schema`."""
+    checked by posttrainllm.lab.configure, the layer that knows both and gives `op_schemas` and `sizes_schemas`;
+    use its `load`/`validate`/`validate_schema`."""
     op = cfg.get("op") if isinstance(cfg, (dict, DictConfig)) else None
     name = op.get("name") if isinstance(op, (dict, DictConfig)) else None
     # no op.name, or not a string: the generic schema, whose merge names what is wrong
-    node = schema(op_schemas(name), name) if isinstance(name, str) else schema()
+    node = schema(op_schemas(name), name, sizes_schemas) if isinstance(name, str) else schema(
+        sizes_schemas=sizes_schemas)
+    _check_sized_ops(cfg, node)
     try:
         return OmegaConf.to_object(OmegaConf.merge(node, cfg))
     except ConfigError:
@@ -685,18 +684,41 @@ def validate_schema(cfg: DictConfig | dict[str, Any], op_schemas: Callable[[str]
         raise ConfigError(f"{_one_line(exc)}{where}") from None
 
 
+def _check_sized_ops(cfg: DictConfig | dict[str, Any], node: DictConfig) -> None:
+    """shape.ops names only ops that declare sizes (the schema's nodes): another name is refused naming them."""
+    shape = cfg.get("shape") if isinstance(cfg, (dict, DictConfig)) else None
+    ops = shape.get("ops") if isinstance(shape, (dict, DictConfig)) else None
+    for name, sizes in ops.items() if isinstance(ops, (dict, DictConfig)) else ():
+        require(name in node.shape.ops, _unknown_key_message(f"shape.ops.{name}", node))
+        require(isinstance(sizes, (dict, DictConfig, OpSizes)), f"shape.ops.{name}={sizes!r}: give the op's sizes by "
+                f"key (valid keys of shape.ops.{name} are {', '.join(sorted(node.shape.ops[name].keys()))})")
+
+
 def to_plain(cfg: LabConfig | DictConfig) -> dict[str, Any]:
     """The config as plain dicts and lists (for params.yaml, receipts and MLflow params)."""
     node = OmegaConf.structured(cfg) if isinstance(cfg, LabConfig) else cfg
     return OmegaConf.to_container(node, resolve=True)
 
 
+def point_shape(cfg: LabConfig) -> dict[str, Any]:
+    """The point's shape as plain values: the sizes ops share and its own op's (shape.ops.<op>), no other op's, read
+    one by one (a stage's stamp records those keys only: track/stamp.py)."""
+    shape = cfg.shape
+    plain = {f.name: copy.deepcopy(getattr(shape, f.name)) for f in fields(shape) if f.name != "ops"}
+    own = shape.ops.get(cfg.op.name)
+    plain["ops"] = {cfg.op.name: OmegaConf.to_container(OmegaConf.structured(own))} if own is not None else {}
+    return plain
+
+
 def point_config(cfg: LabConfig) -> dict[str, Any]:
     """What defines a point: everything but the sweep plan, where to write, and how receipts are compared.
 
-    The draft heads are not part of an op point either: they have their own stages (posttrainllm/lab/heads.py).
+    The draft heads are not part of an op point either: they have their own stages (posttrainllm/lab/heads.py);
+    nor are other ops' sizes (shape.ops): a point holds its own op's only, so an edit of another's reruns none of
+    its stages, and its receipt records what it ran.
     """
     plain = to_plain(cfg)
+    plain["shape"] = point_shape(cfg)
     plain.pop("sweep", None)
     plain.pop("run", None)
     plain.pop("compare", None)
@@ -737,7 +759,8 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     # An op's keys are its schema's (ops/<op>/config.py), which validate_schema merges the op node into and which
     # names the chosen op's keys when one is unknown: Hydra adds an op key rather than refusing it (and
     # op.sizes.NAME=VALUE names a constant of a problem file, a key conf/ cannot list)
-    overrides = [f"++{o}" if o.startswith("op.") else o for o in overrides]
+    # The same for an op's sizes (shape.ops.<op>.<key>, its ops/<op>/config.py Sizes)
+    overrides = [f"++{o}" if o.startswith(("op.", "shape.ops.")) else o for o in overrides]
     check_group_choices(overrides)
     try:
         if GlobalHydra.instance().is_initialized():  # inside a @hydra.main app: same conf/ search path
@@ -766,4 +789,6 @@ def _unknown_key_message(key: str, node: DictConfig | None = None) -> str:
     where = f"of {'.'.join(path)} " if path else ""
     if path == ["op"] and not OmegaConf.is_missing(node, "name"):
         where = f"of op (op.name={node.name}) "
+    if path == ["shape", "ops"]:  # its keys are the ops that declare sizes
+        return f"unknown key {key}: valid keys of shape.ops (the ops with sizes) are {', '.join(sorted(node.keys()))}"
     return f"unknown key {key}: valid keys {where}are {', '.join(sorted(node.keys()))}"

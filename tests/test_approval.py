@@ -111,7 +111,8 @@ def test_the_prepared_gpu_check_prints_its_estimate_and_needs_approve(gpu, monke
 def test_loops_count_every_curve_axis_and_mode_and_the_rough_estimate_follows_the_config():
     moe = get_op("moe")
     lab = load(["op=moe", "device=cpu"])
-    sizes = len(lab.shape.moe_curve) + len(lab.shape.moe_expert_curve)  # tokens, and experts at fixed active params
+    sizes = sum(len(axis.sizes(lab)) for axis in moe.curve_axes)  # tokens, and experts at fixed active params
+    assert sizes == 4 + 4  # shape.ops.moe.curve and expert_curve
     assert approval.estimate([lab], train=False).loops == len(moe.paths(lab)) * (2 + sizes)
     both = load(["op=moe", "device=cpu", "bench.curve_backward=true"])
     assert approval.estimate([both], train=False).loops == len(moe.paths(lab)) * (2 + 2 * sizes)

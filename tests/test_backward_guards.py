@@ -21,8 +21,8 @@ from posttrainllm.ops.matmul import definition as matmul
 from posttrainllm.track.report import point_table
 
 ATTENTION = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]"]
-DECODE = ["op=decode_attention", "device=cpu", "parity.seeds=[0]", "shape.decode_kv_lens=[1,40]",
-          "shape.decode_q_lens=[1,5]", "shape.decode_kv_len=64"]
+DECODE = ["op=decode_attention", "device=cpu", "parity.seeds=[0]", "shape.ops.decode_attention.kv_lens=[1,40]",
+          "shape.ops.decode_attention.q_lens=[1,5]", "shape.ops.decode_attention.kv_len=64"]
 
 
 def test_a_borrowed_backward_is_shown_as_not_checked(tmp_path):

@@ -64,8 +64,9 @@ def test_the_noncausal_point_checks_the_causal_training_shape():
 def test_a_decode_path_that_ignores_sm_scale_fails(tmp_path):
     deaf = _user(tmp_path, "deaf", "from posttrainllm.ops.decode_attention.reference import chunk_attention\n\n\n"
                  "def deaf(q, k, v, *, sm_scale):\n    return chunk_attention(q, k, v)\n")
-    cfg = load(["op=decode_attention", "device=cpu", "parity.seeds=[0]", "shape.decode_kv_len=100",
-                "shape.decode_q_lens=[1,4]", "shape.decode_kv_lens=[1,100]", f"op.user_impls=[{deaf}]"])
+    cfg = load(["op=decode_attention", "device=cpu", "parity.seeds=[0]", "shape.ops.decode_attention.kv_len=100",
+                "shape.ops.decode_attention.q_lens=[1,4]", "shape.ops.decode_attention.kv_lens=[1,100]",
+                f"op.user_impls=[{deaf}]"])
     report = parity_report(cfg, tmp_path / "p")
     failed = report["paths"]["deaf"]["failed_cases"]
     assert report["paths"]["deaf"]["verdict"] == "fail" and all("sm_scale" in f for f in failed), failed
@@ -77,7 +78,8 @@ def test_a_cross_entropy_path_that_ignores_label_smoothing_fails(tmp_path):
     deaf = _user(tmp_path, "deaf", "import torch.nn.functional as F\n\n\n"
                  "def deaf(h, weight, targets, *, ignore_index, label_smoothing):\n"
                  "    return F.cross_entropy(h.float() @ weight.float().t(), targets, ignore_index=ignore_index)\n")
-    small = ["shape.ce_tokens=32", "shape.ce_d_model=32", "shape.ce_vocab=1000",  # the edges keep theirs
+    small = ["shape.ops.cross_entropy.tokens=32", "shape.ops.cross_entropy.d_model=32",
+             "shape.ops.cross_entropy.vocab=1000",  # the edges keep theirs
              "train.batch_size=1", "train.seq_len=32"]
     report = parity_report(load([*CROSS_ENTROPY, *small, f"op.user_impls=[{deaf}]"]), tmp_path / "p")
     smoothed = [c for c in report["cases"] if c.endswith("-smoothed")]

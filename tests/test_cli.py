@@ -195,8 +195,10 @@ def test_a_path_that_cannot_run_here_is_a_line_apart_and_exit_0(workdir, capsys)
     kernel = workdir / "needs_gpu.py"
     kernel.write_text("import triton\n\ntriton.runtime.driver.active.get_current_device()\n\n\n"
                       "def matmul(a, b):\n    return a @ b\n")
-    assert cli.main(["bench", "op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[]", "shape.m=64",
-                     "shape.n=64", "shape.k=64", "shape.matmul_curve=[32,64]", "bench.reps=3", "bench.min_time_s=0",
+    assert cli.main(["bench", "op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.edge=[]",
+                     "shape.ops.matmul.m=64",
+                     "shape.ops.matmul.n=64", "shape.ops.matmul.k=64", "shape.ops.matmul.curve=[32,64]",
+                     "bench.reps=3", "bench.min_time_s=0",
                      f"op.user_impls=[{kernel}:matmul]", "op.only=[matmul]", "run.name=apart",
                      "run.log_mlflow=false"]) == 0
     captured = capsys.readouterr()

@@ -27,8 +27,9 @@ from posttrainllm.ops.cross_entropy import definition as cross_entropy
 
 # one seed, no edge sizes: 32 tokens in two chunks of 16, V = 1000 off the 512 block; the point's case, a wholly
 # ignored chunk, logits of ~1e5
-QUICK = ["op=cross_entropy", "device=cpu", "parity.seeds=[0]", "shape.ce_tokens=32", "shape.ce_d_model=32",
-         "shape.ce_vocab=1000", "shape.ce_edge=[]", "op.block_v=512"]
+QUICK = ["op=cross_entropy", "device=cpu", "parity.seeds=[0]", "shape.ops.cross_entropy.tokens=32",
+         "shape.ops.cross_entropy.d_model=32",
+         "shape.ops.cross_entropy.vocab=1000", "shape.ops.cross_entropy.edge=[]", "op.block_v=512"]
 CASES = ["N32-V1000-seed0", "N32-V1000-ignored_chunk", "N32-V1000-large_logits",
          "N32-C32-V1000-smoothed",  # another label smoothing than the point's, with ignored rows
          "N256-C128-V256-train"]  # bench-train's lm_head and loss: train.batch_size x train.seq_len tokens
@@ -130,7 +131,8 @@ def test_the_memory_the_microbench_measures_reflects_the_logits():
     """The microbench's calls at a 32k vocabulary: peak_bytes of the forward (under no_grad, as microbench measures
     it) and of the training call (runner.InProcess.forward_backward). The reference holds the (N, V) logits and
     log-probabilities; ours one (chunk, V) block (and grad_weight in training): at most half, in both."""
-    cfg = load(["op=cross_entropy", "device=cpu", "shape.ce_vocab=32768", "shape.ce_d_model=32",
+    cfg = load(["op=cross_entropy", "device=cpu", "shape.ops.cross_entropy.vocab=32768",
+                "shape.ops.cross_entropy.d_model=32",
                 "op.chunk_size=8", "op.block_v=8192"])
     op = get_op("cross_entropy")
     case = next(c for c in op.cases(cfg) if c.main)
@@ -165,21 +167,22 @@ def test_costs_curves_and_config_rules():
     assert [vocab.case(cfg, x).dims for x in vocab.sizes(cfg)][-1] == dict(tokens=32, d_model=32, vocab=32768)
     assert op.gradient_names() == ["grad_h", "grad_weight"]  # none for the int64 targets
     # fewer tokens than a chunk: all but the last target ignored (every one ignored would be NaN); one token: no case
-    few = next(c for c in op.cases(load([*QUICK, "shape.ce_tokens=8"])) if c.inputs == "ignored_chunk")
+    few = next(c for c in op.cases(load([*QUICK, "shape.ops.cross_entropy.tokens=8"])) if c.inputs == "ignored_chunk")
     targets = op.make_inputs(few, torch.float32, "cpu")["targets"]
     assert (targets[:-1] == -100).all() and targets[-1] != -100
-    assert [c.inputs for c in op.cases(load([*QUICK, "shape.ce_tokens=1"]))] == ["normal", "large_logits",
-                                                                                  "normal"]  # + bench-train's shape
+    one_token = load([*QUICK, "shape.ops.cross_entropy.tokens=1"])
+    assert [c.inputs for c in op.cases(one_token)] == ["normal", "large_logits", "normal"]  # + bench-train's shape
     for override, message in [("op.label_smoothing=1.5", "op.label_smoothing=1.5: must be in [0, 1]"),
                               ("op.chunk_size=0", "op.chunk_size=0: must be >= 1"),
                               ("op.block_v=100", "op.block_v=100: must be a power of two"),
-                              ("shape.ce_edge=[[1,2]]", "shape.ce_edge: [1, 2] must be three sizes")]:
+                              ("shape.ops.cross_entropy.edge=[[1,2]]",
+                               "shape.ops.cross_entropy.edge: [1, 2] must be three sizes")]:
         with pytest.raises(ConfigError, match=message.replace("[", "\\[").replace("]", "\\]")):
             load(["op=cross_entropy", override])
 
 
 def test_the_gpu_shape_composes_a_gpu_sized_chunk():
-    """op.chunk_size comes from the shape (shape.ce_chunk_size): tiny's 16 for the parity cases, 512 at gpu and
+    """op.chunk_size comes from the shape (shape.ops.cross_entropy.chunk_size): tiny's 16 for the parity cases, 512 at gpu and
     gpu_check (16 chunks of 8192 tokens, not 512, each re-reading the weight); op.chunk_size given still wins."""
     assert load(["op=cross_entropy", "device=cpu"]).op.chunk_size == 16
     for shape in ("gpu", "gpu_check"):

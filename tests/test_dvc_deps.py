@@ -320,7 +320,7 @@ def test_every_stage_lists_every_config_key_it_reads_in_its_params(dvc, plan, st
                 assert set(covered) <= set(missing), (stage, param)
     assert "bench.threads" in stamps["reference"]["config_keys"]  # prepare() sets the thread count it computes with
     for stage in ("kernel", "parity"):  # the bug this guards against: keys op-moe's grouped_mm probe reads, unlisted
-        assert {"shape.moe_d_model", "shape.moe_ffn"} <= read[MOE, stage]
+        assert {"shape.ops.moe.d_model", "shape.ops.moe.ffn"} <= read[MOE, stage]
 
 
 @pytest.mark.slow

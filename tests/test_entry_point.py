@@ -17,7 +17,8 @@ from conftest import install_wheel, run_command
 
 DIST, VERSION = "tiny-kernels", "0.1.0"
 OPS_SOURCE = '"""A matmul from outside the lab."""\n\n\ndef matmul(a, b):\n    return a @ b\n'
-QUICK = ["device=cpu", "parity.seeds=[0]", "tile=b16", "shape.m=32", "shape.n=32", "shape.k=32", "shape.edge_mnk=[]",
+QUICK = ["device=cpu", "parity.seeds=[0]", "tile=b16", "shape.ops.matmul.m=32", "shape.ops.matmul.n=32",
+         "shape.ops.matmul.k=32", "shape.ops.matmul.edge=[]",
          "shape.curve=[16,32]", "bench.warmup=1", "bench.reps=2", "bench.min_time_s=0", "bench.max_reps=12",
          "run.log_mlflow=false"]
 

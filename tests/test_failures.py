@@ -16,8 +16,9 @@ from posttrainllm.track import failures
 from posttrainllm.lab.configure import load
 from posttrainllm.ops.matmul import definition as matmul
 
-MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[]", "shape.m=64", "shape.n=64",
-          "shape.k=64"]
+MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.edge=[]", "shape.ops.matmul.m=64",
+          "shape.ops.matmul.n=64",
+          "shape.ops.matmul.k=64"]
 
 
 def test_whose_frame_is_whose():

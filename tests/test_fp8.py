@@ -22,8 +22,9 @@ from posttrainllm.ops.matmul import definition as matmul
 from posttrainllm.ops.base import Case
 from posttrainllm.ops import quantize as reference
 
-SMALL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "tile=b32", "shape.m=64", "shape.n=64", "shape.k=64",
-         "shape.edge_mnk=[[41,77,33]]"]
+SMALL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "tile=b32", "shape.ops.matmul.m=64", "shape.ops.matmul.n=64",
+         "shape.ops.matmul.k=64",
+         "shape.ops.matmul.edge=[[41,77,33]]"]
 # no test here reads kernel.json's compile section (tests/test_compile.py does): the kernel stage runs without its child
 pytestmark = pytest.mark.usefixtures("without_compile_child")
 
@@ -243,7 +244,7 @@ def test_fp8_costs_count_one_byte_operands_and_the_scales():
 
 def test_an_fp8_points_roofline_is_drawn_against_the_fp8_peak_or_none(tmp_path):
     cfg = load([*SMALL, "precision=fp8", f"run.out_dir={tmp_path}", "run.name=p", "bench.reps=3",
-                "bench.min_time_s=0", "shape.curve=[32,64]", "shape.matmul_curve=[32,64]"])
+                "bench.min_time_s=0", "shape.curve=[32,64]", "shape.ops.matmul.curve=[32,64]"])
     out = tmp_path / "p"
     parity_report(cfg, out)
     bf16 = {"float32": 1e11, "bfloat16": 4e11}

@@ -23,7 +23,7 @@ from posttrainllm.ops import quantize
 from posttrainllm.ops.swiglu import reference as swiglu_reference
 
 # one seed, no edge sizes: the point's 24 tokens, every token on expert 0, an empty expert, top-k = E
-QUICK = ["op=moe", "device=cpu", "parity.seeds=[0]", "shape.moe_tokens=24", "shape.moe_edge=[]", "tile=b32"]
+QUICK = ["op=moe", "device=cpu", "parity.seeds=[0]", "shape.ops.moe.tokens=24", "shape.ops.moe.edge=[]", "tile=b32"]
 RECIPES = [("fp8", "tensor"), ("fp8_rowwise", "row")]
 # no test here reads kernel.json's compile section (tests/test_compile.py does): the kernel stage runs without its child
 pytestmark = pytest.mark.usefixtures("without_compile_child")
@@ -111,7 +111,7 @@ def test_fp8_moe_paths_pass_forward_only_with_the_quantization_reported_apart(pr
 def test_the_triton_path_runs_the_default_tile_and_off_tile_sizes_and_a_single_token(tmp_path):
     """The tiny shape's edges (a single token; d, f and T off every tile) at the default tile, per tensor."""
     report = parity_report(load(["op=moe", "device=cpu", "parity.seeds=[1]", "precision=fp8",
-                                 "shape.moe_edge=[[1,64,96],[37,40,72]]"]), tmp_path)
+                                 "shape.ops.moe.edge=[[1,64,96],[37,40,72]]"]), tmp_path)
     assert report["verdict"] == "pass", report["first_failure"]
     assert {c["case"] for c in report["paths"]["triton"]["cases"]} >= {"T1-d64-f96-seed1", "T37-d40-f72-seed1"}
 
@@ -194,7 +194,7 @@ def test_a_bad_fp8_moe_config_is_refused_naming_the_bound(overrides, message):
     with pytest.raises(ConfigError) as err:
         load(["op=moe", "precision=fp8", *overrides])
     assert message in str(err.value) and "\n" not in str(err.value)
-    load(["op=moe", "precision=fp8", "shape.moe_d_model=36"])  # no grouped_mm path: no 16-byte rule
+    load(["op=moe", "precision=fp8", "shape.ops.moe.d_model=36"])  # no grouped_mm path: no 16-byte rule
 
 
 def test_bench_train_refuses_op_moe_under_fp8_in_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):

@@ -61,7 +61,8 @@ def test_the_gpu_plan_is_the_issues_run_one_dimension_at_a_time(gpu_plan, monkey
     fp8 = labs[FP8]
     assert (fp8.op.name, fp8.precision.name, fp8.precision.quantize.recipe) == ("matmul", "fp8",
                                                                                  "float8_e4m3fn:tensor")
-    assert (fp8.shape.m, fp8.shape.n, fp8.shape.k) == (4096, 4096, 4096)
+    sizes = matmul_op.Sizes.of(fp8)
+    assert (sizes.m, sizes.n, sizes.k) == (4096, 4096, 4096)
     assert get_op("matmul").curve_sizes(fp8) == [4096, 8192]
     assert (fp8.tile.block_m, fp8.tile.block_n, fp8.tile.block_k) == (128, 128, 64) and not fp8.tile.autotune
     assert labs["op-matmul_tile-b128"].tile == fp8.tile and labs["op-matmul_tile-b128"].precision.name == "bf16"

@@ -20,8 +20,9 @@ from posttrainllm.track import receipt as receipts
 from posttrainllm.track.report import held
 
 PLANTED = Path(__file__).parent / "planted"
-MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]", "shape.m=64", "shape.n=64",
-          "shape.k=64", "shape.curve=[32,64]", "shape.matmul_curve=[32,64]"]
+MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.edge=[[41,77,33]]", "shape.ops.matmul.m=64",
+          "shape.ops.matmul.n=64",
+          "shape.ops.matmul.k=64", "shape.curve=[32,64]", "shape.ops.matmul.curve=[32,64]"]
 
 
 def _point(tmp_path: Path, source: Path, *overrides: str, promises: str = "") -> dict:
@@ -139,8 +140,10 @@ def test_the_other_batches_move_the_rows_among_companions(n, fixed, sizes):
     ("cross_entropy", "torch", True, [4]),  # a mean: its tokens' grad_h, moved within batches of the main size
 ])
 def test_batch_invariance_of_pytorchs_own_paths_on_this_cpu(op_name, path, holds, sizes):
-    dims = {"rmsnorm": ["shape.batch=1", "shape.seq_len=2"], "matmul": ["shape.m=2", "shape.n=64", "shape.k=64", "tile=b16"],
-            "cross_entropy": ["shape.ce_tokens=4", "shape.ce_d_model=32", "shape.ce_vocab=96"]}[op_name]
+    dims = {"rmsnorm": ["shape.batch=1", "shape.seq_len=2"],
+            "matmul": ["shape.ops.matmul.m=2", "shape.ops.matmul.n=64", "shape.ops.matmul.k=64", "tile=b16"],
+            "cross_entropy": ["shape.ops.cross_entropy.tokens=4", "shape.ops.cross_entropy.d_model=32",
+                              "shape.ops.cross_entropy.vocab=96"]}[op_name]
     cfg = load([f"op={op_name}", "device=cpu", "parity.seeds=[0]", *dims])
     op = get_op(op_name)
     case = op.cases(cfg)[0]

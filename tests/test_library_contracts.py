@@ -25,8 +25,9 @@ from posttrainllm.ops.registry import REFERENCE, Case, case_config, get_op
 # op, its small-shape overrides (the ops' own test sizes), the precisions it is judged in
 OPS = {
     "attention": ["parity.seeds=[0]"],
-    "decode_attention": ["parity.seeds=[0]", "tile=b16", "shape.decode_q_lens=[1,4]", "shape.decode_kv_lens=[17]",
-                         "shape.decode_kv_len=32"],
+    "decode_attention": ["parity.seeds=[0]", "tile=b16", "shape.ops.decode_attention.q_lens=[1,4]",
+                         "shape.ops.decode_attention.kv_lens=[17]",
+                         "shape.ops.decode_attention.kv_len=32"],
     "matmul": ["parity.seeds=[0]"],
     "rmsnorm": ["parity.seeds=[0]"],
     "cross_entropy": ["parity.seeds=[0]"],

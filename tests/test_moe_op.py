@@ -24,7 +24,7 @@ from posttrainllm.ops.moe import definition as moe
 from posttrainllm.ops.moe import reference
 
 # one seed, no edge sizes: the point's 24 tokens, every token on expert 0, an empty expert, top-k = E
-QUICK = ["op=moe", "device=cpu", "parity.seeds=[0]", "shape.moe_tokens=24", "shape.moe_edge=[]"]
+QUICK = ["op=moe", "device=cpu", "parity.seeds=[0]", "shape.ops.moe.tokens=24", "shape.ops.moe.edge=[]"]
 # no test here reads kernel.json's compile section (tests/test_compile.py does): the kernel stage runs without its child
 pytestmark = pytest.mark.usefixtures("without_compile_child")
 
@@ -81,7 +81,7 @@ def test_a_router_that_disagrees_with_the_float64_router_fails(tmp_path, monkeyp
 
     monkeypatch.setattr(moe.OP, "make_inputs", misrouted)
     # top-1: no slot collision and the path still runs; one path (op.only): the routing check is the reference's
-    cfg = load([*QUICK, "shape.moe_top_k=1", "op.only=[sparse]"])
+    cfg = load([*QUICK, "shape.ops.moe.top_k=1", "op.only=[sparse]"])
     report = _parity(cfg, tmp_path)
     assert report["inputs"]["verdict"] == "fail" and report["verdict"] == "fail"
     assert report["first_failure"].startswith("inputs: ") and "recorded route_idx" in report["first_failure"]
@@ -149,9 +149,9 @@ def test_costs_curve_and_config_rules():
     assert op.curve_sizes(cfg) == [1, 16, 64, 256] and op.curve_case(cfg, 1).dims["tokens"] == 1
     assert op.expected_outputs(op.impls["triton"])[-1] == "grad_route_weight"
     with pytest.raises(ConfigError, match="grouped_mm needs multiples of 8"):
-        load(["op=moe", "precision=bf16", "shape.moe_d_model=36"])
-    with pytest.raises(ConfigError, match="moe_top_k=5: must be <= shape.moe_experts=4"):
-        load(["op=moe", "shape.moe_top_k=5"])
+        load(["op=moe", "precision=bf16", "shape.ops.moe.d_model=36"])
+    with pytest.raises(ConfigError, match=r"^shape\.ops\.moe\.top_k=5: must be <= shape\.ops\.moe\.experts=4$"):
+        load(["op=moe", "shape.ops.moe.top_k=5"])
     with pytest.raises(ConfigError, match="valid choices are dense, moe"):
         load(["architecture.mlp=sparse"])
 
@@ -199,16 +199,16 @@ def test_the_expert_curve_holds_active_parameters_and_checks_each_size_before_ti
     same curve.csv; a path wrong at one E only is not timed there, and is timed at the others."""
     import pandas as pd
 
-    cfg = load([*QUICK, "bench.warmup=0", "bench.reps=1", "bench.min_time_s=0", "shape.moe_curve=[1,24]",
-                "shape.moe_expert_curve=[2,8]"])
+    cfg = load([*QUICK, "bench.warmup=0", "bench.reps=1", "bench.min_time_s=0", "shape.ops.moe.curve=[1,24]",
+                "shape.ops.moe.expert_curve=[2,8]"])
     op = get_op("moe")
     axis = next(a for a in op.curve_axes if a.x_name == "experts")
     cases = [axis.case(cfg, x) for x in axis.sizes(cfg)]
     assert [c.dims["experts"] for c in cases] == [2, 8]
     assert {(c.dims["tokens"], c.dims["d_model"], c.dims["ffn"], c.dims["top_k"]) for c in cases} == {(24, 64, 96, 2)}
     assert len({op.costs(c, cfg).flops for c in cases}) == 1  # active FLOPs: 2*T*k*3*d*f, whatever E
-    with pytest.raises(ConfigError, match="moe_expert_curve=\\[1, 8\\]: give at least two expert counts >= "):
-        load(["op=moe", "shape.moe_expert_curve=[1,8]"])  # top-2 of 1 expert
+    with pytest.raises(ConfigError, match="shape.ops.moe.expert_curve=\\[1, 8\\]: give at least two expert counts >= "):
+        load(["op=moe", "shape.ops.moe.expert_curve=[1,8]"])  # top-2 of 1 expert
 
     sparse = moe.IMPLS["sparse"]
 
@@ -233,7 +233,7 @@ def test_gpu_moe_trains_the_expert_layer_the_gpu_parity_point_checks():
     """architecture=gpu_moe (Qwen3-30B-A3B's block, 16 of its 128 experts) and shape=gpu's op=moe point share
     the expert geometry, so the layer bench-train times on the GPU is the one parity checked."""
     cfg = load(["op=moe", "architecture=gpu_moe", "shape=gpu", "device=cuda", "precision=bf16"])
-    arch, shape = cfg.architecture, cfg.shape
+    arch, sizes = cfg.architecture, moe.Sizes.of(cfg)
     assert (arch.d_model, arch.expert_hidden, arch.n_experts, arch.top_k) == \
-        (shape.moe_d_model, shape.moe_ffn, shape.moe_experts, shape.moe_top_k) == (2048, 768, 16, 8)
+        (sizes.d_model, sizes.ffn, sizes.experts, sizes.top_k) == (2048, 768, 16, 8)
     assert moe.OP.model_overrides(cfg) == {}  # an MoE architecture is trained as it is

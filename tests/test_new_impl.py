@@ -14,19 +14,23 @@ QUICK = ["device=cpu", "parity.seeds=[0]", "bench.warmup=1", "bench.reps=2", "be
 # per op, the smallest problem its checks accept: few cases, one curve size
 SMALL = {
     "attention": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],
-    "matmul": ["tile=b16", "shape.m=32", "shape.n=32", "shape.k=32", "shape.edge_mnk=[]", "shape.curve=[16,32]"],
-    "decode_attention": ["tile=b16", "shape.decode_q_lens=[1,4]", "shape.decode_kv_lens=[17]",
-                         "shape.decode_kv_len=32", "shape.curve=[16,32]"],
-    "moe": ["tile=b16", "shape.moe_tokens=8", "shape.moe_d_model=32", "shape.moe_ffn=32", "shape.moe_edge=[]",
-            "shape.moe_curve=[1,8]", "shape.moe_expert_curve=[2,4]"],
+    "matmul": ["tile=b16", "shape.ops.matmul.m=32", "shape.ops.matmul.n=32", "shape.ops.matmul.k=32",
+               "shape.ops.matmul.edge=[]", "shape.curve=[16,32]"],
+    "decode_attention": ["tile=b16", "shape.ops.decode_attention.q_lens=[1,4]",
+                         "shape.ops.decode_attention.kv_lens=[17]",
+                         "shape.ops.decode_attention.kv_len=32", "shape.curve=[16,32]"],
+    "moe": ["tile=b16", "shape.ops.moe.tokens=8", "shape.ops.moe.d_model=32", "shape.ops.moe.ffn=32",
+            "shape.ops.moe.edge=[]",
+            "shape.ops.moe.curve=[1,8]", "shape.ops.moe.expert_curve=[2,4]"],
     "rmsnorm": ["shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
     "rope": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],
     "swiglu": ["tile=b16", "shape.seq_len=32", "shape.edge_seq_lens=[]", "shape.curve=[16,32]"],
     "softmax": ["tile=b16", "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
     "layernorm": ["tile=b16", "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
     "add_rmsnorm": ["tile=b16", "shape.seq_len=16", "shape.edge_seq_lens=[]", "shape.curve=[8,16]"],
-    "cross_entropy": ["shape.ce_tokens=8", "shape.ce_d_model=16", "shape.ce_vocab=300", "shape.ce_edge=[]",
-                      "shape.ce_curve=[4,8]", "shape.ce_vocab_curve=[100,300]"],
+    "cross_entropy": ["shape.ops.cross_entropy.tokens=8", "shape.ops.cross_entropy.d_model=16",
+                      "shape.ops.cross_entropy.vocab=300", "shape.ops.cross_entropy.edge=[]",
+                      "shape.ops.cross_entropy.curve=[4,8]", "shape.ops.cross_entropy.vocab_curve=[100,300]"],
 }
 
 

@@ -3,7 +3,8 @@
 Every module of the package is read with `ast`: its identifiers (names, attributes, arguments, functions,
 classes, imported modules and aliases), each split into words ([A-Za-z0-9_]+), and its string literals (docstrings
 aside: prose, as comments are): a string that is an op's name, or names it as a module path, a file path or an
-override (`ops.<op>`, `ops/<op>`, `op=<op>`). An op's name so found outside that op's folder is a finding;
+override (`ops.<op>`, `ops/<op>`, `op=<op>`, an op's sizes `shape.ops.<op>.<key>`), or in a config key's part that
+starts with it (`shape.<op>_curve`, as op sizes were once spelled in the root config). An op's name so found outside that op's folder is a finding;
 ops/registry.py, the one list of ops, is the exception; so are the model's own words that equal an op's name, as
 strings in its slot table (model/slots.py VOCABULARY, whose docstring says why), and only there. KNOWN_DEBT lists the findings of today's code: it
 only shrinks (a finding not in it fails, and so does an entry that is no longer found).
@@ -107,7 +108,8 @@ def words(source: str, ops: set[str], own_words: frozenset[str] = frozenset()) -
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs and \
                 node.value not in own_words:
             named |= {op for op in ops if (node.value.strip() == op and op not in ORDINARY_WORDS)
-                      or re.search(rf"(ops[./]|op=|op\.name=){op}(?![A-Za-z0-9_])", node.value)}
+                      or re.search(rf"(ops[./]|op=|op\.name=){op}(?![A-Za-z0-9_])", node.value)
+                      or re.search(rf"[A-Za-z0-9_]\.{op}_[A-Za-z0-9_]", node.value)}
         elif isinstance(node, ast.Name):
             texts.append(node.id)
         elif isinstance(node, ast.Attribute) and node.attr not in FIELDS and _root(node) not in foreign:
@@ -163,6 +165,10 @@ def test_the_check_sees_identifiers_and_strings_but_not_docstrings():
     assert words("import torch\nimport torch.nn.functional as F\ny = F.cross_entropy(torch.backends.cuda.matmul)",
                  op_names()) == set()  # a library's names
     assert words("y = variant.moe", op_names()) == {"moe"}
+    # an op's sizes as a config key: under shape.ops.<op>, or a root key that starts with the op's name
+    assert words("x = ['shape.ops.moe.tokens=8', 'shape.matmul_curve=[32,64]', 'config.shape.cross_entropy_vocab']",
+                 op_names()) == {"moe", "matmul", "cross_entropy"}
+    assert words("x = 'torch.softmax', 'rope theta', 'decode_attention_x'[:3]", op_names()) == set()
 
 
 def test_the_slot_table_spells_its_own_words_and_nothing_else():

@@ -160,7 +160,8 @@ def test_a_path_that_changes_its_input_fails(tmp_path, monkeypatch):
 
 def test_a_path_that_returns_its_input_storage_fails(tmp_path, monkeypatch):
     """A matmul by the identity that hands back A itself is numerically right and still wrong."""
-    cfg = load(["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[]", "shape.n=128", "shape.k=128",
+    cfg = load(["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.edge=[]", "shape.ops.matmul.n=128",
+                "shape.ops.matmul.k=128",
                 "op.only=[torch]"])
     identity = dataclasses.replace(matmul.IMPLS["torch"], fn=lambda x, cfg: {"out": x["a"].view_as(x["a"])})
     original = matmul.OP.make_inputs
@@ -208,8 +209,9 @@ def test_planted_matmul_bug_is_caught_only_by_the_edge_shape(bug, tmp_path, monk
     def fn(x, cfg):
         return {"out": mutant.matmul(x["a"], x["b"], block_m=32, block_n=32, block_k=32)}
     impl = dataclasses.replace(matmul.IMPLS["triton"], fn=fn)
-    cfg = shared_reference(["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.m=64", "shape.n=64",
-                                           "shape.k=64", "shape.edge_mnk=[[41,77,33]]"], tmp_path)
+    cfg = shared_reference(["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.m=64",
+                            "shape.ops.matmul.n=64",
+                                           "shape.ops.matmul.k=64", "shape.ops.matmul.edge=[[41,77,33]]"], tmp_path)
     report = _run_stages(cfg, tmp_path, monkeypatch, "matmul", impl, shared=True)
     failed = report["paths"]["triton"]["failed_cases"]
     assert report["paths"]["triton"]["verdict"] == "fail"
@@ -319,7 +321,7 @@ def test_planted_backward_bug_is_caught(bug, tmp_path, monkeypatch, shared_refer
 
 
 def test_matmul_gradients_are_checked(tmp_path, monkeypatch):
-    cfg = load(["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]"])
+    cfg = load(["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.edge=[[41,77,33]]"])
     report = _run_stages(cfg, tmp_path, monkeypatch, "matmul")
     assert report["verdict"] == "pass"
     assert {"out", "grad_a", "grad_b"} <= set(report["paths"]["triton"]["worst"])

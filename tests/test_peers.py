@@ -19,8 +19,9 @@ from posttrainllm.lab.configure import load
 from posttrainllm.ops.registry import get_op
 from posttrainllm.ops import peers
 
-MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]", "shape.m=64", "shape.n=64",
-          "shape.k=64", "shape.curve=[32,64]", "shape.matmul_curve=[32,64]", "op.peers=[compiled]"]
+MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.edge=[[41,77,33]]", "shape.ops.matmul.m=64",
+          "shape.ops.matmul.n=64",
+          "shape.ops.matmul.k=64", "shape.curve=[32,64]", "shape.ops.matmul.curve=[32,64]", "op.peers=[compiled]"]
 
 
 def _toy(x, cfg):

@@ -211,8 +211,10 @@ def test_a_replaced_torch_function_changes_no_peer_and_is_named(tmp_path, monkey
 
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: 2 * sdpa(q, k, v, **kw))
-    cfg = load(["op=decode_attention", "device=cpu", "parity.seeds=[0]", "tile=b16", "shape.decode_q_lens=[1]",
-                "shape.decode_kv_lens=[17]", "shape.decode_kv_len=32", "op.only=[sdpa]"])  # the peer it is about
+    cfg = load(["op=decode_attention", "device=cpu", "parity.seeds=[0]", "tile=b16",
+                "shape.ops.decode_attention.q_lens=[1]",
+                "shape.ops.decode_attention.kv_lens=[17]", "shape.ops.decode_attention.kv_len=32",
+                "op.only=[sdpa]"])  # the peer it is about
     report = parity_report(cfg, tmp_path)
     assert report["paths"]["sdpa"]["verdict"] == "pass", report["paths"]["sdpa"]["failed_cases"][:2]
     kernel = json.loads((tmp_path / "kernel.json").read_text())

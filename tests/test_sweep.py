@@ -32,9 +32,13 @@ def test_each_point_changes_exactly_one_dimension():
         assert name == f"{dimension}-{option}"
         # the baseline's own key overrides (sweep.baseline_overrides: op.peers) are not a dimension's change
         base_op = {k: v for k, v in base["op"].items() if k != "peers"}
-        config = {**point["config"], "op": {k: v for k, v in point["config"]["op"].items() if k != "peers"}}
+        # a point holds its own op's sizes only (shape.ops.<op>): they come with the op, not a change of shape
+        assert set(point["config"]["shape"]["ops"]) <= {point["config"]["op"]["name"]}
+        shared = lambda config: {k: v for k, v in config["shape"].items() if k != "ops"}  # noqa: E731
+        config = {**point["config"], "op": {k: v for k, v in point["config"]["op"].items() if k != "peers"},
+                  "shape": shared(point["config"])}
         differing = {d for d in ("op", "precision", "tile", "workgroup", "architecture", "shape", "device")
-                     if config[d] != {**base, "op": base_op}[d]}
+                     if config[d] != {**base, "op": base_op, "shape": shared(base)}[d]}
         assert differing == {dimension}
 
 
@@ -190,7 +194,8 @@ def test_write_inputs_writes_every_point_stage_of_the_plan(tmp_path):
 def test_an_ops_own_config_reads_are_listed_for_its_points_only():
     moe = {"config": {"op": {"name": "moe"}, "tile": {"name": "b32"}, "workgroup": {"name": "w4s2"}}}
     attention = {"config": {**moe["config"], "op": {"name": "attention"}}}
-    probe = ["config.shape.moe_d_model", "config.shape.moe_ffn"]  # ops/moe/definition.py probes grouped_mm at that size
+    probe = ["config.shape.ops.moe.d_model",
+             "config.shape.ops.moe.ffn"]  # ops/moe/definition.py probes grouped_mm at that size
     for stage in ("parity", "bench_train"):
         assert reads.point_stage_deps(stage, moe)["params"][-2:] == probe
         assert not set(probe) & set(reads.point_stage_deps(stage, attention)["params"])

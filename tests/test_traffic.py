@@ -366,8 +366,9 @@ def _moe_cfg(dtype: str, case: Case, block_m: int = 64, block_n: int = 64) -> La
     cfg = _op_cfg("moe", dtype)
     d = case.dims
     return dataclasses.replace(
-        cfg, shape=dataclasses.replace(cfg.shape, moe_tokens=d["tokens"], moe_d_model=d["d_model"], moe_ffn=d["ffn"],
-                                       moe_experts=d["experts"], moe_top_k=d["top_k"]),
+        cfg, shape=dataclasses.replace(cfg.shape, ops={**cfg.shape.ops, "moe": dataclasses.replace(
+            moe.Sizes.of(cfg), tokens=d["tokens"], d_model=d["d_model"], ffn=d["ffn"], experts=d["experts"],
+            top_k=d["top_k"], expert_curve=[d["top_k"], d["experts"]])}),
         tile=dataclasses.replace(cfg.tile, block_m=block_m, block_n=block_n))
 
 

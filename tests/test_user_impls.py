@@ -25,8 +25,9 @@ from posttrainllm.track.report import point_table
 
 EXAMPLES = PROJECT_ROOT / "examples"
 ATTENTION = ["device=cpu", "parity.seeds=[0]", "shape.edge_seq_lens=[37]", "architecture=gqa"]
-MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]", "shape.m=64", "shape.n=64",
-          "shape.k=64", "shape.curve=[32,64]", "shape.matmul_curve=[32,64]"]
+MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.edge=[[41,77,33]]", "shape.ops.matmul.m=64",
+          "shape.ops.matmul.n=64",
+          "shape.ops.matmul.k=64", "shape.curve=[32,64]", "shape.ops.matmul.curve=[32,64]"]
 MINE = "op.only=[matmul]"  # the user path and the reference alone, where no built-in path is asserted on
 
 

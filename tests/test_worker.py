@@ -18,8 +18,10 @@ from posttrainllm.lab.stages import (bench_train as bench_train_stage, kernel as
 from posttrainllm.lab.configure import load
 from posttrainllm.lab.isolation import outside, worker as workers
 
-MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.edge_mnk=[[41,77,33]]", "shape.m=64", "shape.n=64",
-          "shape.k=64", "shape.curve=[16,32]", "shape.matmul_curve=[16,32]", "bench.reps=3", "bench.min_time_s=0",
+MATMUL = ["op=matmul", "device=cpu", "parity.seeds=[0]", "shape.ops.matmul.edge=[[41,77,33]]", "shape.ops.matmul.m=64",
+          "shape.ops.matmul.n=64",
+          "shape.ops.matmul.k=64", "shape.curve=[16,32]", "shape.ops.matmul.curve=[16,32]", "bench.reps=3",
+          "bench.min_time_s=0",
           "bench.warmup=1", "bench.max_reps=12", "run.log_mlflow=false"]
 ATTENTION = ["device=cpu", "parity.seeds=[0]", "architecture=gqa", "tile=b16", "shape.seq_len=32",
              "shape.edge_seq_lens=[]", "shape.curve=[16,32]", "bench.reps=3", "bench.min_time_s=0", "bench.warmup=1",
@@ -236,8 +238,8 @@ def test_memory_outside_torch_is_counted_and_outputs_held_from_import_are_named(
     workers.close_all()
     (tmp_path / "held").mkdir()
     # 256 KB outputs: far above what the interpreter's own objects and a few resident pages add to a call
-    cfg, out = _point(tmp_path / "held", "held.py", HELD, "matmul", [*MATMUL, MINE, "shape.m=256",
-                                                                      "shape.n=256"])
+    cfg, out = _point(tmp_path / "held", "held.py", HELD, "matmul", [*MATMUL, MINE, "shape.ops.matmul.m=256",
+                                                                      "shape.ops.matmul.n=256"])
     assert parity_report(cfg, out)["paths"]["matmul"]["verdict"] == "pass"
     entry = microbench_stage.run_microbench(cfg, out, CALIBRATION)["paths"]["matmul"]
     assert not entry["valid"] and "median_ms" not in entry, entry["memory"]

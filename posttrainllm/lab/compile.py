@@ -410,10 +410,12 @@ def _read(cfg: Any) -> dict[str, Any]:
     read one by one: the stage's stamp records what it read, and DVC reruns it when one of these changes."""
     from omegaconf import OmegaConf
 
+    from posttrainllm.config import point_shape
+
     plain = lambda node: OmegaConf.to_container(OmegaConf.structured(node), resolve=True)  # noqa: E731
     precision = cfg.precision
     return {"op": plain(cfg.op), "tile": plain(cfg.tile), "workgroup": plain(cfg.workgroup),
-            "architecture": plain(cfg.architecture), "shape": plain(cfg.shape), "compile": plain(cfg.compile),
+            "architecture": plain(cfg.architecture), "shape": point_shape(cfg), "compile": plain(cfg.compile),
             "device": {"name": cfg.device.name}, "bench": {"threads": cfg.bench.threads},
             "precision": {"dtype": precision.dtype, "allow_tf32": precision.allow_tf32,
                           "dot_precision": precision.dot_precision,

@@ -1,5 +1,5 @@
-"""A point's config, whole: the schema's rules (config.py, the op node the chosen op's: ops/<op>/config.py), the
-model's words it names (model/slots.py), then the op's own rules (ops/<op>/definition.py).
+"""A point's config, whole: the schema's rules (config.py, the op node the chosen op's and each op's sizes its own:
+ops/<op>/config.py), the model's words it names (model/slots.py), then the op's own rules (ops/<op>/definition.py).
 
 config.py knows the schema and imports nothing above itself; the op's keys (its config class, picked here by
 op.name) and rules (a tile that does not fit its problem, the paths it has, the user paths `op.user_impls` names)
@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from posttrainllm import config
 from posttrainllm.config import LabConfig, compose, require
 from posttrainllm.model.slots import CACHED_ATTENTION, MLP_KINDS
-from posttrainllm.ops.registry import OPS, op_config, op_for, slot_op
+from posttrainllm.ops.registry import OP_SIZES, OPS, op_config, op_for, slot_op
 from posttrainllm.lab.isolation.user import user_paths  # the paths from outside: a spec read, nothing run
 
 
@@ -34,8 +34,10 @@ def validate(cfg: DictConfig | dict[str, Any]) -> LabConfig:
 
 def validate_schema(cfg: DictConfig | dict[str, Any]) -> LabConfig:
     """The schema's rules alone (config.validate_schema), the op node merged into the chosen op's config class
-    (ops/<op>/config.py, by op.name): a key another op has, or none has, is refused naming this op's keys."""
-    return config.validate_schema(cfg, op_config)
+    (ops/<op>/config.py, by op.name): a key another op has, or none has, is refused naming this op's keys; and each
+    node of shape.ops into its op's sizes (ops/<op>/config.py Sizes): an op without sizes, or a key its sizes do not
+    have, is refused naming the valid ones, and a bad value by the op's own check."""
+    return config.validate_schema(cfg, op_config, OP_SIZES)
 
 
 def load(overrides: list[str] | tuple[str, ...] = ()) -> LabConfig:

@@ -180,8 +180,9 @@ def profile_point(sweep_name: str, point: str) -> int:
 DRY_RUN_SWEEP = "smoke"
 DRY_RUN_BENCH = {"curve_backward": True}  # as the GPU check's sweep sets it
 # The rehearsed fp8 point's curve (M=N=K) stays small: torch._scaled_mm on a CPU is a scalar loop (measured on a
-# 2-core CPU, one thread, torch 2.13: 17 s a call at 512³, 0.27 s at 128³), and the smoke curve runs to 512
-REHEARSAL_OVERRIDES = ["shape.matmul_curve=[32,64]"]
+# 2-core CPU, one thread, torch 2.13: 17 s a call at 512³, 0.27 s at 128³), and the smoke curve runs to 512. The
+# shared curve: the tiny shape gives the matmul no curve of its own (shape.ops.matmul.curve: null)
+REHEARSAL_OVERRIDES = ["shape.curve=[32,64]"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,11 +13,12 @@ import importlib
 import importlib.util
 from typing import Any, Callable
 
-from posttrainllm.config import ConfigError, LabConfig, OpConfig
+from posttrainllm.config import ConfigError, LabConfig, OpConfig, OpSizes
 from posttrainllm.ops.base import (NO_BACKWARD, OWN_BACKWARD, REFERENCE, Case, Costs, Impl, ModelHook, OpDef,
                                    Tensors, case_config, replaced_library)
 
-# The op packages, one line per op: each exposes OP (its OpDef); config.py its Config, if it has keys of its own
+# The op packages, one line per op: each exposes OP (its OpDef); config.py its Config, if it has keys of its own,
+# and its Sizes, if it has sizes of its own (shape.ops.<op>)
 OP_PACKAGES = (
     "attention",
     "matmul",
@@ -33,21 +34,34 @@ OP_PACKAGES = (
 )
 
 
+def _declared(package: str, name: str) -> Any:
+    """posttrainllm/ops/<package>/config.py's `name`, or None where it has no config.py or no such name."""
+    module = f"posttrainllm.ops.{package}.config"
+    if importlib.util.find_spec(module) is None:
+        return None
+    return getattr(importlib.import_module(module), name, None)
+
+
 def _config_class(package: str) -> type[OpConfig]:
     """posttrainllm/ops/<package>/config.py's `Config`: the op's own keys, defaults and checks (an OpConfig
     subclass); OpConfig, the keys every op has, where the op declares none."""
-    module = f"posttrainllm.ops.{package}.config"
-    if importlib.util.find_spec(module) is None:
-        return OpConfig
-    return getattr(importlib.import_module(module), "Config", OpConfig)
+    return _declared(package, "Config") or OpConfig
 
 
 OPS: dict[str, OpDef] = {}
 OP_CONFIGS: dict[str, type[OpConfig]] = {}
+# The ops' sizes (config.py `Sizes`, an OpSizes subclass): the schema of each node of shape.ops, by op name
+OP_SIZES: dict[str, type[OpSizes]] = {}
 for _package in OP_PACKAGES:
     _op = importlib.import_module(f"posttrainllm.ops.{_package}").OP
     OPS[_op.name] = _op
     OP_CONFIGS[_op.name] = _config_class(_package)
+    _sizes = _declared(_package, "Sizes")
+    if _sizes is not None:
+        if _sizes.op_name != _op.name:
+            raise ValueError(f"posttrainllm/ops/{_package}/config.py Sizes.op_name={_sizes.op_name!r}: must be its "
+                             f"op's name, {_op.name!r}")
+        OP_SIZES[_op.name] = _sizes
 
 
 def get_op(name: str) -> OpDef:
@@ -118,6 +132,6 @@ def op_for(cfg: LabConfig) -> OpDef:
     return get_op(cfg.op.name)
 
 
-__all__ = ["NO_BACKWARD", "OPS", "OP_CONFIGS", "OP_PACKAGES", "OWN_BACKWARD", "REFERENCE", "Case", "Costs", "Impl",
-           "ModelHook", "OpDef", "Tensors", "case_config", "get_op", "model_defaults", "op_config", "op_for",
+__all__ = ["NO_BACKWARD", "OPS", "OP_CONFIGS", "OP_PACKAGES", "OP_SIZES", "OWN_BACKWARD", "REFERENCE", "Case", "Costs",
+           "Impl", "ModelHook", "OpDef", "Tensors", "case_config", "get_op", "model_defaults", "op_config", "op_for",
            "replaced_library", "slot_op", "with_op_defaults"]

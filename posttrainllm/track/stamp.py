@@ -120,9 +120,11 @@ def _config_classes() -> tuple[type, ...]:
 
 def _paths_by_class() -> dict[type, list[str]]:
     """Where each config class sits in LabConfig's field tree: {TileConfig: ["tile"], Contract: [...], ...}; a
-    subclass where its base does (an op's config: ["op"])."""
+    subclass where its base does (an op's config: ["op"]); an op's sizes under its op's name in shape.ops."""
     found = _declared_paths(LabConfig, "")
     for cls in _config_classes():
+        if issubclass(cls, config_module.OpSizes) and cls.op_name:
+            found[cls] = [f"shape.ops.{cls.op_name}"]
         base = next((b for b in cls.__mro__[1:] if b in found), None)
         if cls not in found and base is not None:
             found[cls] = list(found[base])
@@ -150,22 +152,33 @@ def _dataclass_args(hint: Any, classes: set[type]) -> list[type]:
 
 
 def _instance_paths(cfg: Any, prefix: str = "") -> dict[int, str]:
-    """id(instance) -> dotted path of every config dataclass instance under `cfg` ("" for cfg itself)."""
+    """id(instance) -> dotted path of every config dataclass instance under `cfg` ("" for cfg itself), those held by
+    key in a dict field too (each op's sizes, shape.ops.<op>)."""
     paths = {id(cfg): prefix}
     for f in dataclasses.fields(cfg):
         value = object.__getattribute__(cfg, f.name)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            paths.update(_instance_paths(value, f"{prefix}.{f.name}" if prefix else f.name))
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        if _is_instance(value):
+            paths.update(_instance_paths(value, path))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _is_instance(item):
+                    paths.update(_instance_paths(item, f"{path}.{key}"))
     return paths
+
+
+def _is_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
 class ConfigReads:
     """The config fields read while recording, as dotted keys.
 
     A read of an instance in the recorded config's tree maps to its own path (so two fields
-    of one class, such as two Contracts, stay apart); a read of a copy made during the stage
-    (`dataclasses.replace`) maps to every path its class has in LabConfig. Reading a group
-    itself (cfg.tile) is not a read of a value; reading its fields is.
+    of one class, such as two Contracts, stay apart; an op's sizes, shape.ops.<op>); a read of a copy made during the
+    stage (`dataclasses.replace`) maps to every path its class has in LabConfig (an op's sizes: shape.ops.<op>).
+    Reading a group itself (cfg.tile, or cfg.shape.ops: a dict of groups) is not a read of a value; reading its
+    fields is.
     """
 
     def __init__(self, cfg: LabConfig | None = None):
@@ -212,11 +225,17 @@ def _recording(cls: type, names: frozenset[str], groups: frozenset[type], raw: s
 
     def __getattribute__(self: Any, name: str) -> Any:
         value = get(self, name)
-        if name in names and type(value) not in groups:  # a group itself (cfg.tile) is not a value read
+        # a group itself (cfg.tile), or a dict of groups (cfg.shape.ops, each op's sizes), is not a value read
+        if name in names and type(value) not in groups and not _holds_groups(value, groups):
             raw.add((instances.get(id(self), cls), name))
         return value
 
     return __getattribute__
+
+
+def _holds_groups(value: Any, groups: frozenset[type]) -> bool:
+    """A non-empty dict whose every value is a config group: what is read is each group's fields, by their path."""
+    return type(value) is dict and bool(value) and all(type(item) in groups for item in value.values())
 
 
 def records_reads(stage: str) -> bool:

@@ -133,8 +133,8 @@ def test_the_op_passes_its_parity_cases_and_states_its_bytes():
     from posttrainllm.lab.configure import load
     from posttrainllm.ops.registry import get_op
 
-    cfg = load(["op=decode_attention", "device=cpu", "parity.seeds=[0]", "shape.decode_kv_lens=[1,100]",
-                "shape.decode_kv_len=200"])
+    cfg = load(["op=decode_attention", "device=cpu", "parity.seeds=[0]", "shape.ops.decode_attention.kv_lens=[1,100]",
+                "shape.ops.decode_attention.kv_len=200"])
     op = get_op("decode_attention")
     cases = op.cases(cfg)
     assert {(c.dims["q_len"], c.dims["kv_len"]) for c in cases} >= {(1, 1), (1, 100), (4, 100), (17, 100)}

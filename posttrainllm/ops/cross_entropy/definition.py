@@ -16,7 +16,7 @@ Paths (one function each: checked, timed and trained as the model's head + loss)
 The options (conf/op/cross_entropy.yaml) are the point's: op.ignore_index (targets equal to it contribute nothing,
 the mean divides by the others' count) and op.label_smoothing; every path and every case run with them, so a
 point with label_smoothing > 0 checks the smoothing on every case. The parity cases: the point's shape, a single
-token, a vocabulary off every block and tokens off every chunk (shape.ce_edge), a wholly ignored chunk
+token, a vocabulary off every block and tokens off every chunk (shape.ops.cross_entropy.edge), a wholly ignored chunk
 (`ignored_chunk`: the first op.chunk_size targets and every 5th after them are ignore_index) and logits of ~1e5 that
 overflow exp without the max subtraction (`large_logits`). Every target ignored gives NaN in every path (the mean
 of nothing, as F.cross_entropy): not a parity case, since parity requires finite outputs (tests/ops).
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.ops.base import (REFERENCE, BatchAxis, Case, Costs, CurveAxis, Impl, ModelHook, OpDef, Tensors,
                                    seeded_randn)
+from posttrainllm.ops.cross_entropy.config import Sizes
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.cross_entropy.reference as reference
 
@@ -120,12 +121,12 @@ def _dims(tokens: int, d_model: int, vocab: int, **extra: int) -> dict[str, int]
 def _cases(cfg: LabConfig) -> list[Case]:
     """Per seed: the point's shape and the edges (a single token, V off every block, N off every chunk). On the
     first seed: a wholly ignored chunk, and logits of ~1e5."""
-    shape, op = cfg.shape, cfg.op
-    main = (shape.ce_tokens, shape.ce_d_model, shape.ce_vocab)
+    sizes, op = Sizes.of(cfg), cfg.op
+    main = (sizes.tokens, sizes.d_model, sizes.vocab)
     out = []
     for seed in cfg.parity.seeds:
         out.append(Case(f"N{main[0]}-V{main[2]}-seed{seed}", seed, _dims(*main), True))
-        out += [Case(f"N{n}-C{c}-V{v}-seed{seed}", seed, _dims(n, c, v), False) for n, c, v in shape.ce_edge]
+        out += [Case(f"N{n}-C{c}-V{v}-seed{seed}", seed, _dims(n, c, v), False) for n, c, v in sizes.edge]
     seed = cfg.parity.seeds[0]
     if main[0] > 1:  # the last target stays: every one ignored is NaN (the mean of nothing), no parity case
         out.append(Case(f"N{main[0]}-V{main[2]}-ignored_chunk", seed,
@@ -134,7 +135,7 @@ def _cases(cfg: LabConfig) -> list[Case]:
     out.append(Case(f"N{main[0]}-V{main[2]}-large_logits", seed, _dims(*main), False, "large_logits"))
     # another label smoothing than the point's, with ignored rows, at the first small edge: a path that ignores
     # op.label_smoothing (or ignore_index under it) fails
-    n, c, v = next(((n, c, v) for n, c, v in shape.ce_edge if n > 1), main)
+    n, c, v = next(((n, c, v) for n, c, v in sizes.edge if n > 1), main)
     smoothing = SMOOTHING_CASE if op.label_smoothing != SMOOTHING_CASE else 2 * SMOOTHING_CASE
     if n > 1:
         out.append(Case(f"N{n}-C{c}-V{v}-smoothed", seed,
@@ -279,15 +280,15 @@ def _describe(case: Case, inputs: Tensors, cfg: LabConfig, measure: Any = None) 
 
 
 def _curve_case(cfg: LabConfig, x: int) -> Case:
-    shape, seed = cfg.shape, cfg.parity.seeds[0]
-    return Case(f"N{x}-V{shape.ce_vocab}-seed{seed}", seed, _dims(x, shape.ce_d_model, shape.ce_vocab), True)
+    sizes, seed = Sizes.of(cfg), cfg.parity.seeds[0]
+    return Case(f"N{x}-V{sizes.vocab}-seed{seed}", seed, _dims(x, sizes.d_model, sizes.vocab), True)
 
 
 def _vocab_curve_case(cfg: LabConfig, x: int) -> Case:
-    """x vocabulary entries at ce_tokens tokens: the reference's (N, V) logits grow with V, the fused path's
-    (chunk_size, V) block slower."""
-    shape, seed = cfg.shape, cfg.parity.seeds[0]
-    return Case(f"N{shape.ce_tokens}-V{x}-seed{seed}", seed, _dims(shape.ce_tokens, shape.ce_d_model, x), True)
+    """x vocabulary entries at shape.ops.cross_entropy.tokens tokens: the reference's (N, V) logits grow with V, the
+    fused path's (chunk_size, V) block slower."""
+    sizes, seed = Sizes.of(cfg), cfg.parity.seeds[0]
+    return Case(f"N{sizes.tokens}-V{x}-seed{seed}", seed, _dims(sizes.tokens, sizes.d_model, x), True)
 
 
 # --- the model --------------------------------------------------------------------------
@@ -364,8 +365,8 @@ OP = OpDef(
     make_inputs=_make_inputs, problem=_problem, costs=_costs, curve_case=_curve_case, model_hook=ModelHook("loss", _fill),
     model_problem=_model_problem, check_config=_check_config,
     reference_bytes=_reference_bytes, path_costs=PATH_COSTS, row_ndim={"out": 0}, nondiff_inputs=("targets",),
-    curve_sizes=lambda cfg: list(cfg.shape.ce_curve),
-    extra_curves=(CurveAxis("vocab", lambda cfg: list(cfg.shape.ce_vocab_curve), _vocab_curve_case),),
+    curve_sizes=lambda cfg: list(Sizes.of(cfg).curve),
+    extra_curves=(CurveAxis("vocab", lambda cfg: list(Sizes.of(cfg).vocab_curve), _vocab_curve_case),),
     describe=_describe, point_impls=_impls_for,
     optional_peers={"compiled": compiled("cross_entropy", _reference, _make_inputs,
                                          "posttrainllm.ops.cross_entropy.reference.linear_cross_entropy")},

@@ -1,10 +1,12 @@
-"""The decode_attention op's own keys (conf/op/decode_attention.yaml): its softmax scale and its KV split."""
+"""The decode_attention op's own keys (conf/op/decode_attention.yaml): its softmax scale and its KV split; and its
+sizes (shape.ops.decode_attention; conf/shape/*.yaml)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
-from posttrainllm.config import OpConfig, require
+from posttrainllm.config import OpConfig, OpSizes, require
 
 
 @dataclass
@@ -22,3 +24,23 @@ class Config(OpConfig):
                 f"op.sm_scale={self.sm_scale}: must be > 0, or null (1/sqrt(head_dim))")
         require(self.kv_split_blocks is None or self.kv_split_blocks >= 1,
                 f"op.kv_split_blocks={self.kv_split_blocks}: must be >= 1 KV block a piece, or null (fill the device)")
+
+
+@dataclass
+class Sizes(OpSizes):
+    """A query chunk of Sq rows against a KV cache of Sk keys. Parity runs every pair Sq <= Sk of `q_lens` and
+    `kv_lens`; the microbench times one decode step (Sq = 1) against `kv_len` keys, and its curve takes shape.curve
+    as the context length Sk."""
+
+    op_name: ClassVar[str] = "decode_attention"
+    q_lens: list[int] = field(default_factory=lambda: [1, 4, 17])
+    kv_lens: list[int] = field(default_factory=lambda: [1, 100, 1000])
+    kv_len: int = 1024
+
+    def __post_init__(self) -> None:
+        self.require_positive("kv_len")
+        self.require_sizes("q_lens", 1)
+        self.require_sizes("kv_lens", 1)
+        require(min(self.q_lens) <= max(self.kv_lens),
+                f"{self.key('q_lens')}={list(self.q_lens)}: no chunk fits {self.key('kv_lens')}="
+                f"{list(self.kv_lens)} (a chunk needs Sq <= Sk)")

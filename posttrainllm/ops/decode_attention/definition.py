@@ -33,6 +33,7 @@ from posttrainllm.config import LabConfig, itemsize
 from posttrainllm.ops.base import (LIBRARY, REFERENCE, BatchAxis, Case, Costs, Impl, ModelHook, OpDef, Tensors,
                                    check_smem, seeded_randn, softmax_scale)
 from posttrainllm.ops.attention.definition import SCALE_CASE_FACTOR, train_case
+from posttrainllm.ops.decode_attention.config import Sizes
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.attention.reference as attention_reference
 import posttrainllm.ops.decode_attention.reference as decode_attention_reference
@@ -115,24 +116,24 @@ def _case(name: str, seed: int, cfg: LabConfig, q_len: int, kv_len: int, *, kv_h
 
 
 def _cases(cfg: LabConfig) -> list[Case]:
-    """The main decode step (Sq = 1 against decode_kv_len keys), then every Sq <= Sk pair of the shape's
-    decode lengths per seed; on the first seed, the other KV-head layouts (MHA, GQA with 2 query heads per
+    """The main decode step (Sq = 1 against shape.ops.decode_attention.kv_len keys), then every Sq <= Sk pair of its
+    sizes' lengths per seed; on the first seed, the other KV-head layouts (MHA, GQA with 2 query heads per
     KV head, MQA) the architecture is not, large logits (scores with std ~10), the smallest chunk at another
     softmax scale (a path that ignores sm_scale fails), and bench-train's full sequence (Sq = Sk = train.seq_len,
     train.batch_size) unless a case has it already."""
-    shape, arch = cfg.shape, cfg.architecture
+    sizes, arch = Sizes.of(cfg), cfg.architecture
     out = []
     for seed in cfg.parity.seeds:
-        out.append(_case(f"Sq1-Sk{shape.decode_kv_len}-seed{seed}", seed, cfg, 1, shape.decode_kv_len, main=True))
+        out.append(_case(f"Sq1-Sk{sizes.kv_len}-seed{seed}", seed, cfg, 1, sizes.kv_len, main=True))
         out += [_case(f"Sq{sq}-Sk{sk}-seed{seed}", seed, cfg, sq, sk)
-                for sq in shape.decode_q_lens for sk in shape.decode_kv_lens if sq <= sk]
+                for sq in sizes.q_lens for sk in sizes.kv_lens if sq <= sk]
     seed = cfg.parity.seeds[0]
-    sq, sk = max(s for s in shape.decode_q_lens if s <= max(shape.decode_kv_lens)), max(shape.decode_kv_lens)
+    sq, sk = max(s for s in sizes.q_lens if s <= max(sizes.kv_lens)), max(sizes.kv_lens)
     for kv_heads in sorted({arch.n_heads, arch.n_heads // 2 if arch.n_heads % 2 == 0 else 1, 1} - {arch.n_kv_heads}):
         out.append(_case(f"Sq{sq}-Sk{sk}-Hkv{kv_heads}", seed, cfg, sq, sk, kv_heads=kv_heads))
     out.append(_case(f"Sq{sq}-Sk{sk}-large_logits", seed, cfg, sq, sk, inputs="large_logits"))
-    sk = min([s for s in shape.decode_kv_lens if s > 1] or [shape.decode_kv_len])  # one key: softmax 1, any scale
-    sq = min([s for s in shape.decode_q_lens if 1 < s <= sk] or [1])  # more than one query: the mask too
+    sk = min([s for s in sizes.kv_lens if s > 1] or [sizes.kv_len])  # one key: softmax 1, any scale
+    sq = min([s for s in sizes.q_lens if 1 < s <= sk] or [1])  # more than one query: the mask too
     scale = round(SCALE_CASE_FACTOR * softmax_scale(cfg, arch.head_dim), 6)
     out.append(_case(f"Sq{sq}-Sk{sk}-sm_scale{scale:g}", seed, cfg, sq, sk, options={"sm_scale": scale}))
     heads = {k: v for k, v in out[0].dims.items() if k not in ("batch", "q_len", "kv_len")}

@@ -35,6 +35,7 @@ from posttrainllm.ops.base import (LIBRARY, NO_BACKWARD, REFERENCE, BatchAxis, C
 from posttrainllm.ops.autotune import AUTO_CPU_NOTE  # loaded with the definitions: no triton
 from posttrainllm.ops.peers import compiled
 import posttrainllm.ops.matmul.config as op_config
+from posttrainllm.ops.matmul.config import Sizes
 import posttrainllm.ops.matmul.reference as matmul_reference
 from posttrainllm.ops import quantize
 
@@ -237,13 +238,13 @@ def _recipe(cfg: LabConfig) -> str:
 
 def _cases(cfg: LabConfig) -> list[Case]:
     """The point's shape, then sizes off every block (and 1x1x1), once per seed."""
-    shape, recipe = cfg.shape, _recipe(cfg)
+    sizes, recipe = Sizes.of(cfg), _recipe(cfg)
     out = []
     for seed in cfg.parity.seeds:
-        out.append(Case(f"{shape.m}x{shape.n}x{shape.k}-seed{seed}", seed, dict(m=shape.m, n=shape.n, k=shape.k),
+        out.append(Case(f"{sizes.m}x{sizes.n}x{sizes.k}-seed{seed}", seed, dict(m=sizes.m, n=sizes.n, k=sizes.k),
                         True, quantize=recipe))
         out += [Case(f"{m}x{n}x{k}-seed{seed}", seed, dict(m=m, n=n, k=k), False, quantize=recipe)
-                for m, n, k in shape.edge_mnk]
+                for m, n, k in sizes.edge]
     return out
 
 
@@ -441,7 +442,7 @@ OP = OpDef(
     model_problem=_model_problem,
     check_config=op_config.check_config, smem_bytes=op_config.point_smem_bytes,
     reference_bytes=_reference_bytes,
-    curve_sizes=lambda cfg: list(cfg.shape.matmul_curve or cfg.shape.curve),
+    curve_sizes=lambda cfg: list(Sizes.of(cfg).curve or cfg.shape.curve),
     optional_peers={"compiled": compiled("matmul", _reference, _make_inputs, "posttrainllm.ops.matmul.reference.matmul")},
     signature=SIGNATURE, adapt=_adapt, template=TEMPLATE,
     point_impls=_impls_for, reserved_names=("scaled_mm",), describe=_describe, quantizes=True, trains_quantized=True,

@@ -45,6 +45,7 @@ from posttrainllm.config import ConfigError, LabConfig, itemsize
 from posttrainllm.ops.base import (NO_BACKWARD, REFERENCE, BatchAxis, Case, Costs, CurveAxis, Impl, ModelHook, OpDef,
                                    Tensors, check_fp8_config, check_smem, seeded_randn)
 from posttrainllm.ops.peers import compiled
+from posttrainllm.ops.moe.config import Sizes
 import posttrainllm.ops.moe.reference as moe_reference
 import posttrainllm.ops.moe.costs as costs
 from posttrainllm.ops import quantize
@@ -98,7 +99,8 @@ def grouped_mm_refusal(cfg: LabConfig) -> str | None:
     if GROUPED_MM is None:
         return GROUPED_MM_MISSING
     device = cfg.device.name if cfg.device.name != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    dtype, d, f = getattr(torch, cfg.precision.dtype), cfg.shape.moe_d_model, cfg.shape.moe_ffn
+    sizes = Sizes.of(cfg)
+    dtype, d, f = getattr(torch, cfg.precision.dtype), sizes.d_model, sizes.ffn
     key = (device, dtype, d, f)
     if key not in _GROUPED_MM_PROBES:
         if device == "cuda" and not torch.cuda.is_available():
@@ -233,26 +235,26 @@ def _recipe(cfg: LabConfig) -> str:
 
 def _dims(cfg: LabConfig, tokens: int, d_model: int, ffn: int, top_k: int | None = None,
           experts: int | None = None) -> dict[str, int]:
-    shape = cfg.shape
-    return dict(tokens=tokens, d_model=d_model, ffn=ffn, experts=shape.moe_experts if experts is None else experts,
-                top_k=shape.moe_top_k if top_k is None else top_k)
+    sizes = Sizes.of(cfg)
+    return dict(tokens=tokens, d_model=d_model, ffn=ffn, experts=sizes.experts if experts is None else experts,
+                top_k=sizes.top_k if top_k is None else top_k)
 
 
 def _cases(cfg: LabConfig) -> list[Case]:
     """Per seed: the point's shape, a single token, sizes off every tile. On the first seed: every token
     routed to expert 0 (and expert 1 next), the last expert receiving no token, and top-k = E (sparse
     must then equal dense)."""
-    shape, recipe = cfg.shape, _recipe(cfg)
-    main = (shape.moe_tokens, shape.moe_d_model, shape.moe_ffn)
+    sizes, recipe = Sizes.of(cfg), _recipe(cfg)
+    main = (sizes.tokens, sizes.d_model, sizes.ffn)
     out = []
     for seed in cfg.parity.seeds:
         out.append(Case(f"T{main[0]}-seed{seed}", seed, _dims(cfg, *main), True, quantize=recipe))
         out += [Case(f"T{t}-d{d}-f{f}-seed{seed}", seed, _dims(cfg, t, d, f), False, quantize=recipe)
-                for t, d, f in shape.moe_edge]
+                for t, d, f in sizes.edge]
     seed = cfg.parity.seeds[0]
     out += [Case(f"T{main[0]}-{kind}", seed, _dims(cfg, *main), False, kind, quantize=recipe) for kind in ROUTING_KINDS]
-    if shape.moe_top_k != shape.moe_experts:
-        out.append(Case(f"T{main[0]}-top{shape.moe_experts}", seed, _dims(cfg, *main, top_k=shape.moe_experts), False,
+    if sizes.top_k != sizes.experts:
+        out.append(Case(f"T{main[0]}-top{sizes.experts}", seed, _dims(cfg, *main, top_k=sizes.experts), False,
                         quantize=recipe))
     return out
 
@@ -424,16 +426,16 @@ def _describe(case: Case, inputs: Tensors, cfg: LabConfig, measure: Any = None) 
 
 
 def _curve_case(cfg: LabConfig, x: int) -> Case:
-    shape, seed = cfg.shape, cfg.parity.seeds[0]
-    return Case(f"T{x}-seed{seed}", seed, _dims(cfg, x, shape.moe_d_model, shape.moe_ffn), True, quantize=_recipe(cfg))
+    sizes, seed = Sizes.of(cfg), cfg.parity.seeds[0]
+    return Case(f"T{x}-seed{seed}", seed, _dims(cfg, x, sizes.d_model, sizes.ffn), True, quantize=_recipe(cfg))
 
 
 def _expert_curve_case(cfg: LabConfig, x: int) -> Case:
-    """x experts at fixed active parameters (moe_tokens tokens, d, f and top-k fixed): the total expert parameters
-    and the dense reference's FLOPs (2·T·E·3·d·f) grow with E; the routed paths' active FLOPs do not."""
-    shape, seed = cfg.shape, cfg.parity.seeds[0]
-    dims = _dims(cfg, shape.moe_tokens, shape.moe_d_model, shape.moe_ffn, experts=x)
-    return Case(f"E{x}-T{shape.moe_tokens}-seed{seed}", seed, dims, True, quantize=_recipe(cfg))
+    """x experts at fixed active parameters (shape.ops.moe.tokens tokens, d, f and top-k fixed): the total expert
+    parameters and the dense reference's FLOPs (2·T·E·3·d·f) grow with E; the routed paths' active FLOPs do not."""
+    sizes, seed = Sizes.of(cfg), cfg.parity.seeds[0]
+    dims = _dims(cfg, sizes.tokens, sizes.d_model, sizes.ffn, experts=x)
+    return Case(f"E{x}-T{sizes.tokens}-seed{seed}", seed, dims, True, quantize=_recipe(cfg))
 
 
 # --- the model --------------------------------------------------------------------------
@@ -466,12 +468,12 @@ def _check_config(cfg: LabConfig) -> None:
     """grouped_mm reads rows of 16 bytes (d and f multiples of 16 / itemsize); gate+up hold an X tile and two
     weight tiles per pipeline stage: (BLOCK_M·BLOCK_K + 2·BLOCK_K·BLOCK_N) · itemsize · num_stages of shared memory
     (1-byte operands under fp8, whose paths follow ops/base.py check_fp8_config and have no grouped_mm)."""
-    shape, tile, quantize = cfg.shape, cfg.tile, cfg.precision.quantize
+    sizes, tile, quantize = Sizes.of(cfg), cfg.tile, cfg.precision.quantize
     if quantize is not None:
         check_fp8_config(cfg, "reference, triton")
     size = itemsize(quantize.format if quantize is not None else cfg.precision.dtype)
     align = 16 // size
-    for t, d, f in [(shape.moe_tokens, shape.moe_d_model, shape.moe_ffn), *shape.moe_edge]:
+    for t, d, f in [(sizes.tokens, sizes.d_model, sizes.ffn), *sizes.edge]:
         if quantize is None and GROUPED_MM is not None and (d % align or f % align):
             raise ConfigError(f"moe sizes d={d}, f={f}: torch grouped_mm needs multiples of {align} in "
                               f"{cfg.precision.dtype} (16-byte rows)")
@@ -531,8 +533,8 @@ OP = OpDef(
     model_hook=ModelHook("experts", _fill), model_problem=_model_problem,
     model_defaults={"experts": moe_reference.moe_dense, "router": moe_reference.moe_router}, check_config=_check_config,
     reference_bytes=_reference_bytes, path_costs=PATH_COSTS, nondiff_inputs=("route_idx",), input_checks=_router_check,
-    curve_sizes=lambda cfg: list(cfg.shape.moe_curve), model_overrides=_model_overrides,
-    extra_curves=(CurveAxis("experts", lambda cfg: list(cfg.shape.moe_expert_curve), _expert_curve_case),),
+    curve_sizes=lambda cfg: list(Sizes.of(cfg).curve), model_overrides=_model_overrides,
+    extra_curves=(CurveAxis("experts", lambda cfg: list(Sizes.of(cfg).expert_curve), _expert_curve_case),),
     describe=_describe,  # the weight and routing-weight gradients' max_error_only: conf/op/moe.yaml
     point_impls=_impls_for, quantizes=True, reserved_names=("scaled_grouped_mm",),
     optional_peers={"compiled": compiled("moe", _reference, _make_inputs, "posttrainllm.ops.moe.reference.moe_dense")},
