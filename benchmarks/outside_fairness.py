@@ -78,8 +78,10 @@ def in_process(impl, mode: str) -> float:
     return measure(rooms.rotating(calls), device=device, batched=True, **settings).median_ms
 
 
+pinned = devices.same_cpus(cfg.bench.threads)  # rule same_cpus: as the microbench stage times, on fixed CPUs
+cpus = pinned.__enter__()
 print(f"attention fp32 {op.problem(case)} threads {torch.get_num_threads()} rounds {rounds} {' '.join(overrides)}; "
-      f"load average {os.getloadavg()[0]:.2f}")
+      f"load average {os.getloadavg()[0]:.2f}; CPUs {sorted(cpus) if cpus else 'not pinned'}")
 ratios = {(u, m): [] for u, _ in pairs for m in ("forward", "forward_backward")}
 steady = {key: [] for key in ratios}  # the rounds where the peer's two timings agree within FLIP
 copies = {key: [] for key in ratios}  # the user's math in this process / the peer

@@ -49,6 +49,12 @@ RULES: dict[str, Rule] = {
         "what the lab's thread waited runnable on a run queue in it; a user path's batches are timed from outside "
         "its worker (rule outside_timing)",
         "measure/timing.py measure", {"batches_min": "timing.BATCHES_MIN", "batch_max": "timing.BATCH_MAX"}),
+    "same_cpus": Rule(
+        "a timed stage (microbench, bench-train) runs on bench.threads CPUs fixed for its whole length, the CPU it "
+        "started on first, and every user path's worker is pinned to the same CPUs: a virtual machine's CPUs need not "
+        "run at one speed, so two paths timed on different CPUs would compare the CPUs; a path that changes its "
+        "worker's CPUs gets no speed. Nothing is pinned at bench.threads=0 or where the threads cover every CPU",
+        "measure/device.py same_cpus", {}),
     "other_streams": Rule(
         "CUDA: each repetition's events (current stream) sit inside a device-wide synchronisation whose wall time "
         "counts every stream; a wall median over (1 + {slack:g}) x the events' median + {slack_ms:g} ms is work "

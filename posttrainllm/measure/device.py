@@ -59,6 +59,62 @@ def prepare(name: str, threads: int = 0) -> str:
     return device
 
 
+def current_cpu() -> int | None:
+    """The CPU this process last ran on (/proc/self/stat's `processor`); None where there is no /proc."""
+    try:
+        return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` (its main one and any pool's) allowed only `cpus`."""
+    tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")] if os.path.isdir(f"/proc/{pid}/task") else [pid]
+    for task in tasks:
+        try:
+            os.sched_setaffinity(task, cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
+def affinities(pid: int) -> set[frozenset[int]]:
+    """The CPU sets the threads of process `pid` are allowed (one set where all agree)."""
+    tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")] if os.path.isdir(f"/proc/{pid}/task") else [pid]
+    found = set()
+    for task in tasks:
+        try:
+            found.add(frozenset(os.sched_getaffinity(task)))
+        except ProcessLookupError:
+            pass
+    return found
+
+
+@contextlib.contextmanager
+def same_cpus(threads: int) -> Iterator[set[int] | None]:
+    """Rule same_cpus: a timed stage runs on `threads` CPUs fixed for its whole length, the one it is on first
+    (then the lowest others it may use), and restored after. A virtual machine's CPUs need not run at one speed:
+    measured on the 2-core development machine, one ran a 256x256 matmul at 0.75x the other's time for a minute,
+    then both alike (docs/timing.md, "Fifth pass"), so two paths timed on different CPUs compare the CPUs. The
+    workers of user paths are pinned to the same set (lab/isolation/outside.py). Nothing is pinned where
+    `threads` is 0 (torch's default: every CPU) or covers every CPU the process may use, or off Linux."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    allowed = os.sched_getaffinity(0)
+    if threads <= 0 or threads >= len(allowed):
+        yield None
+        return
+    first = current_cpu()
+    chosen = {first} if first in allowed else set()
+    chosen |= set(sorted(allowed - chosen)[:threads - len(chosen)])
+    before = {frozenset(a) for a in affinities(os.getpid())}
+    pin(os.getpid(), chosen)
+    try:
+        yield chosen
+    finally:
+        pin(os.getpid(), set(next(iter(before))) if len(before) == 1 else allowed)
+
+
 def last_level_cache_bytes(device: str) -> int | None:
     """The device's last-level cache: a GPU's L2, a CPU's largest cache level (Linux sysfs, cpu0); None if unknown."""
     import torch

@@ -354,6 +354,8 @@ class MicrobenchRecord(Record):
     notes: list[str] | None = field(default=None, metadata=OPTIONAL)
     describe: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # the op's own (MoE: the routing)
     curve: dict[str, Any]
+    cpus: list[int] | None = field(default=None, metadata=OPTIONAL)  # rule same_cpus: where every path was timed
+    cpus_rule: Cited | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass(kw_only=True)

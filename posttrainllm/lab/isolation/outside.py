@@ -47,6 +47,7 @@ from posttrainllm.measure.timing import BATCH_MAX, BATCHES_MIN, Timing, schedsta
 from posttrainllm.ops.registry import Case, Impl, OpDef
 from posttrainllm.ops.base import point_dtype
 from posttrainllm.lab.isolation import worker as workers
+from posttrainllm.measure import device as devices
 
 BATCH_MIN = 4  # calls in a batch at least (at most: timing.BATCH_MAX)
 WARMUPS = 2  # warm-up batches (rule outside_warmup)
@@ -327,6 +328,8 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
     report["worker_pid"] = worker.pid
     if worker.tampered:  # no kernel needs to: a timer, the lab's functions or torch's switches replaced at import
         return UserTiming(None, f"its import changed its worker ({'; '.join(worker.tampered)}): no speed", report)
+    cpus = _pin_workers(worker)
+    report["cpus"] = sorted(cpus) if cpus is not None else None
     base = seeds_drawn()[0]  # drawn now, by the lab: no source holds it; recorded after the timing
     counter = iter(range(1_000_000))
 
@@ -413,7 +416,7 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
             waits.append(answer["waited_s"] / answer["span_s"] if answer["span_s"] > 0 else 0.0)
         threads = answer["threads"]
         refused = (_refill_check(op, cfg, impl, worker, draw(1)[0], backward)
-                   or _strays(worker, before, spans_s=spent + warm_spent)[0])
+                   or _strays(worker, before, spans_s=spent + warm_spent)[0] or _moved(worker, cpus))
         if refused:
             return refuse(refused, batch_size=n, batches=len(samples))
     except Exception as exc:
@@ -434,6 +437,29 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
     # rule batch_mean's statistic, its batches timed from outside
     timing = summarize([s * 1e3 for s in samples], threads=threads, flushed=False, batched=True, batch_size=n)
     return UserTiming(timing, None, report)
+
+
+def _pin_workers(worker: Any) -> set[int] | None:
+    """Rule same_cpus: the path's worker and the clean twin pinned to the CPUs this lab process may run on now (a
+    timed stage's, pinned: lab/stages/common.py on_same_cpus), every thread of each; those CPUs (None off Linux)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = set(os.sched_getaffinity(0))
+    for process in (worker, workers.twin()):
+        devices.pin(process.pid, cpus)
+    return cpus
+
+
+def _moved(worker: Any, cpus: set[int] | None) -> str | None:
+    """Rule same_cpus: why no speed where a thread of the path's worker may now run on other CPUs than the lab
+    pinned it to (a faster one, on a machine whose CPUs differ), else None."""
+    if cpus is None:
+        return None
+    found = devices.affinities(worker.pid)
+    if found and found != {frozenset(cpus)}:
+        return (f"its worker's threads moved to CPUs {sorted(sorted(a) for a in found)} from {sorted(cpus)}, where "
+                f"the lab times every path ({rules.named('same_cpus')}): no speed")
+    return None
 
 
 def _strays(worker: Any, since: dict[Any, float] | None = None,

@@ -70,6 +70,7 @@ from typing import Any, Callable
 import torch
 
 from posttrainllm import rules
+from posttrainllm.measure import device as devices
 from posttrainllm.track.failures import first_line, locate, traceback_text
 from posttrainllm.ops import emulate_bf16_in_interpreter, fast_language_patching_in_interpreter
 
@@ -263,6 +264,8 @@ class Worker:
         finally:
             os.close(child_in)
             os.close(child_out)
+        if hasattr(os, "sched_getaffinity"):  # rule same_cpus: on the CPUs the lab runs on now, before its import
+            devices.pin(self.process.pid, os.sched_getaffinity(0))
         self._in = Connection(lab_in, writable=False)
         self._out = Connection(lab_out, readable=False)
         self.calls = {"call": 0, "backward": 0}
@@ -839,6 +842,11 @@ def _reserve(nbytes: int) -> None:
     del pieces
 
 
+def _cpus() -> list[int] | None:
+    """The CPUs this worker may run on (rule same_cpus: the lab's timing CPUs, set from the lab's side)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 def _sync(tensors: list[torch.Tensor]) -> None:
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()
@@ -1070,6 +1078,7 @@ class _Server:
         samples, kept = [], []
         tampered: set[str] = set()
         _wake()  # null or not: the same, so the lab's null takes it out of the span
+        cpus = _cpus()  # rule same_cpus: as the lab pinned this worker, checked after each call
         for i, (tensors, args, kwargs) in enumerate(sets):
             for t in tensors:
                 t.grad = None
@@ -1088,6 +1097,8 @@ class _Server:
                 samples.append(_clock() - start)
             if torch.get_num_threads() != self.state.get("threads", torch.get_num_threads()):
                 tampered.add(f"threads {self.state['threads']} -> {torch.get_num_threads()} in a call")
+            if _cpus() != cpus:
+                tampered.add(f"moved to CPUs {_cpus()} from {cpus} in a call (rule same_cpus)")
             # a tensor subclass can compute when read, after the per-call clock: not a timed result
             tampered.update(f"returned a {type(t).__name__} (a torch.Tensor subclass: it can compute when read, "
                             "after the clock)" for t in _tensors_in(result) if type(t) is not torch.Tensor

@@ -17,7 +17,7 @@ from posttrainllm.ops.registry import op_for  # the point's op: a built-in, or o
 from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
 from posttrainllm.track.records import BenchTrainRecord, MicrobenchRecord
 from posttrainllm.lab.stages.common import (ContractBroken, FAILED_PARITY, runs_interpreted, parity_paths, passed_parity,
-                                            refusals)
+                                            on_same_cpus, refusals)
 
 
 FORWARD_ONLY = "forward-only: not trained (no backward to train with)"  # bench-train's skip of such a path
@@ -34,6 +34,7 @@ def quality_base_dir(cfg: LabConfig) -> Path:
     return Path(cfg.heads.out_dir) / "base"
 
 
+@on_same_cpus
 @closed_after
 def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = None) -> dict[str, Any]:
     """The model from `architecture`, trained with each implementation of the point's op swapped in.

@@ -6,8 +6,10 @@ the per-case parity check over an op's cases, and the gradient baseline's rule.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -19,6 +21,26 @@ from posttrainllm.lab.oracle import worst_gradient_baseline  # noqa: F401 (the s
 from posttrainllm.lab.oracle import judge_path as check_path  # noqa: F401 (parity's, the timed checks')
 from posttrainllm.track import failures
 from posttrainllm.track.records import ParityRecord, ReferenceRecord
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def on_same_cpus(stage: F) -> F:
+    """A timed stage (`stage(cfg, ...)`) run on bench.threads CPUs fixed for its length (rule same_cpus,
+    measure/device.py `same_cpus`): every path it times, in process or in a worker, runs on the same CPUs."""
+
+    @functools.wraps(stage)
+    def pinned(cfg: LabConfig, *args: Any, **kwargs: Any) -> Any:
+        with devices.same_cpus(cfg.bench.threads):
+            return stage(cfg, *args, **kwargs)
+
+    return pinned  # type: ignore[return-value]
+
+
+def timing_cpus() -> list[int] | None:
+    """The CPUs this process may run on now (rule same_cpus: a timed stage's, pinned), as its record holds them."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
 INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"
