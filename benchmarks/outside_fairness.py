@@ -12,7 +12,8 @@ a round whose two peer timings differ by over 15% is marked (the machine changed
 
 Prints per round (with os.getloadavg()) and as medians over rounds: outside / in-process (forward, forward +
 backward; 1.00 is fair, above 1 the outside path reads slower); the same path's math loaded in this process and
-timed in-process, against the peer (what the copy itself costs, not the method); and what is left per call: the
+timed in-process, against the peer (what the copy itself costs, not the method); the path from outside against
+that same math in process (the method alone, the copy's own cost out); and what is left per call: the
 batch's null over N, the lab's sample beyond the worker's own per-call clock, the share of the spans waited on a
 run queue (subtracted), the unreadable batches and the worker's minor page faults per call. Figures recorded in
 docs/timing.md.
@@ -85,6 +86,7 @@ print(f"attention fp32 {op.problem(case)} threads {torch.get_num_threads()} roun
 ratios = {(u, m): [] for u, _ in pairs for m in ("forward", "forward_backward")}
 steady = {key: [] for key in ratios}  # the rounds where the peer's two timings agree within FLIP
 copies = {key: [] for key in ratios}  # the user's math in this process / the peer
+method = {key: [] for key in ratios}  # the path from outside / its own math in this process: the method alone
 left = []
 for r in range(rounds):
     line = []
@@ -100,6 +102,7 @@ for r in range(rounds):
                 line.append(f"{user} {mode}: refused ({timed.refused[:120]})")
                 continue
             ratio = timed.timing.median_ms / peer_ms
+            method[(user, mode)].append(timed.timing.median_ms / copy)
             flipped = abs(math.log(after / before)) > math.log(1 + FLIP)
             ratios[(user, mode)].append(ratio)
             if not flipped:
@@ -121,6 +124,9 @@ for key, values in ratios.items():
         print(f"  {user} {mode}: {statistics.median(values):.3f}x (rounds {', '.join(f'{v:.2f}' for v in values)}); "
               f"the rounds where the peer held its speed: {held}")
     print(f"    its math in this process / the peer: {statistics.median(copies[key]):.3f}x")
+    if method[key]:
+        print(f"    from outside / its own math in this process (the method alone): {statistics.median(method[key]):.3f}x "
+              f"(rounds {', '.join(f'{v:.2f}' for v in method[key])})")
 if left:
     med = lambda i: statistics.median([x[i] for x in left if x[i] is not None] or [float("nan")])  # noqa: E731
     print(f"per call: null / N median {med(0) * 1e3:.1f} us (subtracted); worker's own per-call sum / lab's samples "
