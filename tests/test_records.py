@@ -9,7 +9,8 @@ from posttrainllm.lab.configure import load
 from posttrainllm.lab.stages import kernel as kernel_stage, parity as parity_stage, reference as reference_stage
 from posttrainllm.track import records
 from posttrainllm.track.records import (BenchTrainRecord, KernelPath, KernelRecord, MicrobenchPath,
-                                        MicrobenchRecord, ParityPath, ParityRecord, RecordError, ReferenceRecord)
+                                        MicrobenchRecord, ParityPath, ParityRecord, RecordError, ReferenceRecord,
+                                        TrainImpl)
 
 SMALL = ["op=rmsnorm", "device=cpu", "parity.seeds=[0]", "shape.seq_len=16", "shape.edge_seq_lens=[]",
          "op.only=[torch]"]
@@ -161,22 +162,60 @@ def test_a_parity_entry_of_a_path_that_could_not_run_round_trips():
     assert record.to_dict()["paths"]["mine"] == entry
 
 
+A_VARIANT = {"losses": [5.5, 5.4], "step_ms": [3.0, 2.0], "warm_ms_per_step": 2.0, "step_ms_p20": 2.0,
+             "step_ms_p80": 2.0, "noisy": False, "tokens_per_s": 16000.0, "peak_mem_bytes": None,
+             "final_loss_finite": True, "timing_valid": True, "profile": {"step_us": 10.0, "clock": "cpu time"}}
+
+
+def _trained(**impls):
+    return {"impls": impls, "skipped": {}, "drift": {}, "drift_verdict": {}, "baseline": "reference"}
+
+
+def test_a_variants_entry_is_a_typed_part_its_optional_keys_left_out():
+    """bench_train.json's impls: each variant a TrainImpl; an MoE model's routing and a quantized run's held-out
+    losses only where they were measured."""
+    record = BenchTrainRecord.from_dict(_trained(reference=A_VARIANT, fp8={**A_VARIANT, "heldout_loss": {"2": 5.6}}))
+    assert isinstance(record.impls["reference"], TrainImpl) and record.impls["reference"].warm_ms_per_step == 2.0
+    assert record.impls["reference"].moe_routing is None and record.impls["fp8"].heldout_loss == {"2": 5.6}
+    written = record.to_dict()["impls"]
+    assert written["reference"] == A_VARIANT and "moe_routing" not in written["fp8"]
+    assert written["reference"]["peak_mem_bytes"] is None  # not measured: stays, as the trainer wrote it
+
+
+def test_an_unknown_or_missing_key_in_a_variants_entry_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "bench_train.json"
+    path.write_text(json.dumps({"schema_version": BenchTrainRecord.SCHEMA_VERSION,
+                                **_trained(reference={**A_VARIANT, "speed": 2.0})}))
+    with pytest.raises(RecordError) as raised:
+        BenchTrainRecord.read(path)
+    line = str(raised.value)
+    assert "\n" not in line
+    assert line.startswith(f"{path}: impls['reference']: TrainImpl has no 'speed' (its keys: losses, step_ms, ")
+    lacking = {k: v for k, v in A_VARIANT.items() if k != "timing_valid"}
+    with pytest.raises(RecordError, match=r"impls\['sdpa'\]: TrainImpl lacks timing_valid: rerun the bench_train "
+                                          r"stage"):
+        BenchTrainRecord.from_dict(_trained(sdpa=lacking))
+
+
 QUICK = ["bench.reps=3", "bench.min_time_s=0", "bench.warmup=1", "bench.max_reps=12", "shape.curve=[8,16]",
          "run.log_mlflow=false"]
+TRAIN = ["train.steps=2", "train.warmup_steps=1", "train.batch_size=2", "train.seq_len=16"]  # the interpreter's too
 
 
 def test_the_stages_records_read_back_and_write_the_same_bytes(tmp_path):
-    """kernel.json, parity.json and microbench.json as the stages write them: read through their records (each path
-    a typed entry) and written again, the same file, byte for byte (the receipt, report and replay read the same)."""
-    from posttrainllm.lab.stages import microbench as microbench_stage
+    """kernel.json, parity.json, microbench.json and bench_train.json as the stages write them: read through their
+    records (each path, each trained variant, a typed entry) and written again, the same file, byte for byte (the
+    receipt, report and replay read the same keys and values)."""
+    from posttrainllm.lab.stages import bench_train as bench_train_stage, microbench as microbench_stage
 
-    cfg = load([*SMALL[:-1], *QUICK, f"run.out_dir={tmp_path}", "run.name=p"])  # every rmsnorm path
+    cfg = load([*SMALL[:-1], *QUICK, *TRAIN, f"run.out_dir={tmp_path}", "run.name=p"])  # every rmsnorm path
     out = tmp_path / "p"
     reference_stage.run_reference(cfg, out)
     kernel_stage.run_kernel(cfg, out)
     parity_stage.run_parity(cfg, out)
     microbench_stage.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": {"float32": 1e11},
                                                          "copy_bytes_per_s": 1e10}})
+    returned = bench_train_stage.run_bench_train(cfg, out)
     for kind, entry in ((KernelRecord, KernelPath), (ParityRecord, ParityPath), (MicrobenchRecord, MicrobenchPath)):
         text = (out / kind.FILE).read_text()
         record = kind.read(out / kind.FILE)
@@ -186,3 +225,11 @@ def test_the_stages_records_read_back_and_write_the_same_bytes(tmp_path):
         assert again.read_text() == text
     micro = MicrobenchRecord.read(out / MicrobenchRecord.FILE).paths
     assert micro["reference"].valid and micro["reference"].median_ms > 0
+    text = (out / BenchTrainRecord.FILE).read_text()
+    trained = BenchTrainRecord.read(out / BenchTrainRecord.FILE)
+    assert set(trained.impls) == {"reference", "torch", "triton"}
+    assert all(isinstance(v, TrainImpl) for v in trained.impls.values())
+    assert trained.impls["triton"].timing_valid is False and trained.impls["reference"].losses
+    trained.write(tmp_path / BenchTrainRecord.FILE)
+    assert (tmp_path / BenchTrainRecord.FILE).read_text() == text
+    assert trained.to_dict() == {"schema_version": BenchTrainRecord.SCHEMA_VERSION, **returned}

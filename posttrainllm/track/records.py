@@ -7,15 +7,15 @@ a ConfigError: exit 2 in a DVC stage) on a missing file, another version, or key
 
 The JSON is the stage's result as before, plus a `schema_version` key: the receipt and the views read the
 same keys. A rule is stored by its id (posttrainllm/rules.py `cite`), never as its text. Where a part's shape
-is settled it is a typed part (a Part dataclass: each path's entry, KernelPath, ParityPath, MicrobenchPath),
-read and written by the field's type (a part, a dict or list of parts, a part or None) and checked as the
-record is: a key it does not name, or one it needs that is missing, is one line naming the record and the
-entry (`paths['sdpa']`). Where a part still grows (the compile report, the curve, a timing's forward_backward,
-bench-train's impls, the trainer's figures) it is a plain dict, until it settles. Optional fields (None) are
-left out of the file, as the stages always left them out; a group of keys that come together (a timing's
-summary with its median, None included) is written with its partner (`written_with`). The files hold the
-same keys and values as when the entries were dicts; an entry's keys come in its fields' order, the order a
-passing or timed path's entry always had (tests/test_records.py reads and writes the stages' files byte for
+is settled it is a typed part (a Part dataclass: each path's entry, KernelPath, ParityPath, MicrobenchPath; each
+trained variant's, TrainImpl), read and written by the field's type (a part, a dict or list of parts, a part or
+None) and checked as the record is: a key it does not name, or one it needs that is missing, is one line naming
+the record and the entry (`paths['sdpa']`). Where a part still grows (the compile report, the curve, a timing's
+forward_backward, the trainer's figures) it is a plain dict, until it settles. Optional fields (None) are left
+out of the file, as the stages always left them out; a group of keys that come together (a timing's summary with
+its median, None included) is written with its partner (`written_with`). The files hold the same keys and values
+as when the entries were dicts; an entry's keys come in its fields' order, the order a passing or timed path's
+entry always had (tests/test_records.py reads and writes the stages' files byte for
 byte). reference.pt (tensors, torch.save) carries the version the same way.
 
 This module sits in track/, below the lab: the stages (lab/stages/) read through it, by attribute; the receipt
@@ -359,6 +359,26 @@ class MicrobenchRecord(Record):
 
 
 @dataclass(kw_only=True)
+class TrainImpl(Part):
+    """One variant's entry in bench_train.json's impls: how the model trained with it swapped in (model/train.py
+    _Trainer.finish; its units in model/train.py's docstring)."""
+
+    losses: list[float]  # the training loss at every step it trained
+    step_ms: list[float]  # wall time of every step
+    warm_ms_per_step: float  # the median of step_ms after the warmup steps
+    step_ms_p20: float
+    step_ms_p80: float
+    noisy: bool
+    tokens_per_s: float
+    peak_mem_bytes: int | None  # None: not measured here (Triton through its interpreter, on CPU)
+    final_loss_finite: bool
+    timing_valid: bool  # False: Triton through its interpreter, the losses real, the step times not speed
+    profile: dict[str, Any] | None  # one profiled step: step_us, clock and each slot's share; None where not speed
+    moe_routing: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # an MoE model's routing
+    heldout_loss: dict[str, float] | None = field(default=None, metadata=OPTIONAL)  # steps -> held-out loss
+
+
+@dataclass(kw_only=True)
 class BenchTrainRecord(Record):
     """bench_train.json: the model trained with each path swapped in (lab/stages/bench_train.py). The trainer's
     own figures (model/train.py bench_train: losses, timings, config, ...) are still growing: `trainer` holds
@@ -369,7 +389,7 @@ class BenchTrainRecord(Record):
     STAGE: ClassVar[str] = "bench_train"
     REST: ClassVar[str | None] = "trainer"
 
-    impls: dict[str, dict[str, Any]]
+    impls: dict[str, TrainImpl]  # per variant, the baseline first
     skipped: dict[str, str]
     drift: dict[str, float]
     drift_verdict: dict[str, str]
