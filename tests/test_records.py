@@ -8,9 +8,9 @@ from posttrainllm.config import ConfigError
 from posttrainllm.lab.configure import load
 from posttrainllm.lab.stages import kernel as kernel_stage, parity as parity_stage, reference as reference_stage
 from posttrainllm.track import records
-from posttrainllm.track.records import (BenchTrainRecord, KernelPath, KernelRecord, MicrobenchPath,
-                                        MicrobenchRecord, ParityPath, ParityRecord, RecordError, ReferenceRecord,
-                                        TrainImpl)
+from posttrainllm.track.records import (Amdahl, AmdahlVariant, BenchTrainRecord, KernelPath, KernelRecord,
+                                        MicrobenchPath, MicrobenchRecord, ParityPath, ParityRecord, RecordError,
+                                        ReferenceRecord, TrainImpl)
 
 SMALL = ["op=rmsnorm", "device=cpu", "parity.seeds=[0]", "shape.seq_len=16", "shape.edge_seq_lens=[]",
          "op.only=[torch]"]
@@ -197,6 +197,36 @@ def test_an_unknown_or_missing_key_in_a_variants_entry_is_one_line_naming_it(tmp
         BenchTrainRecord.from_dict(_trained(sdpa=lacking))
 
 
+AN_AMDAHL = {"op": "norm", "fraction": 0.1, "baseline": "reference", "speedup_used": "forward+backward",
+             "band": None, "variants": {
+                 "torch": {"valid": True, "microbench_speedup": 2.0, "predicted_speedup": 1.05, "measured_speedup": 1.0,
+                           "measured_change": None, "reading": "", "forward_speedup": 1.5,
+                           "in_model_op_speedup": None, "sentence": "norm is 10% of the step"},
+                 "triton": {"valid": False, "reason": "no valid speed"}}}
+
+
+def test_the_amdahl_check_is_a_typed_part_each_variant_valid_with_its_figures_or_not_and_why(tmp_path):
+    record = BenchTrainRecord.from_dict({**_trained(), "amdahl": AN_AMDAHL})
+    assert isinstance(record.amdahl, Amdahl) and record.amdahl.band is None
+    torch_check, triton_check = record.amdahl.variants["torch"], record.amdahl.variants["triton"]
+    assert isinstance(torch_check, AmdahlVariant) and torch_check.predicted_speedup == 1.05
+    assert triton_check.reason == "no valid speed" and triton_check.predicted_speedup is None
+    assert record.to_dict()["amdahl"] == AN_AMDAHL  # Nones a valid check has (no band: measured_change) stay
+    unknown = {**AN_AMDAHL, "variants": {"torch": {**AN_AMDAHL["variants"]["torch"], "speed": 2.0}}}
+    path = tmp_path / "bench_train.json"
+    path.write_text(json.dumps({"schema_version": BenchTrainRecord.SCHEMA_VERSION, **_trained(), "amdahl": unknown}))
+    with pytest.raises(RecordError) as raised:
+        BenchTrainRecord.read(path)
+    line = str(raised.value)
+    assert "\n" not in line
+    assert line.startswith(f"{path}: amdahl.variants['torch']: AmdahlVariant has no 'speed' (its keys: valid, ")
+    with pytest.raises(RecordError, match=r"the bench_train record: amdahl: Amdahl has no 'f' \(its keys: op, "):
+        BenchTrainRecord.from_dict({**_trained(), "amdahl": {**AN_AMDAHL, "f": 0.1}})
+    lacking = {k: v for k, v in AN_AMDAHL["variants"]["torch"].items() if k != "sentence"}
+    with pytest.raises(RecordError, match=r"amdahl.variants\['torch'\]: AmdahlVariant lacks sentence"):
+        BenchTrainRecord.from_dict({**_trained(), "amdahl": {**AN_AMDAHL, "variants": {"torch": lacking}}})
+
+
 QUICK = ["bench.reps=3", "bench.min_time_s=0", "bench.warmup=1", "bench.max_reps=12", "shape.curve=[8,16]",
          "run.log_mlflow=false"]
 TRAIN = ["train.steps=2", "train.warmup_steps=1", "train.batch_size=2", "train.seq_len=16"]  # the interpreter's too
@@ -233,3 +263,5 @@ def test_the_stages_records_read_back_and_write_the_same_bytes(tmp_path):
     trained.write(tmp_path / BenchTrainRecord.FILE)
     assert (tmp_path / BenchTrainRecord.FILE).read_text() == text
     assert trained.to_dict() == {"schema_version": BenchTrainRecord.SCHEMA_VERSION, **returned}
+    assert isinstance(trained.amdahl, Amdahl) and set(trained.amdahl.variants) == {"torch", "triton"}
+    assert trained.amdahl.variants["torch"].valid and not trained.amdahl.variants["triton"].valid

@@ -8,7 +8,7 @@ a ConfigError: exit 2 in a DVC stage) on a missing file, another version, or key
 The JSON is the stage's result as before, plus a `schema_version` key: the receipt and the views read the
 same keys. A rule is stored by its id (posttrainllm/rules.py `cite`), never as its text. Where a part's shape
 is settled it is a typed part (a Part dataclass: each path's entry, KernelPath, ParityPath, MicrobenchPath; each
-trained variant's, TrainImpl), read and written by the field's type (a part, a dict or list of parts, a part or
+trained variant's, TrainImpl, and its Amdahl check), read and written by the field's type (a part, a dict or list of parts, a part or
 None) and checked as the record is: a key it does not name, or one it needs that is missing, is one line naming
 the record and the entry (`paths['sdpa']`). Where a part still grows (the compile report, the curve, a timing's
 forward_backward, the trainer's figures) it is a plain dict, until it settles. Optional fields (None) are left
@@ -378,6 +378,39 @@ class TrainImpl(Part):
     heldout_loss: dict[str, float] | None = field(default=None, metadata=OPTIONAL)  # steps -> held-out loss
 
 
+CHECKED = written_with("microbench_speedup")  # a variant's Amdahl figures: written with its microbench speedup
+
+
+@dataclass(kw_only=True)
+class AmdahlVariant(Part):
+    """One variant's entry in bench_train.json's amdahl: predicted against measured, or not valid and why
+    (model/amdahl.py check)."""
+
+    valid: bool
+    reason: str | None = field(default=None, metadata=OPTIONAL)  # why no valid speed
+    microbench_speedup: float | None = field(default=None, metadata=OPTIONAL)  # s, over the baseline's
+    predicted_speedup: float | None = field(default=None, metadata=CHECKED)  # Amdahl: 1/((1-f) + f/s)
+    measured_speedup: float | None = field(default=None, metadata=CHECKED)  # the baseline's warm ms/step over its own
+    measured_change: str | None = field(default=None, metadata=CHECKED)  # against the band; None: no band
+    reading: str | None = field(default=None, metadata=CHECKED)  # why measured and predicted differ ("" when agreed)
+    forward_speedup: float | None = field(default=None, metadata=CHECKED)
+    in_model_op_speedup: float | None = field(default=None, metadata=CHECKED)  # the op's own time inside the model
+    sentence: str | None = field(default=None, metadata=CHECKED)
+
+
+@dataclass(kw_only=True)
+class Amdahl(Part):
+    """bench_train.json's amdahl: the op's share f of the baseline's step and, per variant, the end-to-end speedup
+    Amdahl's law predicts from its microbench speedup against the one measured (model/amdahl.py check)."""
+
+    op: str  # the model slot the op fills, whose profiled share f is
+    fraction: float | None  # f; None: the slot was not profiled
+    baseline: str
+    speedup_used: str  # which microbench speedup s is, in words
+    band: float | None  # the baseline's run-to-run band (noise.band); None: not speed
+    variants: dict[str, AmdahlVariant]  # every trained variant but the baseline
+
+
 @dataclass(kw_only=True)
 class BenchTrainRecord(Record):
     """bench_train.json: the model trained with each path swapped in (lab/stages/bench_train.py). The trainer's
@@ -395,7 +428,7 @@ class BenchTrainRecord(Record):
     drift_verdict: dict[str, str]
     drift_limit: float | None = field(default=None, metadata=OPTIONAL)
     not_trained: str | None = field(default=None, metadata=OPTIONAL)  # the op has no model hook: why
-    amdahl: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    amdahl: Amdahl | None = field(default=None, metadata=OPTIONAL)
     quality: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a quantized precision's gate
     user_paths: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
     model_problem: str | None = field(default=None, metadata=OPTIONAL)  # what the op's hook put into the model
