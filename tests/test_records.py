@@ -8,9 +8,9 @@ from posttrainllm.config import ConfigError
 from posttrainllm.lab.configure import load
 from posttrainllm.lab.stages import kernel as kernel_stage, parity as parity_stage, reference as reference_stage
 from posttrainllm.track import records
-from posttrainllm.track.records import (Amdahl, AmdahlVariant, BenchTrainRecord, KernelPath, KernelRecord,
-                                        MicrobenchPath, MicrobenchRecord, ParityPath, ParityRecord, RecordError,
-                                        ReferenceRecord, TrainImpl)
+from posttrainllm.track.records import (Amdahl, AmdahlVariant, BenchTrainRecord, ForwardBackward, KernelPath,
+                                        KernelRecord, MicrobenchPath, MicrobenchRecord, ParityPath, ParityRecord,
+                                        RecordError, ReferenceRecord, TimingSummary, TrainImpl)
 
 SMALL = ["op=rmsnorm", "device=cpu", "parity.seeds=[0]", "shape.seq_len=16", "shape.edge_seq_lens=[]",
          "op.only=[torch]"]
@@ -141,13 +141,39 @@ def test_a_timed_entrys_figures_come_together_with_its_median():
     timed = MicrobenchPath(valid=True, median_ms=1.0, p20_ms=0.9, p80_ms=1.1, min_ms=0.8, cv=0.1, iqr_ms=0.1,
                            noisy=False, threads=1, flushed=False, batched=False, batch_size=1, reps=5, gflops_per_s=1.0,
                            gbytes_per_s=1.0, memory={}, costs={}, backward="own",
-                           forward_backward={"valid": False, "reason": "none"})
+                           forward_backward=ForwardBackward(valid=False, reason="none"))
     written = timed.to_dict()
     assert written["other_streams"] is None and written["roofline"] is None and "run_queue_share" in written
     assert "timing_rule" not in written and "speedup_vs_reference" not in written
     assert MicrobenchPath.from_dict(written) == timed
     with pytest.raises(RecordError, match=r"MicrobenchPath lacks p80_ms, roofline"):
         MicrobenchPath.from_dict({k: v for k, v in written.items() if k not in ("p80_ms", "roofline")})
+
+
+A_SUMMARY = {"median_ms": 2.0, "p20_ms": 1.9, "p80_ms": 2.1, "min_ms": 1.8, "cv": 0.05, "iqr_ms": 0.1, "noisy": False,
+             "threads": 1, "flushed": False, "other_streams": None, "batched": True, "batch_size": 4,
+             "run_queue_share": None, "reps": 5, "timing_rule": "batch_mean"}
+
+
+def test_a_paths_forward_backward_is_a_timing_summary_as_its_forward_is_or_not_valid_and_why():
+    timed = {**A_SUMMARY, "gflops_per_s": 3.0, "roofline": None, "speedup_vs_reference": 1.2, "vs_reference": "faster"}
+    entry = MicrobenchPath.from_dict({"valid": True, **A_SUMMARY, "gflops_per_s": 1.0, "gbytes_per_s": 1.0,
+                                      "memory": {}, "costs": {}, "roofline": None, "backward": "own",
+                                      "forward_backward": timed})
+    fb = entry.forward_backward
+    assert isinstance(fb, ForwardBackward) and isinstance(entry, TimingSummary) and isinstance(fb, TimingSummary)
+    assert fb.median_ms == 2.0 and fb.timing_rule == "batch_mean" and fb.speedup_vs_reference == 1.2
+    assert fb.valid is None
+    assert entry.to_dict()["forward_backward"] == timed  # no `valid` key where it was timed, as the stage wrote it
+    assert list(entry.to_dict())[:4] == ["valid", "median_ms", "p20_ms", "p80_ms"]  # the forward's keys in place
+    forward_only = ForwardBackward.from_dict({"valid": False, "reason": "forward-only"})
+    assert forward_only.to_dict() == {"valid": False, "reason": "forward-only"}
+    with pytest.raises(RecordError, match=r"forward_backward: ForwardBackward has no 'speed' \(its keys: median_ms, "):
+        MicrobenchPath.from_dict({**entry.to_dict(), "forward_backward": {**timed, "speed": 2.0}},
+                                 "microbench.json", "paths['sdpa']")
+    with pytest.raises(RecordError, match=r"paths\['sdpa'\].forward_backward: ForwardBackward lacks reps, roofline"):
+        MicrobenchPath.from_dict({**entry.to_dict(), "forward_backward": {
+            k: v for k, v in timed.items() if k not in ("reps", "roofline")}}, "microbench.json", "paths['sdpa']")
 
 
 def test_a_parity_entry_of_a_path_that_could_not_run_round_trips():
@@ -255,6 +281,8 @@ def test_the_stages_records_read_back_and_write_the_same_bytes(tmp_path):
         assert again.read_text() == text
     micro = MicrobenchRecord.read(out / MicrobenchRecord.FILE).paths
     assert micro["reference"].valid and micro["reference"].median_ms > 0
+    assert isinstance(micro["torch"].forward_backward, ForwardBackward)
+    assert micro["torch"].forward_backward.median_ms > 0 and micro["torch"].forward_backward.speedup_vs_reference
     text = (out / BenchTrainRecord.FILE).read_text()
     trained = BenchTrainRecord.read(out / BenchTrainRecord.FILE)
     assert set(trained.impls) == {"reference", "torch", "triton"}

@@ -7,16 +7,16 @@ a ConfigError: exit 2 in a DVC stage) on a missing file, another version, or key
 
 The JSON is the stage's result as before, plus a `schema_version` key: the receipt and the views read the
 same keys. A rule is stored by its id (posttrainllm/rules.py `cite`), never as its text. Where a part's shape
-is settled it is a typed part (a Part dataclass: each path's entry, KernelPath, ParityPath, MicrobenchPath; each
-trained variant's, TrainImpl, and its Amdahl check), read and written by the field's type (a part, a dict or list of parts, a part or
-None) and checked as the record is: a key it does not name, or one it needs that is missing, is one line naming
-the record and the entry (`paths['sdpa']`). Where a part still grows (the compile report, the curve, a timing's
-forward_backward, the trainer's figures) it is a plain dict, until it settles. Optional fields (None) are left
-out of the file, as the stages always left them out; a group of keys that come together (a timing's summary with
-its median, None included) is written with its partner (`written_with`). The files hold the same keys and values
-as when the entries were dicts; an entry's keys come in its fields' order, the order a passing or timed path's
-entry always had (tests/test_records.py reads and writes the stages' files byte for
-byte). reference.pt (tensors, torch.save) carries the version the same way.
+is settled it is a typed part (a Part dataclass: each path's entry, KernelPath, ParityPath, MicrobenchPath, its
+timings a TimingSummary; each trained variant's, TrainImpl, and its Amdahl check), read and written by the
+field's type (a part, a dict or list of parts, a part or None) and checked as the record is: a key it does not
+name, or one it needs that is missing, is one line naming the record and the entry (`paths['sdpa']`). Where a
+part still grows (the compile report, the curve, the trainer's figures) it is a plain dict, until it settles.
+Optional fields (None) are left out of the file, as the stages always left them out; a group of keys that come
+together (a timing's summary with its median, None included) is written with its partner (`written_with`). The
+files hold the same keys and values as when the entries were dicts; an entry's keys come in its fields' order,
+the order a passing or timed path's entry always had (tests/test_records.py reads and writes the stages' files
+byte for byte). reference.pt (tensors, torch.save) carries the version the same way.
 
 This module sits in track/, below the lab: the stages (lab/stages/) read through it, by attribute; the receipt
 (track/receipt.py) and replay read the same records as dicts (`to_dict`). Bump a record's SCHEMA_VERSION when a
@@ -239,13 +239,10 @@ TIMED = written_with("median_ms")  # a timed path's figures: written, None inclu
 
 
 @dataclass(kw_only=True)
-class MicrobenchPath(Part):
-    """One path's entry in microbench.json: valid and its timing (measure/timing.py Timing.summary), memory, costs
-    and roofline, or not valid and the reason (lab/stages/microbench.py run_microbench)."""
+class TimingSummary(Part):
+    """A timing's summary (measure/timing.py Timing.summary): its median and the figures written with it, or none of
+    them (not timed). A path's forward timing (MicrobenchPath) and its forward + backward (ForwardBackward) share it."""
 
-    first_call_ms: float | None = field(default=None, metadata=OPTIONAL)
-    valid: bool
-    reason: str | None = field(default=None, metadata=OPTIONAL)  # why no speed
     median_ms: float | None = field(default=None, metadata=OPTIONAL)
     p20_ms: float | None = field(default=None, metadata=TIMED)
     p80_ms: float | None = field(default=None, metadata=TIMED)
@@ -261,6 +258,36 @@ class MicrobenchPath(Part):
     run_queue_share: float | None = field(default=None, metadata=TIMED)
     reps: int | None = field(default=None, metadata=TIMED)
     timing_rule: Cited | None = field(default=None, metadata=OPTIONAL)  # rule batch_mean, where batched
+
+
+@dataclass(kw_only=True)
+class ForwardBackward(TimingSummary):
+    """A timed path's forward + backward in microbench.json: its timing, rate, roofline and speedup, or not valid
+    and why (a forward-only path); no `valid` key where it was timed (lab/stages/microbench.py run_microbench)."""
+
+    valid: bool | None = field(default=None, metadata=OPTIONAL)  # False: not timed (then only the reason)
+    reason: str | None = field(default=None, metadata=OPTIONAL)
+    gflops_per_s: float | None = field(default=None, metadata=TIMED)  # the op's training FLOPs over the median
+    roofline: dict[str, Any] | None = field(default=None, metadata=TIMED)  # None: no calibrated peak or bytes
+    speedup_vs_reference: float | None = field(default=None, metadata=OPTIONAL)
+    vs_reference: str | None = field(default=None, metadata=OPTIONAL)  # rule band
+
+
+@dataclass(kw_only=True)
+class PathVerdict(Part):
+    """What a microbench path's entry begins with: its first call's time, whether it has a speed, and why not."""
+
+    first_call_ms: float | None = field(default=None, metadata=OPTIONAL)
+    valid: bool
+    reason: str | None = field(default=None, metadata=OPTIONAL)  # why no speed
+
+
+@dataclass(kw_only=True)
+class MicrobenchPath(TimingSummary, PathVerdict):
+    """One path's entry in microbench.json: valid and its timing (a TimingSummary), memory, costs and roofline, or
+    not valid and the reason (lab/stages/microbench.py run_microbench). Its keys: PathVerdict's, then the timing's,
+    then its own (a dataclass's fields come from its last base first)."""
+
     gflops_per_s: float | None = field(default=None, metadata=TIMED)
     gbytes_per_s: float | None = field(default=None, metadata=TIMED)
     memory: dict[str, Any] | None = field(default=None, metadata=TIMED)
@@ -269,7 +296,7 @@ class MicrobenchPath(Part):
     backward: str | None = field(default=None, metadata=TIMED)
     worker_start_s: float | None = field(default=None, metadata=written_with("outside"))
     outside: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a user path's timing from outside
-    forward_backward: dict[str, Any] | None = field(default=None, metadata=TIMED)  # its timing, or valid False
+    forward_backward: ForwardBackward | None = field(default=None, metadata=TIMED)
     speedup_vs_reference: float | None = field(default=None, metadata=OPTIONAL)
     vs_reference: str | None = field(default=None, metadata=OPTIONAL)  # rule band
     evidence: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a compiled peer's graphs
