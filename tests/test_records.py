@@ -8,8 +8,9 @@ from posttrainllm.config import ConfigError
 from posttrainllm.lab.configure import load
 from posttrainllm.lab.stages import kernel as kernel_stage, parity as parity_stage, reference as reference_stage
 from posttrainllm.track import records
-from posttrainllm.track.records import (BenchTrainRecord, KernelPath, KernelRecord, MicrobenchPath,
-                                        MicrobenchRecord, ParityPath, ParityRecord, RecordError, ReferenceRecord)
+from posttrainllm.track.records import (Amdahl, AmdahlVariant, BenchTrainRecord, ForwardBackward, KernelPath,
+                                        KernelRecord, MicrobenchPath, MicrobenchRecord, ParityPath, ParityRecord,
+                                        RecordError, ReferenceRecord, TimingSummary, TrainImpl)
 
 SMALL = ["op=rmsnorm", "device=cpu", "parity.seeds=[0]", "shape.seq_len=16", "shape.edge_seq_lens=[]",
          "op.only=[torch]"]
@@ -140,13 +141,39 @@ def test_a_timed_entrys_figures_come_together_with_its_median():
     timed = MicrobenchPath(valid=True, median_ms=1.0, p20_ms=0.9, p80_ms=1.1, min_ms=0.8, cv=0.1, iqr_ms=0.1,
                            noisy=False, threads=1, flushed=False, batched=False, batch_size=1, reps=5, gflops_per_s=1.0,
                            gbytes_per_s=1.0, memory={}, costs={}, backward="own",
-                           forward_backward={"valid": False, "reason": "none"})
+                           forward_backward=ForwardBackward(valid=False, reason="none"))
     written = timed.to_dict()
     assert written["other_streams"] is None and written["roofline"] is None and "run_queue_share" in written
     assert "timing_rule" not in written and "speedup_vs_reference" not in written
     assert MicrobenchPath.from_dict(written) == timed
     with pytest.raises(RecordError, match=r"MicrobenchPath lacks p80_ms, roofline"):
         MicrobenchPath.from_dict({k: v for k, v in written.items() if k not in ("p80_ms", "roofline")})
+
+
+A_SUMMARY = {"median_ms": 2.0, "p20_ms": 1.9, "p80_ms": 2.1, "min_ms": 1.8, "cv": 0.05, "iqr_ms": 0.1, "noisy": False,
+             "threads": 1, "flushed": False, "other_streams": None, "batched": True, "batch_size": 4,
+             "run_queue_share": None, "reps": 5, "timing_rule": "batch_mean"}
+
+
+def test_a_paths_forward_backward_is_a_timing_summary_as_its_forward_is_or_not_valid_and_why():
+    timed = {**A_SUMMARY, "gflops_per_s": 3.0, "roofline": None, "speedup_vs_reference": 1.2, "vs_reference": "faster"}
+    entry = MicrobenchPath.from_dict({"valid": True, **A_SUMMARY, "gflops_per_s": 1.0, "gbytes_per_s": 1.0,
+                                      "memory": {}, "costs": {}, "roofline": None, "backward": "own",
+                                      "forward_backward": timed})
+    fb = entry.forward_backward
+    assert isinstance(fb, ForwardBackward) and isinstance(entry, TimingSummary) and isinstance(fb, TimingSummary)
+    assert fb.median_ms == 2.0 and fb.timing_rule == "batch_mean" and fb.speedup_vs_reference == 1.2
+    assert fb.valid is None
+    assert entry.to_dict()["forward_backward"] == timed  # no `valid` key where it was timed, as the stage wrote it
+    assert list(entry.to_dict())[:4] == ["valid", "median_ms", "p20_ms", "p80_ms"]  # the forward's keys in place
+    forward_only = ForwardBackward.from_dict({"valid": False, "reason": "forward-only"})
+    assert forward_only.to_dict() == {"valid": False, "reason": "forward-only"}
+    with pytest.raises(RecordError, match=r"forward_backward: ForwardBackward has no 'speed' \(its keys: median_ms, "):
+        MicrobenchPath.from_dict({**entry.to_dict(), "forward_backward": {**timed, "speed": 2.0}},
+                                 "microbench.json", "paths['sdpa']")
+    with pytest.raises(RecordError, match=r"paths\['sdpa'\].forward_backward: ForwardBackward lacks reps, roofline"):
+        MicrobenchPath.from_dict({**entry.to_dict(), "forward_backward": {
+            k: v for k, v in timed.items() if k not in ("reps", "roofline")}}, "microbench.json", "paths['sdpa']")
 
 
 def test_a_parity_entry_of_a_path_that_could_not_run_round_trips():
@@ -161,22 +188,90 @@ def test_a_parity_entry_of_a_path_that_could_not_run_round_trips():
     assert record.to_dict()["paths"]["mine"] == entry
 
 
+A_VARIANT = {"losses": [5.5, 5.4], "step_ms": [3.0, 2.0], "warm_ms_per_step": 2.0, "step_ms_p20": 2.0,
+             "step_ms_p80": 2.0, "noisy": False, "tokens_per_s": 16000.0, "peak_mem_bytes": None,
+             "final_loss_finite": True, "timing_valid": True, "profile": {"step_us": 10.0, "clock": "cpu time"}}
+
+
+def _trained(**impls):
+    return {"impls": impls, "skipped": {}, "drift": {}, "drift_verdict": {}, "baseline": "reference"}
+
+
+def test_a_variants_entry_is_a_typed_part_its_optional_keys_left_out():
+    """bench_train.json's impls: each variant a TrainImpl; an MoE model's routing and a quantized run's held-out
+    losses only where they were measured."""
+    record = BenchTrainRecord.from_dict(_trained(reference=A_VARIANT, fp8={**A_VARIANT, "heldout_loss": {"2": 5.6}}))
+    assert isinstance(record.impls["reference"], TrainImpl) and record.impls["reference"].warm_ms_per_step == 2.0
+    assert record.impls["reference"].moe_routing is None and record.impls["fp8"].heldout_loss == {"2": 5.6}
+    written = record.to_dict()["impls"]
+    assert written["reference"] == A_VARIANT and "moe_routing" not in written["fp8"]
+    assert written["reference"]["peak_mem_bytes"] is None  # not measured: stays, as the trainer wrote it
+
+
+def test_an_unknown_or_missing_key_in_a_variants_entry_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "bench_train.json"
+    path.write_text(json.dumps({"schema_version": BenchTrainRecord.SCHEMA_VERSION,
+                                **_trained(reference={**A_VARIANT, "speed": 2.0})}))
+    with pytest.raises(RecordError) as raised:
+        BenchTrainRecord.read(path)
+    line = str(raised.value)
+    assert "\n" not in line
+    assert line.startswith(f"{path}: impls['reference']: TrainImpl has no 'speed' (its keys: losses, step_ms, ")
+    lacking = {k: v for k, v in A_VARIANT.items() if k != "timing_valid"}
+    with pytest.raises(RecordError, match=r"impls\['sdpa'\]: TrainImpl lacks timing_valid: rerun the bench_train "
+                                          r"stage"):
+        BenchTrainRecord.from_dict(_trained(sdpa=lacking))
+
+
+AN_AMDAHL = {"op": "norm", "fraction": 0.1, "baseline": "reference", "speedup_used": "forward+backward",
+             "band": None, "variants": {
+                 "torch": {"valid": True, "microbench_speedup": 2.0, "predicted_speedup": 1.05, "measured_speedup": 1.0,
+                           "measured_change": None, "reading": "", "forward_speedup": 1.5,
+                           "in_model_op_speedup": None, "sentence": "norm is 10% of the step"},
+                 "triton": {"valid": False, "reason": "no valid speed"}}}
+
+
+def test_the_amdahl_check_is_a_typed_part_each_variant_valid_with_its_figures_or_not_and_why(tmp_path):
+    record = BenchTrainRecord.from_dict({**_trained(), "amdahl": AN_AMDAHL})
+    assert isinstance(record.amdahl, Amdahl) and record.amdahl.band is None
+    torch_check, triton_check = record.amdahl.variants["torch"], record.amdahl.variants["triton"]
+    assert isinstance(torch_check, AmdahlVariant) and torch_check.predicted_speedup == 1.05
+    assert triton_check.reason == "no valid speed" and triton_check.predicted_speedup is None
+    assert record.to_dict()["amdahl"] == AN_AMDAHL  # Nones a valid check has (no band: measured_change) stay
+    unknown = {**AN_AMDAHL, "variants": {"torch": {**AN_AMDAHL["variants"]["torch"], "speed": 2.0}}}
+    path = tmp_path / "bench_train.json"
+    path.write_text(json.dumps({"schema_version": BenchTrainRecord.SCHEMA_VERSION, **_trained(), "amdahl": unknown}))
+    with pytest.raises(RecordError) as raised:
+        BenchTrainRecord.read(path)
+    line = str(raised.value)
+    assert "\n" not in line
+    assert line.startswith(f"{path}: amdahl.variants['torch']: AmdahlVariant has no 'speed' (its keys: valid, ")
+    with pytest.raises(RecordError, match=r"the bench_train record: amdahl: Amdahl has no 'f' \(its keys: op, "):
+        BenchTrainRecord.from_dict({**_trained(), "amdahl": {**AN_AMDAHL, "f": 0.1}})
+    lacking = {k: v for k, v in AN_AMDAHL["variants"]["torch"].items() if k != "sentence"}
+    with pytest.raises(RecordError, match=r"amdahl.variants\['torch'\]: AmdahlVariant lacks sentence"):
+        BenchTrainRecord.from_dict({**_trained(), "amdahl": {**AN_AMDAHL, "variants": {"torch": lacking}}})
+
+
 QUICK = ["bench.reps=3", "bench.min_time_s=0", "bench.warmup=1", "bench.max_reps=12", "shape.curve=[8,16]",
          "run.log_mlflow=false"]
+TRAIN = ["train.steps=2", "train.warmup_steps=1", "train.batch_size=2", "train.seq_len=16"]  # the interpreter's too
 
 
 def test_the_stages_records_read_back_and_write_the_same_bytes(tmp_path):
-    """kernel.json, parity.json and microbench.json as the stages write them: read through their records (each path
-    a typed entry) and written again, the same file, byte for byte (the receipt, report and replay read the same)."""
-    from posttrainllm.lab.stages import microbench as microbench_stage
+    """kernel.json, parity.json, microbench.json and bench_train.json as the stages write them: read through their
+    records (each path, each trained variant, a typed entry) and written again, the same file, byte for byte (the
+    receipt, report and replay read the same keys and values)."""
+    from posttrainllm.lab.stages import bench_train as bench_train_stage, microbench as microbench_stage
 
-    cfg = load([*SMALL[:-1], *QUICK, f"run.out_dir={tmp_path}", "run.name=p"])  # every rmsnorm path
+    cfg = load([*SMALL[:-1], *QUICK, *TRAIN, f"run.out_dir={tmp_path}", "run.name=p"])  # every rmsnorm path
     out = tmp_path / "p"
     reference_stage.run_reference(cfg, out)
     kernel_stage.run_kernel(cfg, out)
     parity_stage.run_parity(cfg, out)
     microbench_stage.run_microbench(cfg, out, {"peaks": {"gemm_flops_per_s": {"float32": 1e11},
                                                          "copy_bytes_per_s": 1e10}})
+    returned = bench_train_stage.run_bench_train(cfg, out)
     for kind, entry in ((KernelRecord, KernelPath), (ParityRecord, ParityPath), (MicrobenchRecord, MicrobenchPath)):
         text = (out / kind.FILE).read_text()
         record = kind.read(out / kind.FILE)
@@ -186,3 +281,15 @@ def test_the_stages_records_read_back_and_write_the_same_bytes(tmp_path):
         assert again.read_text() == text
     micro = MicrobenchRecord.read(out / MicrobenchRecord.FILE).paths
     assert micro["reference"].valid and micro["reference"].median_ms > 0
+    assert isinstance(micro["torch"].forward_backward, ForwardBackward)
+    assert micro["torch"].forward_backward.median_ms > 0 and micro["torch"].forward_backward.speedup_vs_reference
+    text = (out / BenchTrainRecord.FILE).read_text()
+    trained = BenchTrainRecord.read(out / BenchTrainRecord.FILE)
+    assert set(trained.impls) == {"reference", "torch", "triton"}
+    assert all(isinstance(v, TrainImpl) for v in trained.impls.values())
+    assert trained.impls["triton"].timing_valid is False and trained.impls["reference"].losses
+    trained.write(tmp_path / BenchTrainRecord.FILE)
+    assert (tmp_path / BenchTrainRecord.FILE).read_text() == text
+    assert trained.to_dict() == {"schema_version": BenchTrainRecord.SCHEMA_VERSION, **returned}
+    assert isinstance(trained.amdahl, Amdahl) and set(trained.amdahl.variants) == {"torch", "triton"}
+    assert trained.amdahl.variants["torch"].valid and not trained.amdahl.variants["triton"].valid

@@ -7,16 +7,16 @@ a ConfigError: exit 2 in a DVC stage) on a missing file, another version, or key
 
 The JSON is the stage's result as before, plus a `schema_version` key: the receipt and the views read the
 same keys. A rule is stored by its id (posttrainllm/rules.py `cite`), never as its text. Where a part's shape
-is settled it is a typed part (a Part dataclass: each path's entry, KernelPath, ParityPath, MicrobenchPath),
-read and written by the field's type (a part, a dict or list of parts, a part or None) and checked as the
-record is: a key it does not name, or one it needs that is missing, is one line naming the record and the
-entry (`paths['sdpa']`). Where a part still grows (the compile report, the curve, a timing's forward_backward,
-bench-train's impls, the trainer's figures) it is a plain dict, until it settles. Optional fields (None) are
-left out of the file, as the stages always left them out; a group of keys that come together (a timing's
-summary with its median, None included) is written with its partner (`written_with`). The files hold the
-same keys and values as when the entries were dicts; an entry's keys come in its fields' order, the order a
-passing or timed path's entry always had (tests/test_records.py reads and writes the stages' files byte for
-byte). reference.pt (tensors, torch.save) carries the version the same way.
+is settled it is a typed part (a Part dataclass: each path's entry, KernelPath, ParityPath, MicrobenchPath, its
+timings a TimingSummary; each trained variant's, TrainImpl, and its Amdahl check), read and written by the
+field's type (a part, a dict or list of parts, a part or None) and checked as the record is: a key it does not
+name, or one it needs that is missing, is one line naming the record and the entry (`paths['sdpa']`). Where a
+part still grows (the compile report, the curve, the trainer's figures) it is a plain dict, until it settles.
+Optional fields (None) are left out of the file, as the stages always left them out; a group of keys that come
+together (a timing's summary with its median, None included) is written with its partner (`written_with`). The
+files hold the same keys and values as when the entries were dicts; an entry's keys come in its fields' order,
+the order a passing or timed path's entry always had (tests/test_records.py reads and writes the stages' files
+byte for byte). reference.pt (tensors, torch.save) carries the version the same way.
 
 This module sits in track/, below the lab: the stages (lab/stages/) read through it, by attribute; the receipt
 (track/receipt.py) and replay read the same records as dicts (`to_dict`). Bump a record's SCHEMA_VERSION when a
@@ -239,13 +239,10 @@ TIMED = written_with("median_ms")  # a timed path's figures: written, None inclu
 
 
 @dataclass(kw_only=True)
-class MicrobenchPath(Part):
-    """One path's entry in microbench.json: valid and its timing (measure/timing.py Timing.summary), memory, costs
-    and roofline, or not valid and the reason (lab/stages/microbench.py run_microbench)."""
+class TimingSummary(Part):
+    """A timing's summary (measure/timing.py Timing.summary): its median and the figures written with it, or none of
+    them (not timed). A path's forward timing (MicrobenchPath) and its forward + backward (ForwardBackward) share it."""
 
-    first_call_ms: float | None = field(default=None, metadata=OPTIONAL)
-    valid: bool
-    reason: str | None = field(default=None, metadata=OPTIONAL)  # why no speed
     median_ms: float | None = field(default=None, metadata=OPTIONAL)
     p20_ms: float | None = field(default=None, metadata=TIMED)
     p80_ms: float | None = field(default=None, metadata=TIMED)
@@ -261,6 +258,36 @@ class MicrobenchPath(Part):
     run_queue_share: float | None = field(default=None, metadata=TIMED)
     reps: int | None = field(default=None, metadata=TIMED)
     timing_rule: Cited | None = field(default=None, metadata=OPTIONAL)  # rule batch_mean, where batched
+
+
+@dataclass(kw_only=True)
+class ForwardBackward(TimingSummary):
+    """A timed path's forward + backward in microbench.json: its timing, rate, roofline and speedup, or not valid
+    and why (a forward-only path); no `valid` key where it was timed (lab/stages/microbench.py run_microbench)."""
+
+    valid: bool | None = field(default=None, metadata=OPTIONAL)  # False: not timed (then only the reason)
+    reason: str | None = field(default=None, metadata=OPTIONAL)
+    gflops_per_s: float | None = field(default=None, metadata=TIMED)  # the op's training FLOPs over the median
+    roofline: dict[str, Any] | None = field(default=None, metadata=TIMED)  # None: no calibrated peak or bytes
+    speedup_vs_reference: float | None = field(default=None, metadata=OPTIONAL)
+    vs_reference: str | None = field(default=None, metadata=OPTIONAL)  # rule band
+
+
+@dataclass(kw_only=True)
+class PathVerdict(Part):
+    """What a microbench path's entry begins with: its first call's time, whether it has a speed, and why not."""
+
+    first_call_ms: float | None = field(default=None, metadata=OPTIONAL)
+    valid: bool
+    reason: str | None = field(default=None, metadata=OPTIONAL)  # why no speed
+
+
+@dataclass(kw_only=True)
+class MicrobenchPath(TimingSummary, PathVerdict):
+    """One path's entry in microbench.json: valid and its timing (a TimingSummary), memory, costs and roofline, or
+    not valid and the reason (lab/stages/microbench.py run_microbench). Its keys: PathVerdict's, then the timing's,
+    then its own (a dataclass's fields come from its last base first)."""
+
     gflops_per_s: float | None = field(default=None, metadata=TIMED)
     gbytes_per_s: float | None = field(default=None, metadata=TIMED)
     memory: dict[str, Any] | None = field(default=None, metadata=TIMED)
@@ -269,7 +296,7 @@ class MicrobenchPath(Part):
     backward: str | None = field(default=None, metadata=TIMED)
     worker_start_s: float | None = field(default=None, metadata=written_with("outside"))
     outside: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a user path's timing from outside
-    forward_backward: dict[str, Any] | None = field(default=None, metadata=TIMED)  # its timing, or valid False
+    forward_backward: ForwardBackward | None = field(default=None, metadata=TIMED)
     speedup_vs_reference: float | None = field(default=None, metadata=OPTIONAL)
     vs_reference: str | None = field(default=None, metadata=OPTIONAL)  # rule band
     evidence: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a compiled peer's graphs
@@ -359,6 +386,59 @@ class MicrobenchRecord(Record):
 
 
 @dataclass(kw_only=True)
+class TrainImpl(Part):
+    """One variant's entry in bench_train.json's impls: how the model trained with it swapped in (model/train.py
+    _Trainer.finish; its units in model/train.py's docstring)."""
+
+    losses: list[float]  # the training loss at every step it trained
+    step_ms: list[float]  # wall time of every step
+    warm_ms_per_step: float  # the median of step_ms after the warmup steps
+    step_ms_p20: float
+    step_ms_p80: float
+    noisy: bool
+    tokens_per_s: float
+    peak_mem_bytes: int | None  # None: not measured here (Triton through its interpreter, on CPU)
+    final_loss_finite: bool
+    timing_valid: bool  # False: Triton through its interpreter, the losses real, the step times not speed
+    profile: dict[str, Any] | None  # one profiled step: step_us, clock and each slot's share; None where not speed
+    moe_routing: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # an MoE model's routing
+    heldout_loss: dict[str, float] | None = field(default=None, metadata=OPTIONAL)  # steps -> held-out loss
+
+
+CHECKED = written_with("microbench_speedup")  # a variant's Amdahl figures: written with its microbench speedup
+
+
+@dataclass(kw_only=True)
+class AmdahlVariant(Part):
+    """One variant's entry in bench_train.json's amdahl: predicted against measured, or not valid and why
+    (model/amdahl.py check)."""
+
+    valid: bool
+    reason: str | None = field(default=None, metadata=OPTIONAL)  # why no valid speed
+    microbench_speedup: float | None = field(default=None, metadata=OPTIONAL)  # s, over the baseline's
+    predicted_speedup: float | None = field(default=None, metadata=CHECKED)  # Amdahl: 1/((1-f) + f/s)
+    measured_speedup: float | None = field(default=None, metadata=CHECKED)  # the baseline's warm ms/step over its own
+    measured_change: str | None = field(default=None, metadata=CHECKED)  # against the band; None: no band
+    reading: str | None = field(default=None, metadata=CHECKED)  # why measured and predicted differ ("" when agreed)
+    forward_speedup: float | None = field(default=None, metadata=CHECKED)
+    in_model_op_speedup: float | None = field(default=None, metadata=CHECKED)  # the op's own time inside the model
+    sentence: str | None = field(default=None, metadata=CHECKED)
+
+
+@dataclass(kw_only=True)
+class Amdahl(Part):
+    """bench_train.json's amdahl: the op's share f of the baseline's step and, per variant, the end-to-end speedup
+    Amdahl's law predicts from its microbench speedup against the one measured (model/amdahl.py check)."""
+
+    op: str  # the model slot the op fills, whose profiled share f is
+    fraction: float | None  # f; None: the slot was not profiled
+    baseline: str
+    speedup_used: str  # which microbench speedup s is, in words
+    band: float | None  # the baseline's run-to-run band (noise.band); None: not speed
+    variants: dict[str, AmdahlVariant]  # every trained variant but the baseline
+
+
+@dataclass(kw_only=True)
 class BenchTrainRecord(Record):
     """bench_train.json: the model trained with each path swapped in (lab/stages/bench_train.py). The trainer's
     own figures (model/train.py bench_train: losses, timings, config, ...) are still growing: `trainer` holds
@@ -369,13 +449,13 @@ class BenchTrainRecord(Record):
     STAGE: ClassVar[str] = "bench_train"
     REST: ClassVar[str | None] = "trainer"
 
-    impls: dict[str, dict[str, Any]]
+    impls: dict[str, TrainImpl]  # per variant, the baseline first
     skipped: dict[str, str]
     drift: dict[str, float]
     drift_verdict: dict[str, str]
     drift_limit: float | None = field(default=None, metadata=OPTIONAL)
     not_trained: str | None = field(default=None, metadata=OPTIONAL)  # the op has no model hook: why
-    amdahl: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    amdahl: Amdahl | None = field(default=None, metadata=OPTIONAL)
     quality: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # a quantized precision's gate
     user_paths: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
     model_problem: str | None = field(default=None, metadata=OPTIONAL)  # what the op's hook put into the model

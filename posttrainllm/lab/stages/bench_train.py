@@ -103,11 +103,12 @@ def run_bench_train(cfg: LabConfig, out: Path, *, quality_base: Path | None = No
     result["amdahl"] = amdahl.check(result, MicrobenchRecord.read(out / MicrobenchRecord.FILE).to_dict(),
                                     profiled_range=op.model_hook.slot, model_problem=model_problem)
     result["model_problem"] = model_problem
-    BenchTrainRecord.from_dict(result).write(out / BenchTrainRecord.FILE)
+    record = BenchTrainRecord.from_dict(result)
+    record.write(out / BenchTrainRecord.FILE)
     broken = [f"loss drift of {name} exceeds train_loss_drift={limit:g}"
-              for name, verdict in result["drift_verdict"].items() if verdict != "pass"]
+              for name, verdict in record.drift_verdict.items() if verdict != "pass"]
     broken += [f"quality of {name}: {'; '.join(q['failed'])}"
-               for name, q in (result.get("quality") or {}).get("variants", {}).items() if q["verdict"] != "pass"]
+               for name, q in (record.quality or {}).get("variants", {}).items() if q["verdict"] != "pass"]
     if broken:
         raise ContractBroken(", ".join(broken))
     return result

@@ -27,7 +27,7 @@ from posttrainllm.ops.registry import op_for  # the point's op: a built-in, or o
 from posttrainllm.lab.runner import closed_after  # a stage's workers end with it
 from posttrainllm.ops.base import point_dtype as _dtype
 from posttrainllm.track.provenance import git_revision
-from posttrainllm.track.records import MicrobenchPath, MicrobenchRecord
+from posttrainllm.track.records import ForwardBackward, MicrobenchPath, MicrobenchRecord
 from posttrainllm.lab.stages.common import (FAILED_PARITY, INTERPRETER_NOT_SPEED, check_path, runs_interpreted, to_cpu,
                                             backward_note, parity_paths, passed_parity, refusals,
                                             on_same_cpus, timing_cpus, worst_gradient_baseline)
@@ -261,10 +261,11 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
                 roofline=place(mine_costs.flops, mine_costs.bytes, seconds, mine_costs.live_bytes),
                 backward=impl.backward, **timed.entry,
                 forward_backward=(
-                    {"valid": False, "reason": backward_note(impl)} if train is None else
-                    {**train.summary(), "gflops_per_s": costs.train_flops / (train.median_ms / 1e3) / 1e9,
-                     "roofline": place(mine_costs.train_flops, mine_costs.train_bytes, train.median_ms / 1e3,
-                                       mine_costs.live_bytes) if mine_costs.train_bytes else None}),
+                    ForwardBackward(valid=False, reason=backward_note(impl)) if train is None else
+                    ForwardBackward(**train.summary(), gflops_per_s=costs.train_flops / (train.median_ms / 1e3) / 1e9,
+                                    roofline=place(mine_costs.train_flops, mine_costs.train_bytes,
+                                                   train.median_ms / 1e3, mine_costs.live_bytes)
+                                    if mine_costs.train_bytes else None)),
             )
             report["paths"][name] = entry
             above = (entry.roofline or {}).get("above_roof")
@@ -288,8 +289,8 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
         entry.speedup_vs_reference = ref_forward.median_ms / forward.median_ms
         entry.vs_reference = compare(forward, ref_forward)
         if train is not None:
-            entry.forward_backward["speedup_vs_reference"] = ref_train.median_ms / train.median_ms
-            entry.forward_backward["vs_reference"] = compare(train, ref_train)
+            entry.forward_backward.speedup_vs_reference = ref_train.median_ms / train.median_ms
+            entry.forward_backward.vs_reference = compare(train, ref_train)
     timed = list(timings)
     if op.describe is not None:  # what the op measures of its own case beyond time (MoE: the routing's histogram)
         report["describe"] = op.describe(case, inputs, cfg, measure)
