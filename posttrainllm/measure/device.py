@@ -67,10 +67,14 @@ def current_cpu() -> int | None:
         return None
 
 
+def _threads_of(pid: int) -> list[int]:
+    """The thread ids of process `pid` (its main one and any pool's), from /proc; just `pid` where there is none."""
+    return [int(t) for t in os.listdir(f"/proc/{pid}/task")] if os.path.isdir(f"/proc/{pid}/task") else [pid]
+
+
 def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of process `pid` (its main one and any pool's) allowed only `cpus`."""
-    tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")] if os.path.isdir(f"/proc/{pid}/task") else [pid]
-    for task in tasks:
+    """Every thread of process `pid` allowed only `cpus`."""
+    for task in _threads_of(pid):
         try:
             os.sched_setaffinity(task, cpus)
         except ProcessLookupError:  # a thread that ended meanwhile
@@ -79,9 +83,8 @@ def pin(pid: int, cpus: set[int]) -> None:
 
 def affinities(pid: int) -> set[frozenset[int]]:
     """The CPU sets the threads of process `pid` are allowed (one set where all agree)."""
-    tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")] if os.path.isdir(f"/proc/{pid}/task") else [pid]
     found = set()
-    for task in tasks:
+    for task in _threads_of(pid):
         try:
             found.add(frozenset(os.sched_getaffinity(task)))
         except ProcessLookupError:
@@ -92,10 +95,9 @@ def affinities(pid: int) -> set[frozenset[int]]:
 @contextlib.contextmanager
 def same_cpus(threads: int) -> Iterator[set[int] | None]:
     """Rule same_cpus: a timed stage runs on `threads` CPUs fixed for its whole length, the one it is on first
-    (then the lowest others it may use), and restored after. A virtual machine's CPUs need not run at one speed:
-    measured on the 2-core development machine, one ran a 256x256 matmul at 0.75x the other's time for a minute,
-    then both alike (docs/timing.md, "Fifth pass"), so two paths timed on different CPUs compare the CPUs. The
-    workers of user paths are pinned to the same set (lab/isolation/outside.py). Nothing is pinned where
+    (then the lowest others it may use), and restored after. A virtual machine's CPUs need not run at one speed
+    (docs/timing.md, "Fifth pass", benchmarks/cpu_speeds.py), so two paths timed on different CPUs would compare
+    the CPUs. The workers of user paths are pinned to the same set (lab/isolation/outside.py). Nothing is pinned where
     `threads` is 0 (torch's default: every CPU) or covers every CPU the process may use, or off Linux."""
     if not hasattr(os, "sched_setaffinity"):
         yield None
