@@ -118,7 +118,7 @@ RULES: dict[str, Rule] = {
         parts=("outside_null", "outside_run_queue", "outside_unreadable")),
     "outside_null": Rule(
         "after each batch the lab times the same request calling nothing: the same batch loop, line for line, each "
-        "call replaced by its kept result (the clock, the checks of the result, the copies of rule outside_keep) and "
+        "call replaced by its kept result (the clock, the copies of rule outside_keep, the checks after the calls) and "
         "the checksums over that batch's outputs, once in the path's worker and once in a clean twin (a worker forked alike that never "
         "loaded a path), handed the same outputs; the smaller is the batch's null: a null the path's own process "
         "slows (a thread or a process that works only while nothing is called) is not subtracted",
@@ -180,7 +180,9 @@ RULES: dict[str, Rule] = {
         "attention tiny, on the thread's CPU clock); the null copies the kept results once more, so the copies are "
         "no part of a sample; on the CPU no set's inputs are read before its call (CUDA: the L2 is flushed, as "
         "measure() flushes it): reading them there was work in the span its null, run on warmer caches, did not "
-        "take out",
+        "take out; nothing else runs between two calls: the checks of the calls (the thread count, the CPUs, a "
+        "tensor subclass returned) run after the last one, since a step between calls runs 2-3x slower after a "
+        "call than in the null's back-to-back loop (69 us a call against the null's 27, attention tiny)",
         "lab/isolation/worker.py (the worker's batch: keep, null)"),
     "outside_thread": Rule(
         "at one lab thread (bench.threads=1, as torch runs its own work on the calling thread), the worker's "

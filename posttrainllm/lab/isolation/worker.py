@@ -729,13 +729,6 @@ def remote(user: Any) -> Callable[..., Any]:
 # --- the worker's side ---------------------------------------------------------------------------------------
 
 
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    """The tensors of a call's result (a tensor, or tuples and lists of them)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    return [t for o in obj for t in _tensors_in(o)] if isinstance(obj, (tuple, list)) else []
-
-
 def _encode(obj: Any, outputs: list[torch.Tensor]) -> dict[str, Any]:
     if isinstance(obj, torch.Tensor):
         outputs.append(obj)
@@ -950,7 +943,7 @@ class _Server:
         self.last_kept: list[dict[str, Any]] = []  # the last batch's answers, kept (rule outside_keep)
         self.buffers: list[list[torch.Tensor | None]] = []  # rule outside_keep: per set of the placed batch
         self.layout: list[tuple[Any, Any, Any]] = []  # the shapes of a set's outputs and gradients, last seen
-        self.scratch: dict[tuple[Any, ...], torch.Tensor] = {}  # rule outside_keep in the null: (set, output, ...)
+        self.scratch: list[list[torch.Tensor | None]] = []  # rule outside_keep in the null: per set, per output
         self.last_tensors: list[list[torch.Tensor]] = []
         self.last_backward = False
         self.last_sets: list[tuple[list[torch.Tensor], list[Any], dict[str, Any]]] = []
@@ -1035,29 +1028,40 @@ class _Server:
             _reserve(2 * sum(t.numel() * t.element_size() for t in placed if t.device.type == "cpu") + RESERVE_EXTRA)
         return {}
 
-    def _keep(self, i: int, result: Any, grads: list[Any], null: bool = False) -> dict[str, Any]:
+    def _keep(self, i: int, result: Any, grads: list[Any], null: bool, odd: set[str]) -> dict[str, Any]:
         """Rule outside_keep: a call's outputs and gradients copied into the buffers `put` made for set i (any
         other made now), after its clock; the caller then drops the call's own, so the next call allocates where this one
         did, as in the lab's in-process loop, which frees each result before the next call. The set's answer.
         null: the same copies into scratch buffers, one per set and output as the kept ones are (made once; one
         shared buffer stays in cache where N distinct ones do not: docs/timing.md, "Fourth pass"), the kept
-        answers left as they are."""
-        outputs: list[torch.Tensor] = []
-        skeleton = _encode(result, outputs)
-        slots = self.buffers[i] if i < len(self.buffers) and not null else []
-        copies = []
-        with torch.no_grad():
-            for j, t in enumerate([*outputs, *grads]):
+        answers left as they are. A returned tensor subclass is named in `odd` (it can compute when read).
+        As few steps as the copies allow: it runs between two timed calls."""
+        if type(result) is torch.Tensor:  # the common answer: one tensor, no skeleton to walk
+            outputs, skeleton = [result], {"kind": "tensor", "index": 0}
+        else:
+            outputs = []
+            skeleton = _encode(result, outputs)
+        if null:
+            while len(self.scratch) <= i:
+                self.scratch.append([])
+            slots = self.scratch[i]
+        else:
+            slots = self.buffers[i] if i < len(self.buffers) else []
+        copies: list[torch.Tensor | None] = []
+        for j, t in enumerate(outputs + grads):
+            if type(t) is not torch.Tensor:
                 if not isinstance(t, torch.Tensor):
                     copies.append(None)
                     continue
-                key = (i, j, tuple(t.shape), t.dtype, t.device)  # per set, as the kept buffers are
-                buffer = slots[j] if j < len(slots) else self.scratch.get(key) if null else None
-                if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype or buffer.device != t.device:
-                    buffer = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-                    if null:
-                        self.scratch[key] = buffer
-                copies.append(buffer.copy_(t.detach()))
+                if not isinstance(t, torch.nn.Parameter):
+                    odd.add(type(t).__name__)
+            buffer = slots[j] if j < len(slots) else None
+            if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype or buffer.device != t.device:
+                buffer = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                if null:
+                    slots.extend([None] * (j + 1 - len(slots)))
+                    slots[j] = buffer
+            copies.append(buffer.copy_(t.detach()))
         if i == 0 and not null:  # the next batch's buffers are made like these
             self.layout = [(tuple(c.shape), c.dtype, c.device) if c is not None else (None, None, None)
                            for c in copies]
@@ -1067,48 +1071,53 @@ class _Server:
         """Compute every set of a batch, each call on the worker's clock; answer with the times and a checksum of
         every output (read before answering: a result still being written after it differs when fetched).
         With "null": the same loop, line for line, over the last batch's sets, its calls replaced by the last
-        batch's results (their kept copies): every step around a call (the clock, the checks of its result, the
-        copies of rule outside_keep) and the checksums, the overhead the lab subtracts from its span (rule
-        outside_null)."""
+        batch's results (their kept copies): every step around a call (the clock, the copies of rule outside_keep)
+        and the checksums, the overhead the lab subtracts from its span (rule outside_null).
+        Rule outside_keep: between two calls only what a call's result needs (its copy out, its gradients reset);
+        every check of the calls runs after the last one. A step between calls runs 2-3x slower after a call than
+        in the null's back-to-back loop, so each step there charges the path time its null does not take out."""
         null = m.get("null", False)
         _patch_interpreter()  # before the clock
         batch = None if null else self.batches.pop(m["key"])
         backward = (batch["grad_outs"] is not None) if batch else self.last_backward
         sets = batch["sets"] if batch else [(t, (), {}) for t in self.last_tensors]
+        grad_outs = batch["grad_outs"] if batch else None
+        cuda = any(t.is_cuda for tensors, _, _ in sets for t in tensors)
+        fn, stored = self.fn, self.last_kept
         samples, kept = [], []
-        tampered: set[str] = set()
+        odd: set[str] = set()
+        cpus, threads = _cpus(), self.state.get("threads", torch.get_num_threads())  # rule same_cpus: as pinned
         _wake()  # null or not: the same, so the lab's null takes it out of the span
-        cpus = _cpus()  # rule same_cpus: as the lab pinned this worker, checked after each call
-        for i, (tensors, args, kwargs) in enumerate(sets):
-            for t in tensors:
-                t.grad = None
-            _prime(tensors)  # null or not: CUDA's L2 flushed as measure() flushes it (rule outside_null)
-            stored = self.last_kept[i] if null else None
-            with torch.set_grad_enabled(backward and not null):
-                _sync(tensors)
+        with torch.set_grad_enabled(backward and not null):
+            for i, (tensors, args, kwargs) in enumerate(sets):
+                if cuda:
+                    _prime(tensors)  # null or not: the L2 flushed as measure() flushes it (rule outside_null)
+                    torch.cuda.synchronize()
                 start = _clock()
                 if null:
-                    result = rebuild_result(stored["result"], stored["outputs"])
+                    result = rebuild_result(stored[i]["result"], stored[i]["outputs"])
                 else:
-                    result = self.fn(*args, **kwargs)
+                    result = fn(*args, **kwargs)
                     if backward:
-                        _backward(result, batch["grad_outs"][i])
-                _sync(tensors)
+                        _backward(result, grad_outs[i])
+                if cuda:
+                    torch.cuda.synchronize()
                 samples.append(_clock() - start)
-            if torch.get_num_threads() != self.state.get("threads", torch.get_num_threads()):
-                tampered.add(f"threads {self.state['threads']} -> {torch.get_num_threads()} in a call")
-            if _cpus() != cpus:
-                tampered.add(f"moved to CPUs {_cpus()} from {cpus} in a call (rule same_cpus)")
-            # a tensor subclass can compute when read, after the per-call clock: not a timed result
-            tampered.update(f"returned a {type(t).__name__} (a torch.Tensor subclass: it can compute when read, "
-                            "after the clock)" for t in _tensors_in(result) if type(t) is not torch.Tensor
-                            and not isinstance(t, torch.nn.Parameter))
-            grads = (stored["grads"] if null else [t.grad for t in tensors]) if backward else []
-            answer = self._keep(i, result, grads, null=null)
-            kept.append(stored if null else answer)
-            result = None  # the call's own outputs (and its graph) freed before the next call, as in-process
-            for t in tensors:
-                t.grad = None
+                grads = (stored[i]["grads"] if null else [t.grad for t in tensors]) if backward else []
+                answer = self._keep(i, result, grads, null, odd)
+                kept.append(stored[i] if null else answer)
+                result = grads = answer = None  # the call's own outputs (and its graph) freed before the next call
+                if backward:
+                    for t in tensors:
+                        t.grad = None
+        tampered: set[str] = set()
+        if torch.get_num_threads() != threads:
+            tampered.add(f"threads {threads} -> {torch.get_num_threads()} in a call")
+        if _cpus() != cpus:
+            tampered.add(f"moved to CPUs {_cpus()} from {cpus} in a call (rule same_cpus)")
+        # a tensor subclass can compute when read, after the per-call clock: not a timed result
+        tampered.update(f"returned a {name} (a torch.Tensor subclass: it can compute when read, after the clock)"
+                        for name in odd)
         if not null:
             self.last_kept, self.last_backward, self.last_sets, self.buffers = kept, backward, sets, []
             self.last_tensors = [tensors for tensors, _, _ in sets]
