@@ -432,7 +432,7 @@ class BenchConfig:
     warmup: int = 3
     reps: int = 10
     min_time_s: float = 0.2
-    max_reps: int = 200
+    max_reps: int = 320  # conf/config.yaml: why 320
     threads: int = 0
     # The curve times forward + backward too at each size (curve.csv's mode column); off by default: the
     # point's own shape is always timed both ways, and the CPU sweep stays quick
