@@ -15,8 +15,8 @@ backward; 1.00 is fair, above 1 the outside path reads slower); the same path's 
 timed in-process, against the peer (what the copy itself costs, not the method); the path from outside against
 that same math in process (the method alone, the copy's own cost out); and what is left per call: the
 batch's null over N, the lab's sample beyond the worker's own per-call clock, the share of the spans waited on a
-run queue (subtracted), the unreadable batches and the worker's minor page faults per call. Figures recorded in
-docs/timing.md.
+run queue (subtracted), the unreadable batches, the worker's minor page faults per call, and how much slower a
+batch's first calls ran than the rest (the worker's own clock). Figures recorded in docs/timing.md.
 """
 
 import dataclasses
@@ -111,7 +111,7 @@ for r in range(rounds):
             readable = rep["batches"] * rep["batch_size"]
             left.append((rep["null_batch_ms"] / rep["batch_size"], rep.get("worker_over_lab"),
                          (rep["lab_total_ms"] - rep["worker_total_ms"]) / readable, rep.get("faults_per_call"),
-                         rep["run_queue_share"], rep.get("unreadable_batches", 0)))
+                         rep["run_queue_share"], rep.get("unreadable_batches", 0), rep.get("first_calls_over_rest")))
             line.append(f"{user}/{peer} {mode} {timed.timing.median_ms:.3f}/{peer_ms:.3f} ms = {ratio:.2f}x"
                         f"{' (peer moved %.2f->%.3f)' % (before, after) if flipped else ''} (N {rep['batch_size']})")
     workers.close_all()
@@ -132,4 +132,5 @@ if left:
     print(f"per call: null / N median {med(0) * 1e3:.1f} us (subtracted); worker's own per-call sum / lab's samples "
           f"median {med(1):.3f}; left in the lab's sample beyond the worker's own per-call clock median "
           f"{med(2) * 1e3:.1f} us; run-queue share of the spans (subtracted) median {med(4):.3f}; unreadable batches "
-          f"{sum(x[5] for x in left)}; the worker's minor page faults per call median {med(3):.2f} (rule outside_heap)")
+          f"{sum(x[5] for x in left)}; the worker's minor page faults per call median {med(3):.2f} (rule outside_heap); "
+          f"a batch's first {outside.COLD_CALLS} calls over the rest, by the worker's clock, median {med(6):.3f}")

@@ -57,6 +57,7 @@ SET_SEED = 7_919  # set k of a path's timing draws its inputs from a base seed d
 SEED_OFFSET = 2 * 104_729  # the memory call's set: away from the parity cases' seeds and stages.FRESH_SEED
 UNREADABLE_MAX = 3 * BATCHES_MIN  # rule outside_unreadable
 OTHER_THREADS_SHARE = 0.02  # rule outside_run_queue: the worker's other threads may run this share of a span
+COLD_CALLS = 5  # a batch's first calls, recorded against the rest: they start cold (docs/timing.md, "Sixth pass")
 IDLE_CPU_S = 0.05  # rule outside_process: CPU seconds a path's children may use over its timing (startup, a pool)
 FORWARD, FORWARD_BACKWARD = "forward", "forward_backward"
 
@@ -388,6 +389,7 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
         worker_s: list[float] = []
         faults: list[float] = []  # rule outside_heap: the worker's minor page faults per call in each span
         waits: list[float] = []  # rule outside_run_queue: the share of each span waited on a run queue (subtracted)
+        starts: list[float] = []  # each batch's first COLD_CALLS calls over the rest, by the worker's own clock
         spent, calls, unreadable = 0.0, 0, 0
         while len(samples) < BATCHES_MIN or (calls + n <= settings["max_reps"] and (
                 calls < settings["reps"] or spent < settings["min_time_s"])):
@@ -414,6 +416,9 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
             worker_s.append(sum(answer["samples_s"]))
             faults.append(answer["faults"] / n if answer["faults"] is not None else math.nan)
             waits.append(answer["waited_s"] / answer["span_s"] if answer["span_s"] > 0 else 0.0)
+            own = answer["samples_s"]
+            if len(own) > 2 * COLD_CALLS and statistics.median(own[COLD_CALLS:]) > 0:
+                starts.append(statistics.fmean(own[:COLD_CALLS]) / statistics.median(own[COLD_CALLS:]))
         threads = answer["threads"]
         refused = (_refill_check(op, cfg, impl, worker, draw(1)[0], backward)
                    or _strays(worker, before, spans_s=spent + warm_spent)[0] or _moved(worker, cpus))
@@ -432,6 +437,7 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
                   worker_over_lab=sum(worker_s) / lab_s if lab_s > 0 else None,
                   faults_per_call=statistics.median(faults), heap_kept=worker.heap_kept,
                   run_queue_share=statistics.median(waits),
+                  first_calls_over_rest=statistics.median(starts) if starts else None,
                   # after the timing: replay checks them
                   timing_seeds={"base": base, "rule": rules.cite("timing_seed")})
     # rule batch_mean's statistic, its batches timed from outside
