@@ -1061,7 +1061,7 @@ class _Server:
                 if null:
                     slots.extend([None] * (j + 1 - len(slots)))
                     slots[j] = buffer
-            copies.append(buffer.copy_(t.detach()))
+            copies.append(buffer.copy_(t.detach() if t.requires_grad else t))  # no graph kept; no op more
         if i == 0 and not null:  # the next batch's buffers are made like these
             self.layout = [(tuple(c.shape), c.dtype, c.device) if c is not None else (None, None, None)
                            for c in copies]
