@@ -67,6 +67,11 @@ def current_cpu() -> int | None:
         return None
 
 
+def own_cpus() -> list[int] | None:
+    """The CPUs this process may run on now, sorted (rule same_cpus: a timed stage's, pinned); None off Linux."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 def _threads_of(pid: int) -> list[int]:
     """The thread ids of process `pid` (its main one and any pool's), from /proc; just `pid` where there is none."""
     return [int(t) for t in os.listdir(f"/proc/{pid}/task")] if os.path.isdir(f"/proc/{pid}/task") else [pid]

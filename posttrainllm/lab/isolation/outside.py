@@ -448,9 +448,10 @@ def time_user_path(op: OpDef, cfg: Any, case: Case, impl: Impl, mode: str, devic
 def _pin_workers(worker: Any) -> set[int] | None:
     """Rule same_cpus: the path's worker and the clean twin pinned to the CPUs this lab process may run on now (a
     timed stage's, pinned: lab/stages/common.py on_same_cpus), every thread of each; those CPUs (None off Linux)."""
-    if not hasattr(os, "sched_getaffinity"):
+    own = devices.own_cpus()
+    if own is None:
         return None
-    cpus = set(os.sched_getaffinity(0))
+    cpus = set(own)
     for process in (worker, workers.twin()):
         devices.pin(process.pid, cpus)
     return cpus

@@ -835,11 +835,6 @@ def _reserve(nbytes: int) -> None:
     del pieces
 
 
-def _cpus() -> list[int] | None:
-    """The CPUs this worker may run on (rule same_cpus: the lab's timing CPUs, set from the lab's side)."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-
-
 def _sync(tensors: list[torch.Tensor]) -> None:
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()
@@ -1086,7 +1081,7 @@ class _Server:
         fn, stored = self.fn, self.last_kept
         samples, kept = [], []
         odd: set[str] = set()
-        cpus, threads = _cpus(), self.state.get("threads", torch.get_num_threads())  # rule same_cpus: as pinned
+        cpus, threads = devices.own_cpus(), self.state.get("threads", torch.get_num_threads())  # rule same_cpus: as pinned
         _wake()  # null or not: the same, so the lab's null takes it out of the span
         with torch.set_grad_enabled(backward and not null):
             for i, (tensors, args, kwargs) in enumerate(sets):
@@ -1113,8 +1108,8 @@ class _Server:
         tampered: set[str] = set()
         if torch.get_num_threads() != threads:
             tampered.add(f"threads {threads} -> {torch.get_num_threads()} in a call")
-        if _cpus() != cpus:
-            tampered.add(f"moved to CPUs {_cpus()} from {cpus} in a call (rule same_cpus)")
+        if devices.own_cpus() != cpus:
+            tampered.add(f"moved to CPUs {devices.own_cpus()} from {cpus} in a call (rule same_cpus)")
         # a tensor subclass can compute when read, after the per-call clock: not a timed result
         tampered.update(f"returned a {name} (a torch.Tensor subclass: it can compute when read, after the clock)"
                         for name in odd)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -36,11 +35,6 @@ def on_same_cpus(stage: F) -> F:
             return stage(cfg, *args, **kwargs)
 
     return pinned  # type: ignore[return-value]
-
-
-def timing_cpus() -> list[int] | None:
-    """The CPUs this process may run on now (rule same_cpus: a timed stage's, pinned), as its record holds them."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
 INTERPRETER_NOT_SPEED = "Triton ran through its interpreter (TRITON_INTERPRET=1): a correctness run, not kernel speed"

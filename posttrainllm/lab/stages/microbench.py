@@ -30,7 +30,7 @@ from posttrainllm.track.provenance import git_revision
 from posttrainllm.track.records import ForwardBackward, MicrobenchPath, MicrobenchRecord
 from posttrainllm.lab.stages.common import (FAILED_PARITY, INTERPRETER_NOT_SPEED, check_path, runs_interpreted, to_cpu,
                                             backward_note, parity_paths, passed_parity, refusals,
-                                            on_same_cpus, timing_cpus, worst_gradient_baseline)
+                                            on_same_cpus, worst_gradient_baseline)
 
 
 def compare(a: Timing | dict[str, Any], b: Timing | dict[str, Any]) -> str:
@@ -199,7 +199,7 @@ def run_microbench(cfg: LabConfig, out: Path, calibration: dict[str, Any],
     report["impossible_rule"] = rules.cite("impossible", fraction=bench.impossible_below)
     report["rotation_rule"] = rules.cite("rotation", n=len(sets), seed_step=rooms.INPUT_SET_SEED)
     report["state_rule"] = rules.cite("torch_state")
-    report["cpus"], report["cpus_rule"] = timing_cpus(), rules.cite("same_cpus")
+    report["cpus"], report["cpus_rule"] = devices.own_cpus(), rules.cite("same_cpus")
     report["calibration"] = {"sha256": calibration.get("sha256"), "problem": calibration_problem}
     report["above_roof_rule"] = rules.cite("above_roof")
     cache_bytes = devices.last_level_cache_bytes(device)
